@@ -1,0 +1,35 @@
+"""Benchmarks shipped as product commands: ``contextkit bench <name> [--json]``.
+
+Each benchmark is a module in this package exposing ``HELP`` (one line),
+``add_arguments(parser)`` and ``run(args) -> dict``. ``run`` prints a human table
+through :func:`contextkit.bench._common.print_table` and returns the JSON-able result;
+the CLI prints that result as the last stdout line when ``--json`` is given.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__all__ = ["BENCHMARKS", "load"]
+
+#: benchmark name -> module path. Adding a benchmark is one line here.
+BENCHMARKS: dict[str, str] = {
+    "quant": "contextkit.bench.quant",
+    "tiers": "contextkit.bench.tiers",
+    "kernel": "contextkit.bench.kernel",
+}
+
+
+def load(name: str) -> ModuleType:
+    """Import the module of benchmark ``name``.
+
+    Raises:
+        KeyError: for an unknown name (the message lists the known ones).
+    """
+    try:
+        path = BENCHMARKS[name]
+    except KeyError:
+        known = ", ".join(sorted(BENCHMARKS))
+        raise KeyError(f"unknown benchmark {name!r}; choose one of: {known}") from None
+    return importlib.import_module(path)

@@ -1,0 +1,72 @@
+"""Shared helpers for benchmarks: timing, tables, machine description."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["machine_info", "median_seconds", "print_table", "sync"]
+
+
+def sync(device: torch.device | str | None = None) -> None:
+    """Wait for queued device work so wall-clock timings are real."""
+    dev = torch.device(device) if device is not None else None
+    if torch.cuda.is_available() and (dev is None or dev.type == "cuda"):
+        torch.cuda.synchronize()
+
+
+def median_seconds(
+    fn: Callable[[], Any],
+    repeats: int = 5,
+    warmup: int = 1,
+    device: torch.device | str | None = None,
+) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine_info() -> dict[str, Any]:
+    """What the figures were measured on."""
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+    }
+    if torch.cuda.is_available():
+        info["device_name"] = torch.cuda.get_device_name(0)
+    else:
+        info["device_name"] = "cpu"
+    return info
+
+
+def print_table(title: str, rows: Sequence[tuple[str, Any]]) -> None:
+    """Print a two-column table to stdout (benchmarks are CLI output, not library code)."""
+    width = max((len(k) for k, _ in rows), default=0)
+    out = sys.stdout
+    out.write(f"\n{title}\n{'-' * len(title)}\n")
+    for key, value in rows:
+        if isinstance(value, float):
+            text = f"{value:,.4f}" if abs(value) < 100 else f"{value:,.1f}"
+        else:
+            text = str(value)
+        out.write(f"{key.ljust(width)}  {text}\n")
+    out.flush()

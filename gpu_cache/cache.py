@@ -1,0 +1,615 @@
+"""TQGPUCache: a 5D TQ4 block cache with a device tier and a pinned host tier.
+
+Layout (both tiers, same bytes)::
+
+    k_packed, v_packed : uint8   [num_layers, num_blocks, block_size, num_kv_heads, head_dim/2]
+    k_norms,  v_norms  : float32 [num_layers, num_blocks, block_size, num_kv_heads]
+
+Because the block axis sits right after the layer axis, moving a set of blocks
+between tiers is one strided copy per tensor across all layers: 4 copies per move
+whatever the layer count. Blocks have stable ids; a block's slot changes when it
+moves tiers. Running out of room returns ``None``; broken contracts raise.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from gpu_cache._errors import BlockStateError, CodecInputError
+from gpu_cache.codec import TQ4Codec
+from gpu_cache.hashing import BlockHash, hash_token_blocks
+from gpu_cache.identity import CacheIdentity
+from gpu_cache.metadata import (
+    EVICTION_POLICIES,
+    PINNED_PRIORITY,
+    BlockMeta,
+    BlockMetadataTable,
+    Tier,
+)
+
+__all__ = ["TENSOR_NAMES", "CacheConfig", "LayerView", "MoveStats", "TQGPUCache", "TierStorage"]
+
+logger = logging.getLogger(__name__)
+
+#: The four tensors of a tier, in the order moves and shadows handle them.
+TENSOR_NAMES = ("k_packed", "k_norms", "v_packed", "v_norms")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Sizes and placement of a :class:`TQGPUCache`.
+
+    Args:
+        num_device_blocks: blocks in the device ("VRAM") tier.
+        num_host_blocks: blocks in the host ("DDR") tier.
+        device: accelerator device; ``None`` picks CUDA when present, else CPU.
+        pin_host_memory: pin the host tier; ``None`` pins when CUDA is present
+            (pinning needs a CUDA driver; without one host memory stays pageable).
+        eviction_policy: key of :data:`gpu_cache.metadata.EVICTION_POLICIES`.
+        default_priority: eviction priority of source layers without an entry.
+    """
+
+    num_device_blocks: int
+    num_host_blocks: int
+    device: str | None = None
+    pin_host_memory: bool | None = None
+    eviction_policy: str = "semantic"
+    default_priority: int = 50
+
+    def __post_init__(self) -> None:
+        if self.num_device_blocks < 1 or self.num_host_blocks < 0:
+            raise ValueError(
+                "num_device_blocks must be >= 1 and num_host_blocks >= 0, got "
+                f"{self.num_device_blocks} and {self.num_host_blocks}"
+            )
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}, "
+                             f"got {self.eviction_policy!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerView:
+    """One layer of one tier: views ``[num_blocks, block_size, heads, ...]``."""
+
+    k_packed: torch.Tensor
+    k_norms: torch.Tensor
+    v_packed: torch.Tensor
+    v_norms: torch.Tensor
+
+
+class TierStorage:
+    """The four tensors of a tier plus its free-slot map."""
+
+    def __init__(self, identity: CacheIdentity, num_blocks: int, device: torch.device,
+                 pin: bool) -> None:
+        shape = (identity.num_layers, num_blocks, identity.block_size, identity.num_kv_heads)
+        packed_dim = identity.head_dim // 2
+        opts = {"device": device, "pin_memory": pin} if pin else {"device": device}
+        self.k_packed = torch.zeros((*shape, packed_dim), dtype=torch.uint8, **opts)
+        self.v_packed = torch.zeros((*shape, packed_dim), dtype=torch.uint8, **opts)
+        self.k_norms = torch.zeros(shape, dtype=torch.float32, **opts)
+        self.v_norms = torch.zeros(shape, dtype=torch.float32, **opts)
+        self.num_blocks = num_blocks
+        self.device = device
+        self.pinned = pin
+        self.free = np.ones(num_blocks, dtype=bool)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.k_packed, self.k_norms, self.v_packed, self.v_norms)
+
+    @property
+    def num_free(self) -> int:
+        return int(self.free.sum())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def take(self, n: int) -> np.ndarray | None:
+        """Reserve ``n`` free slots, one contiguous run when there is one."""
+        idx = np.flatnonzero(self.free)
+        if idx.size < n:
+            return None
+        chosen = idx[:n]
+        if n > 1:
+            spans = idx[n - 1:] - idx[: idx.size - n + 1]
+            runs = np.flatnonzero(spans == n - 1)
+            if runs.size:
+                chosen = idx[runs[0]: runs[0] + n]
+        self.free[chosen] = False
+        return chosen
+
+    def give_back(self, slots: Iterable[int]) -> None:
+        arr = np.fromiter(slots, dtype=np.int64)
+        if arr.size and self.free[arr].any():
+            raise BlockStateError(f"slots {arr[self.free[arr]].tolist()} are already free")
+        self.free[arr] = True
+
+
+@dataclass(slots=True)
+class MoveStats:
+    """Counters of tier moves since the cache was created."""
+
+    warms: int = 0
+    spills: int = 0
+    removes: int = 0
+    evictions: int = 0
+    blocks_warmed: int = 0
+    blocks_spilled: int = 0
+    bytes_moved: int = 0
+    copies: int = 0
+    last_move_copies: int = 0
+    history: list[str] = field(default_factory=list)
+
+
+def _run(slots: np.ndarray) -> tuple[int, int] | None:
+    """``(start, stop)`` when ``slots`` is one ascending contiguous run."""
+    if slots.size == 0:
+        return None
+    start = int(slots[0])
+    if int(slots[-1]) - start + 1 == slots.size and (slots.size == 1 or
+                                                      bool(np.all(np.diff(slots) == 1))):
+        return start, start + slots.size
+    return None
+
+
+class TQGPUCache:
+    """Tiered TQ4 KV block cache with semantic metadata.
+
+    Args:
+        identity: model and codec identity; salts every block key.
+        config: tier sizes, placement and eviction policy.
+    """
+
+    def __init__(self, identity: CacheIdentity, config: CacheConfig) -> None:
+        self.identity = identity
+        self.config = config
+        if config.device is not None:
+            device = torch.device(config.device)
+        else:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = device
+        pin = config.pin_host_memory
+        if pin is None:
+            pin = torch.cuda.is_available()
+        if pin and not torch.cuda.is_available():
+            logger.warning("pin_host_memory requested without CUDA; host tier stays pageable")
+            pin = False
+        self.codec = TQ4Codec(identity.head_dim, seed=identity.rotation_seed, device=device)
+        self.block_size = identity.block_size
+        self.policy = EVICTION_POLICIES[config.eviction_policy]
+        self.metadata = BlockMetadataTable(default_priority=config.default_priority)
+        self._tiers = {
+            Tier.DEVICE: TierStorage(identity, config.num_device_blocks, device, pin=False),
+            Tier.HOST: TierStorage(identity, config.num_host_blocks, torch.device("cpu"),
+                                   pin=bool(pin)),
+        }
+        self._identity_digest = identity.digest()
+        self._keys: dict[BlockHash, int] = {}
+        self._next_id = 0
+        self._freed: set[int] = set()
+        self._lock = threading.RLock()
+        self.stats = MoveStats()
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across all layers, K and V, packed and norms."""
+        i = self.identity
+        per_token_head = i.head_dim // 2 + 4
+        return 2 * i.num_layers * i.block_size * i.num_kv_heads * per_token_head
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_block // self.block_size
+
+    def storage(self, tier: Tier) -> TierStorage:
+        return self._tiers[tier]
+
+    def capacity(self, tier: Tier) -> int:
+        return self._tiers[tier].num_blocks
+
+    def num_free(self, tier: Tier) -> int:
+        return self._tiers[tier].num_free
+
+    def num_used(self, tier: Tier) -> int:
+        return self.capacity(tier) - self.num_free(tier)
+
+    def layer_view(self, layer: int, tier: Tier = Tier.DEVICE) -> LayerView:
+        """Views of one layer of a tier, for kernels: ``[num_blocks, block_size, H, ...]``."""
+        if not 0 <= layer < self.identity.num_layers:
+            raise IndexError(f"layer {layer} out of range 0..{self.identity.num_layers - 1}")
+        s = self._tiers[tier]
+        return LayerView(s.k_packed[layer], s.k_norms[layer], s.v_packed[layer], s.v_norms[layer])
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(
+        self,
+        num_blocks: int,
+        tier: Tier = Tier.DEVICE,
+        *,
+        tenant: str = "default",
+        source_layer: str = "unassigned",
+        importance: float = 0.5,
+    ) -> list[int] | None:
+        """Allocate blocks in ``tier``, evicting by semantic priority if needed.
+
+        Device evictions spill to the host tier when it has room (or can make room)
+        and are dropped otherwise; host evictions drop blocks.
+
+        Returns:
+            New block ids, or ``None`` when the tier cannot make room (nothing changes).
+        """
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        with self._lock:
+            if not self._make_room(tier, num_blocks, protect=()):
+                return None
+            slots = self._tiers[tier].take(num_blocks)
+            assert slots is not None
+            now = time.time()
+            ids = []
+            for slot in slots.tolist():
+                bid = self._next_id
+                self._next_id += 1
+                self.metadata.add(BlockMeta(
+                    block_id=bid, source_layer=source_layer, importance=importance,
+                    created_at=now, last_attended=now,
+                    eviction_priority=self.metadata.priority_for(source_layer),
+                    token_range=(0, 0), tenant_slug=tenant, tier=tier, slot=slot,
+                ))
+                ids.append(bid)
+            return ids
+
+    def _make_room(self, tier: Tier, needed: int, protect: Iterable[int]) -> bool:
+        """Evict until ``needed`` slots are free in ``tier``; False (no change) if impossible."""
+        storage = self._tiers[tier]
+        short = needed - storage.num_free
+        if short <= 0:
+            return True
+        if needed > storage.num_blocks:
+            return False
+        victims = self.metadata.eviction_order(tier, self.policy, exclude=protect)
+        if len(victims) < short:
+            return False
+        victim_ids = [m.block_id for m in victims[:short]]
+        if tier is Tier.DEVICE:
+            host = self._tiers[Tier.HOST]
+            spill_room = max(0, host.num_free)
+            host_evictable = len(self.metadata.eviction_order(Tier.HOST, self.policy))
+            if spill_room + host_evictable >= short:
+                moved = self._spill(victim_ids, allow_evict=True)
+                if moved is not None:
+                    self.stats.evictions += len(victim_ids)
+                    return True
+        self._remove(victim_ids)
+        self.stats.evictions += len(victim_ids)
+        return True
+
+    # ------------------------------------------------------------------ moves
+    def warm_blocks(self, block_ids: Sequence[int]) -> list[int] | None:
+        """Promote blocks from the host tier to the device tier (4 bulk copies).
+
+        Blocks already on the device are left as they are. Device blocks outside
+        ``block_ids`` may be evicted (spilled) to make room.
+
+        Returns:
+            Ids actually moved, or ``None`` when the device tier cannot make room
+            (nothing moves).
+        """
+        with self._lock:
+            metas = [self.metadata.get(b) for b in self._checked(block_ids)]
+            todo = [m for m in metas if m.tier is Tier.HOST]
+            if not todo:
+                return []
+            if not self._make_room(Tier.DEVICE, len(todo), protect=block_ids):
+                return None
+            self._move(todo, Tier.HOST, Tier.DEVICE)
+            self.stats.warms += 1
+            self.stats.blocks_warmed += len(todo)
+            return [m.block_id for m in todo]
+
+    def spill_blocks(self, block_ids: Sequence[int]) -> list[int] | None:
+        """Demote blocks from the device tier to the host tier (4 bulk copies).
+
+        Raises:
+            BlockStateError: a block is pinned (unpin it first) or in use.
+
+        Returns:
+            Ids actually moved, or ``None`` when the host tier cannot make room.
+        """
+        with self._lock:
+            for bid in self._checked(block_ids):
+                meta = self.metadata.get(bid)
+                if meta.pinned:
+                    raise BlockStateError(
+                        f"block {bid} ({meta.source_layer}) is pinned and never leaves the "
+                        "device tier; unpin it with PrefixPinManager.unpin() first"
+                    )
+                if meta.ref_count:
+                    raise BlockStateError(f"block {bid} is in use by {meta.ref_count} reader(s); "
+                                          "release it before spilling")
+            return self._spill(list(block_ids), allow_evict=True)
+
+    def _spill(self, block_ids: Sequence[int], allow_evict: bool) -> list[int] | None:
+        metas = [self.metadata.get(b) for b in block_ids]
+        todo = [m for m in metas if m.tier is Tier.DEVICE]
+        if not todo:
+            return []
+        if allow_evict:
+            if not self._make_room(Tier.HOST, len(todo), protect=block_ids):
+                return None
+        elif self._tiers[Tier.HOST].num_free < len(todo):
+            return None
+        self._move(todo, Tier.DEVICE, Tier.HOST)
+        self.stats.spills += 1
+        self.stats.blocks_spilled += len(todo)
+        return [m.block_id for m in todo]
+
+    def remove_blocks(self, block_ids: Sequence[int]) -> None:
+        """Free blocks in whatever tier they are.
+
+        Raises:
+            UnknownBlockError: an id the cache never allocated.
+            BlockStateError: an id already freed (double free), or a pinned block.
+        """
+        with self._lock:
+            ids = self._checked(block_ids)
+            for bid in ids:
+                meta = self.metadata.get(bid)
+                if meta.pinned:
+                    raise BlockStateError(f"block {bid} is pinned; unpin it before removing it")
+                if meta.ref_count:
+                    raise BlockStateError(f"block {bid} is in use by {meta.ref_count} reader(s); "
+                                          "release it before removing it")
+            self._remove(ids)
+            self.stats.removes += 1
+
+    def _remove(self, block_ids: Sequence[int]) -> None:
+        by_tier: dict[Tier, list[int]] = {Tier.DEVICE: [], Tier.HOST: []}
+        for bid in block_ids:
+            meta = self.metadata.pop(bid)
+            by_tier[meta.tier].append(meta.slot)
+            if meta.key is not None and self._keys.get(meta.key) == bid:
+                del self._keys[meta.key]
+            self._freed.add(bid)
+        for tier, slots in by_tier.items():
+            self._tiers[tier].give_back(slots)
+
+    def _checked(self, block_ids: Iterable[int]) -> list[int]:
+        ids = list(block_ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate block ids in {ids}; pass each block once")
+        for bid in ids:
+            if bid in self._freed:
+                raise BlockStateError(
+                    f"block {bid} was already freed (double free); drop your reference to it"
+                )
+            self.metadata.get(bid)  # raises UnknownBlockError
+        return ids
+
+    def _move(self, metas: list[BlockMeta], src: Tier, dst: Tier) -> None:
+        """Move blocks between tiers: one copy per tensor whatever the layer count."""
+        metas = sorted(metas, key=lambda m: m.slot)
+        src_store, dst_store = self._tiers[src], self._tiers[dst]
+        src_slots = np.array([m.slot for m in metas], dtype=np.int64)
+        dst_slots = dst_store.take(len(metas))
+        assert dst_slots is not None, "caller must make room first"
+        copies = 0
+        for s_t, d_t in zip(src_store.tensors(), dst_store.tensors(), strict=True):
+            self._copy_blocks(s_t, src_slots, d_t, dst_slots)
+            copies += 1
+        if dst is Tier.HOST and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # host reads follow
+        src_store.give_back(src_slots.tolist())
+        for meta, slot in zip(metas, dst_slots.tolist(), strict=True):
+            meta.tier = dst
+            meta.slot = slot
+        self.stats.copies += copies
+        self.stats.last_move_copies = copies
+        self.stats.bytes_moved += len(metas) * self.bytes_per_block
+
+    @staticmethod
+    def _copy_blocks(src: torch.Tensor, src_slots: np.ndarray, dst: torch.Tensor,
+                     dst_slots: np.ndarray) -> None:
+        """``dst[:, dst_slots] = src[:, src_slots]`` as one transfer between devices."""
+        non_blocking = src.device != dst.device
+        s_run, d_run = _run(src_slots), _run(dst_slots)
+        if s_run and d_run:
+            dst[:, d_run[0]:d_run[1]].copy_(src[:, s_run[0]:s_run[1]], non_blocking=non_blocking)
+            return
+        if s_run:
+            moved = src[:, s_run[0]:s_run[1]]
+        else:
+            moved = src.index_select(1, torch.from_numpy(src_slots).to(src.device))
+            if moved.device.type == "cpu" and dst.device.type == "cuda":
+                moved = moved.pin_memory()
+        if d_run:
+            dst[:, d_run[0]:d_run[1]].copy_(moved, non_blocking=non_blocking)
+        else:
+            index = torch.from_numpy(dst_slots).to(dst.device)
+            dst.index_copy_(1, index, moved.to(dst.device, non_blocking=non_blocking))
+
+    # ------------------------------------------------------------------ keys
+    def block_keys(self, token_ids: Sequence[int], tenant: str,
+                   parent: BlockHash | None = None) -> list[BlockHash]:
+        """Content keys of the full blocks of ``token_ids`` under this identity and tenant."""
+        return hash_token_blocks(self._identity_digest, tenant, token_ids, self.block_size, parent)
+
+    def set_key(self, block_id: int, key: BlockHash) -> None:
+        """Register a block under its content key (later calls find it by key)."""
+        with self._lock:
+            meta = self.metadata.get(block_id)
+            if meta.key is not None and self._keys.get(meta.key) == block_id:
+                del self._keys[meta.key]
+            meta.key = key
+            self._keys[key] = block_id
+
+    def lookup(self, keys: Sequence[BlockHash], tenant: str) -> list[int]:
+        """Block ids for the longest prefix of ``keys`` held in any tier for ``tenant``."""
+        found: list[int] = []
+        with self._lock:
+            for key in keys:
+                bid = self._keys.get(key)
+                if bid is None:
+                    break
+                meta = self.metadata.get(bid)
+                if meta.tenant_slug != tenant:  # keys are tenant-salted; belt and braces
+                    break
+                found.append(bid)
+        return found
+
+    # ------------------------------------------------------------------ access
+    def block_table(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Device slots of blocks (int32 on the device) for the attention kernels.
+
+        Raises:
+            BlockStateError: a block is not in the device tier (warm it first).
+        """
+        slots = []
+        with self._lock:
+            for bid in self._checked(block_ids):
+                meta = self.metadata.get(bid)
+                if meta.tier is not Tier.DEVICE:
+                    raise BlockStateError(
+                        f"block {bid} is in the {meta.tier.value} tier; call warm_blocks() "
+                        "before attending over it"
+                    )
+                slots.append(meta.slot)
+        return torch.tensor(slots, dtype=torch.int32, device=self.device)
+
+    def slot_mapping(self, block_ids: Sequence[int], start: int, num_tokens: int) -> torch.Tensor:
+        """Flat device slots for tokens ``start .. start+num_tokens`` of a block sequence."""
+        table = self.block_table(block_ids).to(torch.int64)
+        pos = torch.arange(start, start + num_tokens, device=self.device)
+        if num_tokens and int(pos[-1]) >= len(block_ids) * self.block_size:
+            raise CodecInputError(
+                f"tokens up to {start + num_tokens} need {(start + num_tokens - 1) // self.block_size + 1}"
+                f" blocks, got {len(block_ids)}; allocate more blocks"
+            )
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        """Protect blocks from eviction while a reader uses them (reference count)."""
+        with self._lock:
+            for bid in self._checked(block_ids):
+                self.metadata.get(bid).ref_count += 1
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        with self._lock:
+            for bid in self._checked(block_ids):
+                meta = self.metadata.get(bid)
+                if meta.ref_count <= 0:
+                    raise BlockStateError(f"block {bid} released more often than acquired")
+                meta.ref_count -= 1
+
+    # ------------------------------------------------------------------ export / import
+    def export_blocks(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+        """CPU copies of blocks' bytes, each ``[num_layers, n, block_size, H, ...]``."""
+        with self._lock:
+            metas = [self.metadata.get(b) for b in self._checked(block_ids)]
+            out: dict[str, torch.Tensor] = {}
+            for idx, name in enumerate(TENSOR_NAMES):
+                like = self._tiers[Tier.HOST].tensors()[idx]
+                dst = torch.empty((like.shape[0], len(metas), *like.shape[2:]), dtype=like.dtype)
+                for tier, store in self._tiers.items():
+                    pos = [i for i, m in enumerate(metas) if m.tier is tier]
+                    if not pos:
+                        continue
+                    slots = torch.tensor([metas[i].slot for i in pos], dtype=torch.int64,
+                                         device=store.device)
+                    picked = store.tensors()[idx].index_select(1, slots).cpu()
+                    dst.index_copy_(1, torch.tensor(pos, dtype=torch.int64), picked)
+                out[name] = dst
+            return out
+
+    def import_blocks(
+        self,
+        tensors: dict[str, torch.Tensor],
+        metas: Sequence[dict[str, object]],
+        tier: Tier = Tier.HOST,
+    ) -> list[int] | None:
+        """Write blocks into ``tier`` (4 copies) with their metadata; keys are re-registered.
+
+        Args:
+            tensors: as returned by :meth:`export_blocks`.
+            metas: per block: ``source_layer``, ``importance``, ``token_range``,
+                ``tenant_slug``, optional ``key`` (bytes) and ``num_tokens``.
+
+        Returns:
+            New block ids, or ``None`` when the tier cannot make room.
+        """
+        n = len(metas)
+        ref = self._tiers[tier]
+        for name, t_ref in zip(TENSOR_NAMES, ref.tensors(), strict=True):
+            t = tensors[name]
+            want = (t_ref.shape[0], n, *t_ref.shape[2:])
+            if tuple(t.shape) != want or t.dtype != t_ref.dtype:
+                raise CodecInputError(f"{name} must be {t_ref.dtype} {want}, got {t.dtype} "
+                                      f"{tuple(t.shape)}; it was exported from another layout")
+        with self._lock:
+            ids = self.allocate(n, tier)
+            if ids is None:
+                return None
+            slots = np.array([self.metadata.get(b).slot for b in ids], dtype=np.int64)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            for name, t_dst in zip(TENSOR_NAMES, ref.tensors(), strict=True):
+                self._copy_blocks(tensors[name], np.arange(n), t_dst, slots)
+            for bid, m in zip(ids, metas, strict=True):
+                tr = m.get("token_range", (0, 0))
+                assert isinstance(tr, (tuple, list))
+                self.metadata.annotate(
+                    bid,
+                    source_layer=str(m.get("source_layer", "unassigned")),
+                    importance=float(m.get("importance", 0.5)),  # type: ignore[arg-type]
+                    token_range=(int(tr[0]), int(tr[1])),
+                    tenant_slug=str(m.get("tenant_slug", "default")),
+                    num_tokens=int(m.get("num_tokens", self.block_size)),  # type: ignore[call-overload]
+                )
+                key = m.get("key")
+                if isinstance(key, bytes):
+                    self.set_key(bid, BlockHash(key))
+            return ids
+
+    # ------------------------------------------------------------------ reporting
+    def summary(self) -> dict[str, object]:
+        """Occupancy per tier, pins and move counters."""
+        with self._lock:
+            return {
+                "identity": self.identity.to_dict(),
+                "device": str(self.device),
+                "host_pinned": self._tiers[Tier.HOST].pinned,
+                "bytes_per_token": self.bytes_per_token,
+                "tiers": {
+                    t.value: {"capacity": self.capacity(t), "used": self.num_used(t),
+                              "bytes": self._tiers[t].nbytes}
+                    for t in Tier
+                },
+                "pinned_blocks": len(self.metadata.pinned()),
+                "keys": len(self._keys),
+                "moves": {
+                    "warms": self.stats.warms, "spills": self.stats.spills,
+                    "evictions": self.stats.evictions, "bytes_moved": self.stats.bytes_moved,
+                },
+            }
+
+    def set_pinned(self, block_id: int, pinned: bool) -> None:
+        """Low-level pin flag used by :class:`PrefixPinManager`; prefer the manager."""
+        with self._lock:
+            meta = self.metadata.get(block_id)
+            meta.pinned = pinned
+            meta.eviction_priority = (PINNED_PRIORITY if pinned
+                                      else self.metadata.priority_for(meta.source_layer))
+
+    def evictable_device_blocks(self) -> int:
+        with self._lock:
+            return len(self.metadata.eviction_order(Tier.DEVICE, self.policy))
+

@@ -1,0 +1,88 @@
+"""Cache identity: everything that must match for cached bytes to be reusable."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from gpu_cache._errors import CacheIdentityError
+
+__all__ = ["SCHEMA_VERSION", "CacheIdentity"]
+
+#: Version of the block layout and metadata schema. Bump on any incompatible change.
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class CacheIdentity:
+    """What produced a cache: model, KV shape, block size, codec and rotation seed.
+
+    Two caches can exchange blocks (prefix hits, shadows, recovery) only when their
+    identities are equal. The digest salts every block key, so blocks of another
+    identity can never match by accident.
+    """
+
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+    codec: str = "tq4"
+    rotation_seed: int = 0
+    tokenizer_id: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"CacheIdentity.{name} must be a positive int, got {value!r}")
+        if self.head_dim % 2:
+            raise ValueError(f"CacheIdentity.head_dim must be even for 4-bit packing, "
+                             f"got {self.head_dim}")
+        if self.codec not in ("tq4",):
+            raise ValueError(f"CacheIdentity.codec must be 'tq4', got {self.codec!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CacheIdentity:
+        """Rebuild an identity; unknown or missing fields raise CacheIdentityError."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - fields
+        if unknown:
+            raise CacheIdentityError(
+                f"identity has unknown fields {sorted(unknown)}; it was written by a newer "
+                "contextkit - upgrade contextkit to read it"
+            )
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise CacheIdentityError(f"identity is incomplete: {exc}") from exc
+
+    def digest(self) -> bytes:
+        """SHA-256 over the canonical JSON form; the root of every block key."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).digest()
+
+    def short(self) -> str:
+        return self.digest().hex()[:12]
+
+    def check_compatible(self, other: CacheIdentity, what: str = "data") -> None:
+        """Raise CacheIdentityError naming every field where ``other`` differs."""
+        if other == self:
+            return
+        diffs = [
+            f"{f.name}: expected {getattr(self, f.name)!r}, got {getattr(other, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+        raise CacheIdentityError(
+            f"{what} was produced for a different cache identity ({'; '.join(diffs)}). "
+            "Use a cache built for the same model, codec, block size and schema, or "
+            "discard the data and let the cache recompute."
+        )

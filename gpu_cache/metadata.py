@@ -1,0 +1,216 @@
+"""Semantic block metadata and eviction policies.
+
+Every allocated block carries where its tokens came from (prompt layer), how
+important they are, who owns them, and where the bytes live. Eviction sorts by a
+policy's ``priority(meta)`` tuple, lowest first; the semantic policy orders by the
+source layer's priority, then importance, then last attention, then age.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gpu_cache._errors import UnknownBlockError
+from gpu_cache.hashing import BlockHash
+
+__all__ = [
+    "DEFAULT_SOURCE_PRIORITY",
+    "EVICTION_POLICIES",
+    "PINNABLE_SOURCES",
+    "PINNED_PRIORITY",
+    "BlockMeta",
+    "BlockMetadataTable",
+    "EvictionPolicy",
+    "LRUEvictionPolicy",
+    "SemanticEvictionPolicy",
+    "Tier",
+]
+
+PINNED_PRIORITY = 999
+
+#: Eviction priority by source layer; lower is evicted first.
+DEFAULT_SOURCE_PRIORITY: Mapping[str, int] = {
+    "axioms": 100,
+    "identity": 90,
+    "rules": 85,
+    "capabilities": 80,
+    "soul": 75,
+    "partner": 55,
+    "neurons": 40,
+    "memories": 35,
+    "affect": 20,
+    "user_turn": 15,
+}
+
+PINNABLE_SOURCES = frozenset({"axioms", "identity", "rules", "capabilities", "soul"})
+
+
+class Tier(enum.Enum):
+    """Where a block's bytes live."""
+
+    DEVICE = "device"  # accelerator memory ("VRAM"); CPU memory when there is none
+    HOST = "host"  # pinned host memory ("DDR")
+
+
+@dataclass(slots=True)
+class BlockMeta:
+    """Semantic and physical state of one block."""
+
+    block_id: int
+    source_layer: str
+    importance: float
+    created_at: float
+    last_attended: float
+    eviction_priority: int
+    token_range: tuple[int, int]
+    tenant_slug: str
+    tier: Tier
+    slot: int
+    key: BlockHash | None = None
+    pinned: bool = False
+    ref_count: int = 0
+    num_tokens: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def evictable(self) -> bool:
+        return not self.pinned and self.ref_count == 0
+
+
+class EvictionPolicy(Protocol):
+    """Strategy: blocks with the smallest ``priority`` tuple are evicted first."""
+
+    name: str
+
+    def priority(self, meta: BlockMeta) -> tuple[float, ...]: ...
+
+
+class SemanticEvictionPolicy:
+    """Source-layer priority, then importance, then last attention, then age."""
+
+    name = "semantic"
+
+    def priority(self, meta: BlockMeta) -> tuple[float, ...]:
+        return (meta.eviction_priority, meta.importance, meta.last_attended, meta.created_at)
+
+
+class LRUEvictionPolicy:
+    """Least recently attended first, whatever the content (for comparison)."""
+
+    name = "lru"
+
+    def priority(self, meta: BlockMeta) -> tuple[float, ...]:
+        return (meta.last_attended, meta.created_at)
+
+
+EVICTION_POLICIES: dict[str, EvictionPolicy] = {
+    "semantic": SemanticEvictionPolicy(),
+    "lru": LRUEvictionPolicy(),
+}
+
+
+class BlockMetadataTable:
+    """Block id -> :class:`BlockMeta`, with the queries eviction and pinning need.
+
+    Args:
+        default_priority: priority of source layers missing from ``priorities``.
+        priorities: override of :data:`DEFAULT_SOURCE_PRIORITY`.
+    """
+
+    def __init__(self, default_priority: int = 50,
+                 priorities: Mapping[str, int] | None = None) -> None:
+        self.default_priority = default_priority
+        self.priorities = dict(DEFAULT_SOURCE_PRIORITY if priorities is None else priorities)
+        self._metas: dict[int, BlockMeta] = {}
+        self._lock = threading.RLock()
+
+    def priority_for(self, source_layer: str) -> int:
+        return self.priorities.get(source_layer, self.default_priority)
+
+    def __len__(self) -> int:
+        return len(self._metas)
+
+    def __contains__(self, block_id: object) -> bool:
+        return block_id in self._metas
+
+    def add(self, meta: BlockMeta) -> None:
+        with self._lock:
+            self._metas[meta.block_id] = meta
+
+    def get(self, block_id: int) -> BlockMeta:
+        try:
+            return self._metas[block_id]
+        except KeyError:
+            raise UnknownBlockError(
+                f"block {block_id} is not in the cache (never allocated, or already freed); "
+                "allocate it first or look it up by key"
+            ) from None
+
+    def pop(self, block_id: int) -> BlockMeta:
+        with self._lock:
+            meta = self.get(block_id)
+            del self._metas[block_id]
+            return meta
+
+    def annotate(
+        self,
+        block_id: int,
+        *,
+        source_layer: str | None = None,
+        importance: float | None = None,
+        token_range: tuple[int, int] | None = None,
+        tenant_slug: str | None = None,
+        num_tokens: int | None = None,
+    ) -> BlockMeta:
+        """Set semantic fields of a block; the priority follows the source layer."""
+        with self._lock:
+            meta = self.get(block_id)
+            if source_layer is not None:
+                meta.source_layer = source_layer
+                if not meta.pinned:
+                    meta.eviction_priority = self.priority_for(source_layer)
+            if importance is not None:
+                if not 0.0 <= importance <= 1.0:
+                    raise ValueError(f"importance must be within [0, 1], got {importance}")
+                meta.importance = float(importance)
+            if token_range is not None:
+                meta.token_range = (int(token_range[0]), int(token_range[1]))
+            if tenant_slug is not None:
+                meta.tenant_slug = tenant_slug
+            if num_tokens is not None:
+                meta.num_tokens = int(num_tokens)
+            return meta
+
+    def touch(self, block_ids: Iterable[int], now: float | None = None) -> None:
+        """Record that attention read these blocks."""
+        stamp = time.time() if now is None else now
+        with self._lock:
+            for bid in block_ids:
+                self.get(bid).last_attended = stamp
+
+    def all(self) -> list[BlockMeta]:
+        with self._lock:
+            return list(self._metas.values())
+
+    def in_tier(self, tier: Tier) -> list[BlockMeta]:
+        with self._lock:
+            return [m for m in self._metas.values() if m.tier is tier]
+
+    def pinned(self) -> list[BlockMeta]:
+        with self._lock:
+            return [m for m in self._metas.values() if m.pinned]
+
+    def eviction_order(self, tier: Tier, policy: EvictionPolicy,
+                       exclude: Iterable[int] = ()) -> list[BlockMeta]:
+        """Evictable blocks of ``tier``, first to evict first; pinned and in-use excluded."""
+        skip = set(exclude)
+        with self._lock:
+            candidates = [m for m in self._metas.values()
+                          if m.tier is tier and m.evictable and m.block_id not in skip]
+        candidates.sort(key=policy.priority)
+        return candidates
