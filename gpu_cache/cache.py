@@ -16,13 +16,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from gpu_cache._errors import BlockStateError, CodecInputError
+from gpu_cache._errors import BlockStateError, CodecInputError, UnknownBlockError
 from gpu_cache.codec import TQ4Codec
 from gpu_cache.hashing import BlockHash, hash_token_blocks
 from gpu_cache.identity import CacheIdentity
@@ -37,6 +38,8 @@ from gpu_cache.metadata import (
 __all__ = ["TENSOR_NAMES", "CacheConfig", "LayerView", "MoveStats", "TQGPUCache", "TierStorage"]
 
 logger = logging.getLogger(__name__)
+
+_FREED_MEMORY = 1 << 20  # remember this many freed ids for precise errors
 
 #: The four tensors of a tier, in the order moves and shadows handle them.
 TENSOR_NAMES = ("k_packed", "k_norms", "v_packed", "v_norms")
@@ -194,7 +197,8 @@ class TQGPUCache:
         self._identity_digest = identity.digest()
         self._keys: dict[BlockHash, int] = {}
         self._next_id = 0
-        self._freed: set[int] = set()
+        # Recently freed ids -> why, so a stale id gets the right error. Bounded.
+        self._freed: OrderedDict[int, str] = OrderedDict()
         self._lock = threading.RLock()
         self.stats = MoveStats()
 
@@ -269,6 +273,7 @@ class TQGPUCache:
             return ids
 
     def _make_room(self, tier: Tier, needed: int, protect: Iterable[int]) -> bool:
+        # Only called with self._lock held.
         """Evict until ``needed`` slots are free in ``tier``; False (no change) if impossible."""
         storage = self._tiers[tier]
         short = needed - storage.num_free
@@ -281,15 +286,13 @@ class TQGPUCache:
             return False
         victim_ids = [m.block_id for m in victims[:short]]
         if tier is Tier.DEVICE:
-            host = self._tiers[Tier.HOST]
-            spill_room = max(0, host.num_free)
-            host_evictable = len(self.metadata.eviction_order(Tier.HOST, self.policy))
-            if spill_room + host_evictable >= short:
-                moved = self._spill(victim_ids, allow_evict=True)
-                if moved is not None:
-                    self.stats.evictions += len(victim_ids)
-                    return True
-        self._remove(victim_ids)
+            # Spill the victims to the host tier, never evicting what the caller protects
+            # there (e.g. the very blocks a warm is about to bring up).
+            keep = set(protect) | set(victim_ids)
+            if self._spill(victim_ids, protect=keep) is not None:
+                self.stats.evictions += len(victim_ids)
+                return True
+        self._remove(victim_ids, reason="evicted")
         self.stats.evictions += len(victim_ids)
         return True
 
@@ -336,17 +339,14 @@ class TQGPUCache:
                 if meta.ref_count:
                     raise BlockStateError(f"block {bid} is in use by {meta.ref_count} reader(s); "
                                           "release it before spilling")
-            return self._spill(list(block_ids), allow_evict=True)
+            return self._spill(list(block_ids), protect=set(block_ids))
 
-    def _spill(self, block_ids: Sequence[int], allow_evict: bool) -> list[int] | None:
+    def _spill(self, block_ids: Sequence[int], protect: set[int]) -> list[int] | None:
         metas = [self.metadata.get(b) for b in block_ids]
         todo = [m for m in metas if m.tier is Tier.DEVICE]
         if not todo:
             return []
-        if allow_evict:
-            if not self._make_room(Tier.HOST, len(todo), protect=block_ids):
-                return None
-        elif self._tiers[Tier.HOST].num_free < len(todo):
+        if not self._make_room(Tier.HOST, len(todo), protect=protect):
             return None
         self._move(todo, Tier.DEVICE, Tier.HOST)
         self.stats.spills += 1
@@ -369,17 +369,19 @@ class TQGPUCache:
                 if meta.ref_count:
                     raise BlockStateError(f"block {bid} is in use by {meta.ref_count} reader(s); "
                                           "release it before removing it")
-            self._remove(ids)
+            self._remove(ids, reason="removed")
             self.stats.removes += 1
 
-    def _remove(self, block_ids: Sequence[int]) -> None:
+    def _remove(self, block_ids: Sequence[int], reason: str) -> None:
         by_tier: dict[Tier, list[int]] = {Tier.DEVICE: [], Tier.HOST: []}
         for bid in block_ids:
             meta = self.metadata.pop(bid)
             by_tier[meta.tier].append(meta.slot)
             if meta.key is not None and self._keys.get(meta.key) == bid:
                 del self._keys[meta.key]
-            self._freed.add(bid)
+            self._freed[bid] = reason
+            if len(self._freed) > _FREED_MEMORY:
+                self._freed.popitem(last=False)
         for tier, slots in by_tier.items():
             self._tiers[tier].give_back(slots)
 
@@ -388,9 +390,15 @@ class TQGPUCache:
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate block ids in {ids}; pass each block once")
         for bid in ids:
-            if bid in self._freed:
+            reason = self._freed.get(bid)
+            if reason == "removed":
                 raise BlockStateError(
                     f"block {bid} was already freed (double free); drop your reference to it"
+                )
+            if reason == "evicted":
+                raise UnknownBlockError(
+                    f"block {bid} was evicted to make room; look its key up again with "
+                    "lookup() or recompute it"
                 )
             self.metadata.get(bid)  # raises UnknownBlockError
         return ids
