@@ -21,7 +21,7 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser("bench", help="run a benchmark (see `contextkit bench -h`)",
                            description="Benchmarks measured as ratios within one run.")
     names = bench.add_subparsers(dest="bench_name", metavar="NAME", required=True)

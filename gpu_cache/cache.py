@@ -498,10 +498,9 @@ class TQGPUCache:
         table = self.block_table(block_ids).to(torch.int64)
         pos = torch.arange(start, start + num_tokens, device=self.device)
         if num_tokens and int(pos[-1]) >= len(block_ids) * self.block_size:
-            raise CodecInputError(
-                f"tokens up to {start + num_tokens} need {(start + num_tokens - 1) // self.block_size + 1}"
-                f" blocks, got {len(block_ids)}; allocate more blocks"
-            )
+            need = (start + num_tokens - 1) // self.block_size + 1
+            raise CodecInputError(f"tokens up to {start + num_tokens} need {need} blocks, got "
+                                  f"{len(block_ids)}; allocate more blocks")
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def acquire(self, block_ids: Sequence[int]) -> None:

@@ -14,7 +14,7 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
     exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-PIP="$VENV/bin/python -m pip"
+PIP="$VENV/bin/python -m pip --disable-pip-version-check --no-warn-script-location"
 $PIP install --quiet --upgrade pip
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     # A CUDA machine may bring its own torch; here the CPU build is on disk.

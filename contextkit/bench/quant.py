@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from contextkit.bench._common import machine_info, median_seconds, print_table
-from gpu_cache import CacheConfig, CacheIdentity, TQ4Codec, TQGPUCache
+from gpu_cache import CacheConfig, CacheIdentity, Tier, TQ4Codec, TQGPUCache
 
 __all__ = ["HELP", "SHAPES", "add_arguments", "run"]
 
@@ -35,18 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _bytes_per_token(shape: tuple[int, int, int]) -> tuple[int, int]:
+    """TQ4 bytes per token measured on an allocated cache, and the fp16 equivalent."""
     layers, heads, dim = shape
     cache = TQGPUCache(CacheIdentity("shape", layers, heads, dim),
                        CacheConfig(num_device_blocks=1, num_host_blocks=0, device="cpu"))
-    storage = cache.storage(cache_tier_device())
-    measured = sum(t.numel() * t.element_size() for t in storage.tensors()) // cache.block_size
-    return measured, 2 * layers * heads * dim * 2
-
-
-def cache_tier_device() -> Any:
-    from gpu_cache import Tier
-
-    return Tier.DEVICE
+    return cache.storage(Tier.DEVICE).nbytes // cache.block_size, 2 * layers * heads * dim * 2
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -73,7 +66,7 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def attn_cosine_random(seed: int, context: int = 1024, num_queries: int = 16) -> float:
     """Mean cosine of TQ4 vs float32 attention output over random Gaussian Q/K/V."""
-    layers, kv_heads, dim = SHAPES["llama3_8b"]
+    _layers, kv_heads, dim = SHAPES["llama3_8b"]
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(32, num_queries, dim, generator=gen)
     k = torch.randn(kv_heads, context, dim, generator=gen)
@@ -110,7 +103,7 @@ def capture_real_qkv(num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, 
     captured: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         cos, sin = kwargs["position_embeddings"]
         bsz, seqlen, _ = hidden.shape
         dim = module.head_dim

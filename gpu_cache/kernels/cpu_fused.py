@@ -19,6 +19,7 @@ import numpy as np
 
 __all__ = ["available", "decode_into", "encode_into"]
 
+_nb: Any
 try:  # numba is an optional accelerator; the torch path is always there.
     import numba as _nb
 except ImportError:  # pragma: no cover - exercised on installs without the extra

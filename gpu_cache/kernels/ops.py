@@ -260,6 +260,7 @@ def tq4_decode_attention(
     scale: float | None = None,
     backend: Backend = "auto",
     num_splits: int | None = None,
+    check_bounds: bool = True,
 ) -> torch.Tensor:
     """One decode step of paged attention read straight from the packed cache.
 
@@ -273,7 +274,10 @@ def tq4_decode_attention(
         codec: the cache's codec.
         scale: softmax scale, default ``1/sqrt(D)``.
         backend: "auto", "triton" or "torch".
-        num_splits: Triton split-K factor (``None``: chosen from the context length).
+        num_splits: Triton split-K factor (``None``: chosen from the block-table width).
+        check_bounds: verify seq_lens against the table and block ids against the
+            cache. It costs one host sync; callers whose tables come from the cache
+            itself may turn it off in the per-layer decode loop.
 
     Returns:
         ``[B, Hq, D]`` in ``query``'s dtype.
@@ -298,7 +302,8 @@ def tq4_decode_attention(
                             seq_lens=seq_lens)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
-    _check_block_refs(block_table, seq_lens, num_blocks, block_size)
+    if check_bounds:
+        _check_block_refs(block_table, seq_lens, num_blocks, block_size)
     scale = _default_scale(scale, codec.head_dim)
     if batch == 0:
         return torch.empty_like(query)

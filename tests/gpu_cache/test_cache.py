@@ -278,7 +278,7 @@ def test_export_import_round_trip_restores_bytes_metadata_and_keys() -> None:
 def test_identity_mismatch_names_every_differing_field() -> None:
     a = CacheIdentity("m1", 4, 2, 64)
     b = CacheIdentity("m2", 4, 2, 64, block_size=32)
-    with pytest.raises(CacheIdentityError, match="model_id.*block_size"):
+    with pytest.raises(CacheIdentityError, match=r"model_id.*block_size"):
         a.check_compatible(b, what="shadow")
     a.check_compatible(CacheIdentity("m1", 4, 2, 64))
     with pytest.raises(CacheIdentityError, match="newer"):
@@ -315,7 +315,7 @@ def test_concurrent_callers_leave_consistent_books() -> None:
                         cache.remove_blocks(pick)
                 except UnknownBlockError as exc:  # evicted by another thread meanwhile
                     assert "evicted" in str(exc)
-        except BaseException as exc:  # noqa: BLE001 - surfaced by the assert below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]

@@ -1,0 +1,168 @@
+"""``contextkit bench kernel``: TQ4 paged decode attention vs unquantized SDPA.
+
+One layer, batch 1, Llama-3-8B attention shape (32 query heads, 8 KV heads,
+head_dim 128), at growing context lengths. The TQ4 side reads the packed cache
+through a scattered block table (Triton on CUDA, the torch path on CPU); the
+baseline is ``torch.nn.functional.scaled_dot_product_attention`` over contiguous
+K/V (float16 on CUDA, float32 on CPU). On CUDA the result also gives the bandwidth
+the kernel achieved on the packed bytes and, for scale, that of a plain
+device-to-device copy of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+import torch
+
+from contextkit.bench._common import machine_info, median_seconds, print_table
+
+__all__ = ["HELP", "add_arguments", "run"]
+
+HELP = "decode attention over the packed TQ4 cache vs unquantized SDPA (one layer, batch 1)"
+
+NUM_Q_HEADS = 32
+NUM_KV_HEADS = 8
+HEAD_DIM = 128
+BLOCK_SIZE = 16
+DEFAULT_CONTEXTS = "1K,2K,4K,8K,16K,32K"
+
+
+def _parse_contexts(text: str) -> list[int]:
+    """``"1K,2K,512"`` -> ``[1024, 2048, 512]``."""
+    out = []
+    for item in text.split(","):
+        item = item.strip().upper()
+        if not item:
+            continue
+        mult = 1024 if item.endswith("K") else 1
+        try:
+            value = int(item.rstrip("K")) * mult
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"bad context {item!r}; use token counts like 512,1K,32K"
+            ) from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"context must be >= 1 token, got {item!r}")
+        out.append(value)
+    if not out:
+        raise argparse.ArgumentTypeError("give at least one context length")
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--contexts", type=_parse_contexts, default=DEFAULT_CONTEXTS,
+                        help=f"comma-separated context lengths (default {DEFAULT_CONTEXTS})")
+    parser.add_argument("--backend", choices=["auto", "triton", "torch"], default="auto",
+                        help="TQ4 kernel backend (auto: Triton on CUDA, torch on CPU)")
+    parser.add_argument("--device", default=None,
+                        help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="timing budget per measurement (default 1.0 on CPU, 0.5 on CUDA)")
+
+
+def _time(fn: Any, device: torch.device, budget_s: float) -> float:
+    """Median seconds of ``fn``, with as many repeats as fit in ``budget_s``."""
+    first = median_seconds(fn, repeats=1, warmup=1, device=device)
+    repeats = int(min(200, max(3, budget_s / max(first, 1e-6))))
+    return median_seconds(fn, repeats=repeats, warmup=0, device=device)
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend != "auto":
+        return backend
+    from importlib.util import find_spec
+
+    return "triton" if device.type == "cuda" and find_spec("triton") else "torch"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Time both attentions at every context; print a table; return the JSON result."""
+    from gpu_cache.codec import TQ4Codec
+    from gpu_cache.kernels import tq4_decode_attention
+
+    contexts = args.contexts
+    if isinstance(contexts, str):
+        contexts = _parse_contexts(contexts)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    backend = _resolve_backend(args.backend, device)
+    budget_s = args.seconds if args.seconds is not None else (
+        0.5 if device.type == "cuda" else 1.0)
+    sdpa_dtype = torch.float16 if device.type == "cuda" else torch.float32
+    codec = TQ4Codec(HEAD_DIM, seed=0, device=device)
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    query = torch.randn(1, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(device)
+    q_sdpa = query.to(sdpa_dtype).view(1, NUM_Q_HEADS, 1, HEAD_DIM)
+
+    rows: list[dict[str, Any]] = []
+    for context in contexts:
+        num_blocks = -(-context // BLOCK_SIZE)
+        packed_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, codec.packed_dim)
+        # Random codes and norms time exactly like real ones; the bytes read are the same.
+        k_packed = torch.randint(0, 256, packed_shape, generator=gen, dtype=torch.uint8)
+        v_packed = torch.randint(0, 256, packed_shape, generator=gen, dtype=torch.uint8)
+        k_norms = torch.rand(packed_shape[:3], generator=gen) + 0.5
+        v_norms = torch.rand(packed_shape[:3], generator=gen) + 0.5
+        layer = [t.to(device) for t in (k_packed, k_norms, v_packed, v_norms)]
+        table = torch.randperm(num_blocks, generator=gen).to(torch.int32)[None].to(device)
+        seq_lens = torch.tensor([context], dtype=torch.int32, device=device)
+
+        def tq4(layer=layer, table=table, seq_lens=seq_lens):
+            return tq4_decode_attention(query, *layer, table, seq_lens, codec, scale,
+                                        backend=backend, check_bounds=False)
+
+        keys = torch.randn(1, NUM_KV_HEADS, context, HEAD_DIM, generator=gen).to(device,
+                                                                                sdpa_dtype)
+        values = torch.randn(1, NUM_KV_HEADS, context, HEAD_DIM, generator=gen).to(device,
+                                                                                  sdpa_dtype)
+        def sdpa(keys=keys, values=values):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q_sdpa, keys, values, scale=scale, enable_gqa=True)
+
+        tq4_s = _time(tq4, device, budget_s)
+        sdpa_s = _time(sdpa, device, budget_s)
+        row: dict[str, Any] = {
+            "context": context,
+            "tq4_ms": tq4_s * 1e3,
+            "sdpa_ms": sdpa_s * 1e3,
+            "ratio": sdpa_s / tq4_s,
+        }
+        if device.type == "cuda":
+            packed_bytes = sum(t.numel() * t.element_size() for t in layer)
+            src = torch.empty(packed_bytes, dtype=torch.uint8, device=device)
+            dst = torch.empty_like(src)
+            copy_s = _time(lambda dst=dst, src=src: dst.copy_(src), device, budget_s)
+            row["achieved_gbps"] = packed_bytes / tq4_s / 1e9
+            row["copy_gbps"] = 2 * packed_bytes / copy_s / 1e9  # read + write traffic
+        rows.append(row)
+        del keys, values, layer
+
+    table_rows = []
+    for row in rows:
+        text = (f"tq4 {row['tq4_ms']:9.3f} ms   sdpa {row['sdpa_ms']:9.3f} ms   "
+                f"sdpa/tq4 {row['ratio']:5.2f}")
+        if "achieved_gbps" in row:
+            text += f"   {row['achieved_gbps']:7.1f} GB/s (copy {row['copy_gbps']:7.1f})"
+        table_rows.append((f"{row['context']:>6} tokens", text))
+    print_table(
+        f"decode attention, {backend} TQ4 vs {str(sdpa_dtype).removeprefix('torch.')} SDPA "
+        f"on {device.type} (Hq {NUM_Q_HEADS}, Hkv {NUM_KV_HEADS}, D {HEAD_DIM}, batch 1)",
+        table_rows,
+    )
+    return {
+        "bench": "kernel",
+        "backend": backend,
+        "machine": machine_info(),
+        "shape": {
+            "batch": 1,
+            "num_q_heads": NUM_Q_HEADS,
+            "num_kv_heads": NUM_KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "block_size": BLOCK_SIZE,
+            "sdpa_dtype": str(sdpa_dtype).removeprefix("torch."),
+        },
+        "contexts": rows,
+    }
