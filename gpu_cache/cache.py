@@ -23,7 +23,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from gpu_cache._errors import BlockStateError, CodecInputError, UnknownBlockError
+from gpu_cache._errors import (
+    BlockStateError,
+    CacheIdentityError,
+    CodecInputError,
+    UnknownBlockError,
+)
+from gpu_cache.calibration import key_offset_digest
 from gpu_cache.codec import TQ4Codec
 from gpu_cache.hashing import BlockHash, hash_token_blocks
 from gpu_cache.identity import CacheIdentity
@@ -169,9 +175,16 @@ class TQGPUCache:
     Args:
         identity: model and codec identity; salts every block key.
         config: tier sizes, placement and eviction policy.
+        key_offsets: optional per-head key offsets ``[num_layers, num_kv_heads, head_dim]``
+            (see :mod:`gpu_cache.calibration`); their digest must be the identity's
+            ``key_offset_digest``.
+
+    Raises:
+        CacheIdentityError: key offsets that do not match the identity.
     """
 
-    def __init__(self, identity: CacheIdentity, config: CacheConfig) -> None:
+    def __init__(self, identity: CacheIdentity, config: CacheConfig,
+                 key_offsets: torch.Tensor | None = None) -> None:
         self.identity = identity
         self.config = config
         if config.device is not None:
@@ -186,6 +199,7 @@ class TQGPUCache:
             logger.warning("pin_host_memory requested without CUDA; host tier stays pageable")
             pin = False
         self.codec = TQ4Codec(identity.head_dim, seed=identity.rotation_seed, device=device)
+        self.key_offsets = self._checked_offsets(identity, key_offsets, device)
         self.block_size = identity.block_size
         self.policy = EVICTION_POLICIES[config.eviction_policy]
         self.metadata = BlockMetadataTable(default_priority=config.default_priority)
@@ -201,6 +215,28 @@ class TQGPUCache:
         self._freed: OrderedDict[int, str] = OrderedDict()
         self._lock = threading.RLock()
         self.stats = MoveStats()
+
+    @staticmethod
+    def _checked_offsets(identity: CacheIdentity, offsets: torch.Tensor | None,
+                         device: torch.device) -> torch.Tensor | None:
+        if key_offset_digest(offsets) != identity.key_offset_digest:
+            raise CacheIdentityError(
+                "key offsets do not match identity.key_offset_digest "
+                f"({key_offset_digest(offsets) or 'none'} vs "
+                f"{identity.key_offset_digest or 'none'}); build the identity with "
+                "key_offset_digest=gpu_cache.calibration.key_offset_digest(offsets)"
+            )
+        if offsets is None:
+            return None
+        want = (identity.num_layers, identity.num_kv_heads, identity.head_dim)
+        if tuple(offsets.shape) != want:
+            raise CodecInputError(f"key_offsets must have shape {want}, got "
+                                  f"{tuple(offsets.shape)}")
+        return offsets.to(device, torch.float32).contiguous()
+
+    def key_offset(self, layer: int) -> torch.Tensor | None:
+        """The ``[num_kv_heads, head_dim]`` key offset of a layer, or None."""
+        return None if self.key_offsets is None else self.key_offsets[layer]
 
     # ------------------------------------------------------------------ shape
     @property

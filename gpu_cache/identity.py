@@ -33,6 +33,7 @@ class CacheIdentity:
     codec: str = "tq4"
     rotation_seed: int = 0
     tokenizer_id: str = ""
+    key_offset_digest: str = ""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:

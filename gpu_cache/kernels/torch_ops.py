@@ -12,7 +12,8 @@ dequantized copy of the whole cache:
 Internally vectors use a "pair" layout ``[..., D/2, 2]`` that matches the packed
 bytes: element ``(j, 0)`` is rotated coordinate ``j`` (low nibble), ``(j, 1)`` is
 coordinate ``j + D/2`` (high nibble). A 256-entry table maps a byte straight to its
-two centroid values, so unpacking is a single ``index_select``.
+two centroid values (one int64 holding two float32), so unpacking is a single
+``index_select``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ __all__ = [
 
 #: Bytes of codebook values materialised per online-softmax step. 1 MiB (256
 #: tokens at Hkv=8, D=128) stays in L2, so the gather and the matmul that reads it
-#: back run from cache; larger chunks measured 2-4x slower on a small CPU.
+#: back run from cache (a 4 MiB chunk's matmuls measured >10x slower per token on
+#: a 2-core CPU).
 CHUNK_BYTES = 1 << 20
 #: Query tokens per step on the extend path (bounds the ``[H, rows, keys]`` scores).
 DEFAULT_QUERY_CHUNK = 256
@@ -136,11 +138,12 @@ class _OnlineSoftmax:
         ``value_norms`` ``[H, N]`` scale the values; they are applied to the
         probabilities (``H*R*N`` multiplies) rather than to the values (``H*N*D``).
         """
+        # Callers order chunks so that every row has seen an unmasked score by its
+        # first update (a decode chunk is never empty; an extend query sees the
+        # prefix, or suffix chunk 0, first), so m_new is finite.
         m_new = torch.maximum(self.m, scores.amax(dim=-1, keepdim=True))
-        # Rows with nothing unmasked yet keep m = -inf; exp(-inf - -inf) must read 0.
-        safe_m = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        alpha = torch.exp(self.m - safe_m)
-        probs = torch.exp(scores - safe_m)
+        alpha = torch.exp(self.m - m_new)
+        probs = torch.exp(scores - m_new)
         self.l = self.l * alpha + probs.sum(dim=-1, keepdim=True)
         weights = probs if value_norms is None else probs * value_norms[:, None, :]
         self.acc = self.acc * alpha + torch.bmm(weights, values)

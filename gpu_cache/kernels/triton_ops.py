@@ -21,6 +21,7 @@ Kernels:
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import TYPE_CHECKING
 
@@ -335,6 +336,11 @@ def _decode_kernel(
     tl.store(mid_sum_ptr + mid_row, l_i, mask=g_mask)
 
 
+@functools.lru_cache(maxsize=16)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def pick_num_splits(
     batch: int, num_kv_heads: int, max_tokens: int, block_n: int, device: torch.device
 ) -> int:
@@ -344,7 +350,8 @@ def pick_num_splits(
     split's fixed cost is its partial-result write and its share of the merge).
     """
     if device.type == "cuda" and not INTERPRETED:
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        num_sms = _num_sms(index)
     else:
         num_sms = 4
     wanted = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
@@ -385,7 +392,11 @@ def tq4_decode_attention_triton(
     block_n = 64 if max_tokens >= 64 else 16
     if num_splits is None:
         num_splits = pick_num_splits(batch, num_kv_heads, max_tokens, block_n, device)
-    tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, num_splits), block_n) * block_n
+        # Whole tiles per split; the rounding may leave fewer splits than picked.
+        tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, num_splits), block_n) * block_n
+    else:
+        tokens_per_split = triton.cdiv(max_tokens, num_splits)
+    num_splits = triton.cdiv(max_tokens, tokens_per_split)
 
     q_rot = query.float() @ codec.rotation.T * (scale * _LOG2E)
     q_rot = q_rot.contiguous()
