@@ -8,7 +8,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from contextkit._extras import MissingExtraError
 from contextkit.bench import BENCHMARKS, load
+from contextkit.models import ModelNotInstalledError
+from gpu_cache import GPUCacheError
 
 __all__ = ["build_parser", "main"]
 
@@ -66,6 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except (MissingExtraError, ModelNotInstalledError, GPUCacheError) as exc:
+        # Errors a user can fix: one line that says what to do, no traceback.
+        sys.stderr.write(f"contextkit: error: {exc}\n")
+        return 2
 
 
 if __name__ == "__main__":

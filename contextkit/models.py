@@ -16,6 +16,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from contextkit._extras import require
+
 __all__ = [
     "DEFAULT_EMBEDDING_MODEL",
     "DEFAULT_MODEL_ID",
@@ -73,7 +75,7 @@ def _offline() -> None:
 def load_tokenizer() -> Any:
     """The SmolLM2 tokenizer (transformers, from the GGUF); cached per process."""
     _offline()
-    from transformers import AutoTokenizer
+    AutoTokenizer = require("transformers", "model").AutoTokenizer
 
     directory, name = smollm2_gguf()
     return AutoTokenizer.from_pretrained(str(directory), gguf_file=name)
@@ -83,7 +85,8 @@ def load_model(dtype: Any = None) -> Any:
     """SmolLM2 as a transformers causal LM (float32 by default), in eval mode."""
     _offline()
     import torch
-    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM = require("transformers", "model").AutoModelForCausalLM
 
     directory, name = smollm2_gguf()
     model = AutoModelForCausalLM.from_pretrained(
