@@ -12,6 +12,7 @@ from contextkit._extras import MissingExtraError
 from contextkit.bench import BENCHMARKS, load
 from contextkit.models import ModelNotInstalledError
 from gpu_cache import GPUCacheError
+from shadow import ShadowError
 
 __all__ = ["build_parser", "main"]
 
@@ -43,6 +44,15 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _recover(args: argparse.Namespace) -> int:
+    from shadow.cli import run_recover
+
+    result = run_recover(args)
+    if args.json:
+        sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
+    return 1 if result.get("errors") else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="contextkit",
@@ -55,6 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo",
                       help="directory for the demo's JSON and PNG output (default: runs/demo)")
     demo.set_defaults(func=_demo)
+
+    from shadow.cli import add_recover_arguments
+
+    recover = sub.add_parser(
+        "recover", help="restore shadowed sessions (run before serving)",
+        description="Restore sessions shadowed to NVMe or S3 into the host tier, "
+                    "re-pinning their stable prefixes.")
+    add_recover_arguments(recover)
+    recover.add_argument("--json", action="store_true",
+                         help="print one JSON object as the last line of stdout")
+    recover.set_defaults(func=_recover)
 
     _add_bench(sub)
     return parser
@@ -69,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (MissingExtraError, ModelNotInstalledError, GPUCacheError) as exc:
+    except (MissingExtraError, ModelNotInstalledError, GPUCacheError, ShadowError) as exc:
         # Errors a user can fix: one line that says what to do, no traceback.
         sys.stderr.write(f"contextkit: error: {exc}\n")
         return 2

@@ -17,7 +17,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -237,6 +238,12 @@ class TQGPUCache:
     def key_offset(self, layer: int) -> torch.Tensor | None:
         """The ``[num_kv_heads, head_dim]`` key offset of a layer, or None."""
         return None if self.key_offsets is None else self.key_offsets[layer]
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the cache's (reentrant) lock: no block moves or is freed meanwhile."""
+        with self._lock:
+            yield
 
     # ------------------------------------------------------------------ shape
     @property
@@ -554,23 +561,41 @@ class TQGPUCache:
                 meta.ref_count -= 1
 
     # ------------------------------------------------------------------ export / import
-    def export_blocks(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:
-        """CPU copies of blocks' bytes, each ``[num_layers, n, block_size, H, ...]``."""
+    def export_blocks(self, block_ids: Sequence[int], *,
+                      block_major: bool = False) -> dict[str, torch.Tensor]:
+        """CPU copies of blocks' bytes, in the order given.
+
+        Args:
+            block_ids: blocks to copy (any tiers).
+            block_major: ``[n, num_layers, block_size, H, ...]`` (each block one
+                contiguous byte range, as shadows store them) instead of the cache's
+                own layer-major ``[num_layers, n, block_size, H, ...]``.
+
+        Runs of consecutive slots in one tier are copied with one strided copy per
+        tensor, so exporting a session allocated together costs about a memcpy.
+        """
         with self._lock:
             metas = [self.metadata.get(b) for b in self._checked(block_ids)]
+            n = len(metas)
+            host = self._tiers[Tier.HOST]
             out: dict[str, torch.Tensor] = {}
-            for idx, name in enumerate(TENSOR_NAMES):
-                like = self._tiers[Tier.HOST].tensors()[idx]
-                dst = torch.empty((like.shape[0], len(metas), *like.shape[2:]), dtype=like.dtype)
-                for tier, store in self._tiers.items():
-                    pos = [i for i, m in enumerate(metas) if m.tier is tier]
-                    if not pos:
-                        continue
-                    slots = torch.tensor([metas[i].slot for i in pos], dtype=torch.int64,
-                                         device=store.device)
-                    picked = store.tensors()[idx].index_select(1, slots).cpu()
-                    dst.index_copy_(1, torch.tensor(pos, dtype=torch.int64), picked)
-                out[name] = dst
+            for name, like in zip(TENSOR_NAMES, host.tensors(), strict=True):
+                shape = ((n, like.shape[0], *like.shape[2:]) if block_major
+                         else (like.shape[0], n, *like.shape[2:]))
+                out[name] = torch.empty(shape, dtype=like.dtype)
+            i = 0
+            while i < n:
+                tier, slot = metas[i].tier, metas[i].slot
+                j = i + 1
+                while j < n and metas[j].tier is tier and metas[j].slot == slot + (j - i):
+                    j += 1
+                for name, src in zip(TENSOR_NAMES, self._tiers[tier].tensors(), strict=True):
+                    run = src[:, slot:slot + (j - i)]
+                    if block_major:
+                        out[name][i:j].copy_(run.transpose(0, 1))
+                    else:
+                        out[name][:, i:j].copy_(run)
+                i = j
             return out
 
     def import_blocks(
@@ -578,19 +603,27 @@ class TQGPUCache:
         tensors: dict[str, torch.Tensor],
         metas: Sequence[dict[str, object]],
         tier: Tier = Tier.HOST,
+        *,
+        block_major: bool = False,
     ) -> list[int] | None:
         """Write blocks into ``tier`` (4 copies) with their metadata; keys are re-registered.
 
         Args:
-            tensors: as returned by :meth:`export_blocks`.
+            tensors: as returned by :meth:`export_blocks` (layer-major, or
+                block-major with ``block_major=True``).
             metas: per block: ``source_layer``, ``importance``, ``token_range``,
                 ``tenant_slug``, optional ``key`` (bytes) and ``num_tokens``.
+            tier: where the blocks go. Making room may evict other blocks of that
+                tier by priority, as any allocation does.
+            block_major: ``tensors`` are ``[n, num_layers, ...]``.
 
         Returns:
             New block ids, or ``None`` when the tier cannot make room.
         """
         n = len(metas)
         ref = self._tiers[tier]
+        if block_major:
+            tensors = {name: t.transpose(0, 1) for name, t in tensors.items()}
         for name, t_ref in zip(TENSOR_NAMES, ref.tensors(), strict=True):
             t = tensors[name]
             want = (t_ref.shape[0], n, *t_ref.shape[2:])

@@ -1,1 +1,70 @@
-"""shadow."""
+"""shadow: crash-safe cold-tier shadow of the TQ4 block cache to NVMe (file://) or S3.
+
+Stores are picked by URL scheme; sessions are described by an atomically replaced
+manifest over immutable segment blobs; recovery verifies per-block checksums and
+restores blocks into the host tier, re-pinning stable prefixes.
+"""
+
+from shadow._errors import (
+    BlobNotFoundError,
+    CorruptShadowError,
+    InvalidSessionIdError,
+    ShadowError,
+    ShadowStoreError,
+)
+from shadow.manifest import (
+    BlockRecord,
+    Manifest,
+    SegmentRecord,
+    SessionInfo,
+    validate_session_id,
+)
+from shadow.recovery import (
+    RecoveryReport,
+    SkippedBlock,
+    discover_sessions,
+    load_manifest,
+    recover_session,
+    recover_sessions,
+)
+from shadow.stores import (
+    STORES,
+    BlobWriter,
+    LocalStore,
+    MeteredStore,
+    S3Store,
+    ShadowStore,
+    StoreConfig,
+    open_store,
+)
+from shadow.writer import CacheShadow, ShadowConfig, ShadowResult
+
+__all__ = [
+    "STORES",
+    "BlobNotFoundError",
+    "BlobWriter",
+    "BlockRecord",
+    "CacheShadow",
+    "CorruptShadowError",
+    "InvalidSessionIdError",
+    "LocalStore",
+    "Manifest",
+    "MeteredStore",
+    "RecoveryReport",
+    "S3Store",
+    "SegmentRecord",
+    "SessionInfo",
+    "ShadowConfig",
+    "ShadowError",
+    "ShadowResult",
+    "ShadowStore",
+    "ShadowStoreError",
+    "SkippedBlock",
+    "StoreConfig",
+    "discover_sessions",
+    "load_manifest",
+    "open_store",
+    "recover_session",
+    "recover_sessions",
+    "validate_session_id",
+]

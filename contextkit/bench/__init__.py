@@ -18,6 +18,8 @@ BENCHMARKS: dict[str, str] = {
     "quant": "contextkit.bench.quant",
     "tiers": "contextkit.bench.tiers",
     "kernel": "contextkit.bench.kernel",
+    "shadow": "contextkit.bench.shadow",
+    "graph": "contextkit.bench.graph",
 }
 
 

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from contextkit.bench._common import machine_info, median_seconds, print_table
+
+if TYPE_CHECKING:
+    from gpu_cache.kernels import Backend
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -59,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="TQ4 kernel backend (auto: Triton on CUDA, torch on CPU)")
     parser.add_argument("--device", default=None,
                         help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads for the run (default: leave torch's setting)")
     parser.add_argument("--seconds", type=float, default=None,
                         help="timing budget per measurement (default 1.0 on CPU, 0.5 on CUDA)")
 
@@ -70,9 +75,9 @@ def _time(fn: Any, device: torch.device, budget_s: float) -> float:
     return median_seconds(fn, repeats=repeats, warmup=0, device=device)
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    if backend != "auto":
-        return backend
+def _resolve_backend(backend: str, device: torch.device) -> Backend:
+    if backend in ("triton", "torch"):
+        return cast("Backend", backend)
     from importlib.util import find_spec
 
     return "triton" if device.type == "cuda" and find_spec("triton") else "torch"
@@ -83,6 +88,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from gpu_cache.codec import TQ4Codec
     from gpu_cache.kernels import tq4_decode_attention
 
+    if args.threads is not None:
+        torch.set_num_threads(max(1, args.threads))
     contexts = args.contexts
     if isinstance(contexts, str):
         contexts = _parse_contexts(contexts)
@@ -111,8 +118,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seq_lens = torch.tensor([context], dtype=torch.int32, device=device)
 
         def tq4(layer=layer, table=table, seq_lens=seq_lens):
-            return tq4_decode_attention(query, *layer, table, seq_lens, codec, scale,
-                                        backend=backend, check_bounds=False)
+            k_packed, k_norms, v_packed, v_norms = layer
+            return tq4_decode_attention(query, k_packed, k_norms, v_packed, v_norms, table,
+                                        seq_lens, codec, scale, backend=backend,
+                                        check_bounds=False)
 
         keys = torch.randn(1, NUM_KV_HEADS, context, HEAD_DIM, generator=gen).to(device,
                                                                                 sdpa_dtype)

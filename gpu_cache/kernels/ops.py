@@ -194,6 +194,18 @@ def _first_true(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(first >= mask.numel(), -1, first)
 
 
+def _centered(key: torch.Tensor, key_offset: torch.Tensor | None,
+              codec: TQ4Codec) -> torch.Tensor:
+    """``key - key_offset`` broadcast over tokens (``key_offset`` ``[Hkv, D]``)."""
+    if key_offset is None:
+        return key
+    _check_float(key_offset, "key_offset", (key.shape[1], codec.head_dim), "[Hkv, D]")
+    if key_offset.device != key.device:
+        raise CodecInputError(f"key_offset is on {key_offset.device} but key is on "
+                              f"{key.device}; use cache.key_offset(layer)")
+    return key - key_offset.to(key.dtype)
+
+
 def _default_scale(scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
@@ -209,6 +221,8 @@ def quantize_into_cache(
     v_norms: torch.Tensor,
     codec: TQ4Codec,
     backend: Backend = "auto",
+    check_bounds: bool = True,
+    key_offset: torch.Tensor | None = None,
 ) -> None:
     """Encode new K/V rows straight into their cache slots (fused rotate+quantize+pack).
 
@@ -220,6 +234,9 @@ def quantize_into_cache(
             ``[NB, BS, Hkv]`` (one layer), written in place.
         codec: the cache's codec.
         backend: "auto", "triton" or "torch".
+        check_bounds: verify that no slot lies beyond the cache (one host sync).
+        key_offset: ``[Hkv, D]`` per-head key offset of this layer (the cache's
+            :meth:`~gpu_cache.TQGPUCache.key_offset`), subtracted before encoding.
 
     Raises:
         CodecInputError: wrong dtype, shape or device, or a slot beyond the cache.
@@ -232,8 +249,9 @@ def quantize_into_cache(
     device = _check_devices(codec, key=key, value=value, slot_mapping=slot_mapping,
                             k_packed=k_packed, k_norms=k_norms, v_packed=v_packed,
                             v_norms=v_norms)
+    key = _centered(key, key_offset, codec)
     num_slots = num_blocks * block_size
-    if num_tokens and int(slot_mapping.max()) >= num_slots:
+    if check_bounds and num_tokens and int(slot_mapping.max()) >= num_slots:
         raise CodecInputError(
             f"slot_mapping holds slot {int(slot_mapping.max())} but this cache layer has "
             f"{num_slots} slots ({num_blocks} blocks x {block_size}); use -1 to skip a token"
@@ -331,6 +349,7 @@ def tq4_extend_attention(
     prefix_len: int,
     codec: TQ4Codec,
     scale: float | None = None,
+    key_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill/extend attention: ``T`` new tokens over a packed prefix plus themselves.
 
@@ -345,6 +364,9 @@ def tq4_extend_attention(
         block_table: ``[max_blocks]`` int32/int64 block ids of this sequence.
         prefix_len: cached tokens before the new ones.
         codec: the cache's codec; scale: softmax scale, default ``1/sqrt(D)``.
+        key_offset: ``[Hkv, D]`` key offset of this layer when the cache holds
+            centered keys; the fresh keys are centered the same way so that cached
+            and fresh scores shift alike (softmax then cannot tell).
 
     Returns:
         ``[T, Hq, D]`` in ``query``'s dtype.
@@ -370,6 +392,7 @@ def tq4_extend_attention(
                    block_table=block_table)
     if int(prefix_len) < 0:
         raise CodecInputError(f"prefix_len must be >= 0, got {prefix_len}")
+    key = _centered(key, key_offset, codec)
     seq_lens = torch.tensor([int(prefix_len)], device=block_table.device)
     _check_block_refs(block_table[None, :], seq_lens, num_blocks, block_size)
     out = torch_ops.tq4_extend_attention_torch(

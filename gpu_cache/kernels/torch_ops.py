@@ -31,10 +31,11 @@ __all__ = [
     "tq4_extend_attention_torch",
 ]
 
-#: Bytes of codebook values materialised per online-softmax step. 1 MiB (256
-#: tokens at Hkv=8, D=128) stays in L2, so the gather and the matmul that reads it
-#: back run from cache (a 4 MiB chunk's matmuls measured >10x slower per token on
-#: a 2-core CPU).
+#: Bytes of codebook values materialised per online-softmax step: 1 MiB is 256
+#: tokens at Hkv=8, D=128 and stays in L2, so the gather and the matmuls that read
+#: it back run from cache (single thread, 32K tokens: 151 ms vs 193 ms for 4 MiB).
+#: On an oversubscribed CPU, larger chunks win instead: every parallel torch op is
+#: a thread barrier, and smaller chunks mean more of them.
 CHUNK_BYTES = 1 << 20
 #: Query tokens per step on the extend path (bounds the ``[H, rows, keys]`` scores).
 DEFAULT_QUERY_CHUNK = 256

@@ -1,0 +1,111 @@
+"""``contextkit recover``: restore shadowed sessions (the startup job before serving).
+
+The CLI module wires :func:`add_recover_arguments` and :func:`run_recover` into its
+``recover`` sub-command. Without a cache, one is built per cache identity found in
+the manifests, sized to hold the sessions (a verification run; services pass their
+own cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gpu_cache import CacheConfig, CacheIdentity, CacheIdentityError, TQGPUCache
+from shadow._errors import ShadowError
+from shadow.manifest import Manifest
+from shadow.recovery import RecoveryReport, discover_sessions, load_manifest, recover_session
+from shadow.stores import StoreConfig, open_store
+
+__all__ = ["DEFAULT_STORE_ENV", "add_recover_arguments", "default_store_url", "run_recover"]
+
+DEFAULT_STORE_ENV = "CONTEXTKIT_SHADOW_URL"
+
+
+def default_store_url() -> str:
+    """``$CONTEXTKIT_SHADOW_URL``, else ``file://~/.cache/contextkit/shadow``."""
+    env = os.environ.get(DEFAULT_STORE_ENV)
+    if env:
+        return env
+    return f"file://{Path('~/.cache/contextkit/shadow').expanduser()}"
+
+
+def add_recover_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``contextkit recover``."""
+    parser.add_argument("--store", default=None, metavar="URL",
+                        help="shadow store: file:///path or s3://bucket/prefix "
+                             f"(default: ${DEFAULT_STORE_ENV} or "
+                             "file://~/.cache/contextkit/shadow)")
+    parser.add_argument("--session", action="append", default=None, metavar="ID",
+                        help="session to recover (repeatable; default: every session found)")
+    parser.add_argument("--endpoint-url", default=None, metavar="URL",
+                        help="S3-compatible endpoint (MinIO, Ceph); default: boto3's")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def _build_cache(identity: CacheIdentity, manifests: list[Manifest]) -> TQGPUCache:
+    """A cache for ``identity`` big enough for the sessions' blocks and pins."""
+    num_blocks = sum(len(m.blocks) for m in manifests)
+    num_pinned = sum(1 for m in manifests for b in m.blocks if b.pinned)
+    return TQGPUCache(identity, CacheConfig(num_device_blocks=max(16, num_pinned + 16),
+                                            num_host_blocks=max(16, num_blocks)),
+                      key_offsets=manifests[0].key_offsets_tensor())
+
+
+def run_recover(args: argparse.Namespace, cache: TQGPUCache | None = None) -> dict[str, Any]:
+    """Recover sessions, show a progress bar and print a summary.
+
+    Args:
+        args: parsed :func:`add_recover_arguments` options.
+        cache: the cache to recover into; ``None`` builds one per identity.
+
+    Returns:
+        The JSON-able summary: sessions, blocks, bytes, skipped, seconds, plus
+        per-session errors and skipped blocks.
+    """
+    from tqdm import tqdm
+
+    start = time.perf_counter()
+    url = args.store or default_store_url()
+    store = open_store(url, StoreConfig(endpoint_url=getattr(args, "endpoint_url", None)))
+    report = RecoveryReport()
+    try:
+        wanted = args.session or [s.session_id for s in discover_sessions(store)]
+        manifests: dict[str, Manifest] = {}
+        for sid in wanted:
+            try:
+                manifests[sid] = load_manifest(store, sid)
+            except (ShadowError, CacheIdentityError) as exc:
+                report.errors[sid] = str(exc)
+        caches: dict[CacheIdentity, TQGPUCache] = {}
+        if cache is None:
+            groups: dict[CacheIdentity, list[Manifest]] = {}
+            for m in manifests.values():
+                groups.setdefault(m.identity, []).append(m)
+            caches = {ident: _build_cache(ident, ms) for ident, ms in groups.items()}
+        total_blocks = sum(len(m.blocks) for m in manifests.values())
+        with tqdm(total=total_blocks, unit="blk", desc="recover", file=sys.stderr,
+                  disable=getattr(args, "no_progress", False)) as bar:
+            for sid, m in manifests.items():
+                target = cache if cache is not None else caches[m.identity]
+                try:
+                    report.merge(recover_session(store, sid, target, progress=bar.update))
+                except (ShadowError, CacheIdentityError) as exc:
+                    report.errors[sid] = str(exc)
+    finally:
+        store.close()
+    report.seconds = time.perf_counter() - start
+    summary = report.to_dict()
+    summary["store"] = store.url
+    out = sys.stdout
+    out.write(f"recovered {summary['sessions']} session(s) from {store.url}: "
+              f"{summary['blocks']} blocks, {summary['bytes'] / 1e6:,.1f} MB, "
+              f"{summary['skipped']} skipped, {summary['seconds']:.2f} s\n")
+    for sid, why in report.errors.items():
+        out.write(f"  {sid}: {why}\n")
+    out.flush()
+    return summary

@@ -1,0 +1,436 @@
+"""CacheShadow: crash-safe, incremental shadows of a TQGPUCache to a store.
+
+Write protocol of one shadow (the manifest put is the commit point)::
+
+    1. new blocks -> one new immutable segment (four blobs), each streamed, fsynced
+       and renamed into place (or a completed multipart upload on S3)
+    2. manifest.json -> written to a temp name, fsynced, atomically replaced
+    3. index.json    -> updated last (a discovery hint)
+    4. segments the new manifest no longer references are deleted
+
+A crash before 2 leaves the previous manifest authoritative and at most some
+unreferenced blobs, which the next shadow overwrites or deletes. A block is
+matched to the previous shadow by its content key; keyed blocks are immutable in
+the cache (content addressing), so each is written once. Blocks without a key (still
+being filled) are written on every shadow. When unreferenced bytes exceed
+``compact_garbage_fraction`` of what the segments hold, the shadow rewrites every
+live block into one fresh segment (a compaction).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpu_cache import TENSOR_NAMES, BlockMeta, TQGPUCache
+from shadow._errors import BlobNotFoundError, CorruptShadowError
+from shadow.manifest import (
+    BlockRecord,
+    Manifest,
+    SegmentRecord,
+    SessionInfo,
+    block_nbytes,
+    checksum,
+    manifest_key,
+    segment_files,
+    validate_session_id,
+)
+from shadow.recovery import (
+    DEFAULT_CHUNK_BYTES,
+    RecoveryReport,
+    discover_sessions,
+    load_manifest,
+    recover_session,
+    update_index,
+)
+from shadow.stores import LocalStore, ShadowStore, StoreConfig, open_store
+
+__all__ = ["CacheShadow", "ShadowConfig", "ShadowResult"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowConfig:
+    """Behaviour of a :class:`CacheShadow`.
+
+    Args:
+        interval_seconds: period of the background shadow.
+        autostart: start the background scheduler in the constructor.
+        tenant: shadow only this tenant's blocks; ``None`` shadows every block.
+        chunk_bytes: bytes exported and written per step (memory use is about
+            three times this, since the next step is prepared while one is written).
+        compact_garbage_fraction: compact when unreferenced bytes exceed this
+            share of the bytes the segments hold.
+    """
+
+    interval_seconds: float = 60.0
+    autostart: bool = True
+    tenant: str | None = None
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    compact_garbage_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.interval_seconds <= 0:
+            raise ValueError(f"interval_seconds must be > 0, got {self.interval_seconds}")
+        if self.chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
+        if not 0.0 < self.compact_garbage_fraction <= 1.0:
+            raise ValueError("compact_garbage_fraction must be within (0, 1], got "
+                             f"{self.compact_garbage_fraction}")
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowResult:
+    """What one shadow wrote."""
+
+    session_id: str
+    generation: int
+    num_blocks: int  # live blocks in the new manifest
+    blocks_written: int
+    bytes_written: int  # block bytes written (manifest and index excluded)
+    manifest_bytes: int
+    seconds: float
+    compacted: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True)
+class _Prepared:
+    metas: list[BlockMeta]
+    arrays: dict[str, np.ndarray]  # per tensor ``[n, L, BS, H, ...]`` C-contiguous
+    checksums: dict[str, list[int]]
+
+
+class CacheShadow:
+    """Shadows ``cache`` to ``store_url`` under ``session_id``, periodically and on demand.
+
+    Args:
+        cache: the cache to shadow and to recover into.
+        store_url: ``file:///path``, ``s3://bucket/prefix``, or a ready store
+            (e.g. a :class:`shadow.stores.MeteredStore`).
+        session_id: the session's name in the store (see
+            :func:`shadow.manifest.validate_session_id`).
+        config: interval, tenant filter, chunking, compaction.
+        store_config: options for a store built from a URL.
+
+    If the session already exists, its manifest becomes the base of incremental
+    shadows; the periodic job then waits until :meth:`recover_session` restored it
+    (so a restarted process never shadows its empty cache over the saved session);
+    an explicit :meth:`shadow_now` overrides that.
+
+    Raises:
+        InvalidSessionIdError: an unsafe session id.
+        CacheIdentityError: the existing session belongs to another identity.
+    """
+
+    def __init__(
+        self,
+        cache: TQGPUCache,
+        store_url: str | ShadowStore,
+        session_id: str,
+        *,
+        config: ShadowConfig | None = None,
+        store_config: StoreConfig | None = None,
+    ) -> None:
+        self.cache = cache
+        self.session_id = validate_session_id(session_id)
+        self.config = config or ShadowConfig()
+        self._owns_store = not isinstance(store_url, ShadowStore)
+        self.store: ShadowStore = (open_store(store_url, store_config)
+                                   if isinstance(store_url, str) else store_url)
+        self._lock = threading.Lock()
+        self._scheduler: Any = None
+        self._closed = False
+        self.last_result: ShadowResult | None = None
+        self.last_error: BaseException | None = None
+        self._manifest = self._load_existing()
+        self._awaiting_recovery = self._manifest is not None and bool(self._manifest.blocks)
+        self._collect_garbage()
+        if self.config.autostart:
+            self.start()
+
+    # ------------------------------------------------------------------ state
+    def _load_existing(self) -> Manifest | None:
+        try:
+            manifest = load_manifest(self.store, self.session_id)
+        except BlobNotFoundError:
+            return None
+        except CorruptShadowError as exc:
+            logger.warning("session %s: existing manifest unreadable (%s); the next shadow "
+                           "starts the session afresh", self.session_id, exc)
+            return None
+        self.cache.identity.check_compatible(
+            manifest.identity, what=f"existing shadow session {self.session_id!r}")
+        return manifest
+
+    def _collect_garbage(self) -> None:
+        """Delete blobs of this session that the manifest does not reference.
+
+        Assumes one writer per session (the documented contract).
+        """
+        keep = {manifest_key(self.session_id)}
+        if self._manifest is not None:
+            keep |= {f for s in self._manifest.segments for f in s.files.values()}
+        stale = [k for k in self.store.list(f"{self.session_id}/") if k not in keep]
+        self.store.delete_many(stale)
+        if isinstance(self.store, LocalStore):
+            self.store.remove_unfinished(f"{self.session_id}/")
+        if stale:
+            logger.debug("session %s: removed %d unreferenced blobs", self.session_id, len(stale))
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The last committed manifest of this session (``None`` before the first)."""
+        return self._manifest
+
+    # ------------------------------------------------------------------ scheduling
+    def start(self) -> None:
+        """Start the periodic shadow (apscheduler BackgroundScheduler); idempotent."""
+        if self._closed:
+            raise RuntimeError("this CacheShadow is closed; create a new one")
+        if self._scheduler is not None:
+            return
+        try:
+            from apscheduler.schedulers.background import BackgroundScheduler
+        except ImportError:
+            raise ImportError("periodic shadows need apscheduler: "
+                              "pip install 'contextkit[shadow]'") from None
+        scheduler = BackgroundScheduler(daemon=True)
+        scheduler.add_job(self._periodic, "interval", seconds=self.config.interval_seconds,
+                          id=f"shadow:{self.session_id}", max_instances=1, coalesce=True)
+        scheduler.start()
+        self._scheduler = scheduler
+
+    def _periodic(self) -> None:
+        if self._awaiting_recovery:
+            logger.warning("session %s exists in %s and was not recovered into this cache; "
+                           "periodic shadow skipped (call recover_session() or shadow_now())",
+                           self.session_id, self.store.url)
+            return
+        try:
+            self.shadow_now()
+        except Exception as exc:  # a failed shadow leaves the last one authoritative
+            self.last_error = exc
+            logger.exception("periodic shadow of session %s failed", self.session_id)
+
+    def close(self, final_shadow: bool = False) -> None:
+        """Stop the scheduler (waiting for a running shadow), optionally shadow once more.
+
+        Idempotent.
+        """
+        if self._closed:
+            return
+        if self._scheduler is not None:
+            self._scheduler.shutdown(wait=True)
+            self._scheduler = None
+        if final_shadow:
+            self.shadow_now()
+        self._closed = True
+        if self._owns_store:
+            self.store.close()
+
+    def __enter__(self) -> CacheShadow:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def running(self) -> bool:
+        return self._scheduler is not None
+
+    # ------------------------------------------------------------------ shadow
+    def shadow_now(self) -> ShadowResult:
+        """Shadow the cache now; returns what was written.
+
+        On any error the previous shadow stays authoritative and the error propagates.
+        """
+        with self._lock:
+            result = self._shadow_locked()
+            self.last_result = result
+            self._awaiting_recovery = False
+            return result
+
+    def _live_blocks(self) -> list[BlockMeta]:
+        tenant = self.config.tenant
+        metas = [m for m in self.cache.metadata.all()
+                 if tenant is None or m.tenant_slug == tenant]
+        return sorted(metas, key=lambda m: m.block_id)
+
+    def _shadow_locked(self) -> ShadowResult:
+        start = time.perf_counter()
+        cache, prev = self.cache, self._manifest
+        identity = cache.identity
+        metas = self._live_blocks()
+        prev_by_key = {r.key: r for r in prev.blocks if r.key is not None} if prev else {}
+        reuse: dict[int, BlockRecord] = {}
+        new: list[BlockMeta] = []
+        for m in metas:
+            rec = prev_by_key.get(m.key.hex()) if m.key is not None else None
+            if rec is not None:
+                reuse[m.block_id] = rec
+            else:
+                new.append(m)
+
+        per_block = sum(block_nbytes(identity).values())
+        compacted = False
+        if prev is not None and prev.segments:
+            stored = prev.stored_bytes + len(new) * per_block
+            live = len(metas) * per_block
+            if stored and (stored - live) / stored > self.config.compact_garbage_fraction:
+                new, reuse, compacted = list(metas), {}, True
+
+        segment_id = prev.next_segment if prev else 0
+        segments = [] if compacted or prev is None else list(prev.segments)
+        written_records: dict[int, BlockRecord] = {}
+        if new:
+            kind = "compaction" if compacted else ("base" if segment_id == 0 else "incremental")
+            files = segment_files(self.session_id, segment_id)
+            written, new = self._write_segment(files, segment_id, new)
+            written_records = {r_id: rec for r_id, rec in written}
+            segments.append(SegmentRecord(segment_id, files, len(new), kind))
+            next_segment = segment_id + 1
+        else:
+            next_segment = segment_id
+
+        records: list[BlockRecord] = []
+        for m in metas:
+            if m.block_id in written_records:
+                records.append(written_records[m.block_id])
+            elif m.block_id in reuse:
+                old = reuse[m.block_id]
+                records.append(BlockRecord(
+                    key=old.key, source_layer=m.source_layer, importance=m.importance,
+                    token_range=tuple(m.token_range), tenant=m.tenant_slug,  # type: ignore[arg-type]
+                    pinned=m.pinned, num_tokens=m.num_tokens, segment_id=old.segment_id,
+                    offsets=old.offsets, checksums=old.checksums))
+        used = {r.segment_id for r in records}
+        segments = [s for s in segments if s.segment_id in used]
+        now = time.time()
+        manifest = Manifest(session_id=self.session_id, identity=identity,
+                            generation=(prev.generation + 1) if prev else 1,
+                            segments=segments, blocks=records, next_segment=next_segment,
+                            created_at=prev.created_at if prev else now, updated_at=now,
+                            key_offsets=self._key_offset_bytes())
+        raw = manifest.to_json()
+        self.store.put(manifest_key(self.session_id), raw)  # the commit point
+        self._manifest = manifest
+        try:
+            update_index(self.store, manifest.info())
+        except Exception:  # the manifest is committed; the index is only a hint
+            logger.warning("session %s: index update failed", self.session_id, exc_info=True)
+        if prev is not None:
+            dropped = {s.segment_id for s in prev.segments} - {s.segment_id for s in segments}
+            stale = [f for s in prev.segments if s.segment_id in dropped
+                     for f in s.files.values()]
+            self.store.delete_many(stale)
+        result = ShadowResult(
+            session_id=self.session_id, generation=manifest.generation,
+            num_blocks=len(records), blocks_written=len(written_records),
+            bytes_written=len(written_records) * per_block, manifest_bytes=len(raw),
+            seconds=time.perf_counter() - start, compacted=compacted)
+        logger.debug("shadowed session %s: %s", self.session_id, result)
+        return result
+
+    def _key_offset_bytes(self) -> bytes | None:
+        offsets = self.cache.key_offsets
+        if offsets is None:
+            return None
+        return offsets.detach().to("cpu", torch.float32).numpy().astype("<f4").tobytes()
+
+    # ------------------------------------------------------------------ segment writing
+    def _prepare(self, metas: list[BlockMeta]) -> _Prepared:
+        """Copy blocks out block-major (``[n, L, BS, H, ...]``) with per-block checksums."""
+        cache = self.cache
+        # Blocks freed since the plan was made are dropped; export_blocks copies runs of
+        # consecutive slots with one strided copy each.
+        with cache.locked():
+            metas = [m for m in metas if m.block_id in cache.metadata]
+            n = len(metas)
+            exported = cache.export_blocks([m.block_id for m in metas], block_major=True)
+        arrays = {name: exported[name].numpy() for name in TENSOR_NAMES}
+        sums = {}
+        for name in TENSOR_NAMES:
+            rows = arrays[name].reshape(n, -1).view(np.uint8)
+            sums[name] = [checksum(rows[k]) for k in range(n)]
+        return _Prepared(metas, arrays, sums)
+
+    def _prepared_chunks(self, metas: list[BlockMeta]) -> Iterator[_Prepared]:
+        """Export and checksum chunk ``i + 1`` in a thread while chunk ``i`` is written."""
+        per_block = self.cache.bytes_per_block
+        step = max(1, self.config.chunk_bytes // per_block)
+        chunks = [metas[i:i + step] for i in range(0, len(metas), step)]
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shadow-export") as pool:
+            future = pool.submit(self._prepare, chunks[0])
+            for i in range(len(chunks)):
+                prepared = future.result()
+                if i + 1 < len(chunks):
+                    future = pool.submit(self._prepare, chunks[i + 1])
+                yield prepared
+
+    def _write_segment(
+        self, files: dict[str, str], segment_id: int, metas: Sequence[BlockMeta],
+    ) -> tuple[list[tuple[int, BlockRecord]], list[BlockMeta]]:
+        """Stream blocks into a segment's four blobs and commit them.
+
+        Returns:
+            ``(block id, record)`` per written block, and the blocks actually written
+            (blocks freed meanwhile are dropped).
+        """
+        sizes = block_nbytes(self.cache.identity)
+        writers = {name: self.store.open_writer(files[name]) for name in TENSOR_NAMES}
+        out: list[tuple[int, BlockRecord]] = []
+        written: list[BlockMeta] = []
+        try:
+            for prepared in self._prepared_chunks(list(metas)):
+                for name in TENSOR_NAMES:
+                    writers[name].write(prepared.arrays[name])
+                for i, m in enumerate(prepared.metas):
+                    idx = len(written) + i
+                    out.append((m.block_id, BlockRecord(
+                        key=m.key.hex() if m.key is not None else None,
+                        source_layer=m.source_layer, importance=m.importance,
+                        token_range=(int(m.token_range[0]), int(m.token_range[1])),
+                        tenant=m.tenant_slug, pinned=m.pinned, num_tokens=m.num_tokens,
+                        segment_id=segment_id,
+                        offsets={n: idx * sizes[n] for n in TENSOR_NAMES},
+                        checksums={n: prepared.checksums[n][i] for n in TENSOR_NAMES})))
+                written += prepared.metas
+            for name in TENSOR_NAMES:
+                writers[name].commit()
+        except BaseException:
+            for w in writers.values():
+                w.abort()
+            raise
+        return out, written
+
+    # ------------------------------------------------------------------ discovery / recovery
+    def discover_sessions(self) -> list[SessionInfo]:
+        """Sessions in this shadow's store (see :func:`shadow.recovery.discover_sessions`)."""
+        return discover_sessions(self.store)
+
+    def session_info(self) -> SessionInfo | None:
+        return self._manifest.info() if self._manifest else None
+
+    def recover_session(self, session_id: str | None = None, **kwargs: Any) -> RecoveryReport:
+        """Restore a session (this one by default) into this shadow's cache.
+
+        See :func:`shadow.recovery.recover_session` for arguments and errors.
+        """
+        sid = self.session_id if session_id is None else validate_session_id(session_id)
+        with self._lock:
+            report = recover_session(self.store, sid, self.cache, **kwargs)
+            if sid == self.session_id:
+                self._awaiting_recovery = False
+        return report
