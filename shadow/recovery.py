@@ -240,41 +240,69 @@ def _plan(manifest: Manifest, todo: Sequence[tuple[int, BlockRecord]],
     return chunks
 
 
-def _read_chunk(store: ShadowStore, manifest: Manifest, chunk: _Chunk) -> _ReadChunk:
-    """Read a chunk's byte range of each blob and verify every block's checksums.
+class _ChunkReader:
+    """Reads chunks into two reused buffer sets and verifies checksums as it goes.
 
-    Runs in the prefetch thread: reading and CRC-32 (which releases the GIL) overlap
-    with the import of the previous chunk.
+    Fresh buffers per chunk would page-fault on every read (as costly as the CRC);
+    two sets suffice because at most one chunk is being imported while the next is
+    read. Each tensor's checksums run in a helper thread while the next tensor is
+    read (``zlib.crc32`` releases the GIL), so reading and verifying overlap.
     """
-    shapes, dtypes, sizes = block_shapes(manifest.identity), block_dtypes(), manifest.block_nbytes
-    files = {s.segment_id: s.files for s in manifest.segments}[chunk.segment_id]
-    span = chunk.records[-1][2] - chunk.first + 1
-    arrays: dict[str, np.ndarray] = {}
-    blocks_read: dict[str, int] = {}
-    for name in TENSOR_NAMES:
-        arr = np.empty((span, *shapes[name]), dtype=dtypes[name])
-        try:
-            got = store.read_into(files[name], chunk.first * sizes[name],
-                                  memoryview(arr.reshape(-1).view(np.uint8)))
-        except BlobNotFoundError:
-            return _ReadChunk(chunk, {}, {}, missing=files[name])
-        arrays[name] = arr
-        blocks_read[name] = got // sizes[name]
-    bad: dict[int, str] = {}
-    for pos, rec, seg_idx in chunk.records:
-        local = seg_idx - chunk.first
-        for name in TENSOR_NAMES:
-            if local >= blocks_read[name]:
+
+    def __init__(self, store: ShadowStore, manifest: Manifest, chunks: list[_Chunk]) -> None:
+        self.store, self.manifest = store, manifest
+        self.shapes, self.dtypes = block_shapes(manifest.identity), block_dtypes()
+        self.sizes = manifest.block_nbytes
+        self.files = {s.segment_id: s.files for s in manifest.segments}
+        span = max((c.records[-1][2] - c.first + 1 for c in chunks), default=0)
+        self.buffers = [{name: np.empty((span, *self.shapes[name]), dtype=self.dtypes[name])
+                         for name in TENSOR_NAMES} for _ in range(2)]
+        self.verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shadow-crc")
+        self.turn = 0
+
+    def close(self) -> None:
+        self.verifier.shutdown(wait=True)
+
+    def _verify(self, name: str, arr: np.ndarray, chunk: _Chunk, blocks_read: int
+                ) -> dict[int, str]:
+        bad: dict[int, str] = {}
+        for pos, rec, seg_idx in chunk.records:
+            local = seg_idx - chunk.first
+            if local >= blocks_read:
                 bad[pos] = f"{name} blob is truncated"
-                break
-            if checksum(arrays[name][local].reshape(-1).view(np.uint8)) != rec.checksums[name]:
+            elif checksum(arr[local].reshape(-1).view(np.uint8)) != rec.checksums[name]:
                 bad[pos] = f"{name} checksum mismatch"
-                break
-    return _ReadChunk(chunk, arrays, bad)
+        return bad
+
+    def read(self, chunk: _Chunk) -> _ReadChunk:
+        files = self.files[chunk.segment_id]
+        span = chunk.records[-1][2] - chunk.first + 1
+        buffers = self.buffers[self.turn]
+        self.turn ^= 1
+        arrays: dict[str, np.ndarray] = {}
+        pending = []
+        try:
+            for name in TENSOR_NAMES:
+                arr = buffers[name][:span]
+                try:
+                    got = self.store.read_into(files[name], chunk.first * self.sizes[name],
+                                               memoryview(arr.reshape(-1).view(np.uint8)))
+                except BlobNotFoundError:
+                    return _ReadChunk(chunk, {}, {}, missing=files[name])
+                arrays[name] = arr
+                pending.append(self.verifier.submit(self._verify, name, arr, chunk,
+                                                    got // self.sizes[name]))
+        finally:
+            results = [f.result() for f in pending]  # never leave a verify running on a buffer
+        bad: dict[int, str] = {}
+        for found in results:
+            for pos, why in found.items():
+                bad.setdefault(pos, why)
+        return _ReadChunk(chunk, arrays, bad)
 
 
 def _prefetched(fn: Callable[[_Chunk], _ReadChunk], chunks: list[_Chunk]) -> Iterator[_ReadChunk]:
-    """Read chunk ``i + 1`` in a thread while chunk ``i`` is verified and imported."""
+    """Read chunk ``i + 1`` in a thread while chunk ``i`` is imported."""
     if not chunks:
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shadow-read") as pool:
@@ -284,6 +312,60 @@ def _prefetched(fn: Callable[[_Chunk], _ReadChunk], chunks: list[_Chunk]) -> Ite
             if i + 1 < len(chunks):
                 future = pool.submit(fn, chunks[i + 1])
             yield result
+
+
+def _import_chunks(cache: TQGPUCache, session_id: str, chunks: Iterator[_ReadChunk],
+                   report: RecoveryReport, ids: list[int | None], sizes: dict[str, int],
+                   progress: Callable[[int], object] | None) -> None:
+    """Import verified blocks of each chunk into the host tier, recording skips."""
+    no_room = False
+    for got in chunks:
+        recs = got.chunk.records
+        if no_room or got.missing is not None:
+            reason = ("the host tier has no room left" if no_room
+                      else f"blob {got.missing} is missing")
+            report.skipped += [SkippedBlock(session_id, pos, rec.key, reason)
+                               for pos, rec, _ in recs]
+            if progress:
+                progress(len(recs))
+            continue
+        good: list[tuple[int, BlockRecord, int]] = []
+        for pos, rec, seg_idx in recs:
+            if pos in got.bad:
+                report.skipped.append(SkippedBlock(session_id, pos, rec.key, got.bad[pos]))
+            else:
+                good.append((pos, rec, seg_idx - got.chunk.first))
+        room = cache.num_free(Tier.HOST)
+        if len(good) > room:
+            # never evict live blocks (or blocks just recovered) to make room
+            no_room = True
+            report.skipped += [SkippedBlock(session_id, pos, rec.key,
+                                            "the host tier has no room left")
+                               for pos, rec, _ in good[room:]]
+            good = good[:room]
+        if good:
+            span = next(iter(got.arrays.values())).shape[0]
+            local_idx = [g[2] for g in good]
+            dense = local_idx == list(range(span))
+            tensors = {}
+            for name in TENSOR_NAMES:
+                arr = got.arrays[name] if dense else got.arrays[name][local_idx]
+                tensors[name] = torch.from_numpy(arr).transpose(0, 1)  # -> [L, n, BS, H, ...]
+            new_ids = cache.import_blocks(tensors, [g[1].meta_for_import() for g in good],
+                                          tier=Tier.HOST)
+            if new_ids is None:
+                no_room = True
+                report.skipped += [SkippedBlock(session_id, pos, rec.key,
+                                                "the host tier has no room left")
+                                   for pos, rec, _ in good]
+            else:
+                for (pos, _, _), bid in zip(good, new_ids, strict=True):
+                    ids[pos] = bid
+                report.blocks += len(new_ids)
+                report.bytes += len(new_ids) * sum(sizes.values())
+        if progress:
+            progress(len(recs))
+
 
 
 def recover_session(
@@ -337,53 +419,12 @@ def recover_session(
     sizes = manifest.block_nbytes
     chunk_blocks = max(1, chunk_bytes // manifest.bytes_per_block)
     chunks = _plan(manifest, todo, chunk_blocks)
-    no_room = False
-    for got in _prefetched(lambda c: _read_chunk(store, manifest, c), chunks):
-        recs = got.chunk.records
-        if no_room or got.missing is not None:
-            reason = ("the host tier has no room left" if no_room
-                      else f"blob {got.missing} is missing")
-            report.skipped += [SkippedBlock(session_id, pos, rec.key, reason)
-                               for pos, rec, _ in recs]
-            if progress:
-                progress(len(recs))
-            continue
-        good: list[tuple[int, BlockRecord, int]] = []
-        for pos, rec, seg_idx in recs:
-            if pos in got.bad:
-                report.skipped.append(SkippedBlock(session_id, pos, rec.key, got.bad[pos]))
-            else:
-                good.append((pos, rec, seg_idx - got.chunk.first))
-        room = cache.num_free(Tier.HOST)
-        if len(good) > room:
-            # never evict live blocks (or blocks just recovered) to make room
-            no_room = True
-            report.skipped += [SkippedBlock(session_id, pos, rec.key,
-                                            "the host tier has no room left")
-                               for pos, rec, _ in good[room:]]
-            good = good[:room]
-        if good:
-            span = next(iter(got.arrays.values())).shape[0]
-            local_idx = [g[2] for g in good]
-            dense = local_idx == list(range(span))
-            tensors = {}
-            for name in TENSOR_NAMES:
-                arr = got.arrays[name] if dense else got.arrays[name][local_idx]
-                tensors[name] = torch.from_numpy(arr).transpose(0, 1)  # -> [L, n, BS, H, ...]
-            new_ids = cache.import_blocks(tensors, [g[1].meta_for_import() for g in good],
-                                          tier=Tier.HOST)
-            if new_ids is None:
-                no_room = True
-                report.skipped += [SkippedBlock(session_id, pos, rec.key,
-                                                "the host tier has no room left")
-                                   for pos, rec, _ in good]
-            else:
-                for (pos, _, _), bid in zip(good, new_ids, strict=True):
-                    ids[pos] = bid
-                report.blocks += len(new_ids)
-                report.bytes += len(new_ids) * sum(sizes.values())
-        if progress:
-            progress(len(recs))
+    reader = _ChunkReader(store, manifest, chunks)
+    try:
+        _import_chunks(cache, session_id, _prefetched(reader.read, chunks), report, ids,
+                       sizes, progress)
+    finally:
+        reader.close()
 
     if repin:
         to_pin = [bid for rec, bid in zip(manifest.blocks, ids, strict=True)
