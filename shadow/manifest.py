@@ -101,7 +101,7 @@ def block_shapes(identity: CacheIdentity) -> dict[str, tuple[int, ...]]:
     return {"k_packed": packed, "k_norms": base, "v_packed": packed, "v_norms": base}
 
 
-def block_dtypes() -> dict[str, type[np.generic]]:
+def block_dtypes() -> dict[str, Any]:
     return dict(_NUMPY_DTYPES)
 
 

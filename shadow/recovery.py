@@ -286,7 +286,7 @@ class _ChunkReader:
                 arr = buffers[name][:span]
                 try:
                     got = self.store.read_into(files[name], chunk.first * self.sizes[name],
-                                               memoryview(arr.reshape(-1).view(np.uint8)))
+                                               memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
                 except BlobNotFoundError:
                     return _ReadChunk(chunk, {}, {}, missing=files[name])
                 arrays[name] = arr

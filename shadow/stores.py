@@ -14,6 +14,7 @@ is aborted, or a process killed mid-write, leaves no object under the key.
 from __future__ import annotations
 
 import abc
+import builtins
 import io
 import logging
 import os
@@ -208,7 +209,7 @@ class _LocalWriter(BlobWriter):
         self._tmp = self._final.with_name(
             f"{self._final.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
         self._fsync = store.config.fsync
-        self._file: io.BufferedWriter | None = open(self._tmp, "wb", buffering=0)  # noqa: SIM115
+        self._file: io.FileIO | None = open(self._tmp, "wb", buffering=0)  # noqa: SIM115
 
     def write(self, data: Any) -> None:
         assert self._file is not None, "write after commit/abort"
@@ -319,11 +320,11 @@ class LocalStore(ShadowStore):
                     keys.append(key)
         return sorted(keys)
 
-    def list_unfinished(self, prefix: str = "") -> list[str]:
+    def list_unfinished(self, prefix: str = "") -> builtins.list[str]:
         """Temp files of writes that never committed (a crash leaves them)."""
         return sorted(k for k in self._list_all() if k.startswith(prefix) and _TMP_MARK in k)
 
-    def _list_all(self) -> list[str]:
+    def _list_all(self) -> builtins.list[str]:
         out = []
         for dirpath, _dirs, files in os.walk(self.root):
             rel = Path(dirpath).relative_to(self.root)
@@ -546,7 +547,7 @@ class MeteredStore(ShadowStore):
     def __init__(self, inner: ShadowStore) -> None:
         self.inner = inner
         self.url = inner.url
-        self.scheme = inner.scheme
+        self.scheme = inner.scheme  # type: ignore[misc]  # a wrapper reports its inner scheme
         self._lock = threading.Lock()
         self.written: dict[str, int] = {}
         self.bytes_read = 0

@@ -102,7 +102,7 @@ class ShadowResult:
     compacted: bool
 
     def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+        return {f: getattr(self, f) for f in self.__slots__}
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from contextkit.bench._common import machine_info, print_table
-from gpu_cache import CacheConfig, CacheIdentity, Tier, TQGPUCache
+from gpu_cache import BlockHash, CacheConfig, CacheIdentity, Tier, TQGPUCache
 from shadow import CacheShadow, LocalStore, MeteredStore, ShadowConfig, recover_session
 
 __all__ = ["HELP", "add_arguments", "run"]
@@ -129,7 +129,7 @@ def _fill(cache: TQGPUCache, num_blocks: int, first_serial: int) -> list[int]:
     host.k_norms[0, slots, 0, 0] = torch.arange(first_serial, first_serial + num_blocks,
                                                 dtype=torch.float32)
     for i, bid in enumerate(ids):
-        cache.set_key(bid, hashlib.sha256(f"bench-{first_serial + i}".encode()).digest())
+        cache.set_key(bid, BlockHash(hashlib.sha256(f"bench-{first_serial + i}".encode()).digest()))
         cache.metadata.annotate(bid, num_tokens=cache.block_size,
                                 token_range=(i * cache.block_size, (i + 1) * cache.block_size))
     return ids

@@ -485,7 +485,7 @@ def test_key_offset_changes_the_codes_but_not_the_attention() -> None:
     allowed = torch.arange(prefix + fresh)[None, :] <= (prefix + torch.arange(fresh))[:, None]
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
     ref = torch.einsum("hts,shd->thd", probs, values.repeat_interleave(2, 1))
-    cos = lambda out: torch.nn.functional.cosine_similarity(  # noqa: E731
+    cos = lambda out: torch.nn.functional.cosine_similarity(
         out.flatten(1), ref.flatten(1), dim=-1).mean().item()
     centered, plain = run(offset), run(None)
     assert cos(centered) > cos(plain)  # centering spends the bits on what differs
