@@ -84,6 +84,10 @@ class SentenceTransformerEmbedder:
             ``all-MiniLM-L6-v2`` for the packaged model).
         batch_size: texts per forward pass.
         device: torch device for the model.
+        trace_queries: run single-text encodes (the query hot path) through a
+            TorchScript trace of the transformer body, which drops ~3 ms of Python
+            module overhead per query on CPU. The trace is checked against the eager
+            model on first use and abandoned (with a warning) if they disagree.
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class SentenceTransformerEmbedder:
         model_id: str | None = None,
         batch_size: int = 64,
         device: str = "cpu",
+        trace_queries: bool = True,
     ) -> None:
         if model_dir is None:
             path = default_model_dir()
@@ -121,6 +126,8 @@ class SentenceTransformerEmbedder:
         self._preprocess = getattr(self._model, "preprocess", None) or self._model.tokenize
         # torch modules are not re-entrant across threads in every backend
         self._lock = threading.Lock()
+        self._trace_queries = trace_queries
+        self._traced: Any = None  # None: not tried yet; False: unavailable
 
     @property
     def model_id(self) -> str:
@@ -144,6 +151,10 @@ class SentenceTransformerEmbedder:
         out = np.empty((num, self._dim), dtype=np.float32)
         if num == 0:
             return out
+        if num == 1 and self._trace_queries:
+            fast = self._encode_one_traced(texts[0])
+            if fast is not None:
+                return fast
         order = np.argsort([-len(t) for t in texts], kind="stable")
         device = self._model.device
         with self._lock, torch.inference_mode():
@@ -155,3 +166,57 @@ class SentenceTransformerEmbedder:
                 emb = self._model(features)["sentence_embedding"]
                 out[idx] = emb.float().cpu().numpy()
         return normalize_rows(out)
+
+    # ------------------------------------------------------------------ query fast path
+    def _eager_one(self, text: str) -> np.ndarray:
+        import torch
+
+        with torch.inference_mode():
+            features = self._preprocess([text])
+            emb = self._model(features)["sentence_embedding"]
+        return normalize_rows(emb.float().cpu().numpy())
+
+    def _run_traced(self, text: str) -> np.ndarray:
+        import torch
+
+        with torch.inference_mode():
+            features = self._preprocess([text])
+            out = self._traced(features["input_ids"], features["attention_mask"])
+            features["token_embeddings"] = out["last_hidden_state"] if isinstance(out, dict) \
+                else out[0]
+            for module in list(self._model)[1:]:  # pooling, normalize: eager, as configured
+                features = module(features)
+            emb = features["sentence_embedding"]
+        return normalize_rows(emb.float().cpu().numpy())
+
+    def _encode_one_traced(self, text: str) -> np.ndarray | None:
+        """Encode one text through the traced body; ``None`` when unavailable."""
+        with self._lock:
+            if self._traced is None:
+                self._traced = self._build_trace(text)
+            if self._traced is False:
+                return None
+            return self._run_traced(text)
+
+    def _build_trace(self, text: str) -> Any:
+        """Trace the transformer body; keep it only if it matches eager at two lengths."""
+        import warnings
+
+        import torch
+
+        try:
+            body = self._model[0].auto_model
+            features = self._preprocess([text])
+            with warnings.catch_warnings(), torch.inference_mode():
+                warnings.simplefilter("ignore")
+                traced = torch.jit.freeze(torch.jit.trace(
+                    body.eval(), (features["input_ids"], features["attention_mask"]),
+                    strict=False, check_trace=False))
+            self._traced = traced
+            for probe in (text, text + " " + text + " and a little more."):
+                if not np.allclose(self._run_traced(probe), self._eager_one(probe), atol=1e-5):
+                    raise ValueError("traced and eager embeddings differ")
+            return traced
+        except Exception as exc:  # any failure only costs speed: fall back to eager
+            logger.warning("query fast path disabled (%s); using the eager model", exc)
+            return False

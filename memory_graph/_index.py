@@ -31,9 +31,9 @@ class IndexConfig:
     """
 
     exact_max_rows: int = 32_768
-    coarse_dim: int = 96
-    candidates_per_k: int = 32
-    min_candidates: int = 512
+    coarse_dim: int = 48
+    candidates_per_k: int = 64
+    min_candidates: int = 1024
 
     def __post_init__(self) -> None:
         if self.exact_max_rows < 1 or self.coarse_dim < 1:

@@ -20,6 +20,7 @@ import logging
 import os
 import secrets
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 #: S3 refuses multipart parts below 5 MiB (except the last one).
 S3_MIN_PART_BYTES = 5 * 1024 * 1024
 _TMP_MARK = ".tmp-"
+_MAX_READ_FDS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +265,8 @@ class LocalStore(ShadowStore):
         self.url = f"file://{self.root}"
         self.config = config or StoreConfig()
         self.root.mkdir(parents=True, exist_ok=True)
+        self._read_fds: OrderedDict[str, tuple[int, tuple[int, int]]] = OrderedDict()
+        self._fd_lock = threading.Lock()
 
     def _path(self, key: str) -> Path:
         _check_key(key)
@@ -284,19 +288,51 @@ class LocalStore(ShadowStore):
 
     def read_into(self, key: str, offset: int, buffer: memoryview) -> int:
         view = memoryview(buffer).cast("B")
+        fd = self._read_fd(key)
+        total = 0
+        while total < len(view):
+            n = os.preadv(fd, [view[total:]], offset + total)
+            if not n:
+                break
+            total += n
+        return total
+
+    def _read_fd(self, key: str) -> int:
+        """A read descriptor for ``key``, kept open across calls.
+
+        Recovery reads each blob in many chunks; reopening it per chunk would reset
+        the kernel's readahead. A cached descriptor is reused only while the path
+        still names the same file (blobs are immutable, but a key may be rewritten).
+        """
+        path = self._path(key)
         try:
-            f = open(self._path(key), "rb", buffering=0)  # noqa: SIM115
+            st = os.stat(path)
         except FileNotFoundError:
             raise BlobNotFoundError(f"{self.url}/{key} does not exist") from None
-        with f:
-            f.seek(offset)
-            total = 0
-            while total < len(view):
-                n = f.readinto(view[total:])
-                if not n:
-                    break
-                total += n
-            return total
+        with self._fd_lock:
+            cached = self._read_fds.get(key)
+            if cached is not None and cached[1] == (st.st_dev, st.st_ino):
+                self._read_fds.move_to_end(key)
+                return cached[0]
+            if cached is not None:
+                os.close(cached[0])
+                del self._read_fds[key]
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise BlobNotFoundError(f"{self.url}/{key} does not exist") from None
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            self._read_fds[key] = (fd, (st.st_dev, st.st_ino))
+            while len(self._read_fds) > _MAX_READ_FDS:
+                os.close(self._read_fds.popitem(last=False)[1][0])
+            return fd
+
+    def close(self) -> None:
+        with self._fd_lock:
+            for fd, _ in self._read_fds.values():
+                os.close(fd)
+            self._read_fds.clear()
 
     def size(self, key: str) -> int | None:
         try:
@@ -305,6 +341,10 @@ class LocalStore(ShadowStore):
             return None
 
     def delete(self, key: str) -> None:
+        with self._fd_lock:
+            cached = self._read_fds.pop(key, None)
+            if cached is not None:
+                os.close(cached[0])
         self._path(key).unlink(missing_ok=True)
 
     def list(self, prefix: str = "") -> list[str]:

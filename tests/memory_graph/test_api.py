@@ -48,3 +48,19 @@ def test_embedder_protocol_is_met_by_the_real_model(embedder) -> None:
     assert float(vecs[0] @ vecs[2]) > 0.9999
     assert float(vecs[0] @ vecs[1]) < 0.9
     assert embedder.encode([]).shape == (0, 384)
+
+
+def test_query_fast_path_matches_the_eager_model(embedder) -> None:
+    import numpy as np
+
+    from memory_graph import SentenceTransformerEmbedder
+
+    eager = SentenceTransformerEmbedder(trace_queries=False)
+    texts = ["Paris", "Where did I leave the keys to the blue car yesterday evening?",
+             "the " * 40 + "end"]
+    for text in texts:
+        fast = embedder.encode([text])
+        assert embedder._traced not in (None, False), "the traced path should be in use"
+        np.testing.assert_allclose(fast, eager.encode([text]), atol=1e-5)
+    # batches keep the eager path and agree with single encodes
+    np.testing.assert_allclose(embedder.encode(texts), eager.encode(texts), atol=1e-5)
