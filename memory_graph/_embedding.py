@@ -75,6 +75,25 @@ def default_model_dir() -> Path:
     return path
 
 
+def _hidden_states_only(body: Any) -> Any:
+    """A module returning only ``last_hidden_state`` of a HF encoder.
+
+    Tracing this instead of the encoder lets ``torch.jit.freeze`` drop outputs that
+    sentence-transformers pooling never reads (BERT's pooler layer).
+    """
+    import torch
+
+    class HiddenStates(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = body
+
+        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
+            return self.body(input_ids=input_ids, attention_mask=attention_mask)[0]
+
+    return HiddenStates().eval()
+
+
 class SentenceTransformerEmbedder:
     """A sentence-transformers model read from a local directory (no hub access).
 
@@ -181,9 +200,8 @@ class SentenceTransformerEmbedder:
 
         with torch.inference_mode():
             features = self._preprocess([text])
-            out = self._traced(features["input_ids"], features["attention_mask"])
-            features["token_embeddings"] = out["last_hidden_state"] if isinstance(out, dict) \
-                else out[0]
+            features["token_embeddings"] = self._traced(features["input_ids"],
+                                                        features["attention_mask"])
             for module in list(self._model)[1:]:  # pooling, normalize: eager, as configured
                 features = module(features)
             emb = features["sentence_embedding"]
@@ -205,12 +223,12 @@ class SentenceTransformerEmbedder:
         import torch
 
         try:
-            body = self._model[0].auto_model
+            body = _hidden_states_only(self._model[0].auto_model)
             features = self._preprocess([text])
             with warnings.catch_warnings(), torch.inference_mode():
                 warnings.simplefilter("ignore")
                 traced = torch.jit.freeze(torch.jit.trace(
-                    body.eval(), (features["input_ids"], features["attention_mask"]),
+                    body, (features["input_ids"], features["attention_mask"]),
                     strict=False, check_trace=False))
             self._traced = traced
             for probe in (text, text + " " + text + " and a little more."):

@@ -7,10 +7,13 @@ from typing import Any
 import pytest
 import torch
 
-from contextkit.bench.quant import _attention, _pydoc_tokens, capture_real_qkv
+from contextkit.bench.quant import (
+    _attention,
+    _pydoc_tokens,
+    attn_cosine_real,
+    capture_real_qkv,
+)
 from contextkit.models import load_model, load_tokenizer
-from gpu_cache import TQ4Codec
-from gpu_cache.calibration import mean_key_offsets
 
 pytestmark = pytest.mark.slow
 
@@ -37,21 +40,15 @@ def test_captured_qkv_reproduce_the_models_attention_output(model: Any) -> None:
     assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-3)
 
 
-def test_key_offsets_improve_tq4_attention_on_real_keys(model: Any) -> None:
-    tok = load_tokenizer()
-    calib = capture_real_qkv(model, _pydoc_tokens(256, tok, reverse=True))
-    offsets = mean_key_offsets([k for _, k, _ in calib])
-    qkv = capture_real_qkv(model, _pydoc_tokens(256, tok, reverse=False))
-    codec = TQ4Codec(64)
-    rt = lambda x: codec.decode(codec.encode(x))  # noqa: E731
-    plain, centered = [], []
-    for layer, (q, k, v) in enumerate(qkv):
-        qs = q[:, -32:]
-        ref = _attention(qs, k, v, causal_offset=k.shape[1] - 32)
-        cos = lambda out: torch.nn.functional.cosine_similarity(  # noqa: E731
-            out.flatten(0, 1), ref.flatten(0, 1), dim=-1)
-        plain.append(cos(_attention(qs, rt(k), rt(v), causal_offset=k.shape[1] - 32)))
-        mu = offsets[layer].unsqueeze(1)
-        centered.append(cos(_attention(qs, rt(k - mu), rt(v), causal_offset=k.shape[1] - 32)))
-    assert torch.cat(centered).mean() > torch.cat(plain).mean()
-    assert torch.cat(centered).mean() > 0.985
+def test_real_kv_quality_gate_at_the_bench_configuration() -> None:
+    """``attn_cosine_real`` as ``bench quant`` reports it: 1K tokens, offsets from another text.
+
+    Deterministic (fixed texts, fixed rotation seed), so this is a quality gate, not a
+    timing. The key offsets' gain is small (about +0.0016 here) and depends on the
+    calibration; at 256-token texts it is within +-0.001 of none.
+    """
+    real = attn_cosine_real(1024, seed=0)
+    assert real["mean"] >= 0.99
+    assert real["uncentered_mean"] >= 0.985
+    assert real["mean"] > real["uncentered_mean"]
+    assert real["layers"] == 30
