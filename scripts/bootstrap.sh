@@ -14,7 +14,8 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
     exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-PIP="$VENV/bin/python -m pip --disable-pip-version-check --no-warn-script-location"
+PIP="$VENV/bin/python -m pip"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_WARN_SCRIPT_LOCATION=1
 $PIP install --quiet --upgrade pip
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     # A CUDA machine may bring its own torch; here the CPU build is on disk.
