@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import abc
 import builtins
+import ctypes
+import errno
 import io
 import logging
 import os
@@ -47,6 +49,15 @@ logger = logging.getLogger(__name__)
 S3_MIN_PART_BYTES = 5 * 1024 * 1024
 _TMP_MARK = ".tmp-"
 _MAX_READ_FDS = 64
+_PAGE = 4096  # O_DIRECT alignment of offsets, lengths and buffer addresses
+
+
+def _aligned(view: memoryview, offset: int) -> bool:
+    """Whether a read of ``view`` at ``offset`` meets O_DIRECT's alignment rules."""
+    if offset % _PAGE or len(view) % _PAGE or view.readonly or not len(view):
+        return False
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return address % _PAGE == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +72,11 @@ class StoreConfig:
         region_name: S3 region; ``None`` uses boto3's default.
         multipart_threshold: S3 objects at least this large are uploaded in parts.
         multipart_chunksize: S3 part size (S3 requires >= 5 MiB).
+        direct_io: local reads of page-aligned ranges into page-aligned buffers use
+            ``O_DIRECT``: the disk writes straight into the caller's buffer, with no
+            page-cache copy on the CPU (recovery needs that CPU for checksums and the
+            tier import). Other reads, and filesystems without ``O_DIRECT``, read
+            through the page cache.
     """
 
     fsync: bool = True
@@ -68,6 +84,7 @@ class StoreConfig:
     region_name: str | None = None
     multipart_threshold: int = 64 * 1024 * 1024
     multipart_chunksize: int = 16 * 1024 * 1024
+    direct_io: bool = True
 
     def __post_init__(self) -> None:
         if self.multipart_chunksize < S3_MIN_PART_BYTES:
@@ -267,6 +284,7 @@ class LocalStore(ShadowStore):
         self.root.mkdir(parents=True, exist_ok=True)
         self._read_fds: OrderedDict[str, tuple[int, tuple[int, int]]] = OrderedDict()
         self._fd_lock = threading.Lock()
+        self._direct_ok = self.config.direct_io and hasattr(os, "O_DIRECT")
 
     def _path(self, key: str) -> Path:
         _check_key(key)
@@ -288,16 +306,26 @@ class LocalStore(ShadowStore):
 
     def read_into(self, key: str, offset: int, buffer: memoryview) -> int:
         view = memoryview(buffer).cast("B")
-        fd = self._read_fd(key)
+        direct = self._direct_ok and _aligned(view, offset)
+        fd = self._read_fd(key, direct)
         total = 0
         while total < len(view):
-            n = os.preadv(fd, [view[total:]], offset + total)
+            try:
+                n = os.preadv(fd, [view[total:]], offset + total)
+            except OSError as exc:
+                if not direct or exc.errno != errno.EINVAL:
+                    raise
+                # The filesystem takes O_DIRECT opens but not these reads: stop trying.
+                self._direct_ok = False
+                return total + self.read_into(key, offset + total, view[total:])
             if not n:
                 break
             total += n
+            if direct and n % _PAGE:
+                break  # a short direct read ends at end of file
         return total
 
-    def _read_fd(self, key: str) -> int:
+    def _read_fd(self, key: str, direct: bool = False) -> int:
         """A read descriptor for ``key``, kept open across calls.
 
         Recovery reads each blob in many chunks; reopening it per chunk would reset
@@ -309,21 +337,28 @@ class LocalStore(ShadowStore):
             st = os.stat(path)
         except FileNotFoundError:
             raise BlobNotFoundError(f"{self.url}/{key} does not exist") from None
+        slot = f"{key}\0direct" if direct else key
         with self._fd_lock:
-            cached = self._read_fds.get(key)
+            cached = self._read_fds.get(slot)
             if cached is not None and cached[1] == (st.st_dev, st.st_ino):
-                self._read_fds.move_to_end(key)
+                self._read_fds.move_to_end(slot)
                 return cached[0]
             if cached is not None:
                 os.close(cached[0])
-                del self._read_fds[key]
+                del self._read_fds[slot]
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
             except FileNotFoundError:
                 raise BlobNotFoundError(f"{self.url}/{key} does not exist") from None
+            except OSError as exc:
+                if not direct or exc.errno != errno.EINVAL:
+                    raise
+                self._direct_ok = False  # e.g. tmpfs: no O_DIRECT at all
+                fd = os.open(path, os.O_RDONLY)
+                slot = key
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            self._read_fds[key] = (fd, (st.st_dev, st.st_ino))
+            self._read_fds[slot] = (fd, (st.st_dev, st.st_ino))
             while len(self._read_fds) > _MAX_READ_FDS:
                 os.close(self._read_fds.popitem(last=False)[1][0])
             return fd
@@ -342,9 +377,10 @@ class LocalStore(ShadowStore):
 
     def delete(self, key: str) -> None:
         with self._fd_lock:
-            cached = self._read_fds.pop(key, None)
-            if cached is not None:
-                os.close(cached[0])
+            for slot in (key, f"{key}\0direct"):
+                cached = self._read_fds.pop(slot, None)
+                if cached is not None:
+                    os.close(cached[0])
         self._path(key).unlink(missing_ok=True)
 
     def list(self, prefix: str = "") -> list[str]:

@@ -192,6 +192,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             notes.append("posix_fadvise unavailable: reads may come from the page cache")
         else:
             notes.append("page cache dropped per file with posix_fadvise(DONTNEED) before reads")
+        notes.append("recovery reads page-aligned ranges with O_DIRECT (StoreConfig.direct_io); "
+                     "the plain read is an ordinary buffered read")
         gb = 1e9
         result: dict[str, Any] = {
             "blocks": num_blocks,

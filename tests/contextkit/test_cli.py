@@ -23,7 +23,7 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
 def test_help_lists_every_command_and_benchmark() -> None:
     out = run_cli("--help")
     assert out.returncode == 0
-    for command in ("demo", "bench"):
+    for command in ("demo", "recover", "bench"):
         assert command in out.stdout
     bench = run_cli("bench", "--help")
     for name in BENCHMARKS:

@@ -385,3 +385,28 @@ def test_recovery_into_a_full_host_tier_reports_the_rest(store_url):
 def test_unknown_store_scheme_says_what_is_known():
     with pytest.raises(shadow.ShadowStoreError, match="file://, s3://"):
         open_store("ftp://example.org/x")
+
+
+def test_direct_reads_match_buffered_reads_and_stop_at_end_of_file(tmp_path):
+    import mmap
+    import os
+
+    import numpy as np
+
+    from shadow import LocalStore, StoreConfig
+
+    data = os.urandom(3 * 4096 + 100)  # the tail is not a page multiple
+    direct = LocalStore(f"file://{tmp_path}", StoreConfig(direct_io=True))
+    plain = LocalStore(f"file://{tmp_path}", StoreConfig(direct_io=False))
+    direct.put("blob.bin", data)
+    for offset, length in ((0, 4 * 4096), (4096, 4096), (8192, 8192)):
+        aligned = np.frombuffer(mmap.mmap(-1, length), dtype=np.uint8)  # page-aligned, writable
+        got = direct.read_into("blob.bin", offset, memoryview(aligned))
+        expect = bytearray(length)
+        assert plain.read_into("blob.bin", offset, memoryview(expect)) == got
+        assert got == min(length, len(data) - offset)
+        assert aligned[:got].tobytes() == data[offset:offset + got] == bytes(expect[:got])
+    if hasattr(os, "O_DIRECT") and direct._direct_ok:  # ext4/xfs: the direct path was taken
+        assert any(k.endswith("\0direct") for k in direct._read_fds)
+    direct.close()
+    plain.close()
