@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -156,7 +156,6 @@ class MoveStats:
     bytes_moved: int = 0
     copies: int = 0
     last_move_copies: int = 0
-    history: list[str] = field(default_factory=list)
 
 
 def _run(slots: np.ndarray) -> tuple[int, int] | None:
@@ -684,8 +683,4 @@ class TQGPUCache:
             meta.pinned = pinned
             meta.eviction_priority = (PINNED_PRIORITY if pinned
                                       else self.metadata.priority_for(meta.source_layer))
-
-    def evictable_device_blocks(self) -> int:
-        with self._lock:
-            return len(self.metadata.eviction_order(Tier.DEVICE, self.policy))
 

@@ -188,10 +188,6 @@ class TQ4Codec:
         """Inverse of :meth:`rotate` (``r @ R``)."""
         return torch.matmul(r, self.rotation)
 
-    def quantize_rotated(self, r: torch.Tensor) -> torch.Tensor:
-        """Nearest-centroid indices (uint8, ``[..., d]``) of rotated unit coordinates."""
-        return torch.bucketize(r, self.boundaries).to(torch.uint8)
-
     def pack(self, idx: torch.Tensor) -> torch.Tensor:
         """Pack 4-bit indices ``[..., d]`` into bytes ``[..., d/2]`` (split-half order)."""
         half = self.head_dim // 2

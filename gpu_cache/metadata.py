@@ -12,7 +12,7 @@ import enum
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from gpu_cache._errors import UnknownBlockError
@@ -75,7 +75,6 @@ class BlockMeta:
     pinned: bool = False
     ref_count: int = 0
     num_tokens: int = 0
-    extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def evictable(self) -> bool:
