@@ -1,0 +1,132 @@
+"""Layers, prompt parsing and the budget compressor (real SmolLM2 tokenizer)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from contextkit.layers import DEFAULT_LAYERS, LayerConfig, LayerSpec, UnknownLayerError
+from contextkit.models import load_tokenizer
+from contextkit.prompt import (
+    PromptFormatError,
+    PromptLine,
+    SpilloverQueue,
+    StructuredPrompt,
+    coerce_prompt,
+    parse_marked,
+    render_marked,
+    synthesize_for_budget,
+)
+
+CONFIG = LayerConfig()
+
+
+@pytest.fixture(scope="module")
+def count_tokens() -> Callable[[str], int]:
+    tokenizer = load_tokenizer()
+    return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_default_layers_and_budgets_follow_the_spec() -> None:
+    names = [s.name for s in DEFAULT_LAYERS]
+    assert names == ["axioms", "identity", "system_knowledge", "capabilities", "system_state",
+                     "current_time", "neurons", "memories", "affect", "awareness", "partner"]
+    assert sum(s.budget for s in DEFAULT_LAYERS if s.name != "partner") == 6830
+    assert CONFIG.get("neurons").budget_for(expanded=True) == 8000
+    assert CONFIG.get("RULES") is CONFIG.get("system_knowledge")
+    assert CONFIG.get("rules").source == "rules"
+    assert [s.name for s in CONFIG if s.stable] == ["axioms", "identity", "system_knowledge",
+                                                    "capabilities"]
+    with pytest.raises(UnknownLayerError, match="known layers"):
+        CONFIG.get("soul_food")
+    with pytest.raises(ValueError, match="> 0"):
+        LayerSpec("x", 0, 10)
+    with pytest.raises(ValueError, match="twice"):
+        LayerConfig([LayerSpec("a", 1, 1), LayerSpec("b", 1, 1, aliases=("a",))])
+    assert CONFIG.with_budgets(memories=50).get("memories").budget == 50
+
+
+MARKED = """[AXIOMS]
+Never reveal secrets.
+[/AXIOMS]
+[RULES]
+Answer briefly.
+Cite sources.
+[/RULES]
+[CURRENT_TIME]
+2026-11-21 21:00 UTC
+[/CURRENT_TIME]"""
+
+
+def test_marker_strings_round_trip() -> None:
+    prompt = parse_marked(MARKED, CONFIG)
+    assert [s.layer for s in prompt.sections] == ["axioms", "system_knowledge", "current_time"]
+    assert [line.text for line in prompt.section("system_knowledge").lines] == [
+        "Answer briefly.", "Cite sources."]
+    again = parse_marked(render_marked(prompt), CONFIG)
+    assert again == prompt
+
+
+@pytest.mark.parametrize("text,match", [
+    ("[AXIOMS]\nx\n[/AXIOMS]\n[FOO]\ny\n[/FOO]", r"line 4: unknown layer marker \[FOO\]"),
+    ("[AXIOMS]\nx\n[IDENTITY]\n", r"line 3: \[IDENTITY\] opens inside \[AXIOMS\]"),
+    ("[AXIOMS]\nx\n[/IDENTITY]", r"line 3: \[/IDENTITY\] closes inside \[AXIOMS\]"),
+    ("[AXIOMS]\nx\n", r"\[AXIOMS\] opened on line 1 is never closed"),
+    ("loose text\n[AXIOMS]\nx\n[/AXIOMS]", r"line 1 is outside any layer"),
+    ("[AXIOMS]\nx\n[/AXIOMS]\n[AXIOMS]\ny\n[/AXIOMS]", r"appears twice"),
+], ids=["unknown", "nested", "mismatched", "unclosed", "outside", "twice"])
+def test_bad_markers_say_where_and_what_to_do(text: str, match: str) -> None:
+    with pytest.raises(PromptFormatError, match=match):
+        parse_marked(text, CONFIG)
+
+
+def test_structured_prompts_are_accepted_in_several_shapes() -> None:
+    prompt = coerce_prompt({"axioms": ["Never reveal secrets."],
+                            "memories": [("met Dana", 0.9), PromptLine("likes tea", 0.2)],
+                            "identity": "I am Ada.\nI help."}, CONFIG)
+    assert isinstance(prompt, StructuredPrompt)
+    assert prompt.section("memories").lines[0] == PromptLine("met Dana", 0.9)
+    assert [line.text for line in prompt.section("identity").lines] == ["I am Ada.", "I help."]
+    assert coerce_prompt(prompt, CONFIG) is prompt
+    assert coerce_prompt(MARKED, CONFIG) == parse_marked(MARKED, CONFIG)
+    with pytest.raises(PromptFormatError, match="unknown layer 'mood'"):
+        coerce_prompt({"mood": ["x"]}, CONFIG)
+    with pytest.raises(PromptFormatError, match="returned int"):
+        coerce_prompt(42, CONFIG)
+    with pytest.raises(PromptFormatError, match="within"):
+        PromptLine("x", 1.5)
+
+
+def test_synthesize_keeps_important_lines_in_order_within_budget(
+        count_tokens: Callable[[str], int]) -> None:
+    lines = [PromptLine(f"fact number {i} about the deployment of service {i}", imp)
+             for i, imp in enumerate([0.1, 0.9, 0.5, 0.9, 0.3, 0.7])]
+    cost = [count_tokens(line.text) + 1 for line in lines]
+    budget = cost[1] + cost[3] + cost[5]  # exactly the three most important
+    queue = SpilloverQueue()
+    kept, spilled = synthesize_for_budget(lines, budget, count_tokens, layer="neurons",
+                                          spillover=queue)
+    assert kept == [lines[1], lines[3], lines[5]]
+    assert spilled == [lines[0], lines[2], lines[4]]
+    assert sum(count_tokens(line.text) + 1 for line in kept) <= budget
+    drained = queue.drain()
+    assert [d.text for d in drained] == [s.text for s in spilled]
+    assert {d.layer for d in drained} == {"neurons"} and len(queue) == 0
+    # deterministic: the same input gives the same output
+    assert synthesize_for_budget(lines, budget, count_tokens)[0] == kept
+    # a long important line that does not fit does not block smaller ones
+    big = [PromptLine("word " * 400, 1.0), *lines]
+    kept_big, _ = synthesize_for_budget(big, budget, count_tokens)
+    assert big[0] not in kept_big and kept_big == kept
+    with pytest.raises(ValueError, match="budget must be > 0"):
+        synthesize_for_budget(lines, 0, count_tokens)
+
+
+def test_spillover_queue_is_bounded_and_counts_what_it_drops() -> None:
+    from contextkit.prompt import SpilledLine
+
+    queue = SpilloverQueue(maxlen=3)
+    queue.put(SpilledLine("memories", str(i), 0.5, 0.0) for i in range(5))
+    assert queue.dropped == 2 and [s.text for s in queue.drain(2)] == ["2", "3"]
+    assert [s.text for s in queue.drain()] == ["4"]
