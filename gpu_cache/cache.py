@@ -110,13 +110,14 @@ class TierStorage:
         self.device = device
         self.pinned = pin
         self.free = np.ones(num_blocks, dtype=bool)
+        self._num_free = num_blocks
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.k_packed, self.k_norms, self.v_packed, self.v_norms)
 
     @property
     def num_free(self) -> int:
-        return int(self.free.sum())
+        return self._num_free
 
     @property
     def nbytes(self) -> int:
@@ -134,6 +135,7 @@ class TierStorage:
             if runs.size:
                 chosen = idx[runs[0]: runs[0] + n]
         self.free[chosen] = False
+        self._num_free -= n
         return chosen
 
     def give_back(self, slots: Iterable[int]) -> None:
@@ -141,6 +143,7 @@ class TierStorage:
         if arr.size and self.free[arr].any():
             raise BlockStateError(f"slots {arr[self.free[arr]].tolist()} are already free")
         self.free[arr] = True
+        self._num_free += arr.size
 
 
 @dataclass(slots=True)
@@ -248,9 +251,7 @@ class TQGPUCache:
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block across all layers, K and V, packed and norms."""
-        i = self.identity
-        per_token_head = i.head_dim // 2 + 4
-        return 2 * i.num_layers * i.block_size * i.num_kv_heads * per_token_head
+        return self.identity.bytes_per_block
 
     @property
     def bytes_per_token(self) -> int:
@@ -372,16 +373,20 @@ class TQGPUCache:
         """
         with self._lock:
             for bid in self._checked(block_ids):
-                meta = self.metadata.get(bid)
-                if meta.pinned:
-                    raise BlockStateError(
-                        f"block {bid} ({meta.source_layer}) is pinned and never leaves the "
-                        "device tier; unpin it with PrefixPinManager.unpin() first"
-                    )
-                if meta.ref_count:
-                    raise BlockStateError(f"block {bid} is in use by {meta.ref_count} reader(s); "
-                                          "release it before spilling")
+                self._check_movable(bid, "spilling")
             return self._spill(list(block_ids), protect=set(block_ids))
+
+    def _check_movable(self, block_id: int, action: str) -> None:
+        """Raise BlockStateError for a pinned or in-use block (``action`` names the caller)."""
+        meta = self.metadata.get(block_id)
+        if meta.pinned:
+            raise BlockStateError(
+                f"block {block_id} ({meta.source_layer}) is pinned and never leaves the device "
+                f"tier; unpin it with PrefixPinManager.unpin() before {action} it"
+            )
+        if meta.ref_count:
+            raise BlockStateError(f"block {block_id} is in use by {meta.ref_count} reader(s); "
+                                  f"release it before {action} it")
 
     def _spill(self, block_ids: Sequence[int], protect: set[int]) -> list[int] | None:
         metas = [self.metadata.get(b) for b in block_ids]
@@ -405,12 +410,7 @@ class TQGPUCache:
         with self._lock:
             ids = self._checked(block_ids)
             for bid in ids:
-                meta = self.metadata.get(bid)
-                if meta.pinned:
-                    raise BlockStateError(f"block {bid} is pinned; unpin it before removing it")
-                if meta.ref_count:
-                    raise BlockStateError(f"block {bid} is in use by {meta.ref_count} reader(s); "
-                                          "release it before removing it")
+                self._check_movable(bid, "removing")
             self._remove(ids, reason="removed")
             self.stats.removes += 1
 

@@ -18,7 +18,6 @@ halves of the rotated vector as two contiguous ``[d/2]`` slices, never interleav
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -82,8 +81,7 @@ class TQ4Codec:
         device: where the rotation and codebook tensors live.
         cpu_kernels: use the fused numba kernels for CPU tensors when available
             (same codes as the torch path up to boundary ties, several times
-            faster). False forces
-            the pure-torch path.
+            faster). False forces the pure-torch path.
     """
 
     head_dim: int
@@ -127,18 +125,6 @@ class TQ4Codec:
     def packed_dim(self) -> int:
         """Bytes per packed head vector (``d/2`` at 4 bits)."""
         return self.head_dim * self.bits // 8
-
-    @property
-    def name(self) -> str:
-        return f"tq{self.bits}"
-
-    def fingerprint(self) -> str:
-        """Short digest of everything that changes the bytes this codec writes."""
-        h = hashlib.sha256()
-        h.update(f"{self.name}:{self.head_dim}:{self.seed}:split-half".encode())
-        h.update(self.rotation.cpu().numpy().tobytes())
-        h.update(self.centroids.cpu().numpy().tobytes())
-        return h.hexdigest()[:16]
 
     # ---------------------------------------------------------------- checks
     def _check_vectors(self, x: torch.Tensor, what: str) -> None:
@@ -242,6 +228,9 @@ class TQ4Codec:
     def decode_rotated(self, enc: TQ4Encoded) -> torch.Tensor:
         """Reconstruction in the rotated domain: ``norm * c[idx]``, float32 ``[..., d]``."""
         self._check_packed(enc)
+        return self._rotated_values(enc)
+
+    def _rotated_values(self, enc: TQ4Encoded) -> torch.Tensor:
         pairs = self._pair_lut[enc.packed.long()]  # [..., d/2, 2] = (lo, hi)
         vals = torch.cat([pairs[..., 0], pairs[..., 1]], dim=-1)
         return vals * enc.norms.unsqueeze(-1)
@@ -255,7 +244,7 @@ class TQ4Codec:
         self._check_packed(enc)
         if self._fused_cpu(enc.packed.device, enc.norms.numel()):
             return self._decode_fused(enc)
-        return self.unrotate(self.decode_rotated(enc))
+        return self.unrotate(self._rotated_values(enc))
 
     def _decode_fused(self, enc: TQ4Encoded) -> torch.Tensor:
         assert self._signs is not None

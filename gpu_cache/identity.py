@@ -70,8 +70,11 @@ class CacheIdentity:
         blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).digest()
 
-    def short(self) -> str:
-        return self.digest().hex()[:12]
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across all layers: K and V, packed nibbles and float32 norms."""
+        per_token_head = self.head_dim // 2 + 4
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_token_head
 
     def check_compatible(self, other: CacheIdentity, what: str = "data") -> None:
         """Raise CacheIdentityError naming every field where ``other`` differs."""

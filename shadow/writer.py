@@ -283,7 +283,7 @@ class CacheShadow:
             else:
                 new.append(m)
 
-        per_block = sum(block_nbytes(identity).values())
+        per_block = identity.bytes_per_block
         compacted = False
         if prev is not None and prev.segments:
             stored = prev.stored_bytes + len(new) * per_block

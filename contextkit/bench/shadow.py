@@ -137,8 +137,7 @@ def _fill(cache: TQGPUCache, num_blocks: int, first_serial: int) -> list[int]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     identity = LLAMA3_8B
-    per_block = 2 * identity.num_layers * identity.block_size * identity.num_kv_heads * (
-        identity.head_dim // 2 + 4)
+    per_block = identity.bytes_per_block
     requested = int(args.blocks)
     base = Path(args.dir) if args.dir else Path("~/.cache/contextkit").expanduser()
     base.mkdir(parents=True, exist_ok=True)

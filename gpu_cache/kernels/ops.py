@@ -194,6 +194,17 @@ def _first_true(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(first >= mask.numel(), -1, first)
 
 
+def _check_query(query: object, num_kv_heads: int, codec: TQ4Codec, dims: str) -> torch.Tensor:
+    """A float ``[N, Hq, D]`` query whose head count is a multiple of the cache's KV heads."""
+    query = _check_float(query, "query", (None, None, codec.head_dim), dims)
+    if query.shape[1] % num_kv_heads:
+        raise CodecInputError(
+            f"query has {query.shape[1]} heads, not a multiple of the cache's {num_kv_heads} KV "
+            "heads; pass the model's query heads for this layer"
+        )
+    return query
+
+
 def _centered(key: torch.Tensor, key_offset: torch.Tensor | None,
               codec: TQ4Codec) -> torch.Tensor:
     """``key - key_offset`` broadcast over tokens (``key_offset`` ``[Hkv, D]``)."""
@@ -306,13 +317,8 @@ def tq4_decode_attention(
     """
     num_blocks, block_size, num_kv_heads = _check_cache(k_packed, k_norms, v_packed, v_norms,
                                                         codec)
-    query = _check_float(query, "query", (None, None, codec.head_dim), "[B, Hq, D]")
-    batch, num_q_heads, _ = query.shape
-    if num_q_heads % num_kv_heads:
-        raise CodecInputError(
-            f"query has {num_q_heads} heads, not a multiple of the cache's {num_kv_heads} KV "
-            "heads; pass the model's query heads for this layer"
-        )
+    query = _check_query(query, num_kv_heads, codec, "[B, Hq, D]")
+    batch = query.shape[0]
     block_table = _check_index(block_table, "block_table", (batch, None), "[B, max_blocks]")
     seq_lens = _check_index(seq_lens, "seq_lens", (batch,), "[B]")
     device = _check_devices(codec, query=query, k_packed=k_packed, k_norms=k_norms,
@@ -376,13 +382,8 @@ def tq4_extend_attention(
     """
     num_blocks, block_size, num_kv_heads = _check_cache(k_packed, k_norms, v_packed, v_norms,
                                                         codec)
-    query = _check_float(query, "query", (None, None, codec.head_dim), "[T, Hq, D]")
-    num_new, num_q_heads, _ = query.shape
-    if num_q_heads % num_kv_heads:
-        raise CodecInputError(
-            f"query has {num_q_heads} heads, not a multiple of the cache's {num_kv_heads} KV "
-            "heads; pass the model's query heads for this layer"
-        )
+    query = _check_query(query, num_kv_heads, codec, "[T, Hq, D]")
+    num_new = query.shape[0]
     kv_shape = (num_new, num_kv_heads, codec.head_dim)
     key = _check_float(key, "key", kv_shape, "[T, Hkv, D]")
     value = _check_float(value, "value", kv_shape, "[T, Hkv, D]")
