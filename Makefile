@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: help setup demo test test-fast bench lint typecheck clean
 
 help:
-	@echo "make demo       set up, then run the main job on embedded defaults"
+	@echo "make demo       set up, then run the demo (bench quant + tiers on SmolLM2, plot)"
 	@echo "make test       set up, then run the test suite (what CI runs)"
 	@echo "make bench      run every CPU benchmark with --json into bench/results/"
 	@echo "make lint       ruff; make typecheck: mypy"

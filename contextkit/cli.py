@@ -61,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    demo = sub.add_parser("demo", help="run the main job on embedded defaults")
+    demo = sub.add_parser(
+        "demo", help="measure the TQ4 cache on the real SmolLM2 KV (bench quant + tiers) and plot",
+        description="The main job on embedded defaults. Until the layered-prompt pipeline "
+                    "lands it runs `bench quant` and `bench tiers` on the real model and writes "
+                    "demo.json and demo.png under --out.")
     demo.add_argument("--out", default="runs/demo",
                       help="directory for the demo's JSON and PNG output (default: runs/demo)")
     demo.set_defaults(func=_demo)

@@ -209,7 +209,8 @@ def _check_key(key: str) -> None:
         raise ShadowStoreError(f"store key {key!r} is not a relative '/'-separated name")
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename or new entry in it is durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -249,7 +250,7 @@ class _LocalWriter(BlobWriter):
             f.close()
         os.replace(self._tmp, self._final)
         if self._fsync:
-            _fsync_dir(self._final.parent)
+            fsync_dir(self._final.parent)
         return self.bytes_written
 
     def abort(self) -> None:

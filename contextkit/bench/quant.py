@@ -125,7 +125,8 @@ def capture_real_qkv(model: Any, token_ids: list[int]
     return captured
 
 
-def attn_cosine_real(num_tokens: int, seed: int, num_queries: int = 64) -> dict[str, float]:
+def attn_cosine_real(num_tokens: int, seed: int, num_queries: int = 64,
+                     model: Any = None) -> dict[str, float]:
     """TQ4 vs float32 attention on real SmolLM2 Q/K/V at the last ``num_queries`` positions.
 
     Key offsets (gpu_cache.calibration) are calibrated on a disjoint text, as a
@@ -135,7 +136,7 @@ def attn_cosine_real(num_tokens: int, seed: int, num_queries: int = 64) -> dict[
     from gpu_cache.calibration import mean_key_offsets
 
     tokenizer = load_tokenizer()
-    model = load_model()
+    model = load_model() if model is None else model
     calib = capture_real_qkv(model, _pydoc_tokens(512, tokenizer, reverse=True))
     offsets = mean_key_offsets([k for _, k, _ in calib])
     qkv = capture_real_qkv(model, _pydoc_tokens(num_tokens, tokenizer, reverse=False))

@@ -25,6 +25,7 @@ import torch
 from contextkit.bench._common import machine_info, print_table
 from gpu_cache import BlockHash, CacheConfig, CacheIdentity, Tier, TQGPUCache
 from shadow import CacheShadow, LocalStore, MeteredStore, ShadowConfig, recover_session
+from shadow.stores import fsync_dir
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -77,14 +78,6 @@ def _drop_cache(paths: list[Path]) -> bool:
     return True
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _raw_write(path: Path, nbytes: int) -> float:
     buf = memoryview(os.urandom(1 << 20) * (_CHUNK >> 20))
     start = time.perf_counter()
@@ -95,7 +88,7 @@ def _raw_write(path: Path, nbytes: int) -> float:
             assert n is not None
             left -= n
         os.fsync(f.fileno())
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return time.perf_counter() - start
 
 

@@ -40,14 +40,14 @@ def test_captured_qkv_reproduce_the_models_attention_output(model: Any) -> None:
     assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-3)
 
 
-def test_real_kv_quality_gate_at_the_bench_configuration() -> None:
+def test_real_kv_quality_gate_at_the_bench_configuration(model: Any) -> None:
     """``attn_cosine_real`` as ``bench quant`` reports it: 1K tokens, offsets from another text.
 
     Deterministic (fixed texts, fixed rotation seed), so this is a quality gate, not a
     timing. The key offsets' gain is small (about +0.0016 here) and depends on the
     calibration; at 256-token texts it is within +-0.001 of none.
     """
-    real = attn_cosine_real(1024, seed=0)
+    real = attn_cosine_real(1024, seed=0, model=model)
     assert real["mean"] >= 0.99
     assert real["uncentered_mean"] >= 0.985
     assert real["mean"] > real["uncentered_mean"]
