@@ -100,12 +100,16 @@ class TierStorage:
     def __init__(self, identity: CacheIdentity, num_blocks: int, device: torch.device,
                  pin: bool) -> None:
         shape = (identity.num_layers, num_blocks, identity.block_size, identity.num_kv_heads)
-        packed_dim = identity.head_dim // 2
         opts = {"device": device, "pin_memory": pin} if pin else {"device": device}
-        self.k_packed = torch.zeros((*shape, packed_dim), dtype=torch.uint8, **opts)
-        self.v_packed = torch.zeros((*shape, packed_dim), dtype=torch.uint8, **opts)
-        self.k_norms = torch.zeros(shape, dtype=torch.float32, **opts)
-        self.v_norms = torch.zeros(shape, dtype=torch.float32, **opts)
+        if identity.codec == "native":
+            # Plain float32 K/V in the same 5D layout; the norm tensors are empty.
+            vec, vec_dtype, norm_shape = identity.head_dim, torch.float32, (*shape[:3], 0)
+        else:
+            vec, vec_dtype, norm_shape = identity.head_dim // 2, torch.uint8, shape
+        self.k_packed = torch.zeros((*shape, vec), dtype=vec_dtype, **opts)
+        self.v_packed = torch.zeros((*shape, vec), dtype=vec_dtype, **opts)
+        self.k_norms = torch.zeros(norm_shape, dtype=torch.float32, **opts)
+        self.v_norms = torch.zeros(norm_shape, dtype=torch.float32, **opts)
         self.num_blocks = num_blocks
         self.device = device
         self.pinned = pin

@@ -10,7 +10,11 @@ from typing import Any
 
 from gpu_cache._errors import CacheIdentityError
 
-__all__ = ["SCHEMA_VERSION", "CacheIdentity"]
+__all__ = ["CODECS", "SCHEMA_VERSION", "CacheIdentity"]
+
+#: Block codecs: "tq4" (4-bit packed nibbles + float32 norms) or "native" (float32
+#: K/V as the model computed them, for exactness checks; no norms).
+CODECS = ("tq4", "native")
 
 #: Version of the block layout and metadata schema. Bump on any incompatible change.
 SCHEMA_VERSION = 1
@@ -44,8 +48,8 @@ class CacheIdentity:
         if self.head_dim % 2:
             raise ValueError(f"CacheIdentity.head_dim must be even for 4-bit packing, "
                              f"got {self.head_dim}")
-        if self.codec not in ("tq4",):
-            raise ValueError(f"CacheIdentity.codec must be 'tq4', got {self.codec!r}")
+        if self.codec not in CODECS:
+            raise ValueError(f"CacheIdentity.codec must be one of {CODECS}, got {self.codec!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -72,8 +76,9 @@ class CacheIdentity:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block across all layers: K and V, packed nibbles and float32 norms."""
-        per_token_head = self.head_dim // 2 + 4
+        """Bytes of one block across all layers: K and V, packed nibbles and float32 norms
+        (tq4) or float32 vectors (native)."""
+        per_token_head = 4 * self.head_dim if self.codec == "native" else self.head_dim // 2 + 4
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_token_head
 
     def check_compatible(self, other: CacheIdentity, what: str = "data") -> None:

@@ -1,0 +1,564 @@
+"""CacheAwareContextPipeline: wrap ``build_system_message`` and steer the KV cache.
+
+Usage::
+
+    engine = Engine.from_pretrained()
+    pipeline = CacheAwareContextPipeline(engine)
+
+    @pipeline.wrap                      # or @cache_aware(pipeline)
+    def build_system_message(state):
+        return "[AXIOMS]\\n...\\n[/AXIOMS]\\n[IDENTITY]\\n...\\n[/IDENTITY]\\n..."
+
+    system_text = build_system_message(state)       # budgets applied, cache-friendly order
+    result = pipeline.generate("What changed?", history=[("user", ...), ("assistant", ...)])
+    result.report                                   # reuse, broken-by layer, blocks per tier
+
+With no engine attached (a cloud API, Ollama) the wrapper returns exactly what the
+function returns and every cache method returns an empty result: contextkit is
+purely additive.
+
+What it does with an engine attached:
+
+- applies the *expanded* layer budgets with :func:`synthesize_for_budget` (spilled
+  lines go to :attr:`spillover`, which feeds the tier manager);
+- hashes the stable prefix (the layers through ``[/CAPABILITIES]``) with SHA-256;
+- orders layers by how often they changed (learned per tenant, seeded by each
+  layer's ``volatile`` flag): layers that change on most calls go last, into a
+  trailing system message after the conversation, so they invalidate nothing but
+  themselves;
+- tokenizes segment by segment, labels every token range with its layer and
+  importance, and lets the engine register each block with that metadata;
+- pins the stable prefix's blocks, and reports per call what was reused, what was
+  computed, which layer broke the prefix, and the blocks per tier.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+from contextkit.engine import CacheFullError, Engine, GenerationResult, TokenSpan
+from contextkit.layers import LayerConfig, LayerSpec
+from contextkit.prompt import (
+    PromptSection,
+    SpilloverQueue,
+    StructuredPrompt,
+    coerce_prompt,
+    render_marked,
+    synthesize_for_budget,
+)
+from gpu_cache import PrefixPinManager, Tier
+from gpu_cache.metadata import PINNABLE_SOURCES, BlockMeta
+
+__all__ = [
+    "BuiltPrompt",
+    "CacheAwareContextPipeline",
+    "CallReport",
+    "PipelineResult",
+    "cache_aware",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}$")
+
+#: A layer is emitted in the trailing (volatile) message when its learned change
+#: rate is at least this.
+VOLATILE_THRESHOLD = 0.5
+
+
+def _check_tenant(tenant: str) -> str:
+    if not isinstance(tenant, str) or not _TENANT.match(tenant) or ".." in tenant:
+        raise ValueError(f"tenant {tenant!r} is not a valid slug; use 1-128 letters, digits and "
+                         "'_.:@-' starting with a letter or digit (no '/', no '..')")
+    return tenant
+
+
+@dataclass
+class CallReport:
+    """What one pipeline call did to the cache.
+
+    Attributes:
+        call: 1-based call number for the tenant.
+        stable_hash: SHA-256 (hex) of the stable prefix's tokens.
+        stable_changed: the stable prefix differs from the previous call's.
+        changed_layers: layers whose text differs from the previous call (all on the
+            first call).
+        prefix_broken_by: the first segment, in emitted order, that differs from the
+            previous call ("first_call" on the first; ``None`` when nothing changed).
+        layer_order: main-message layers in emitted order; trailing_layers: layers
+            emitted after the conversation.
+        layer_tokens: tokens per layer after budgets; spilled_lines: lines over budget.
+        reused_tokens, computed_tokens, kv_reuse_ratio, ttft_ms, total_ms: from the
+            engine (zero until :meth:`CacheAwareContextPipeline.generate` runs).
+        blocks_per_tier: used blocks per cache tier; pinned_blocks: pinned blocks;
+        blocks_by_layer: this tenant's cached blocks per source layer.
+    """
+
+    call: int
+    tenant: str
+    stable_hash: str
+    stable_changed: bool
+    changed_layers: list[str]
+    prefix_broken_by: str | None
+    layer_order: list[str]
+    trailing_layers: list[str]
+    layer_tokens: dict[str, int]
+    spilled_lines: int
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    computed_tokens: int = 0
+    kv_reuse_ratio: float = 0.0
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    blocks_per_tier: dict[str, int] = field(default_factory=dict)
+    pinned_blocks: int = 0
+    blocks_by_layer: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BuiltPrompt:
+    """A system prompt after budgets and ordering.
+
+    Attributes:
+        main: sections of the main system message, in emitted order.
+        trailing: sections emitted after the conversation (volatile layers).
+        text: the whole system prompt as ``[LAYER]...[/LAYER]`` text (main, then
+            trailing): what the wrapped ``build_system_message`` returns.
+        report: the call's report (engine fields filled by ``generate``).
+    """
+
+    main: tuple[PromptSection, ...]
+    trailing: tuple[PromptSection, ...]
+    text: str
+    report: CallReport
+
+
+@dataclass
+class PipelineResult:
+    """A reply with the engine's telemetry and the call report."""
+
+    text: str
+    generation: GenerationResult
+    report: CallReport
+
+
+class _TenantState:
+    def __init__(self, config: LayerConfig) -> None:
+        self.calls = 0
+        self.rates = {s.name: (1.0 if s.volatile else 0.0) for s in config}
+        self.last_texts: dict[str, str] = {}
+        self.last_segments: list[tuple[str, tuple[int, ...]]] = []
+        self.stable_hash = ""
+        self.pinned: list[int] = []
+        self.last: BuiltPrompt | None = None
+
+
+class _ChatML:
+    """ChatML pieces (``<|im_start|>role\\n ... <|im_end|>\\n``), as SmolLM2 uses."""
+
+    START, END = "<|im_start|>", "<|im_end|>"
+
+    @classmethod
+    def check(cls, tokenizer: Any) -> None:
+        probe = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+        try:
+            text = tokenizer.apply_chat_template(probe, tokenize=False,
+                                                 add_generation_prompt=True)
+        except Exception as exc:  # no template at all
+            raise ValueError(f"the tokenizer has no usable chat template ({exc})") from exc
+        want = (f"{cls.START}system\nS{cls.END}\n{cls.START}user\nU{cls.END}\n"
+                f"{cls.START}assistant\n")
+        if text != want:
+            raise ValueError("contextkit's pipeline assembles ChatML prompts; this tokenizer's "
+                             f"chat template renders {text!r}. Use a ChatML model (SmolLM2, "
+                             "Qwen) or pass prompts to Engine.generate yourself")
+
+    @classmethod
+    def open(cls, role: str) -> str:
+        return f"{cls.START}{role}\n"
+
+    @classmethod
+    def close(cls) -> str:
+        return f"{cls.END}\n"
+
+
+class CacheAwareContextPipeline:
+    """Layered prompts in, cache-aware prompts and cache control out.
+
+    Args:
+        engine: the engine whose cache to steer; ``None`` for pass-through mode.
+        layers: layer names and budgets (default: the ten SPEC layers plus partner).
+        tenant: default tenant; blocks of one tenant are never visible to another.
+        reorder: volatility-aware ordering (on by default).
+        trailing_message: emit volatile layers as a system message after the
+            conversation (``generate``); off: they end the main system message.
+        pin_stable: pin the stable prefix's blocks in the device tier.
+        volatility_alpha: weight of the newest observation in each layer's change rate.
+        spillover: where over-budget lines go (a new queue by default).
+    """
+
+    def __init__(
+        self,
+        engine: Engine | None = None,
+        *,
+        layers: LayerConfig | None = None,
+        tenant: str = "default",
+        reorder: bool = True,
+        trailing_message: bool = True,
+        pin_stable: bool = True,
+        volatility_alpha: float = 0.3,
+        spillover: SpilloverQueue | None = None,
+    ) -> None:
+        if not 0.0 < volatility_alpha <= 1.0:
+            raise ValueError(f"volatility_alpha must be in (0, 1], got {volatility_alpha}")
+        self.engine = engine
+        self.config = layers or LayerConfig()
+        self.tenant = _check_tenant(tenant)
+        self.reorder = reorder
+        self.trailing_message = trailing_message
+        self.pin_stable = pin_stable
+        self.alpha = volatility_alpha
+        self.spillover = spillover if spillover is not None else SpilloverQueue()
+        self._states: dict[str, _TenantState] = {}
+        self._lock = threading.RLock()
+        if engine is not None:
+            _ChatML.check(engine.tokenizer)
+            self._pins = PrefixPinManager(engine.cache)
+
+    # ------------------------------------------------------------------ wrapping
+    @property
+    def attached(self) -> bool:
+        """Whether a cache (engine) is attached."""
+        return self.engine is not None
+
+    def wrap(self, fn: F) -> F:
+        """Wrap a ``build_system_message`` function (also usable as a decorator).
+
+        Attached: the wrapper returns the prompt after budgets and ordering as
+        ``[LAYER]`` text and records it for :meth:`generate`. Not attached: it
+        returns exactly what ``fn`` returns.
+        """
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            raw = fn(*args, **kwargs)
+            if self.engine is None:
+                return raw
+            return self.build(raw).text
+
+        wrapper.__wrapped_pipeline__ = self  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    def _state(self, tenant: str) -> _TenantState:
+        state = self._states.get(tenant)
+        if state is None:
+            state = self._states[tenant] = _TenantState(self.config)
+        return state
+
+    # ------------------------------------------------------------------ building
+    def budget(self, spec: LayerSpec) -> int:
+        """A layer's budget: expanded when a cache is attached."""
+        return spec.budget_for(self.attached)
+
+    def build(self, raw: object, *, tenant: str | None = None) -> BuiltPrompt:
+        """Apply budgets and ordering to what ``build_system_message`` returned.
+
+        Raises:
+            PromptFormatError: unknown or unbalanced layer markers, or an unsupported
+                return type (nothing is recorded).
+        """
+        tenant = _check_tenant(tenant or self.tenant)
+        prompt = coerce_prompt(raw, self.config)
+        count = self._count_tokens
+        sections: list[PromptSection] = []
+        spilled = 0
+        layer_tokens: dict[str, int] = {}
+        for section in prompt.sections:
+            spec = self.config.get(section.layer)
+            kept, over = synthesize_for_budget(section.lines, self.budget(spec), count,
+                                               layer=spec.name, spillover=self.spillover)
+            spilled += len(over)
+            sections.append(PromptSection(spec.name, tuple(kept)))
+            layer_tokens[spec.name] = count("\n".join(line.text for line in kept))
+        with self._lock:
+            state = self._state(tenant)
+            texts = {s.layer: render_marked(StructuredPrompt((s,))) for s in sections}
+            first = state.calls == 0
+            changed = [name for name, text in texts.items()
+                       if first or state.last_texts.get(name) != text]
+            if not first:
+                for name in texts:
+                    hit = 1.0 if name in changed else 0.0
+                    state.rates[name] = (1 - self.alpha) * state.rates[name] + self.alpha * hit
+            main, trailing = self._order(sections, state)
+            stable_ids = self._stable_ids(main)
+            stable_hash = hashlib.sha256(
+                struct.pack(f"<{len(stable_ids)}i", *stable_ids)).hexdigest()
+            segments = self._segments(main, trailing)
+            broken = self._first_difference(state.last_segments, segments) if not first \
+                else "first_call"
+            report = CallReport(
+                call=state.calls + 1, tenant=tenant, stable_hash=stable_hash,
+                stable_changed=not first and stable_hash != state.stable_hash,
+                changed_layers=changed, prefix_broken_by=broken,
+                layer_order=[s.layer for s in main], trailing_layers=[s.layer for s in trailing],
+                layer_tokens=layer_tokens, spilled_lines=spilled)
+            text = "\n".join(texts[s.layer] for s in (*main, *trailing))
+            built = BuiltPrompt(tuple(main), tuple(trailing), text, report)
+            state.calls += 1
+            state.last_texts = texts
+            state.last_segments = segments
+            state.stable_hash = stable_hash
+            state.last = built
+            return built
+
+    def _count_tokens(self, text: str) -> int:
+        assert self.engine is not None
+        return self.engine.count_tokens(text)
+
+    def _order(self, sections: list[PromptSection],
+               state: _TenantState) -> tuple[list[PromptSection], list[PromptSection]]:
+        if not self.reorder:
+            return sections, []
+        index = {s.layer: i for i, s in enumerate(sections)}
+
+        def volatile(s: PromptSection) -> bool:
+            spec = self.config.get(s.layer)
+            return not spec.stable and state.rates[s.layer] >= VOLATILE_THRESHOLD
+
+        slow = [s for s in sections if not volatile(s)]
+        fast = sorted((s for s in sections if volatile(s)),
+                      key=lambda s: (round(state.rates[s.layer], 6), index[s.layer]))
+        if self.trailing_message:
+            return slow, fast
+        return slow + fast, []
+
+    def _stable_ids(self, main: Sequence[PromptSection]) -> list[int]:
+        ids = self._encode(_ChatML.open("system"))
+        for s in main:
+            if not self.config.get(s.layer).stable:
+                break
+            ids += self._encode(self._section_text(s))
+        return ids
+
+    @staticmethod
+    def _section_text(section: PromptSection) -> str:
+        return render_marked(StructuredPrompt((section,))) + "\n"
+
+    def _encode(self, text: str) -> list[int]:
+        assert self.engine is not None
+        return self.engine.encode(text)
+
+    def _segments(self, main: Sequence[PromptSection],
+                  trailing: Sequence[PromptSection]) -> list[tuple[str, tuple[int, ...]]]:
+        out = [(s.layer, tuple(self._encode(self._section_text(s)))) for s in main]
+        out += [(s.layer, tuple(self._encode(self._section_text(s)))) for s in trailing]
+        return out
+
+    @staticmethod
+    def _first_difference(old: Sequence[tuple[str, tuple[int, ...]]],
+                          new: Sequence[tuple[str, tuple[int, ...]]]) -> str | None:
+        for i, (layer, ids) in enumerate(new):
+            if i >= len(old) or old[i] != (layer, ids):
+                return layer
+        return None if len(old) == len(new) else "layer_removed"
+
+    # ------------------------------------------------------------------ assembling
+    def assemble(
+        self,
+        user_message: str | None,
+        history: Sequence[tuple[str, str]] = (),
+        *,
+        tenant: str | None = None,
+        built: BuiltPrompt | None = None,
+        user_order: bool = False,
+    ) -> tuple[list[int], list[TokenSpan], int]:
+        """Token ids of a chat turn, the layer spans, and where the stable prefix ends.
+
+        Layout: the main system message, the ``history`` turns, the trailing system
+        message (volatile layers), then ``user_message`` and the assistant header.
+        ``user_order=True`` lays the same layers out in the user's original order in
+        one system message (what an order-blind prefix cache would see).
+
+        Raises:
+            RuntimeError: no prompt built yet (call the wrapped function first).
+        """
+        if self.engine is None:
+            return [], [], 0
+        tenant = _check_tenant(tenant or self.tenant)
+        if built is None:
+            with self._lock:
+                built = self._state(tenant).last
+        if built is None:
+            raise RuntimeError("no system prompt built for tenant "
+                               f"{tenant!r} yet; call the wrapped build_system_message first")
+        main, trailing = list(built.main), list(built.trailing)
+        if user_order:
+            order = {spec.name: i for i, spec in enumerate(self.config)}
+            main, trailing = sorted(main + trailing, key=lambda s: order[s.layer]), []
+        ids: list[int] = []
+        spans: list[TokenSpan] = []
+        stable_end = 0
+        in_stable = True
+
+        def add(text: str, layer: str | None = None, importance: float = 0.5) -> None:
+            piece = self._encode(text)
+            if layer is not None:
+                spans.append(TokenSpan(len(ids), len(ids) + len(piece), layer, importance))
+            ids.extend(piece)
+
+        def add_system(sections: Sequence[PromptSection]) -> None:
+            nonlocal stable_end, in_stable
+            add(_ChatML.open("system"))
+            for s in sections:
+                spec = self.config.get(s.layer)
+                imp = max((line.importance for line in s.lines), default=0.5)
+                add(self._section_text(s), spec.source, imp)
+                if in_stable and spec.stable:
+                    stable_end = len(ids)
+                else:
+                    in_stable = False
+            add(_ChatML.close())
+
+        add_system(main)
+        in_stable = False
+        for role, text in history:
+            if role not in ("user", "assistant", "system", "tool"):
+                raise ValueError(f"history role must be user/assistant/system/tool, got {role!r}")
+            add(_ChatML.open(role))
+            add(text + _ChatML.close(), "user_turn", 0.3)
+        if trailing:
+            add_system(trailing)
+        if user_message is not None:
+            add(_ChatML.open("user"))
+            add(user_message + _ChatML.close(), "user_turn", 0.3)
+        add(_ChatML.open("assistant"))
+        return ids, spans, stable_end
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self,
+        user_message: str | None = None,
+        *,
+        history: Sequence[tuple[str, str]] = (),
+        max_new_tokens: int = 32,
+        tenant: str | None = None,
+    ) -> PipelineResult:
+        """Run one chat turn on the engine with the last built system prompt.
+
+        Raises:
+            RuntimeError: no engine attached, or nothing built yet.
+            CacheFullError: the prompt does not fit the device tier (nothing lost).
+        """
+        if self.engine is None:
+            raise RuntimeError("no engine attached: this pipeline only passes prompts "
+                               "through; build it with CacheAwareContextPipeline(engine)")
+        tenant = _check_tenant(tenant or self.tenant)
+        with self._lock:
+            state = self._state(tenant)
+            built = state.last
+            ids, spans, stable_end = self.assemble(user_message, history, tenant=tenant,
+                                                   built=built)
+            assert built is not None
+            cache = self.engine.cache
+            need = -(-(len(ids) + max_new_tokens) // cache.block_size)
+            if need > cache.capacity(Tier.DEVICE):
+                raise CacheFullError(
+                    f"the prompt is {len(ids)} tokens (+{max_new_tokens} new) = {need} blocks but "
+                    f"the device tier holds {cache.capacity(Tier.DEVICE)}; lower the "
+                    "layer budgets or give the engine more num_device_blocks. Nothing cached "
+                    "was dropped")
+            result = self.engine.generate(ids, max_new_tokens=max_new_tokens, tenant=tenant,
+                                          spans=spans)
+            if self.pin_stable:
+                self._pin_stable(state, result.block_ids, stable_end)
+            report = built.report
+            report.prompt_tokens = result.prompt_tokens
+            report.reused_tokens = result.reused_tokens
+            report.computed_tokens = result.computed_tokens
+            report.kv_reuse_ratio = result.kv_reuse_ratio
+            report.ttft_ms = result.ttft_ms
+            report.total_ms = result.total_ms
+            report.blocks_per_tier = dict(result.blocks_per_tier)
+            report.pinned_blocks = len(self.pinned_blocks())
+            report.blocks_by_layer = self.blocks_by_layer(tenant)
+        return PipelineResult(result.text, result, report)
+
+    def _pin_stable(self, state: _TenantState, block_ids: Sequence[int], stable_end: int) -> None:
+        assert self.engine is not None
+        cache = self.engine.cache
+        full = stable_end // cache.block_size
+        wanted = []
+        for bid in block_ids[:full]:
+            if bid not in cache.metadata:
+                break
+            meta = cache.metadata.get(bid)
+            if meta.source_layer not in PINNABLE_SOURCES or meta.key is None:
+                break
+            wanted.append(bid)
+        if wanted == state.pinned:
+            return
+        stale = [b for b in state.pinned if b not in set(wanted) and b in cache.metadata]
+        if stale:
+            self._pins.unpin(stale)
+        self._pins.pin(wanted)
+        state.pinned = wanted
+
+    # ------------------------------------------------------------------ cache views
+    def cached_blocks(self, tenant: str | None = None) -> list[BlockMeta]:
+        """Metadata of the tenant's blocks in the cache (empty without a cache)."""
+        if self.engine is None:
+            return []
+        tenant = _check_tenant(tenant or self.tenant)
+        return [m for m in self.engine.cache.metadata.all() if m.tenant_slug == tenant]
+
+    def pinned_blocks(self, tenant: str | None = None) -> list[int]:
+        """Ids of pinned blocks (of one tenant when given; empty without a cache)."""
+        if self.engine is None:
+            return []
+        metas = self.engine.cache.metadata.pinned()
+        if tenant is not None:
+            metas = [m for m in metas if m.tenant_slug == tenant]
+        return sorted(m.block_id for m in metas)
+
+    def blocks_by_layer(self, tenant: str | None = None) -> dict[str, int]:
+        """Cached blocks per source layer for a tenant (empty without a cache)."""
+        out: dict[str, int] = {}
+        for meta in self.cached_blocks(tenant):
+            out[meta.source_layer] = out.get(meta.source_layer, 0) + 1
+        return dict(sorted(out.items()))
+
+    def last_report(self, tenant: str | None = None) -> CallReport | None:
+        """The latest call's report (``None`` without a cache or before any call)."""
+        if self.engine is None:
+            return None
+        with self._lock:
+            last = self._state(_check_tenant(tenant or self.tenant)).last
+        return last.report if last else None
+
+    def volatility(self, tenant: str | None = None) -> dict[str, float]:
+        """Learned change rate per layer (empty without a cache)."""
+        if self.engine is None:
+            return {}
+        with self._lock:
+            return dict(self._state(_check_tenant(tenant or self.tenant)).rates)
+
+
+def cache_aware(pipeline: CacheAwareContextPipeline) -> Callable[[F], F]:
+    """Decorator form of :meth:`CacheAwareContextPipeline.wrap`::
+
+        @cache_aware(pipeline)
+        def build_system_message(...): ...
+    """
+    return pipeline.wrap
+
