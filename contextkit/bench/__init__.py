@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "kernel": "contextkit.bench.kernel",
     "shadow": "contextkit.bench.shadow",
     "graph": "contextkit.bench.graph",
+    "ttft": "contextkit.bench.ttft",
 }
 
 
