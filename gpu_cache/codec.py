@@ -188,7 +188,7 @@ class TQ4Codec:
             self.cpu_kernels
             and self._signs is not None
             and device.type == "cpu"
-            and num_vectors >= 4096  # below that, thread start-up costs dominate
+            and num_vectors >= 256  # below that, thread start-up costs dominate
             and cpu_fused.available()
         )
 

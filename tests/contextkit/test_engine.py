@@ -1,0 +1,193 @@
+"""Engine: the hand-written forward matches transformers, and prefill reuses cached blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from contextkit.engine import (
+    CacheFullError,
+    Engine,
+    TokenSpan,
+    UnsupportedModelError,
+    _ContiguousKV,
+    tokenizer_fingerprint,
+)
+from contextkit.models import embedding_model_dir, load_tokenizer, smollm2_gguf
+from gpu_cache import CacheIdentityError, Tier
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "In one sentence, why do services use connection pools?"
+
+
+def chat(engine: Engine, system: str, user: str = QUESTION) -> list[int]:
+    ids = engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        add_generation_prompt=True, tokenize=True)
+    if not isinstance(ids, list):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+SYSTEM = ("You are Atlas, a site reliability assistant. Answer briefly, cite the metric you "
+          "used, and never run destructive commands without confirmation. ") * 4
+
+
+def test_forward_matches_transformers(engine: Engine) -> None:
+    ids = chat(engine, SYSTEM)
+    with torch.inference_mode():
+        ref = engine.model.hf(torch.tensor([ids])).logits[0].float()
+    mine = engine._prefill(ids, 0, _ContiguousKV(engine.model.num_layers), all_logits=True)
+    assert mine.shape == ref.shape
+    assert float((mine - ref).abs().max()) < 2e-3
+    # Chunked prefill (K/V carried between chunks) gives the same logits.
+    chunked = Engine(engine.model.hf, engine.tokenizer, kv_format="native", prefill_chunk=37,
+                     _shared=engine.model)
+    mine2 = chunked._prefill(ids, 0, _ContiguousKV(engine.model.num_layers), all_logits=True)
+    assert float((mine2 - ref).abs().max()) < 2e-3
+
+
+def test_native_cache_reuses_prefix_and_matches_full_prefill(
+        engine: Engine, fresh: Callable[..., Engine]) -> None:
+    native = fresh("native")
+    ids = chat(native, SYSTEM)
+    full = native.generate(ids, max_new_tokens=12, use_cache=False)
+    first = native.generate(ids, max_new_tokens=12)
+    assert first.reused_tokens == 0 and first.computed_tokens == len(ids)
+    second = native.generate(ids, max_new_tokens=12)
+    bs = native.cache.block_size
+    assert second.reused_tokens == (len(ids) // bs) * bs - (bs if len(ids) % bs == 0 else 0)
+    assert second.computed_tokens == len(ids) - second.reused_tokens
+    assert second.kv_reuse_ratio == pytest.approx(second.reused_tokens / len(ids))
+    assert first.token_ids == full.token_ids == second.token_ids
+    # Another user question after the same system prompt reuses the system blocks.
+    other = chat(native, SYSTEM, "List two signs of pool exhaustion.")
+    common = next(i for i, (a, b) in enumerate(zip(ids, other, strict=False)) if a != b)
+    third = native.generate(other, max_new_tokens=4)
+    assert third.reused_tokens == (common // bs) * bs
+    assert third.token_ids == native.generate(other, max_new_tokens=4, use_cache=False).token_ids
+
+
+def test_tq4_generation_tracks_native_and_registers_blocks(
+        engine: Engine, fresh: Callable[..., Engine]) -> None:
+    tq4 = fresh("tq4")
+    ids = chat(tq4, SYSTEM)
+    spans = [TokenSpan(0, len(ids) - 20, "axioms", 0.9), TokenSpan(len(ids) - 20, len(ids),
+                                                                    "user_turn", 0.2)]
+    full = tq4.generate(ids, max_new_tokens=10, use_cache=False)
+    first = tq4.generate(ids, max_new_tokens=10, spans=spans)
+    again = tq4.generate(ids, max_new_tokens=10)
+    assert again.reused_tokens > 0.8 * len(ids)
+    assert first.token_ids == again.token_ids
+    # 4-bit K/V keeps the greedy reply on short prompts and the logits close.
+    assert first.token_ids[:5] == full.token_ids[:5]
+    assert first.first_logits is not None and full.first_logits is not None
+    cos = torch.nn.functional.cosine_similarity(first.first_logits, full.first_logits, dim=0)
+    assert float(cos) > 0.99
+    metas = {m.block_id: m for m in tq4.cache.metadata.all()}
+    kept = [metas[b] for b in first.block_ids if b in metas]
+    assert len(kept) == (len(ids) + len(first.token_ids) - 1) // tq4.cache.block_size
+    assert all(m.key is not None and m.tenant_slug == "default" for m in kept)
+    assert kept[0].source_layer == "axioms" and kept[0].importance == pytest.approx(0.9)
+    assert kept[0].token_range == (0, tq4.cache.block_size)
+    assert all(m.ref_count == 0 for m in kept)  # released after the request
+    assert tq4.cache.bytes_per_block < fresh("native").cache.bytes_per_block / 6
+
+
+def test_tenants_never_share_blocks(fresh: Callable[..., Engine]) -> None:
+    eng = fresh("tq4")
+    ids = chat(eng, SYSTEM)
+    eng.generate(ids, max_new_tokens=1, tenant="acme")
+    other = eng.generate(ids, max_new_tokens=1, tenant="globex")
+    assert other.reused_tokens == 0
+    mine = eng.generate(ids, max_new_tokens=1, tenant="acme")
+    assert mine.reused_tokens > 0
+    tenants = {m.tenant_slug for m in eng.cache.metadata.all()}
+    assert tenants == {"acme", "globex"}
+
+
+def test_host_tier_hits_are_warmed_not_recomputed(fresh: Callable[..., Engine]) -> None:
+    eng = fresh("tq4")
+    ids = chat(eng, SYSTEM)
+    first = eng.generate(ids, max_new_tokens=1)
+    kept = [b for b in first.block_ids if b in eng.cache.metadata]
+    assert eng.cache.spill_blocks(kept) is not None
+    assert all(eng.cache.metadata.get(b).tier is Tier.HOST for b in kept)
+    again = eng.generate(ids, max_new_tokens=1)
+    assert again.reused_tokens == len(kept) * eng.cache.block_size - (
+        eng.cache.block_size if len(kept) * eng.cache.block_size == len(ids) else 0)
+    assert all(eng.cache.metadata.get(b).tier is Tier.DEVICE for b in kept)
+    assert again.token_ids == first.token_ids
+
+
+def test_oversize_prompt_fails_clearly_and_keeps_the_cache(fresh: Callable[..., Engine]) -> None:
+    eng = fresh("tq4", device=16, host=8)
+    ids = chat(eng, "Short system prompt.")
+    eng.generate(ids, max_new_tokens=2)
+    before = sorted((m.block_id, m.key) for m in eng.cache.metadata.all())
+    big = chat(eng, SYSTEM * 3)
+    with pytest.raises(CacheFullError, match="num_device_blocks"):
+        eng.generate(big, max_new_tokens=2)
+    assert sorted((m.block_id, m.key) for m in eng.cache.metadata.all()) == before
+    assert all(m.ref_count == 0 for m in eng.cache.metadata.all())
+    assert eng.generate(ids, max_new_tokens=2).reused_tokens > 0
+
+
+def test_bad_requests_say_what_to_do(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([], max_new_tokens=1)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate([1, 2, 3], max_new_tokens=0)
+    with pytest.raises(ValueError, match="positions"):
+        engine.generate([1] * 10, max_new_tokens=engine.model.max_positions)
+    with pytest.raises(ValueError, match="kv_format"):
+        engine.sibling("fp8")
+
+
+def test_cache_of_another_tokenizer_is_refused(engine: Engine) -> None:
+    from transformers import AutoTokenizer
+
+    bert = AutoTokenizer.from_pretrained(str(embedding_model_dir()))
+    assert tokenizer_fingerprint(bert) != engine.tokenizer_id
+    with pytest.raises(CacheIdentityError, match="tokenizer"):
+        Engine(engine.model.hf, bert, cache=engine.cache, _shared=engine.model,
+               _offsets=engine._offsets)
+    with pytest.raises(CacheIdentityError, match="codec"):
+        Engine(engine.model.hf, engine.tokenizer, kv_format="native", cache=engine.cache,
+               _shared=engine.model)
+
+
+def test_converted_tokenizer_is_the_gguf_tokenizer(engine: Engine) -> None:
+    from transformers import AutoTokenizer
+
+    directory, name = smollm2_gguf()
+    gguf = AutoTokenizer.from_pretrained(str(directory), gguf_file=name)
+    assert tokenizer_fingerprint(gguf) == tokenizer_fingerprint(load_tokenizer())
+    text = "<|im_start|>system\n[AXIOMS]\nBe exact: 17:05 CET, p95 712 ms.\n[/AXIOMS]\n"
+    assert gguf.encode(text) == load_tokenizer().encode(text)
+
+
+def test_unsupported_architecture_is_refused(engine: Engine) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        Engine(gpt2, engine.tokenizer)
+
+
+def test_teacher_forced_scores(engine: Engine, fresh: Callable[..., Engine]) -> None:
+    eng = fresh("tq4")
+    ids = chat(eng, SYSTEM)
+    reply = eng.generate(ids, max_new_tokens=8, use_cache=False).token_ids
+    exact = eng.score(ids, reply, use_cache=False)
+    assert exact.shape == (len(reply), eng.model.hf.config.vocab_size)
+    assert exact.argmax(-1).tolist() == reply  # greedy reply = argmax of its own logits
+    cached = eng.score(ids, reply)
+    agree = float((cached.argmax(-1) == torch.tensor(reply)).float().mean())
+    assert agree >= 0.75
+    ce_exact = torch.nn.functional.cross_entropy(exact, torch.tensor(reply))
+    ce_tq4 = torch.nn.functional.cross_entropy(cached, torch.tensor(reply))
+    assert abs(float(ce_tq4 - ce_exact)) < 0.5
