@@ -119,7 +119,7 @@ def test_volatility_is_learned(fresh: Callable[..., Engine]) -> None:
     pipeline = CacheAwareContextPipeline(fresh("tq4"))
     for turn in range(3):
         layers = layered(0)
-        layers["neurons"] = NEURONS + [f"Fresh insight number {turn}."]  # changes every call
+        layers["neurons"] = [*NEURONS, f"Fresh insight number {turn}."]  # changes every call
         pipeline.build(layers)
     report = pipeline.last_report()
     assert report is not None
