@@ -5,12 +5,15 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup demo test test-fast bench lint typecheck clean
+.PHONY: help setup demo test test-heavy test-fast bench bench-ttft lint typecheck clean
 
 help:
-	@echo "make demo       set up, then run the demo (bench quant + tiers on SmolLM2, plot)"
+	@echo "make demo       set up, then replay a ten-layer agent on SmolLM2: TTFT with vs"
+	@echo "                without contextkit per turn, plot, shadow (~4 min on 2 cores)"
 	@echo "make test       set up, then run the test suite (what CI runs)"
-	@echo "make bench      run every CPU benchmark with --json into bench/results/"
+	@echo "make test-heavy multi-minute end-to-end runs (bench ttft on the real model)"
+	@echo "make bench      run the quick CPU benchmarks with --json into bench/results/"
+	@echo "make bench-ttft the 20-turn TTFT benchmark (~25 min on 2 cores)"
 	@echo "make lint       ruff; make typecheck: mypy"
 
 setup:
@@ -20,7 +23,10 @@ demo: setup
 	$(PY) -m contextkit.cli demo
 
 test: setup
-	$(PY) -m pytest -m "not vllm and not gpu" -q
+	$(PY) -m pytest -m "not vllm and not gpu and not heavy" -q
+
+test-heavy: setup
+	$(PY) -m pytest -m heavy -q
 
 test-fast: setup
 	$(PY) -m pytest -m "not vllm and not gpu and not slow" -q
@@ -31,6 +37,10 @@ bench: setup
 		echo "== contextkit bench $$name"; \
 		$(PY) -m contextkit.cli bench $$name --json | tee bench/results/$$name-cpu.log | tail -n 1 > bench/results/$$name-cpu.json || exit 1; \
 	done
+
+bench-ttft: setup
+	@mkdir -p bench/results
+	$(PY) -m contextkit.cli bench ttft --json --out bench/results | tee bench/results/ttft-cpu.log | tail -n 1 > bench/results/ttft-cpu.json
 
 lint: setup
 	.venv/bin/ruff check contextkit gpu_cache memory_graph shadow integrations tests
