@@ -4,15 +4,18 @@ A running process's cache lives in its memory; what outlives it is the shadow. T
 status command reads every session's manifest from the store (local directory or
 S3) and reports its blocks by tier at shadow time, pinned blocks, blocks per source
 layer and tenant, bytes, cache identity and age. Sessions whose manifest cannot be
-read are listed with the reason.
+read are listed with the reason. With ``--tier-status PATH`` it also shows the last
+cycle of a tier manager, from the file that ``ContextTierManager.write_status`` writes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 __all__ = ["add_status_arguments", "run_status"]
@@ -26,6 +29,9 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> None:
                         help="S3-compatible endpoint (MinIO, Ceph, moto); default: boto3's")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object as the last line of stdout")
+    parser.add_argument("--tier-status", default=None, metavar="PATH",
+                        help="also show the last tier-manager cycle from this file "
+                             "(written by ContextTierManager.write_status)")
 
 
 def _age(seconds: float) -> str:
@@ -93,5 +99,45 @@ def run_status(args: argparse.Namespace) -> dict[str, Any]:
             f"    tenants    {tenants}\n")
     if not sessions:
         out.write("  nothing shadowed yet; run `contextkit demo` or attach a CacheShadow\n")
+    result: dict[str, Any] = {"store": store.url, "sessions": sessions}
+    tier_path = getattr(args, "tier_status", None)
+    if tier_path is not None and Path(tier_path).exists():
+        result["tier_manager"] = _tier_status(Path(tier_path), now)
     out.flush()
-    return {"store": store.url, "sessions": sessions}
+    return result
+
+
+def _tier_status(path: Path, now: float) -> dict[str, Any]:
+    """Print and return the last cycle recorded in a tier-manager status file."""
+    out = sys.stdout
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        out.write(f"\ntier manager {path}: unreadable - {exc}\n")
+        return {"path": str(path), "error": str(exc)}
+    cycles = doc.get("cycles") or []
+    last = cycles[-1] if cycles else None
+    summary: dict[str, Any] = {
+        "path": str(path),
+        "written_at": doc.get("written_at"),
+        "thresholds": doc.get("thresholds"),
+        "items_by_tier": doc.get("items_by_tier"),
+        "num_errors": doc.get("num_errors", 0),
+        "last_cycle": last,
+    }
+    written = doc.get("written_at")
+    age = f", written {_age(max(0.0, now - written))}" if isinstance(written, float) else ""
+    out.write(f"\ntier manager {path}{age}\n")
+    if last is None:
+        out.write("  no cycle recorded yet\n")
+        return summary
+    th = last.get("thresholds_after", {})
+    out.write(
+        f"  cycle      {last['cycle']} ({last['duration_s'] * 1e3:.1f} ms), "
+        f"{last['num_items']:,} items {last['items_by_tier']}\n"
+        f"  actions    {last['actions'] or 'none'}; blocks {last['blocks_moved']}, "
+        f"{last['bytes_moved'] / 1e6:,.1f} MB moved; skipped {last['blocks_skipped'] or 'none'}\n"
+        f"  thresholds promote {th.get('promote')}, demote {th.get('demote')}, "
+        f"archive {th.get('archive')}"
+        f"{'; ' + last['threshold_reason'] if last.get('threshold_reason') else ''}\n")
+    return summary

@@ -35,3 +35,12 @@ def test_dependencies_point_one_way() -> None:
     assert not _imports("memory_graph") & {"contextkit", "shadow", "integrations"}
     assert not _imports("shadow") & {"contextkit", "memory_graph", "integrations"}
     assert "integrations" not in _imports("contextkit")
+
+
+def test_contextkit_exports_resolve() -> None:
+    import contextkit
+
+    for name in contextkit.__all__:
+        assert getattr(contextkit, name) is not None, name
+    for required in ("Engine", "CacheAwareContextPipeline", "cache_aware", "LayerConfig"):
+        assert required in contextkit.__all__

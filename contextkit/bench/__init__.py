@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "shadow": "contextkit.bench.shadow",
     "graph": "contextkit.bench.graph",
     "ttft": "contextkit.bench.ttft",
+    "ooda": "contextkit.bench.ooda",
 }
 
 
