@@ -636,8 +636,6 @@ class Engine:
                 cache.remove_blocks(drop)
 
     def _blocks_per_tier(self) -> dict[str, int]:
-        if self.cache is None:
-            return {}
         return {t.value: self.cache.num_used(t) for t in Tier}
 
     def _sample(self, logits: torch.Tensor) -> int:

@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
-from contextkit.engine import CacheFullError, Engine, GenerationResult, TokenSpan
+from contextkit.engine import Engine, GenerationResult, TokenSpan
 from contextkit.layers import LayerConfig, LayerSpec
 from contextkit.prompt import (
     PromptSection,
@@ -53,7 +53,7 @@ from contextkit.prompt import (
     render_marked,
     synthesize_for_budget,
 )
-from gpu_cache import PrefixPinManager, Tier
+from gpu_cache import PrefixPinManager
 from gpu_cache.metadata import PINNABLE_SOURCES, BlockMeta
 
 __all__ = [
@@ -470,14 +470,6 @@ class CacheAwareContextPipeline:
             ids, spans, stable_end = self.assemble(user_message, history, tenant=tenant,
                                                    built=built)
             assert built is not None
-            cache = self.engine.cache
-            need = -(-(len(ids) + max_new_tokens) // cache.block_size)
-            if need > cache.capacity(Tier.DEVICE):
-                raise CacheFullError(
-                    f"the prompt is {len(ids)} tokens (+{max_new_tokens} new) = {need} blocks but "
-                    f"the device tier holds {cache.capacity(Tier.DEVICE)}; lower the "
-                    "layer budgets or give the engine more num_device_blocks. Nothing cached "
-                    "was dropped")
             result = self.engine.generate(ids, max_new_tokens=max_new_tokens, tenant=tenant,
                                           spans=spans)
             if self.pin_stable:
