@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 help:
 	@echo "make demo       set up, then replay a ten-layer agent on SmolLM2: TTFT with vs"
-	@echo "                without contextkit per turn, plot, shadow (~4 min on 2 cores)"
+	@echo "                without contextkit per turn, plot, shadow (~5 min on 2 cores)"
 	@echo "make test       set up, then run the test suite (what CI runs)"
 	@echo "make test-heavy multi-minute end-to-end runs (bench ttft on the real model)"
 	@echo "make bench      run the quick CPU benchmarks with --json into bench/results/"

@@ -32,7 +32,7 @@ SESSION_ID = "contextkit-demo"
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=int, default=6,
-                        help="replay turns (default 6, about 4 minutes on 2 CPU cores; the "
+                        help="replay turns (default 6, about 5 minutes on 2 CPU cores; the "
                              "benchmark runs 20)")
     parser.add_argument("--max-new-tokens", type=int, default=32,
                         help="reply length limit per turn (default 32, greedy)")
