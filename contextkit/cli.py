@@ -19,11 +19,14 @@ from shadow import ShadowError
 __all__ = ["build_parser", "main"]
 
 
-def _bench(args: argparse.Namespace) -> int:
-    module = load(args.bench_name)
-    result = module.run(args)
+def _emit_json(args: argparse.Namespace, result: dict[str, object]) -> None:
+    """``--json``: one JSON object as the last line of stdout."""
     if args.json:
         sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    _emit_json(args, load(args.bench_name).run(args))
     return 0
 
 
@@ -50,8 +53,7 @@ def _status(args: argparse.Namespace) -> int:
     from contextkit.status import run_status
 
     result = run_status(args)
-    if args.json:
-        sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
+    _emit_json(args, result)
     return 1 if any(s.get("error") for s in result["sessions"]) else 0
 
 
@@ -59,8 +61,7 @@ def _recover(args: argparse.Namespace) -> int:
     from shadow.cli import run_recover
 
     result = run_recover(args)
-    if args.json:
-        sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
+    _emit_json(args, result)
     return 1 if result.get("errors") else 0
 
 

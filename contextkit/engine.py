@@ -305,8 +305,7 @@ class _PagedKV:
         self.cached = cached
         self.table = cache.block_table(self.ids).long()
         self.native = cache.identity.codec == "native"
-        bs = cache.block_size
-        self.block_size = bs
+        self.block_size = cache.block_size
         self.fresh = True
 
     def _slots(self, start: int, n: int) -> torch.Tensor:
@@ -621,8 +620,10 @@ class Engine:
         cache = self.cache
         bs = cache.block_size
         full = written // bs
-        if full > len(keys):
-            keys = cache.block_keys(list(all_ids[: full * bs]), tenant)
+        if full > len(keys):  # blocks the reply filled: extend the key chain
+            parent = keys[-1] if keys else None
+            keys = [*keys, *cache.block_keys(list(all_ids[len(keys) * bs : full * bs]), tenant,
+                                             parent=parent)]
         with cache.locked():
             cache.release(block_ids)
             drop = []

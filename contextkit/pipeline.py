@@ -135,12 +135,14 @@ class BuiltPrompt:
         text: the whole system prompt as ``[LAYER]...[/LAYER]`` text (main, then
             trailing): what the wrapped ``build_system_message`` returns.
         report: the call's report (engine fields filled by ``generate``).
+        section_ids: token ids of each section's text, by layer.
     """
 
     main: tuple[PromptSection, ...]
     trailing: tuple[PromptSection, ...]
     text: str
     report: CallReport
+    section_ids: dict[str, tuple[int, ...]]
 
 
 @dataclass
@@ -292,7 +294,10 @@ class CacheAwareContextPipeline:
             layer_tokens[spec.name] = count("\n".join(line.text for line in kept))
         with self._lock:
             state = self._state(tenant)
-            texts = {s.layer: render_marked(StructuredPrompt((s,))) for s in sections}
+            # Each section is rendered and tokenized once per call; the hash, the
+            # change report and assemble() all reuse these ids.
+            texts = {s.layer: self._section_text(s) for s in sections}
+            section_ids = {layer: tuple(self._encode(t)) for layer, t in texts.items()}
             first = state.calls == 0
             changed = [name for name, text in texts.items()
                        if first or state.last_texts.get(name) != text]
@@ -301,10 +306,14 @@ class CacheAwareContextPipeline:
                     hit = 1.0 if name in changed else 0.0
                     state.rates[name] = (1 - self.alpha) * state.rates[name] + self.alpha * hit
             main, trailing = self._order(sections, state)
-            stable_ids = self._stable_ids(main)
+            stable_ids = self._encode(_ChatML.open("system"))
+            for sec in main:
+                if not self.config.get(sec.layer).stable:
+                    break
+                stable_ids += section_ids[sec.layer]
             stable_hash = hashlib.sha256(
                 struct.pack(f"<{len(stable_ids)}i", *stable_ids)).hexdigest()
-            segments = self._segments(main, trailing)
+            segments = [(sec.layer, section_ids[sec.layer]) for sec in (*main, *trailing)]
             broken = self._first_difference(state.last_segments, segments) if not first \
                 else "first_call"
             report = CallReport(
@@ -313,8 +322,9 @@ class CacheAwareContextPipeline:
                 changed_layers=changed, prefix_broken_by=broken,
                 layer_order=[s.layer for s in main], trailing_layers=[s.layer for s in trailing],
                 layer_tokens=layer_tokens, spilled_lines=spilled)
-            text = "\n".join(texts[s.layer] for s in (*main, *trailing))
-            built = BuiltPrompt(tuple(main), tuple(trailing), text, report)
+            # Sections end with a newline; the returned text does not.
+            text = "".join(texts[sec.layer] for sec in (*main, *trailing))[:-1]
+            built = BuiltPrompt(tuple(main), tuple(trailing), text, report, section_ids)
             state.calls += 1
             state.last_texts = texts
             state.last_segments = segments
@@ -343,14 +353,6 @@ class CacheAwareContextPipeline:
             return slow, fast
         return slow + fast, []
 
-    def _stable_ids(self, main: Sequence[PromptSection]) -> list[int]:
-        ids = self._encode(_ChatML.open("system"))
-        for s in main:
-            if not self.config.get(s.layer).stable:
-                break
-            ids += self._encode(self._section_text(s))
-        return ids
-
     @staticmethod
     def _section_text(section: PromptSection) -> str:
         return render_marked(StructuredPrompt((section,))) + "\n"
@@ -358,12 +360,6 @@ class CacheAwareContextPipeline:
     def _encode(self, text: str) -> list[int]:
         assert self.engine is not None
         return self.engine.encode(text)
-
-    def _segments(self, main: Sequence[PromptSection],
-                  trailing: Sequence[PromptSection]) -> list[tuple[str, tuple[int, ...]]]:
-        out = [(s.layer, tuple(self._encode(self._section_text(s)))) for s in main]
-        out += [(s.layer, tuple(self._encode(self._section_text(s)))) for s in trailing]
-        return out
 
     @staticmethod
     def _first_difference(old: Sequence[tuple[str, tuple[int, ...]]],
@@ -411,8 +407,9 @@ class CacheAwareContextPipeline:
         stable_end = 0
         in_stable = True
 
-        def add(text: str, layer: str | None = None, importance: float = 0.5) -> None:
-            piece = self._encode(text)
+        def add(text: str, layer: str | None = None, importance: float = 0.5,
+                piece: Sequence[int] | None = None) -> None:
+            piece = self._encode(text) if piece is None else piece
             if layer is not None:
                 spans.append(TokenSpan(len(ids), len(ids) + len(piece), layer, importance))
             ids.extend(piece)
@@ -423,7 +420,7 @@ class CacheAwareContextPipeline:
             for s in sections:
                 spec = self.config.get(s.layer)
                 imp = max((line.importance for line in s.lines), default=0.5)
-                add(self._section_text(s), spec.source, imp)
+                add("", spec.source, imp, piece=built.section_ids[s.layer])
                 if in_stable and spec.stable:
                     stable_end = len(ids)
                 else:

@@ -125,13 +125,13 @@ def run_replay(
         turn = replay.turn(t)
         build(t)
         ids, spans, _ = pipeline.assemble(turn.user_message, history)
-        if pc_engine is None and prefix_cache:
+        if t == 0:
             room = 3 * _blocks_for(len(ids) + 64 * turns + max_new_tokens, engine.cache.block_size)
-            pc_engine = engine.sibling("native", num_device_blocks=room, num_host_blocks=16,
-                                       eviction_policy="lru")
-        if native is None and quality:
-            room = 3 * _blocks_for(len(ids) + 64 * turns + max_new_tokens, engine.cache.block_size)
-            native = engine.sibling("native", num_device_blocks=room, num_host_blocks=16)
+            if prefix_cache:
+                pc_engine = engine.sibling("native", num_device_blocks=room, num_host_blocks=16,
+                                           eviction_policy="lru")
+            if quality:
+                native = engine.sibling("native", num_device_blocks=room, num_host_blocks=16)
 
         ck = pipeline.generate(turn.user_message, history=history, max_new_tokens=max_new_tokens)
         base = engine.generate(ids, max_new_tokens=max_new_tokens if quality else 1,
