@@ -25,7 +25,7 @@ import hashlib
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -651,6 +651,7 @@ class Engine:
         spans: Sequence[TokenSpan] | None = None,
         use_cache: bool = True,
         reuse: bool = True,
+        on_token: Callable[[int], bool | None] | None = None,
     ) -> GenerationResult:
         """Greedy generation from a prompt of token ids.
 
@@ -663,6 +664,8 @@ class Engine:
             use_cache: ``False`` runs the plain baseline (full prefill into contiguous
                 K/V; the cache is neither read nor written).
             reuse: ``False`` computes every token but still stores the blocks.
+            on_token: called with each new token id as it is sampled (streaming);
+                returning ``True`` stops generation after that token (stop strings).
 
         Raises:
             ValueError: an empty or over-long prompt.
@@ -692,11 +695,14 @@ class Engine:
                 token = self._sample(first_logits)
                 ttft = time.perf_counter() - t0
                 out.append(token)
-                while len(out) < max_new_tokens and token not in self.stop_ids:
+                stop = bool(on_token(token)) if on_token is not None else False
+                while not stop and len(out) < max_new_tokens and token not in self.stop_ids:
                     pos = len(ids) + len(out) - 1
                     token = self._sample(self._forward([token], pos, kv))
                     written = pos + 1
                     out.append(token)
+                    if on_token is not None:
+                        stop = bool(on_token(token))
             finally:
                 if use_cache:
                     self._close_sequence(block_ids, ids + out, written, tenant, keys,

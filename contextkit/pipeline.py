@@ -72,6 +72,9 @@ _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}$")
 #: rate is at least this.
 VOLATILE_THRESHOLD = 0.5
 
+_ROLES = ("user", "assistant", "system", "tool")
+_BOUNDARY = "<trailing message>"
+
 
 def _check_tenant(tenant: str) -> str:
     if not isinstance(tenant, str) or not _TENANT.match(tenant) or ".." in tenant:
@@ -136,6 +139,8 @@ class BuiltPrompt:
             trailing): what the wrapped ``build_system_message`` returns.
         report: the call's report (engine fields filled by ``generate``).
         section_ids: token ids of each section's text, by layer.
+        section_texts: each section's ``[LAYER]...[/LAYER]`` text, by layer.
+        stable_layers: the leading main sections that form the stable prefix.
     """
 
     main: tuple[PromptSection, ...]
@@ -143,6 +148,26 @@ class BuiltPrompt:
     text: str
     report: CallReport
     section_ids: dict[str, tuple[int, ...]]
+    section_texts: dict[str, str] = field(default_factory=dict)
+    stable_layers: tuple[str, ...] = ()
+
+    def parts(self) -> tuple[str, str, str]:
+        """``(stable, changing, trailing)``: the text split where caching changes.
+
+        ``stable`` is the pinned prefix (the stable layers), ``changing`` the rest of
+        the main system message, ``trailing`` the volatile layers. Their
+        concatenation is :attr:`text`; any part may be empty. Providers with prompt
+        caching get ``stable`` as its own content block with a cache breakpoint.
+        """
+        n = len(self.stable_layers)
+        pieces = ["".join(self.section_texts[s.layer] for s in group)
+                  for group in (self.main[:n], self.main[n:], self.trailing)]
+        # Sections end with a newline; the whole text does not.
+        for i in (2, 1, 0):
+            if pieces[i]:
+                pieces[i] = pieces[i][:-1]
+                break
+        return pieces[0], pieces[1], pieces[2]
 
 
 @dataclass
@@ -307,13 +332,19 @@ class CacheAwareContextPipeline:
                     state.rates[name] = (1 - self.alpha) * state.rates[name] + self.alpha * hit
             main, trailing = self._order(sections, state)
             stable_ids = self._encode(_ChatML.open("system"))
+            stable_layers: list[str] = []
             for sec in main:
                 if not self.config.get(sec.layer).stable:
                     break
                 stable_ids += section_ids[sec.layer]
+                stable_layers.append(sec.layer)
             stable_hash = hashlib.sha256(
                 struct.pack(f"<{len(stable_ids)}i", *stable_ids)).hexdigest()
-            segments = [(sec.layer, section_ids[sec.layer]) for sec in (*main, *trailing)]
+            # The boundary between the main and the trailing message is a segment
+            # too: a layer moving across it changes the token layout.
+            segments = [*((sec.layer, section_ids[sec.layer]) for sec in main),
+                        (_BOUNDARY, ()),
+                        *((sec.layer, section_ids[sec.layer]) for sec in trailing)]
             broken = self._first_difference(state.last_segments, segments) if not first \
                 else "first_call"
             report = CallReport(
@@ -324,7 +355,8 @@ class CacheAwareContextPipeline:
                 layer_tokens=layer_tokens, spilled_lines=spilled)
             # Sections end with a newline; the returned text does not.
             text = "".join(texts[sec.layer] for sec in (*main, *trailing))[:-1]
-            built = BuiltPrompt(tuple(main), tuple(trailing), text, report, section_ids)
+            built = BuiltPrompt(tuple(main), tuple(trailing), text, report, section_ids,
+                                texts, tuple(stable_layers))
             state.calls += 1
             state.last_texts = texts
             state.last_segments = segments
@@ -366,6 +398,8 @@ class CacheAwareContextPipeline:
                           new: Sequence[tuple[str, tuple[int, ...]]]) -> str | None:
         for i, (layer, ids) in enumerate(new):
             if i >= len(old) or old[i] != (layer, ids):
+                if layer == _BOUNDARY and i < len(old):
+                    return old[i][0]  # that layer moved into the trailing message
                 return layer
         return None if len(old) == len(new) else "layer_removed"
 
@@ -378,11 +412,13 @@ class CacheAwareContextPipeline:
         tenant: str | None = None,
         built: BuiltPrompt | None = None,
         user_order: bool = False,
+        after: Sequence[tuple[str, str]] = (),
     ) -> tuple[list[int], list[TokenSpan], int]:
         """Token ids of a chat turn, the layer spans, and where the stable prefix ends.
 
         Layout: the main system message, the ``history`` turns, the trailing system
-        message (volatile layers), then ``user_message`` and the assistant header.
+        message (volatile layers), then ``user_message``, the ``after`` turns (an
+        agent's tool rounds within the current turn) and the assistant header.
         ``user_order=True`` lays the same layers out in the user's original order in
         one system message (what an order-blind prefix cache would see).
 
@@ -427,18 +463,22 @@ class CacheAwareContextPipeline:
                     in_stable = False
             add(_ChatML.close())
 
+        def add_turns(turns: Sequence[tuple[str, str]]) -> None:
+            for role, text in turns:
+                if role not in _ROLES:
+                    raise ValueError(f"message role must be one of {', '.join(_ROLES)}, "
+                                     f"got {role!r}")
+                add(_ChatML.open(role))
+                add(text + _ChatML.close(), "user_turn", 0.3)
+
         add_system(main)
         in_stable = False
-        for role, text in history:
-            if role not in ("user", "assistant", "system", "tool"):
-                raise ValueError(f"history role must be user/assistant/system/tool, got {role!r}")
-            add(_ChatML.open(role))
-            add(text + _ChatML.close(), "user_turn", 0.3)
+        add_turns(history)
         if trailing:
             add_system(trailing)
         if user_message is not None:
-            add(_ChatML.open("user"))
-            add(user_message + _ChatML.close(), "user_turn", 0.3)
+            add_turns([("user", user_message)])
+        add_turns(after)
         add(_ChatML.open("assistant"))
         return ids, spans, stable_end
 
@@ -450,8 +490,15 @@ class CacheAwareContextPipeline:
         history: Sequence[tuple[str, str]] = (),
         max_new_tokens: int = 32,
         tenant: str | None = None,
+        built: BuiltPrompt | None = None,
+        after: Sequence[tuple[str, str]] = (),
+        on_token: Callable[[int], bool | None] | None = None,
     ) -> PipelineResult:
         """Run one chat turn on the engine with the last built system prompt.
+
+        ``built`` picks a specific :meth:`build` result (default: the tenant's last);
+        ``after`` and ``on_token`` are passed to :meth:`assemble` and
+        :meth:`Engine.generate <contextkit.engine.Engine.generate>`.
 
         Raises:
             RuntimeError: no engine attached, or nothing built yet.
@@ -460,15 +507,19 @@ class CacheAwareContextPipeline:
         if self.engine is None:
             raise RuntimeError("no engine attached: this pipeline only passes prompts "
                                "through; build it with CacheAwareContextPipeline(engine)")
-        tenant = _check_tenant(tenant or self.tenant)
+        tenant = _check_tenant(tenant or (built.report.tenant if built else None)
+                               or self.tenant)
+        if built is not None and built.report.tenant != tenant:
+            raise ValueError(f"this prompt was built for tenant {built.report.tenant!r}, not "
+                             f"{tenant!r}; tenants never share blocks")
         with self._lock:
             state = self._state(tenant)
-            built = state.last
+            built = built if built is not None else state.last
             ids, spans, stable_end = self.assemble(user_message, history, tenant=tenant,
-                                                   built=built)
+                                                   built=built, after=after)
             assert built is not None
             result = self.engine.generate(ids, max_new_tokens=max_new_tokens, tenant=tenant,
-                                          spans=spans)
+                                          spans=spans, on_token=on_token)
             if self.pin_stable:
                 self._pin_stable(state, result.block_ids, stable_end)
             report = built.report
@@ -526,6 +577,13 @@ class CacheAwareContextPipeline:
         for meta in self.cached_blocks(tenant):
             out[meta.source_layer] = out.get(meta.source_layer, 0) + 1
         return dict(sorted(out.items()))
+
+    def last_built(self, tenant: str | None = None) -> BuiltPrompt | None:
+        """The tenant's latest :meth:`build` result (``None`` without a cache or before any)."""
+        if self.engine is None:
+            return None
+        with self._lock:
+            return self._state(_check_tenant(tenant or self.tenant)).last
 
     def last_report(self, tenant: str | None = None) -> CallReport | None:
         """The latest call's report (``None`` without a cache or before any call)."""

@@ -25,6 +25,7 @@ __all__ = [
     "SpilloverQueue",
     "StructuredPrompt",
     "coerce_prompt",
+    "has_markers",
     "parse_marked",
     "render_marked",
     "synthesize_for_budget",
@@ -122,6 +123,19 @@ def parse_marked(text: str, config: LayerConfig) -> StructuredPrompt:
         raise PromptFormatError(f"[{current.upper()}] opened on line {opened_at} is never "
                                 f"closed; add [/{current.upper()}]")
     return StructuredPrompt(tuple(sections))
+
+
+def has_markers(text: str, config: LayerConfig) -> bool:
+    """Whether ``text`` contains at least one known ``[LAYER]`` marker line.
+
+    Plain system prompts (no markers) are passed through untouched by the
+    integrations; marked ones go through the pipeline.
+    """
+    for raw in text.splitlines():
+        match = _MARKER.match(raw)
+        if match is not None and match.group(2).lower() in config:
+            return True
+    return False
 
 
 def render_marked(prompt: StructuredPrompt) -> str:

@@ -1,0 +1,370 @@
+"""LangChain 1.x: agent middleware, a telemetry callback, and a chat model on the engine.
+
+Adopting contextkit in a ``create_agent`` agent::
+
+    from langchain.agents import create_agent
+    from contextkit import CacheAwareContextPipeline, Engine
+    from integrations.langchain import (ContextKitCallbackHandler, ContextKitChatModel,
+                                        ContextKitMiddleware)
+
+    engine = Engine.from_pretrained()
+    pipeline = CacheAwareContextPipeline(engine)
+    agent = create_agent(
+        ContextKitChatModel(engine=engine, pipeline=pipeline),   # or any chat model
+        tools=[],
+        middleware=[ContextKitMiddleware(pipeline, build_system_message)],
+    )
+    handler = ContextKitCallbackHandler()
+    agent.invoke({"messages": [("user", "hi")]}, config={"callbacks": [handler]})
+
+- :class:`ContextKitMiddleware` (``wrap_model_call``) builds the system message
+  through the pipeline each model call and overrides the request's system message
+  with it: the stable prefix, the changing layers and the volatile layers are
+  separate content blocks, the stable one with a ``cache_control`` breakpoint, so
+  providers' prompt caches (Anthropic) benefit as well as contextkit's engine.
+- :class:`ContextKitCallbackHandler` only observes: prompt layers and content
+  blocks at ``on_chat_model_start``, usage and cache read/creation tokens at
+  ``on_llm_end`` (whatever the provider reports). Callbacks cannot change messages.
+- :class:`ContextKitChatModel` is a ``BaseChatModel`` (with streaming) backed by the
+  embedded engine; with the middleware, it lays the prompt out the pipeline's way
+  (pinned stable prefix, volatile layers after the history).
+
+Requires the ``langchain`` extra (``pip install 'contextkit[langchain]'``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from contextkit._extras import require
+
+require("langchain.agents", "langchain")
+require("langchain_core", "langchain")
+
+from langchain.agents.middleware import AgentMiddleware, ModelRequest  # noqa: E402
+from langchain_core.callbacks import BaseCallbackHandler, CallbackManagerForLLMRun  # noqa: E402
+from langchain_core.language_models.chat_models import BaseChatModel  # noqa: E402
+from langchain_core.messages import (  # noqa: E402
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    SystemMessage,
+)
+from langchain_core.outputs import (  # noqa: E402
+    ChatGeneration,
+    ChatGenerationChunk,
+    ChatResult,
+    LLMResult,
+)
+from pydantic import ConfigDict, Field  # noqa: E402
+
+from contextkit.engine import Engine  # noqa: E402
+from contextkit.pipeline import BuiltPrompt, CacheAwareContextPipeline  # noqa: E402
+from contextkit.prompt import has_markers  # noqa: E402
+from integrations._common import (  # noqa: E402
+    CallLog,
+    ChatRun,
+    EngineChat,
+    layers_in,
+    split_system_text,
+    usage_from,
+)
+
+__all__ = [
+    "EPHEMERAL",
+    "METADATA_KEY",
+    "ContextKitCallbackHandler",
+    "ContextKitChatModel",
+    "ContextKitMiddleware",
+    "to_conversation",
+]
+
+#: ``SystemMessage.additional_kwargs`` key carrying the pipeline's call summary.
+METADATA_KEY = "contextkit"
+
+#: Anthropic's prompt-cache breakpoint, put on the stable block by default.
+EPHEMERAL: Mapping[str, Any] = {"type": "ephemeral"}
+
+Builder = Callable[[ModelRequest], Any]
+TenantFn = Callable[[ModelRequest], str]
+
+
+def to_conversation(messages: Sequence[BaseMessage]) -> list[tuple[str, str]]:
+    """``(role, text)`` pairs of LangChain messages (tool calls rendered as text)."""
+    roles = {"system": "system", "human": "user", "ai": "assistant", "tool": "tool",
+             "function": "tool"}
+    out = []
+    for m in messages:
+        role = roles.get(m.type) or str(getattr(m, "role", "user"))
+        text = str(m.text)
+        calls = getattr(m, "tool_calls", None)
+        if calls:
+            rendered = "\n".join(f"[tool call] {c['name']}({c.get('args', {})})" for c in calls)
+            text = f"{text}\n{rendered}" if text else rendered
+        out.append((role, text))
+    return out
+
+
+def _tenant_of(context: Any) -> str | None:
+    if isinstance(context, Mapping):
+        value = context.get("tenant")
+    else:
+        value = getattr(context, "tenant", None)
+    return str(value) if value else None
+
+
+# ---------------------------------------------------------------------------- middleware
+class ContextKitMiddleware(AgentMiddleware):
+    """Build the agent's system message through a contextkit pipeline.
+
+    Args:
+        pipeline: the pipeline (with or without an engine attached).
+        build_system_message: called with the ``ModelRequest`` on every model call;
+            returns a ``[LAYER]...[/LAYER]`` string, a ``{layer: lines}`` mapping or a
+            ``StructuredPrompt``. Default: the agent's own ``system_prompt`` when it
+            carries layer markers (a plain system prompt is left untouched).
+        tenant: a tenant id, or a function of the request; default: ``tenant`` of
+            the runtime context (mapping key or attribute), else the pipeline's.
+        cache_control: the breakpoint put on the stable block (Anthropic's format);
+            ``None`` for providers that reject extra block keys (their automatic
+            prefix caching still sees the stable prefix first).
+
+    With a cache attached, the pipeline applies budgets and volatility ordering;
+    without one, the text is exactly what ``build_system_message`` returned. Either
+    way the model gets the same text whichever chat model runs it.
+    """
+
+    def __init__(self, pipeline: CacheAwareContextPipeline,
+                 build_system_message: Builder | None = None, *,
+                 tenant: str | TenantFn | None = None,
+                 cache_control: Mapping[str, Any] | None = EPHEMERAL) -> None:
+        super().__init__()
+        self.pipeline = pipeline
+        self.build_system_message = build_system_message
+        self.tenant = tenant
+        self.cache_control = dict(cache_control) if cache_control is not None else None
+
+    @property
+    def name(self) -> str:
+        return "ContextKitMiddleware"
+
+    def _tenant(self, request: ModelRequest) -> str:
+        if callable(self.tenant):
+            return str(self.tenant(request))
+        if self.tenant:
+            return str(self.tenant)
+        runtime = getattr(request, "runtime", None)
+        return _tenant_of(getattr(runtime, "context", None)) or self.pipeline.tenant
+
+    def system_message(self, request: ModelRequest) -> SystemMessage | None:
+        """The system message this middleware puts on ``request`` (``None``: unchanged)."""
+        if self.build_system_message is not None:
+            raw = self.build_system_message(request)
+        else:
+            raw = request.system_prompt
+            if raw is None or not has_markers(raw, self.pipeline.config):
+                return None
+        tenant = self._tenant(request)
+        parts = split_system_text(self.pipeline, raw, tenant)
+        blocks: list[str | dict[str, Any]] = []
+        for i, text in enumerate((parts.stable, parts.changing, parts.trailing)):
+            if not text:
+                continue
+            block: dict[str, Any] = {"type": "text", "text": text}
+            if i == 0 and self.cache_control is not None:
+                block["cache_control"] = dict(self.cache_control)
+            blocks.append(block)
+        meta: dict[str, Any] = {"tenant": tenant, "attached": self.pipeline.attached}
+        if parts.built is not None:
+            report = parts.built.report
+            meta.update(pipeline=_pipeline_token(self.pipeline), call=report.call,
+                        stable_hash=report.stable_hash, prefix_broken_by=report.prefix_broken_by,
+                        changed_layers=list(report.changed_layers),
+                        layer_order=list(report.layer_order),
+                        trailing_layers=list(report.trailing_layers),
+                        layer_tokens=dict(report.layer_tokens))
+        return SystemMessage(content=blocks, additional_kwargs={METADATA_KEY: meta})
+
+    def wrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], Any]
+                        ) -> Any:
+        message = self.system_message(request)
+        return handler(request if message is None else request.override(system_message=message))
+
+    async def awrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], Any]
+                               ) -> Any:
+        message = self.system_message(request)
+        return await handler(request if message is None
+                             else request.override(system_message=message))
+
+
+def _pipeline_token(pipeline: CacheAwareContextPipeline) -> str:
+    token = getattr(pipeline, "_langchain_token", None)
+    if token is None:
+        token = uuid.uuid4().hex
+        pipeline._langchain_token = token  # type: ignore[attr-defined]
+    return str(token)
+
+
+# ---------------------------------------------------------------------------- callbacks
+class ContextKitCallbackHandler(BaseCallbackHandler):
+    """Telemetry of chat model calls; observes only (never changes messages).
+
+    Records, per call, the prompt's layers and content blocks (with cache
+    breakpoints) and the pipeline's stable hash; at the end, input/output tokens and
+    the cache read/creation tokens the provider reported (contextkit's engine,
+    Anthropic and OpenAI shapes), TTFT and KV reuse when the engine reports them.
+
+    Args:
+        log: where records go (a new :class:`~integrations._common.CallLog` by default).
+    """
+
+    raise_error = False
+
+    def __init__(self, log: CallLog | None = None) -> None:
+        super().__init__()
+        self.log = log if log is not None else CallLog()
+
+    @property
+    def records(self) -> list[Any]:
+        return self.log.records
+
+    def summary(self) -> dict[str, Any]:
+        return self.log.summary()
+
+    def on_chat_model_start(self, serialized: dict[str, Any], messages: list[list[BaseMessage]],
+                            *, run_id: uuid.UUID, **kwargs: Any) -> None:
+        msgs = messages[0] if messages else []
+        system = next((m for m in msgs if isinstance(m, SystemMessage)), None)
+        meta = (system.additional_kwargs.get(METADATA_KEY) or {}) if system is not None else {}
+        blocks = []
+        if system is not None and isinstance(system.content, list):
+            for b in system.content:
+                if isinstance(b, Mapping):
+                    blocks.append({"chars": len(str(b.get("text", ""))),
+                                   "cache_control": "cache_control" in b})
+        params = kwargs.get("invocation_params") or {}
+        model = (params.get("model") or params.get("model_name")
+                 or (serialized or {}).get("name"))
+        text = system.text if system is not None else ""
+        self.log.start(str(run_id), "langchain", model=model, tenant=meta.get("tenant"),
+                       messages=len(msgs), system_chars=len(text), layers=layers_in(text),
+                       content_blocks=blocks, stable_hash=meta.get("stable_hash"),
+                       prefix_broken_by=meta.get("prefix_broken_by"))
+
+    def on_llm_end(self, response: LLMResult, *, run_id: uuid.UUID, **kwargs: Any) -> None:
+        usage: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        gens = response.generations[0] if response.generations else []
+        if gens:
+            message = getattr(gens[0], "message", None)
+            if message is not None:
+                usage = usage_from(getattr(message, "usage_metadata", None))
+                meta = getattr(message, "response_metadata", None) or {}
+                if not usage:
+                    usage = usage_from(meta.get("usage")) or usage_from(meta.get("token_usage"))
+                extra = {"ttft_ms": meta.get("ttft_ms"),
+                         "kv_reuse_ratio": meta.get("kv_reuse_ratio")}
+        if not usage and response.llm_output:
+            out = response.llm_output
+            usage = usage_from(out.get("usage")) or usage_from(out.get("token_usage"))
+        self.log.end(str(run_id), **usage, **extra)
+
+    def on_llm_error(self, error: BaseException, *, run_id: uuid.UUID, **kwargs: Any) -> None:
+        self.log.end(str(run_id), error=f"{type(error).__name__}: {error}")
+
+
+# ---------------------------------------------------------------------------- chat model
+class ContextKitChatModel(BaseChatModel):
+    """A LangChain chat model running on contextkit's embedded engine.
+
+    Args:
+        engine: the :class:`~contextkit.engine.Engine` (e.g. ``Engine.from_pretrained()``).
+        pipeline: the pipeline the :class:`ContextKitMiddleware` uses; with it, system
+            messages the middleware built are laid out the pipeline's way.
+        tenant: tenant for prompts that did not come through the middleware.
+        max_tokens: reply length limit (``model.bind(max_tokens=...)`` per call).
+        streaming: stream through ``invoke`` callbacks too.
+
+    Greedy decoding. Tool calling is not supported (SmolLM2 has no tool-call format):
+    use ``create_agent(model, tools=[])``.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    engine: Any = Field(exclude=True)
+    pipeline: Any = Field(default=None, exclude=True)
+    tenant: str | None = None
+    max_tokens: int = 128
+    streaming: bool = False
+
+    @property
+    def _llm_type(self) -> str:
+        return "contextkit"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self._chat().model_name, "max_tokens": self.max_tokens}
+
+    def _chat(self) -> EngineChat:
+        if not isinstance(self.engine, Engine):
+            raise TypeError("engine must be a contextkit Engine (Engine.from_pretrained())")
+        return EngineChat(self.engine, self.pipeline, self.tenant)
+
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "ContextKitChatModel does not call tools: the embedded SmolLM2 has no tool-call "
+            "format. Use create_agent(model, tools=[]), or serve a tool-calling model with "
+            "vLLM and contextkit's KV connector")
+
+    def _plan(self, messages: list[BaseMessage]) -> tuple[list[tuple[str, str]],
+                                                          BuiltPrompt | None, str | None]:
+        conv = to_conversation(messages)
+        first = messages[0] if messages else None
+        meta = first.additional_kwargs.get(METADATA_KEY) if isinstance(first, SystemMessage) \
+            else None
+        if not meta or self.pipeline is None or not self.pipeline.attached:
+            return conv, None, None
+        if meta.get("pipeline") != _pipeline_token(self.pipeline):
+            return conv, None, meta.get("tenant")
+        built = self.pipeline.last_built(meta["tenant"])
+        if built is None or first is None or built.text != first.text:  # stale: lay it out plainly
+            return conv, None, meta["tenant"]
+        return conv, built, meta["tenant"]
+
+    def _run_kwargs(self, messages: list[BaseMessage], stop: list[str] | None,
+                    kwargs: Mapping[str, Any]) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+        conv, built, tenant = self._plan(messages)
+        max_new = int(kwargs.get("max_tokens") or kwargs.get("max_new_tokens") or self.max_tokens)
+        return conv, {"built": built, "tenant": tenant or self.tenant,
+                      "max_new_tokens": max_new, "stop": list(stop or [])}
+
+    def _message(self, run: ChatRun, chat: EngineChat) -> AIMessage:
+        return AIMessage(content=run.text, usage_metadata=run.usage(),
+                         response_metadata=run.metadata(chat.model_name))
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None,
+                  **kwargs: Any) -> ChatResult:
+        chat = self._chat()
+        conv, run_kw = self._run_kwargs(messages, stop, kwargs)
+        run = chat.run(conv, **run_kw)
+        return ChatResult(generations=[ChatGeneration(message=self._message(run, chat))])
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None,
+                **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        chat = self._chat()
+        conv, run_kw = self._run_kwargs(messages, stop, kwargs)
+        for item in chat.stream(conv, **run_kw):
+            if isinstance(item, str):
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=item))
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(item, chunk=chunk)
+                yield chunk
+            else:
+                yield ChatGenerationChunk(message=AIMessageChunk(
+                    content="", usage_metadata=item.usage(),  # type: ignore[arg-type]
+                    response_metadata=item.metadata(chat.model_name),
+                    chunk_position="last"))

@@ -1,0 +1,337 @@
+"""LlamaIndex: an LLM on the engine, an instrumentation event handler, a legacy callback.
+
+Adopting contextkit in a LlamaIndex chat engine::
+
+    from llama_index.core.chat_engine import SimpleChatEngine
+    from llama_index.core.instrumentation import get_dispatcher
+    from contextkit import CacheAwareContextPipeline, Engine
+    from integrations.llamaindex import ContextKitEventHandler, ContextKitLLM
+
+    engine = Engine.from_pretrained()
+    pipeline = CacheAwareContextPipeline(engine)
+    llm = ContextKitLLM(engine, pipeline=pipeline, build_system_message=build_system_message)
+    handler = ContextKitEventHandler()
+    get_dispatcher().add_event_handler(handler)
+    chat = SimpleChatEngine.from_defaults(llm=llm, memory=llm.memory())
+    chat.chat("What changed since the deploy?")
+
+- :class:`ContextKitLLM` runs chat messages on the embedded engine. A system
+  message with ``[LAYER]`` markers (or the output of ``build_system_message``,
+  called on every chat) goes through the pipeline: budgets, volatility order,
+  layer-tagged blocks, pinned stable prefix. Responses carry OpenAI-shaped usage
+  in ``raw["usage"]`` (``prompt_tokens_details.cached_tokens`` = reused tokens).
+- :class:`ContextKitEventHandler` (instrumentation, ``LLMChatStartEvent`` /
+  ``LLMChatEndEvent``) and :class:`ContextKitLlamaCallbackHandler` (legacy
+  ``CBEventType.LLM``) record layers, usage and cache reads for any LLM.
+
+Requires the ``llamaindex`` extra (``pip install 'contextkit[llamaindex]'``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from contextkit._extras import require
+
+require("llama_index.core", "llamaindex")
+
+from llama_index.core.base.llms.types import (  # noqa: E402
+    ChatMessage,
+    ChatResponse,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.callbacks import CBEventType, EventPayload  # noqa: E402
+from llama_index.core.callbacks.base_handler import (  # noqa: E402
+    BaseCallbackHandler as LlamaBaseCallbackHandler,
+)
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler  # noqa: E402
+from llama_index.core.instrumentation.events import BaseEvent  # noqa: E402
+from llama_index.core.instrumentation.events.llm import (  # noqa: E402
+    LLMChatEndEvent,
+    LLMChatStartEvent,
+)
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback  # noqa: E402
+from llama_index.core.llms.custom import CustomLLM  # noqa: E402
+from pydantic import Field, PrivateAttr  # noqa: E402
+
+from contextkit.engine import Engine  # noqa: E402
+from contextkit.pipeline import CacheAwareContextPipeline  # noqa: E402
+from contextkit.prompt import has_markers  # noqa: E402
+from integrations._common import (  # noqa: E402
+    CallLog,
+    ChatRun,
+    EngineChat,
+    layers_in,
+    usage_from,
+)
+
+__all__ = [
+    "ContextKitEventHandler",
+    "ContextKitLLM",
+    "ContextKitLlamaCallbackHandler",
+]
+
+Builder = Callable[[Sequence[ChatMessage]], Any]
+
+
+def _conversation(messages: Sequence[ChatMessage]) -> list[tuple[str, str]]:
+    roles = {"system": "system", "developer": "system", "user": "user",
+             "assistant": "assistant", "tool": "tool", "function": "tool",
+             "chatbot": "assistant", "model": "assistant"}
+    out = []
+    for m in messages:
+        role = m.role.value if isinstance(m.role, MessageRole) else str(m.role)
+        out.append((roles.get(role, "user"), m.content or ""))
+    return out
+
+
+def _usage_raw(run: ChatRun) -> dict[str, Any]:
+    u = run.usage()
+    return {"usage": {"prompt_tokens": u["input_tokens"], "completion_tokens": u["output_tokens"],
+                      "total_tokens": u["total_tokens"],
+                      "prompt_tokens_details": {"cached_tokens": run.generation.reused_tokens}},
+            **run.metadata("")}
+
+
+class ContextKitLLM(CustomLLM):
+    """A LlamaIndex LLM on contextkit's embedded engine (greedy decoding, streaming).
+
+    Args:
+        engine: the :class:`~contextkit.engine.Engine`.
+        pipeline: builds layered system prompts (optional).
+        build_system_message: called with the chat messages on every chat; its
+            result (marker string, mapping or StructuredPrompt) replaces the system
+            message. Default: the incoming system message when it has markers.
+        tenant: the tenant of this LLM's blocks.
+        max_new_tokens: reply length limit.
+    """
+
+    max_new_tokens: int = Field(default=128, description="reply length limit")
+    tenant: str | None = Field(default=None, description="tenant of this LLM's blocks")
+    _engine: Engine = PrivateAttr()
+    _pipeline: CacheAwareContextPipeline | None = PrivateAttr(default=None)
+    _builder: Builder | None = PrivateAttr(default=None)
+    _chat_runner: EngineChat = PrivateAttr()
+
+    def __init__(self, engine: Engine, *, pipeline: CacheAwareContextPipeline | None = None,
+                 build_system_message: Builder | None = None, tenant: str | None = None,
+                 max_new_tokens: int = 128, **kwargs: Any) -> None:
+        if not isinstance(engine, Engine):
+            raise TypeError("engine must be a contextkit Engine (Engine.from_pretrained())")
+        super().__init__(max_new_tokens=max_new_tokens, tenant=tenant, **kwargs)
+        self._engine = engine
+        self._pipeline = pipeline
+        self._builder = build_system_message
+        self._chat_runner = EngineChat(engine, pipeline, tenant)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ContextKitLLM"
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @property
+    def pipeline(self) -> CacheAwareContextPipeline | None:
+        return self._pipeline
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(context_window=int(self._engine.model.max_positions),
+                           num_output=self.max_new_tokens, is_chat_model=True,
+                           model_name=self._chat_runner.model_name)
+
+    def count_tokens(self, text: str) -> int:
+        """Token count with the engine's tokenizer (for LlamaIndex memory buffers)."""
+        return self._engine.count_tokens(text)
+
+    def memory(self, token_limit: int | None = None) -> Any:
+        """A ``ChatMemoryBuffer`` that counts with the engine's tokenizer (no download)."""
+        from llama_index.core.memory import ChatMemoryBuffer
+
+        limit = token_limit or self.metadata.context_window - self.max_new_tokens
+        return ChatMemoryBuffer.from_defaults(token_limit=limit, tokenizer_fn=self._engine.encode)
+
+    # ------------------------------------------------------------------ chat
+    def _prepare(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
+                 ) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+        conv = _conversation(messages)
+        tenant = kwargs.get("tenant") or self.tenant
+        built = None
+        pipeline = self._pipeline
+        if pipeline is not None and pipeline.attached:
+            raw: Any = None
+            if self._builder is not None:
+                raw = self._builder(messages)
+            elif conv and conv[0][0] == "system" and has_markers(conv[0][1], pipeline.config):
+                raw = conv[0][1]
+            if raw is not None:
+                built = pipeline.build(raw, tenant=tenant)
+                if conv and conv[0][0] == "system":
+                    conv[0] = ("system", built.text)
+                else:
+                    conv.insert(0, ("system", built.text))
+        stop = kwargs.get("stop") or []
+        return conv, {"built": built, "tenant": tenant,
+                      "max_new_tokens": int(kwargs.get("max_new_tokens") or self.max_new_tokens),
+                      "stop": [stop] if isinstance(stop, str) else list(stop)}
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        conv, run_kw = self._prepare(messages, kwargs)
+        run = self._chat_runner.run(conv, **run_kw)
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=run.text),
+                            raw=_usage_raw(run), additional_kwargs=dict(usage_from(run.usage())))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        conv, run_kw = self._prepare(messages, kwargs)
+
+        def gen() -> ChatResponseGen:
+            text = ""
+            for item in self._chat_runner.stream(conv, **run_kw):
+                if isinstance(item, str):
+                    text += item
+                    yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT,
+                                                           content=text), delta=item)
+                else:
+                    yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT,
+                                                           content=item.text),
+                                       delta="", raw=_usage_raw(item),
+                                       additional_kwargs=dict(usage_from(item.usage())))
+
+        return gen()
+
+    # ------------------------------------------------------------------ completion
+    # The prompt is sent as one user message through the chat template (SmolLM2 is
+    # an instruct model); ``formatted`` is accepted for the interface.
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        run = self._chat_runner.run([("user", prompt)], tenant=kwargs.get("tenant") or self.tenant,
+                                    max_new_tokens=int(kwargs.get("max_new_tokens")
+                                                       or self.max_new_tokens))
+        return CompletionResponse(text=run.text, raw=_usage_raw(run))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False,
+                        **kwargs: Any) -> CompletionResponseGen:
+        def gen() -> CompletionResponseGen:
+            text = ""
+            for item in self._chat_runner.stream(
+                    [("user", prompt)], tenant=kwargs.get("tenant") or self.tenant,
+                    max_new_tokens=int(kwargs.get("max_new_tokens") or self.max_new_tokens)):
+                if isinstance(item, str):
+                    text += item
+                    yield CompletionResponse(text=text, delta=item)
+                else:
+                    yield CompletionResponse(text=item.text, delta="", raw=_usage_raw(item))
+
+        return gen()
+
+
+# ---------------------------------------------------------------------------- telemetry
+def _response_fields(response: Any) -> dict[str, Any]:
+    """Usage, TTFT, reuse and the pipeline's report from a response of any LlamaIndex LLM."""
+    if response is None:
+        return {}
+    raw = getattr(response, "raw", None)
+    raw_usage = raw.get("usage") if isinstance(raw, dict) else getattr(raw, "usage", None)
+    out: dict[str, Any] = {**usage_from(getattr(response, "additional_kwargs", None)),
+                           **usage_from(raw_usage)}
+    if isinstance(raw, dict):
+        out.update(ttft_ms=raw.get("ttft_ms"), kv_reuse_ratio=raw.get("kv_reuse_ratio"))
+        report = raw.get("contextkit")
+        if isinstance(report, dict):
+            out.update(tenant=report.get("tenant"), stable_hash=report.get("stable_hash"),
+                       prefix_broken_by=report.get("prefix_broken_by"),
+                       layers=[*report.get("layer_order", []),
+                               *report.get("trailing_layers", [])])
+    return out
+
+
+def _start_fields(messages: Sequence[ChatMessage], model: dict[str, Any] | None) -> dict[str, Any]:
+    system = next((m.content or "" for m in messages
+                   if str(getattr(m.role, "value", m.role)) == "system"), "")
+    model = model or {}
+    return {"model": model.get("model_name") or model.get("model") or model.get("class_name"),
+            "tenant": model.get("tenant"), "messages": len(messages),
+            "system_chars": len(system), "layers": layers_in(system)}
+
+
+class ContextKitEventHandler(BaseEventHandler):
+    """Instrumentation handler: one record per ``LLMChatStartEvent``/``LLMChatEndEvent``.
+
+    Register with ``get_dispatcher().add_event_handler(handler)``. Observes only.
+    """
+
+    log: CallLog = Field(default_factory=CallLog, exclude=True)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ContextKitEventHandler"
+
+    @property
+    def records(self) -> list[Any]:
+        return self.log.records
+
+    def summary(self) -> dict[str, Any]:
+        return self.log.summary()
+
+    def handle(self, event: BaseEvent, **kwargs: Any) -> Any:
+        key = str(event.span_id or "")
+        if isinstance(event, LLMChatStartEvent):
+            self.log.start(key, "llamaindex", **_start_fields(event.messages, event.model_dict))
+        elif isinstance(event, LLMChatEndEvent):
+            self.log.end(key, **_response_fields(event.response))
+        return None
+
+
+class ContextKitLlamaCallbackHandler(LlamaBaseCallbackHandler):
+    """Legacy callback handler for ``CBEventType.LLM`` events (observes only).
+
+    Register with ``Settings.callback_manager = CallbackManager([handler])`` or on
+    the LLM's ``callback_manager``.
+    """
+
+    def __init__(self, log: CallLog | None = None) -> None:
+        super().__init__(event_starts_to_ignore=[], event_ends_to_ignore=[])
+        self.log = log if log is not None else CallLog()
+
+    @property
+    def records(self) -> list[Any]:
+        return self.log.records
+
+    def summary(self) -> dict[str, Any]:
+        return self.log.summary()
+
+    def on_event_start(self, event_type: CBEventType, payload: dict[str, Any] | None = None,
+                       event_id: str = "", parent_id: str = "", **kwargs: Any) -> str:
+        if event_type == CBEventType.LLM and payload is not None:
+            messages = payload.get(EventPayload.MESSAGES)
+            if messages is not None:
+                self.log.start(event_id, "llamaindex-legacy",
+                               **_start_fields(messages, payload.get(EventPayload.SERIALIZED)))
+        return event_id
+
+    def on_event_end(self, event_type: CBEventType, payload: dict[str, Any] | None = None,
+                     event_id: str = "", **kwargs: Any) -> None:
+        if event_type != CBEventType.LLM or payload is None:
+            return
+        if EventPayload.EXCEPTION in payload:
+            error = payload[EventPayload.EXCEPTION]
+            self.log.end(event_id, error=f"{type(error).__name__}: {error}")
+        elif EventPayload.RESPONSE in payload:
+            self.log.end(event_id, **_response_fields(payload[EventPayload.RESPONSE]))
+
+    def start_trace(self, trace_id: str | None = None) -> None:
+        return None
+
+    def end_trace(self, trace_id: str | None = None,
+                  trace_map: dict[str, list[str]] | None = None) -> None:
+        return None
