@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -76,7 +77,10 @@ def test_agent_on_the_engine_reuses_the_pinned_prefix(
         assert r.response_metadata["reused_tokens"] == read
     report = pipeline.last_report()
     assert report is not None and report.reused_tokens > 0 and report.call == 3
-    assert report.prefix_broken_by == "system_state"  # the first volatile layer
+    # Call 3: affect and awareness (flagged volatile, never changed) have learned a
+    # change rate below 0.5 and move from the trailing into the main message.
+    assert report.prefix_broken_by == "affect"
+    assert report.trailing_layers == ["system_state", "current_time"]
     assert pipeline.pinned_blocks()  # the stable prefix is pinned
     assert set(pipeline.blocks_by_layer()) >= {"axioms", "identity", "capabilities"}
 
@@ -254,3 +258,25 @@ def test_handler_reads_provider_cache_figures() -> None:
     assert usage_from({"prompt_tokens": 9, "completion_tokens": 1,
                        "prompt_tokens_details": {"cached_tokens": 8}}) == {
         "input_tokens": 9, "output_tokens": 1, "cache_read_tokens": 8}
+
+
+def test_async_agent_goes_through_awrap_model_call(fresh: Callable[..., Any],
+                                                   layered_prompt: Callable[[int], str]) -> None:
+    eng = fresh(device=64, host=32)
+    pipeline = CacheAwareContextPipeline(eng)
+    agent = create_agent(ContextKitChatModel(engine=eng, pipeline=pipeline, max_tokens=4),
+                         tools=[], middleware=[ContextKitMiddleware(
+                             pipeline, lambda request: layered_prompt(0))])
+    recorder = SystemRecorder()
+
+    async def two_turns() -> list[Any]:
+        out = await agent.ainvoke({"messages": [("user", "Is checkout slow?")]},
+                                  config={"callbacks": [recorder]})
+        out = await agent.ainvoke({"messages": [*out["messages"], ("user", "And now?")]},
+                                  config={"callbacks": [recorder]})
+        return list(out["messages"])
+
+    messages = asyncio.run(two_turns())
+    assert messages[-1].usage_metadata["input_token_details"]["cache_read"] > 0
+    last = pipeline.last_built()
+    assert last is not None and recorder.systems[-1].text == last.text  # type: ignore[union-attr]

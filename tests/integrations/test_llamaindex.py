@@ -63,7 +63,7 @@ def test_chat_engine_reuses_the_pinned_prefix(fresh: Callable[..., Any],
     rec = event_handler.records[-1]
     assert rec.stable_hash == pipeline.last_report().stable_hash  # type: ignore[union-attr]
     assert rec.layers[:4] == ["axioms", "identity", "system_knowledge", "capabilities"]
-    assert rec.prefix_broken_by == "system_state"
+    assert rec.prefix_broken_by == "affect"  # moved into the main message on call 3
 
 
 def test_marked_system_prompt_goes_through_the_pipeline(
