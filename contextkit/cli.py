@@ -58,6 +58,19 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _recover(args: argparse.Namespace) -> int:
+    if args.for_vllm:
+        # The vLLM job lives with the connector in integrations (which depends on
+        # contextkit, not the other way round): bound by name at run time.
+        import importlib
+
+        job = importlib.import_module("integrations.vllm.recovery")
+        try:
+            result = job.run_recover_for_vllm(args)
+        except (ValueError, OSError) as exc:  # bad config, missing model directory
+            sys.stderr.write(f"contextkit: error: {exc}\n")
+            return 2
+        _emit_json(args, result)
+        return 1 if result.get("errors") else 0
     from shadow.cli import run_recover
 
     result = run_recover(args)
@@ -103,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_recover_arguments(recover)
     recover.add_argument("--json", action="store_true",
                          help="print one JSON object as the last line of stdout")
+    recover.add_argument("--for-vllm", action="store_true",
+                         help="restore into the vLLM connector's local store (run before "
+                              "`vllm serve`; see docs/vllm.md)")
+    recover.add_argument("--model", default=None, metavar="DIR",
+                         help="with --for-vllm: the model directory vLLM serves")
+    recover.add_argument("--connector-config", default=None, metavar="JSON",
+                         help="with --for-vllm: the connector's kv_connector_extra_config "
+                              "(or the whole --kv-transfer-config) as JSON, or @FILE")
     recover.set_defaults(func=_recover)
 
     _add_bench(sub)

@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "graph": "contextkit.bench.graph",
     "ttft": "contextkit.bench.ttft",
     "ooda": "contextkit.bench.ooda",
+    "vllm": "contextkit.bench.vllm",
 }
 
 

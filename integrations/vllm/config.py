@@ -1,0 +1,144 @@
+"""Typed configuration of the vLLM connector (``kv_connector_extra_config``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CONNECTOR_CLASS",
+    "CONNECTOR_MODULE",
+    "ConnectorConfig",
+    "ConnectorConfigError",
+    "kv_transfer_config",
+]
+
+#: What ``--kv-transfer-config`` names: the class and its module.
+CONNECTOR_CLASS = "ContextKitConnector"
+CONNECTOR_MODULE = "integrations.vllm.connector"
+
+
+class ConnectorConfigError(ValueError):
+    """``kv_connector_extra_config`` has an unknown key or a bad value."""
+
+
+def _default_local_store() -> str:
+    root = Path(os.environ.get("CONTEXTKIT_CACHE_DIR", Path.home() / ".cache" / "contextkit"))
+    return f"file://{root / 'vllm-store'}"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """Options of :class:`integrations.vllm.connector.ContextKitConnector`.
+
+    Every field can be set in ``kv_connector_extra_config``; unknown keys are refused
+    so a typo never silently falls back to a default.
+
+    Args:
+        block_size: tokens per block; must equal vLLM's ``--block-size`` (the
+            connector moves whole vLLM blocks, and the cache identity records it).
+        codec: ``"tq4"`` (4-bit TurboQuant, default) or ``"native"`` (float32,
+            exact; for checks).
+        shadow_url: durable cold tier, ``file:///path`` or ``s3://bucket/prefix``;
+            empty disables shadowing (the store then lives as long as the process).
+        session_id: the session this server shadows under (one writer per session:
+            give each vLLM instance sharing a shadow store its own id).
+        local_store: where ``contextkit recover --for-vllm`` stages the verified
+            blocks that the connector loads into its DDR tier at start.
+        host_blocks: blocks of the DDR ("host") tier.
+        device_blocks: blocks of the device tier (on CUDA, VRAM beside vLLM's own
+            paged cache; pinned prefixes live there). On CPU both tiers are RAM.
+        device: device of the device tier; ``None`` picks CUDA when present.
+        shadow_on_save: shadow after every completed save (in the save thread).
+        shadow_interval_s: period of the background shadow (0: none).
+        stats_path: append one JSON line per finished request (hit tokens, saves).
+        model_id: name recorded in the cache identity; default: a fingerprint of
+            the weights, so another model (or fine-tune) never matches.
+        endpoint_url: S3-compatible endpoint for an ``s3://`` shadow.
+        default_source_layer: source layer of blocks without a span label.
+    """
+
+    block_size: int = 32
+    codec: str = "tq4"
+    shadow_url: str = ""
+    session_id: str = "vllm"
+    local_store: str = dataclasses.field(default_factory=_default_local_store)
+    host_blocks: int = 4096
+    device_blocks: int = 64
+    device: str | None = None
+    shadow_on_save: bool = True
+    shadow_interval_s: float = 0.0
+    stats_path: str = ""
+    model_id: str = ""
+    endpoint_url: str | None = None
+    default_source_layer: str = "user_turn"
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ConnectorConfigError(f"block_size must be > 0, got {self.block_size}")
+        if self.codec not in ("tq4", "native"):
+            raise ConnectorConfigError(f"codec must be 'tq4' or 'native', got {self.codec!r}")
+        if self.host_blocks < 1 or self.device_blocks < 1:
+            raise ConnectorConfigError("host_blocks and device_blocks must be >= 1, got "
+                                       f"{self.host_blocks} and {self.device_blocks}")
+        if self.shadow_interval_s < 0:
+            raise ConnectorConfigError(
+                f"shadow_interval_s must be >= 0, got {self.shadow_interval_s}")
+        for name in ("shadow_url", "local_store"):
+            url = getattr(self, name)
+            if url and "://" not in url:
+                raise ConnectorConfigError(f"{name} must be a URL (file:///path or "
+                                           f"s3://bucket/prefix), got {url!r}")
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        """Build from ``kv_connector_extra_config``.
+
+        Raises:
+            ConnectorConfigError: an unknown key or a bad value.
+        """
+        extra = dict(extra or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConnectorConfigError(
+                f"unknown kv_connector_extra_config keys {unknown}; known keys: {sorted(known)}")
+        try:
+            return cls(**extra)
+        except TypeError as exc:
+            raise ConnectorConfigError(str(exc)) from exc
+
+    @classmethod
+    def from_json(cls, text: str) -> ConnectorConfig:
+        """From the extra-config JSON object, or a whole ``--kv-transfer-config`` JSON."""
+        try:
+            doc = json.loads(text)
+        except ValueError as exc:
+            raise ConnectorConfigError(f"connector config is not JSON: {exc}") from exc
+        if not isinstance(doc, dict):
+            raise ConnectorConfigError("connector config must be a JSON object")
+        if "kv_connector_extra_config" in doc or "kv_connector" in doc:
+            doc = doc.get("kv_connector_extra_config") or {}
+        return cls.from_extra_config(doc)
+
+    def to_extra_config(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def kv_transfer_config(config: ConnectorConfig) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` object that loads this connector.
+
+    ``kv_load_failure_policy="recompute"``: a block the store lost between lookup and
+    load (evicted, corrupt) is recomputed by vLLM instead of failing the request.
+    """
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": config.to_extra_config(),
+    }

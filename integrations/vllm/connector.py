@@ -1,0 +1,367 @@
+"""``ContextKitConnector``: contextkit's tiers and shadow behind vLLM's KV connector API.
+
+Launch vLLM with::
+
+    --block-size 32 --kv-transfer-config '{"kv_connector": "ContextKitConnector",
+      "kv_connector_module_path": "integrations.vllm.connector", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"block_size": 32, "shadow_url": "file:///var/ck"}}'
+
+(:func:`integrations.vllm.kv_transfer_config` builds that object.)
+
+Scheduler side (:class:`~integrations.vllm.planning.RequestPlanner`): block keys from
+the request's token ids and tenant (``cache_salt``); ``get_num_new_matched_tokens``
+reports the longest stored prefix; ``update_state_after_alloc`` and
+``build_connector_meta`` turn hits into loads and newly computed full blocks into
+saves; ``request_finished`` closes the request's stats. Worker side
+(:class:`~integrations.vllm.store.ConnectorStore`): ``start_load_kv`` decodes TQ4
+blocks into vLLM's paged KV; ``save_kv_layer`` copies each layer's new blocks out of
+the paged KV and ``wait_for_save`` hands them to a background thread that quantizes
+them into contextkit's tiers and shadows them. Semantic labels and pins come with
+the request (:func:`~integrations.vllm.planning.semantic_params`).
+
+This module imports vLLM; import it only inside vLLM (it is named by path in
+``--kv-transfer-config``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.platforms import current_platform
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from integrations.vllm.config import ConnectorConfig, ConnectorConfigError
+from integrations.vllm.identity import vllm_cache_identity
+from integrations.vllm.layout import LAYOUTS
+from integrations.vllm.planning import (
+    LoadSpec,
+    RequestPlanner,
+    SaveSpec,
+    StepRequest,
+    WorkerReport,
+)
+from integrations.vllm.store import ConnectorStore, local_session_keys
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["ContextKitConnector", "ContextKitConnectorMetadata", "ContextKitWorkerMetadata"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ContextKitConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker: this step's loads and saves."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class ContextKitWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: keys stored and evicted, tokens loaded."""
+
+    report: WorkerReport = field(default_factory=WorkerReport)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, ContextKitWorkerMetadata)
+        return ContextKitWorkerMetadata(self.report.merge(other.report))
+
+
+@dataclass
+class _Staged:
+    """One save spec's K/V copied out of the paged cache, per layer ``[n, H, N, D]``."""
+
+    spec: SaveSpec
+    k: dict[int, torch.Tensor] = field(default_factory=dict)
+    v: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class ContextKitConnector(KVConnectorBase_V1):
+    """KV connector storing vLLM's blocks TQ4-compressed in contextkit's tiers and shadow."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role,
+                         kv_cache_config=kv_cache_config)  # type: ignore[arg-type, unused-ignore]
+        config = ConnectorConfig.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config)
+        block_size = vllm_config.cache_config.block_size
+        if block_size != config.block_size:
+            raise ConnectorConfigError(
+                f"vLLM runs with --block-size {block_size} but the connector is configured "
+                f"for block_size={config.block_size}; set both to the same value")
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+            raise ConnectorConfigError(
+                "ContextKitConnector supports one worker per engine (tensor and pipeline "
+                "parallel size 1); run one engine per GPU (data parallel) instead")
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            logger.warning("kv_load_failure_policy is %r: a block lost between lookup and "
+                           "load fails the request; set \"kv_load_failure_policy\": "
+                           "\"recompute\"", self._kv_transfer_config.kv_load_failure_policy)
+        model = vllm_config.model_config
+        self.config = config
+        self.identity = vllm_cache_identity(
+            model.model, block_size, config.codec, model_id=config.model_id,
+            tokenizer_dir=model.tokenizer or model.model)
+        self.block_size = block_size
+        self._lock = threading.Lock()
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler()
+        else:
+            self._init_worker()
+
+    # ================================================================== scheduler side
+    def _init_scheduler(self) -> None:
+        self.planner = RequestPlanner(self.identity.digest(), self.block_size,
+                                      self.config.default_source_layer)
+        seeded = self.planner.seed(local_session_keys(self.config.local_store, self.identity))
+        self._requests: dict[str, Request] = {}
+        self._stats_path = Path(self.config.stats_path) if self.config.stats_path else None
+        logger.info("ContextKitConnector scheduler: %d recovered block keys, identity %s",
+                    seeded, self.identity.model_id)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._requests[request.request_id] = request
+        hit = self.planner.matched_tokens(
+            request.request_id, request.all_token_ids, request.num_prompt_tokens,
+            num_computed_tokens, tenant=request.cache_salt,
+            params=request.kv_transfer_params)
+        return hit, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self.planner.on_alloc(request.request_id, num_external_tokens)
+
+    def _block_ids(self, req_id: str, fallback: list[int] | None) -> list[int]:
+        if self._kv_cache_manager is not None:
+            return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+        return list(fallback or [])
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        steps = []
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            request = self._requests.get(new.req_id)
+            if request is not None:
+                steps.append(StepRequest(new.req_id, request.all_token_ids,
+                                         new.num_computed_tokens, num_scheduled[new.req_id],
+                                         self._block_ids(new.req_id, new.block_ids[0])))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            request = self._requests.get(req_id)
+            if request is not None:
+                steps.append(StepRequest(req_id, request.all_token_ids,
+                                         cached.num_computed_tokens[i], num_scheduled[req_id],
+                                         self._block_ids(req_id, None)))
+        loads, saves = self.planner.plan(steps)
+        return ContextKitConnectorMetadata(loads, saves)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, ContextKitWorkerMetadata):
+            self._write_stats(self.planner.apply(meta.report))
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        self._write_stats(self.planner.finish(request.request_id))
+        return False, None  # blocks were copied out when computed: free them now
+
+    def _write_stats(self, records: list[dict[str, Any]]) -> None:
+        for record in records:
+            logger.debug("request stats: %s", record)
+        if records and self._stats_path is not None:
+            with self._stats_path.open("a") as f:
+                for record in records:
+                    f.write(json.dumps(record, sort_keys=True) + "\n")
+
+    # ================================================================== worker side
+    def _init_worker(self) -> None:
+        self.store = ConnectorStore(self.identity, self.config)
+        report = self.store.restore_local()
+        self.store.open_shadow(restored=bool(report and report.blocks))
+        self._report = WorkerReport()
+        # keys the scheduler could not seed (recovered inside the engine) reach it here
+        self._report.stored |= set(self.store.keys()) - set(
+            local_session_keys(self.config.local_store, self.identity))
+        self._pages: dict[str, torch.Tensor] = {}  # layer -> page view [num_blocks, ...]
+        self._layer_of: dict[str, int] = {}
+        self._staged: list[_Staged] = []
+        self._load_errors: set[int] = set()
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="contextkit-save")
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="contextkit-load")
+        self._loader.submit(self.store.warm_up)  # JIT off the first request's path
+        self._futures: list[Future[None]] = []
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = LAYOUTS["cpu" if current_platform.is_cpu() else "split"]
+        names = sorted(kv_caches, key=extract_layer_index)
+        if len(names) != self.identity.num_layers:
+            raise ConnectorConfigError(
+                f"vLLM has {len(names)} attention layers, the model config "
+                f"{self.identity.num_layers}; the connector supports plain decoder models")
+        self._layout = layout
+        for layer, name in enumerate(names):
+            pages = layout.pages(kv_caches[name])
+            k, _ = layout.split(pages[:1])
+            want = (self.identity.num_kv_heads, self.block_size, self.identity.head_dim)
+            if tuple(k.shape[1:]) != want:
+                raise ConnectorConfigError(f"layer {name}: paged K is {tuple(k.shape)}, "
+                                           f"expected [num_blocks, {', '.join(map(str, want))}]")
+            self._pages[name] = pages
+            self._layer_of[name] = layer
+
+    def _meta(self) -> ContextKitConnectorMetadata | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, ContextKitConnectorMetadata)
+        return meta
+
+    # ------------------------------------------------------------------ loads
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._meta()
+        if meta is None or not meta.loads:
+            return
+        names = sorted(self._pages, key=self._layer_of.__getitem__)
+        for spec in meta.loads:
+            # Decode on a helper thread: the fused CPU decoder (numba) sets the calling
+            # thread's OpenMP thread count, which vLLM's CPU attention checks against
+            # the step's metadata (and vLLM forbids setting it back).
+            got = self._loader.submit(self.store.read, spec.keys, spec.tenant).result()
+            n = 0 if got is None else got[0].shape[1]
+            if got is not None:
+                k, v = got
+                index = torch.tensor(spec.block_ids[:n], dtype=torch.int64)
+                for layer, name in enumerate(names):
+                    pages = self._pages[name]
+                    # [n, N, H, D] -> [n, H, N, D] -> whole pages, one copy per layer
+                    page = self._layout.join(k[layer].permute(0, 2, 1, 3),
+                                             v[layer].permute(0, 2, 1, 3))
+                    pages.index_copy_(0, index.to(pages.device),
+                                      page.to(pages.device, pages.dtype))
+            missing = spec.block_ids[n:]
+            if missing:
+                logger.warning("request %s: %d of %d blocks no longer stored; vLLM recomputes "
+                               "them", spec.req_id, len(missing), len(spec.block_ids))
+            with self._lock:
+                self._load_errors.update(missing)
+                self._report.loaded_tokens[spec.req_id] = (
+                    self._report.loaded_tokens.get(spec.req_id, 0) + n * self.block_size)
+                self._report.load_failed_tokens[spec.req_id] = (
+                    self._report.load_failed_tokens.get(spec.req_id, 0)
+                    + len(missing) * self.block_size)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv (synchronous)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ------------------------------------------------------------------ saves
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        meta = self._meta()
+        if meta is None or not meta.saves or layer_name not in self._pages:
+            return
+        if not self._staged:
+            self._staged = [_Staged(spec) for spec in meta.saves]
+        for staged in self._staged:
+            self._stage(staged, layer_name)
+
+    def _stage(self, staged: _Staged, name: str) -> None:
+        """Copy a save spec's pages of one layer out of the paged cache."""
+        pages = self._pages[name]
+        idx = torch.tensor(staged.spec.block_ids, dtype=torch.int64, device=pages.device)
+        layer = self._layer_of[name]
+        staged.k[layer], staged.v[layer] = self._layout.split(pages.index_select(0, idx))
+
+    def wait_for_save(self) -> None:
+        meta = self._meta()
+        staged, self._staged = self._staged, []
+        if meta is None or not meta.saves:
+            return
+        if not staged:
+            staged = [_Staged(spec) for spec in meta.saves]
+        for name, layer in self._layer_of.items():  # layers save_kv_layer did not see
+            for item in staged:
+                if layer not in item.k:
+                    self._stage(item, name)
+        num_layers = self.identity.num_layers
+        for item in staged:
+            # [L, n, H, N, D] -> [L, n, N, H, D], contextkit's block layout
+            k = torch.stack([item.k[i] for i in range(num_layers)]).permute(0, 1, 3, 2, 4)
+            v = torch.stack([item.v[i] for i in range(num_layers)]).permute(0, 1, 3, 2, 4)
+            self._futures.append(self._saver.submit(self._save, item.spec, k, v))
+        self._futures = [f for f in self._futures if not f.done()]
+
+    def _save(self, spec: SaveSpec, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Background: quantize into the store, report, shadow."""
+        try:
+            result = self.store.save(k, v, spec.keys, spec.tenant, spec.labels)
+        except Exception:
+            logger.exception("saving %d blocks of request %s failed", len(spec.keys),
+                             spec.req_id)
+            with self._lock:
+                self._report.failed.update(spec.keys)
+            return
+        held = set(spec.keys) - set(result.failed)  # stored now, or already held
+        with self._lock:
+            report = self._report
+            report.removed.difference_update(held)
+            report.stored.difference_update(result.removed)
+            report.stored.update(held)
+            report.removed.update(result.removed)
+            report.failed.update(result.failed)
+        if self.config.shadow_on_save and self.store.shadow is not None and result.stored:
+            try:
+                self.store.shadow.shadow_now()
+            except Exception:
+                logger.exception("shadow after save failed; the previous shadow stays")
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        with self._lock:
+            report, self._report = self._report, WorkerReport()
+        return ContextKitWorkerMetadata(report) if report else None
+
+    def flush(self) -> None:
+        """Wait for queued saves (tests and shutdown)."""
+        for future in list(self._futures):
+            future.result()
+        self._futures.clear()
+
+    def shutdown(self) -> None:
+        if self.role != KVConnectorRole.WORKER or not hasattr(self, "store"):
+            return
+        self._saver.shutdown(wait=True)
+        self._loader.shutdown(wait=True)
+        self.store.close()

@@ -1,0 +1,162 @@
+"""Serve prompts with vLLM and the connector in one process lifetime (tests, bench).
+
+``python -m integrations.vllm.harness --model DIR --connector-config JSON
+--prompts FILE --out FILE`` starts vLLM (CPU or CUDA) with ``ContextKitConnector``,
+generates greedily for each prompt (token ids) one at a time, drains the connector's
+saves and shadow, and writes per prompt: TTFT, generated token ids and the
+connector's stats for the request (``external_hit_tokens`` ...). A fresh process is
+a vLLM restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "source_text"]
+
+
+def _drain_worker(worker: Any) -> int:
+    """Run on the worker (``collective_rpc``): finish queued saves, shadow once more."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return 0
+    connector = get_kv_transfer_group()
+    connector.flush()
+    if connector.store.shadow is not None:
+        connector.store.shadow.shadow_now()
+    return len(connector.store.keys())
+
+
+def _read_stats(path: Path, start: int) -> tuple[list[dict[str, Any]], int]:
+    if not path.is_file():
+        return [], start
+    with path.open() as f:
+        f.seek(start)
+        text = f.read()
+        end = f.tell()
+    return [json.loads(line) for line in text.splitlines() if line.strip()], end
+
+
+def source_text() -> str:
+    """A long, stable text to cut prompts from: the standard library's argparse source
+    (fixed for a Python version; repository files change under the tests)."""
+    import argparse as module
+
+    return Path(module.__file__ or "").read_text()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m integrations.vllm.harness")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--connector-config", default=None,
+                        help="kv_connector_extra_config JSON; omit to run vLLM without it")
+    parser.add_argument("--prompts", required=True, help="JSON file: list of token-id lists")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--cache-salt", default=None)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="serve the prompts this many times in this process, emptying "
+                             "vLLM's own prefix cache in between (later rounds hit the store)")
+    parser.add_argument("--reference", default=None,
+                        help="JSON file: per prompt, a reference continuation; measures "
+                             "teacher-forced top-1 agreement with it after the last round")
+    parser.add_argument("--dtype", default="float32",
+                        help="float32 on CPUs without native bf16 matmul (much faster there)")
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from integrations.vllm.config import ConnectorConfig, kv_transfer_config
+
+    kwargs: dict[str, Any] = {}
+    stats_path: Path | None = None
+    if args.connector_config:
+        config = ConnectorConfig.from_json(args.connector_config)
+        if config.block_size != args.block_size:
+            parser.error("--block-size must equal the connector's block_size")
+        kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(config))
+        stats_path = Path(config.stats_path) if config.stats_path else None
+    prompts = json.loads(Path(args.prompts).read_text())
+    start = time.perf_counter()
+    llm = LLM(model=args.model, max_model_len=args.max_model_len, enforce_eager=True,
+              dtype=args.dtype, block_size=args.block_size, disable_log_stats=False,
+              seed=0, **kwargs)
+    startup_s = time.perf_counter() - start
+    # vLLM's first request pays one-time costs (kernel set-up) in every process: warm
+    # up on an unrelated short prompt so the measured TTFTs compare like with like
+    for _ in range(2):  # the second one takes the prefix-cached path
+        llm.generate([{"prompt_token_ids": [1] * 40}], SamplingParams(max_tokens=1),
+                     use_tqdm=False)
+    if args.connector_config:
+        llm.collective_rpc(_drain_worker)
+    offset = stats_path.stat().st_size if stats_path and stats_path.is_file() else 0
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=5)
+    results = []
+    for round_idx in range(args.rounds):
+        if round_idx:
+            llm.collective_rpc(_drain_worker)
+            # the worker reports finished saves with its next step's output: pump one
+            llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1),
+                         use_tqdm=False)
+            llm.reset_prefix_cache()
+            offset = stats_path.stat().st_size if stats_path and stats_path.is_file() else 0
+        for token_ids in prompts:
+            prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+            if args.cache_salt:
+                prompt["cache_salt"] = args.cache_salt
+            t0 = time.perf_counter()
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            wall = time.perf_counter() - t0
+            ttft = getattr(out.metrics, "first_token_latency", None)
+            stats: list[dict[str, Any]] = []
+            if stats_path is not None:
+                stats, offset = _read_stats(stats_path, offset)
+            results.append({
+                "round": round_idx,
+                "prompt_tokens": len(token_ids),
+                "ttft_ms": 1000.0 * (ttft if ttft else wall),
+                "wall_ms": 1000.0 * wall,
+                "token_ids": list(out.outputs[0].token_ids),
+                "text": out.outputs[0].text,
+                "num_cached_tokens": out.num_cached_tokens,
+                # top-5 {token id: logprob} of the first generated position
+                "first_logprobs": {str(t): lp.logprob
+                                   for t, lp in (out.outputs[0].logprobs or [{}])[0].items()},
+                "connector": stats[-1] if stats else None,
+            })
+    agreement = None
+    if args.reference:
+        # Teacher-forced: at each position of the reference continuation, is this
+        # server's greedy token the reference token? (Free-running greedy outputs
+        # diverge for good at the first difference; this scores every position.)
+        agreement = []
+        one = SamplingParams(max_tokens=1, temperature=0.0)
+        references = json.loads(Path(args.reference).read_text())
+        for token_ids, ref in zip(prompts, references, strict=True):
+            batch = [{"prompt_token_ids": list(token_ids) + list(ref[:j])}
+                     for j in range(len(ref))]
+            outs = llm.generate(batch, one, use_tqdm=False)
+            same = [o.outputs[0].token_ids[0] == r for o, r in zip(outs, ref, strict=True)]
+            agreement.append(sum(same) / len(same))
+    stored = llm.collective_rpc(_drain_worker) if args.connector_config else [0]
+    Path(args.out).write_text(json.dumps({"startup_s": startup_s, "results": results,
+                                          "stored_blocks": stored[0],
+                                          "teacher_forced_agreement": agreement}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

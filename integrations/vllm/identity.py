@@ -1,0 +1,101 @@
+"""The cache identity of a vLLM-served model, computed the same way by every party.
+
+The connector's scheduler side, its worker side and ``contextkit recover --for-vllm``
+each derive the identity from the model directory and the connector config; blocks
+and shadows are exchanged only between equal identities (SPEC 1.3, 4).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from gpu_cache import CacheIdentity
+
+__all__ = ["model_fingerprint", "model_shape", "vllm_cache_identity"]
+
+_SAMPLE_BYTES = 1 << 20
+
+
+@lru_cache(maxsize=8)
+def model_fingerprint(model_dir: str) -> str:
+    """Digest of a Hugging Face model directory's config and weights.
+
+    Hashes ``config.json`` plus, per ``*.safetensors`` file, its size, its header
+    (tensor names, dtypes, shapes, offsets) and 1 MiB of tensor bytes from its
+    middle: cheap (no full read of the weights) and different for another model or
+    fine-tune of the same architecture.
+    """
+    root = Path(model_dir)
+    h = hashlib.sha256()
+    config = root / "config.json"
+    if config.is_file():
+        h.update(config.read_bytes())
+    files = sorted(root.glob("*.safetensors"))
+    for path in files:
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}\n".encode())
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            h.update(f.read(min(header_len, 1 << 26)))
+            data_start = 8 + header_len
+            f.seek(data_start + max(0, (size - data_start - _SAMPLE_BYTES) // 2))
+            h.update(f.read(_SAMPLE_BYTES))
+    if not files and not config.is_file():
+        raise FileNotFoundError(f"{model_dir} has neither config.json nor *.safetensors; "
+                                "pass a Hugging Face model directory")
+    return h.hexdigest()[:16]
+
+
+def model_shape(model_dir: str) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` from ``config.json``."""
+    cfg: dict[str, Any] = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    num_layers = int(cfg["num_hidden_layers"])
+    num_heads = int(cfg["num_attention_heads"])
+    num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
+    return num_layers, num_kv_heads, head_dim
+
+
+@lru_cache(maxsize=8)
+def _tokenizer_id(tokenizer_dir: str) -> str:
+    from contextkit._extras import require
+    from contextkit.engine import tokenizer_fingerprint
+
+    transformers = require("transformers", "model")
+    return tokenizer_fingerprint(transformers.AutoTokenizer.from_pretrained(tokenizer_dir))
+
+
+def vllm_cache_identity(
+    model_dir: str,
+    block_size: int,
+    codec: str = "tq4",
+    *,
+    model_id: str = "",
+    tokenizer_dir: str | None = None,
+) -> CacheIdentity:
+    """The identity of blocks the connector stores for ``model_dir``.
+
+    Args:
+        model_dir: the Hugging Face directory vLLM serves.
+        block_size: vLLM's block size (tokens per block).
+        codec: ``"tq4"`` or ``"native"``.
+        model_id: explicit model name; default ``sha256:<fingerprint>`` of the weights.
+        tokenizer_dir: tokenizer directory when it is not ``model_dir``.
+
+    No key offsets: vLLM attends over the keys themselves, so loaded keys must be the
+    keys, not centered ones (the centering gain is small: bench quant,
+    ``attn_cosine_real_uncentered``).
+    """
+    num_layers, num_kv_heads, head_dim = model_shape(model_dir)
+    return CacheIdentity(
+        model_id=model_id or f"sha256:{model_fingerprint(str(Path(model_dir).resolve()))}",
+        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, codec=codec,
+        tokenizer_id=_tokenizer_id(str(Path(tokenizer_dir or model_dir).resolve())),
+    )

@@ -1,0 +1,343 @@
+"""Scheduler-side planning of the vLLM connector, free of vLLM imports (unit-testable).
+
+The scheduler side owns the *index* of block keys the worker's store holds; the
+worker side owns the bytes. They live in different processes (vLLM's CPU and
+multi-GPU executors run workers apart from the scheduler), so the index is fed by
+the worker's reports (:class:`WorkerReport`, sent back through vLLM's
+``build_connector_worker_meta``) and seeded at start from the local store that
+``contextkit recover --for-vllm`` filled. A key the worker lost meanwhile (evicted,
+corrupt) surfaces as a load error, which vLLM recomputes.
+
+Block keys are contextkit's (:func:`gpu_cache.hash_token_blocks`): a SHA-256 chain
+over the cache identity, the tenant (vLLM's ``cache_salt``) and the token ids, so the
+same tokens of another tenant or model never match.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpu_cache import PINNABLE_SOURCES, hash_block_tokens
+
+__all__ = [
+    "DEFAULT_TENANT",
+    "BlockLabel",
+    "LoadSpec",
+    "RequestPlanner",
+    "SaveSpec",
+    "StepRequest",
+    "WorkerReport",
+    "labels_from_params",
+    "semantic_params",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TENANT = "default"
+#: Key of contextkit's entry in a request's ``kv_transfer_params``.
+PARAMS_KEY = "contextkit"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLabel:
+    """Semantic metadata of a stored block (drives the store's eviction and pins)."""
+
+    source_layer: str
+    importance: float = 0.5
+    pinned: bool = False
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """Worker instruction: decode these stored blocks into these vLLM blocks."""
+
+    req_id: str
+    tenant: str
+    keys: list[bytes]
+    block_ids: list[int]  # vLLM block ids, one per key
+
+
+@dataclass(slots=True)
+class SaveSpec:
+    """Worker instruction: quantize these vLLM blocks into the store under these keys."""
+
+    req_id: str
+    tenant: str
+    keys: list[bytes]
+    block_ids: list[int]
+    first_block: int  # index of the first block within the request
+    labels: list[BlockLabel]
+
+
+@dataclass(slots=True)
+class WorkerReport:
+    """What the worker did since its last report (aggregated over workers)."""
+
+    stored: set[bytes] = field(default_factory=set)
+    removed: set[bytes] = field(default_factory=set)
+    failed: set[bytes] = field(default_factory=set)  # saves that did not make it
+    loaded_tokens: dict[str, int] = field(default_factory=dict)
+    load_failed_tokens: dict[str, int] = field(default_factory=dict)
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        out = WorkerReport(self.stored | other.stored, self.removed | other.removed,
+                           self.failed | other.failed, dict(self.loaded_tokens),
+                           dict(self.load_failed_tokens))
+        # Every worker loads the same tokens (its own heads): a token counts as
+        # loaded when all workers loaded it, and as failed when any worker failed.
+        for req_id, n in other.loaded_tokens.items():
+            out.loaded_tokens[req_id] = min(out.loaded_tokens.get(req_id, n), n)
+        for req_id, n in other.load_failed_tokens.items():
+            out.load_failed_tokens[req_id] = max(out.load_failed_tokens.get(req_id, n), n)
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.removed or self.failed or self.loaded_tokens
+                    or self.load_failed_tokens)
+
+
+@dataclass(slots=True)
+class StepRequest:
+    """A request scheduled in this step, as the planner needs it."""
+
+    req_id: str
+    token_ids: Sequence[int]  # every known token (prompt + output so far)
+    num_computed: int  # tokens whose KV exists before this step
+    num_scheduled: int  # tokens whose KV this step computes
+    block_ids: Sequence[int]  # the request's vLLM blocks, in order
+
+
+def semantic_params(spans: Iterable[tuple[int, int, str] | tuple[int, int, str, float]],
+                    *, pin: bool = False) -> dict[str, Any]:
+    """``kv_transfer_params`` that label prompt token ranges with their prompt layer.
+
+    Pass the result as ``SamplingParams(extra_args={"kv_transfer_params": ...})``
+    (offline ``LLM``) or as the ``kv_transfer_params`` field of an OpenAI-API
+    request. Blocks get the source layer of the span holding their first token;
+    with ``pin=True`` blocks of pinnable layers (axioms, identity, rules,
+    capabilities, soul) are pinned in the store.
+
+    Args:
+        spans: ``(start, end, source_layer[, importance])`` token ranges.
+        pin: pin blocks of pinnable layers.
+    """
+    out = []
+    for span in spans:
+        start, end, layer = int(span[0]), int(span[1]), str(span[2])
+        importance = float(span[3]) if len(span) > 3 else 0.5
+        if not 0 <= start <= end or not 0.0 <= importance <= 1.0:
+            raise ValueError(f"bad span {span!r}: need 0 <= start <= end, importance in [0, 1]")
+        out.append([start, end, layer, importance])
+    return {PARAMS_KEY: {"spans": out, "pin": bool(pin)}}
+
+
+def labels_from_params(params: Mapping[str, Any] | None, first_block: int, num_blocks: int,
+                       block_size: int, default_layer: str) -> list[BlockLabel]:
+    """Per block, the label of the span holding its first token (see :func:`semantic_params`).
+
+    Malformed params are logged and ignored (the request must not fail over labels).
+    """
+    default = BlockLabel(default_layer)
+    ours = (params or {}).get(PARAMS_KEY) if isinstance(params, Mapping) else None
+    if not ours:
+        return [default] * num_blocks
+    try:
+        spans = [(int(s[0]), int(s[1]), str(s[2]), float(s[3])) for s in ours.get("spans", [])]
+        pin = bool(ours.get("pin", False))
+    except (TypeError, ValueError, IndexError, AttributeError):
+        logger.warning("ignoring malformed kv_transfer_params[%r]: %r", PARAMS_KEY, ours)
+        return [default] * num_blocks
+    labels = []
+    for b in range(first_block, first_block + num_blocks):
+        pos = b * block_size
+        label = default
+        for start, end, layer, importance in spans:
+            if start <= pos < end:
+                label = BlockLabel(layer, importance, pin and layer in PINNABLE_SOURCES)
+                break
+        labels.append(label)
+    return labels
+
+
+@dataclass(slots=True)
+class _RequestState:
+    tenant: str
+    params: Mapping[str, Any] | None
+    num_prompt_tokens: int
+    keys: list[bytes] = field(default_factory=list)
+    load_first_block: int = 0
+    load_num_blocks: int = 0
+    load_planned: bool = False
+    planned_hit_tokens: int = 0
+    last_num_computed: int = 0
+    load_reported: bool = True
+    finished: bool = False
+    considered_blocks: int = 0  # blocks below this were stored, planned or skipped
+    planned_saves: int = 0
+
+
+class RequestPlanner:
+    """Scheduler-side state: the key index, per-request keys, load and save plans.
+
+    Args:
+        identity_digest: :meth:`gpu_cache.CacheIdentity.digest` of the store.
+        block_size: tokens per block (vLLM's and the store's).
+        default_layer: source layer of blocks without a span label.
+    """
+
+    def __init__(self, identity_digest: bytes, block_size: int,
+                 default_layer: str = "user_turn") -> None:
+        self.identity_digest = identity_digest
+        self.block_size = block_size
+        self.default_layer = default_layer
+        self.index: set[bytes] = set()
+        self.pending: set[bytes] = set()
+        self._reqs: dict[str, _RequestState] = {}
+        self._loaded: dict[str, int] = {}
+        self._load_failed: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ keys
+    def _keys(self, state: _RequestState, token_ids: Sequence[int], num_blocks: int
+              ) -> list[bytes]:
+        """Keys of the first ``num_blocks`` blocks, extending the cached chain."""
+        bs = self.block_size
+        while len(state.keys) < num_blocks:
+            b = len(state.keys)
+            parent = state.keys[-1] if state.keys else None
+            state.keys.append(hash_block_tokens(self.identity_digest, state.tenant, parent,  # type: ignore[arg-type]
+                                                list(token_ids[b * bs:(b + 1) * bs])))
+        return state.keys[:num_blocks]
+
+    def _state(self, req_id: str, tenant: str | None, params: Mapping[str, Any] | None,
+               num_prompt_tokens: int) -> _RequestState:
+        state = self._reqs.get(req_id)
+        if state is None:
+            state = _RequestState(tenant or DEFAULT_TENANT, params, num_prompt_tokens)
+            self._reqs[req_id] = state
+        return state
+
+    # ------------------------------------------------------------------ lookups
+    def matched_tokens(self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
+                       num_computed: int, *, tenant: str | None = None,
+                       params: Mapping[str, Any] | None = None) -> int:
+        """Prompt tokens beyond ``num_computed`` the store can supply (block-aligned).
+
+        At least one prompt token is always left to compute (vLLM needs its logits).
+        Side-effect free apart from caching the request's keys.
+        """
+        state = self._state(req_id, tenant, params, num_prompt_tokens)
+        state.last_num_computed = num_computed
+        max_blocks = max(0, num_prompt_tokens - 1) // self.block_size
+        matched = 0
+        for key in self._keys(state, token_ids, max_blocks):
+            if key not in self.index:
+                break
+            matched += 1
+        return max(0, matched * self.block_size - num_computed)
+
+    def on_alloc(self, req_id: str, num_external: int) -> None:
+        """vLLM allocated blocks; ``num_external`` tokens after its local hit are ours."""
+        state = self._reqs.get(req_id)
+        if state is None or num_external <= 0:
+            return
+        bs = self.block_size
+        state.load_first_block = state.last_num_computed // bs
+        state.load_num_blocks = num_external // bs
+        state.load_planned = True
+        state.load_reported = False
+        state.planned_hit_tokens += num_external
+
+    # ------------------------------------------------------------------ plans
+    def plan(self, step: Iterable[StepRequest]) -> tuple[list[LoadSpec], list[SaveSpec]]:
+        """Loads and saves for one scheduler step."""
+        loads: list[LoadSpec] = []
+        saves: list[SaveSpec] = []
+        bs = self.block_size
+        for req in step:
+            state = self._reqs.get(req.req_id)
+            if state is None:
+                continue
+            if state.load_planned:
+                state.load_planned = False
+                first, n = state.load_first_block, state.load_num_blocks
+                keys = self._keys(state, req.token_ids, first + n)[first:]
+                loads.append(LoadSpec(req.req_id, state.tenant, list(keys),
+                                      list(req.block_ids[first:first + n])))
+            full = min(req.num_computed + req.num_scheduled, len(req.token_ids)) // bs
+            full = min(full, len(req.block_ids))
+            keys = self._keys(state, req.token_ids, full)
+            todo = [b for b in range(state.considered_blocks, full)
+                    if keys[b] not in self.index and keys[b] not in self.pending]
+            state.considered_blocks = max(state.considered_blocks, full)
+            state.planned_saves += len(todo)
+            if not todo:
+                continue
+            # one spec per contiguous run keeps the labels' positions right
+            runs: list[list[int]] = [[todo[0]]]
+            for b in todo[1:]:
+                if b == runs[-1][-1] + 1:
+                    runs[-1].append(b)
+                else:
+                    runs.append([b])
+            for run in runs:
+                run_keys = [keys[b] for b in run]
+                self.pending.update(run_keys)
+                saves.append(SaveSpec(
+                    req.req_id, state.tenant, run_keys, [req.block_ids[b] for b in run],
+                    run[0], labels_from_params(state.params, run[0], len(run), bs,
+                                               self.default_layer)))
+        return loads, saves
+
+    # ------------------------------------------------------------------ feedback
+    def apply(self, report: WorkerReport) -> list[dict[str, Any]]:
+        """Fold a worker report into the index.
+
+        Returns:
+            Stats of finished requests whose load report this was (see :meth:`finish`).
+        """
+        self.index |= report.stored
+        self.index -= report.removed
+        self.pending -= report.stored | report.failed | report.removed
+        done = []
+        for req_id in set(report.loaded_tokens) | set(report.load_failed_tokens):
+            self._loaded[req_id] = (self._loaded.get(req_id, 0)
+                                    + report.loaded_tokens.get(req_id, 0))
+            self._load_failed[req_id] = (self._load_failed.get(req_id, 0)
+                                         + report.load_failed_tokens.get(req_id, 0))
+            state = self._reqs.get(req_id)
+            if state is not None:
+                state.load_reported = True
+                if state.finished:
+                    done.append(self._close(req_id))
+        return done
+
+    def seed(self, keys: Iterable[bytes]) -> int:
+        """Add keys the worker will hold at start (the recovered local store)."""
+        before = len(self.index)
+        self.index.update(keys)
+        return len(self.index) - before
+
+    def finish(self, req_id: str) -> list[dict[str, Any]]:
+        """A request finished. Returns its stats now, or from the :meth:`apply` call
+        that brings its load report (vLLM frees a request that finishes in the step
+        of its load before it hands over that step's worker report)."""
+        state = self._reqs.get(req_id)
+        if state is None:
+            return []
+        state.finished = True
+        return [self._close(req_id)] if state.load_reported else []
+
+    def _close(self, req_id: str) -> dict[str, Any]:
+        state = self._reqs.pop(req_id)
+        return {
+            "request_id": req_id,
+            "tenant": state.tenant,
+            "prompt_tokens": state.num_prompt_tokens,
+            "planned_hit_tokens": state.planned_hit_tokens,
+            "external_hit_tokens": self._loaded.pop(req_id, 0),
+            "load_failed_tokens": self._load_failed.pop(req_id, 0),
+            "planned_save_blocks": state.planned_saves,
+        }

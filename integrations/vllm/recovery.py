@@ -1,0 +1,140 @@
+"""``contextkit recover --for-vllm``: restore shadowed sessions into the connector's store.
+
+The startup job before ``vllm serve`` (see ``scripts/vllm-serve-with-recovery.sh``):
+
+1. derive the connector's cache identity from the model directory and the connector
+   config (the same function the connector uses);
+2. read every session (or the chosen ones) from the shadow store (``file://`` or
+   ``s3://``); a session of another model, codec, block size or schema is refused
+   with the differing fields named, and nothing of it is restored;
+3. recover the compatible sessions, verifying every block's checksums (corrupt
+   blocks are skipped and listed; the prefix chain breaks there, so vLLM
+   recomputes from that block on);
+4. write the verified blocks as one snapshot into the connector's ``local_store``,
+   which the connector loads into its DDR tier when vLLM starts (scheduler and
+   worker both read it, before the server accepts traffic).
+
+Keeping the remote read and the verification out of vLLM's startup means a slow or
+broken shadow store never delays or fails the engine, and the job's exit status
+and JSON say what was restored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any
+
+from gpu_cache import CacheConfig, CacheIdentityError, TQGPUCache
+from integrations.vllm.config import ConnectorConfig
+from integrations.vllm.identity import vllm_cache_identity
+from integrations.vllm.store import LOCAL_SESSION
+from shadow import (
+    CacheShadow,
+    Manifest,
+    RecoveryReport,
+    ShadowConfig,
+    ShadowError,
+    StoreConfig,
+    discover_sessions,
+    load_manifest,
+    open_store,
+    recover_session,
+)
+
+__all__ = ["recover_for_vllm", "run_recover_for_vllm"]
+
+logger = logging.getLogger(__name__)
+
+
+def recover_for_vllm(model_dir: str, config: ConnectorConfig, *, shadow_url: str | None = None,
+                     session_ids: list[str] | None = None,
+                     endpoint_url: str | None = None) -> dict[str, Any]:
+    """Restore shadowed sessions into ``config.local_store`` for the connector.
+
+    Args:
+        model_dir: the Hugging Face directory vLLM will serve.
+        config: the connector config (block size, codec, shadow URL, local store).
+        shadow_url: overrides ``config.shadow_url``.
+        session_ids: sessions to restore (default: every session in the store).
+        endpoint_url: S3-compatible endpoint (default: ``config.endpoint_url``).
+
+    Returns:
+        JSON-able summary: sessions restored, blocks, skipped blocks with reasons,
+        refused sessions with reasons (``errors``), the local store.
+    """
+    start = time.perf_counter()
+    url = shadow_url or config.shadow_url
+    if not url:
+        raise ValueError("no shadow store: pass --store URL or set shadow_url in the "
+                         "connector config")
+    identity = vllm_cache_identity(model_dir, config.block_size, config.codec,
+                                   model_id=config.model_id)
+    store = open_store(url, StoreConfig(endpoint_url=endpoint_url or config.endpoint_url))
+    report = RecoveryReport()
+    try:
+        wanted = session_ids or [s.session_id for s in discover_sessions(store)]
+        manifests: dict[str, Manifest] = {}
+        for sid in wanted:
+            try:
+                manifest = load_manifest(store, sid)
+                identity.check_compatible(manifest.identity, what=f"shadow session {sid!r}")
+                manifests[sid] = manifest
+            except (ShadowError, CacheIdentityError) as exc:
+                report.errors[sid] = str(exc)
+                logger.warning("session %s refused: %s", sid, exc)
+        num_blocks = sum(len(m.blocks) for m in manifests.values())
+        num_pinned = sum(1 for m in manifests.values() for b in m.blocks if b.pinned)
+        cache = TQGPUCache(identity, CacheConfig(num_device_blocks=max(16, num_pinned + 16),
+                                                 num_host_blocks=max(16, num_blocks),
+                                                 device="cpu"))
+        for sid in manifests:
+            try:
+                report.merge(recover_session(store, sid, cache))
+            except (ShadowError, CacheIdentityError) as exc:
+                report.errors[sid] = str(exc)
+    finally:
+        store.close()
+
+    local = open_store(config.local_store)
+    try:
+        # The snapshot is rebuilt from scratch: never leave a stale or foreign one.
+        local.delete_many(local.list(f"{LOCAL_SESSION}/"))
+        written = 0
+        if len(cache.metadata):
+            with CacheShadow(cache, local, LOCAL_SESSION,
+                             config=ShadowConfig(autostart=False)) as snapshot:
+                written = snapshot.shadow_now().num_blocks
+    finally:
+        local.close()
+    report.seconds = time.perf_counter() - start
+    summary = report.to_dict()
+    summary.update(store=url, local_store=config.local_store, snapshot_blocks=written,
+                   identity=identity.to_dict())
+    return summary
+
+
+def run_recover_for_vllm(args: argparse.Namespace) -> dict[str, Any]:
+    """The CLI body of ``contextkit recover --for-vllm`` (prints a one-line summary)."""
+    if not args.model:
+        raise ValueError("--for-vllm needs --model DIR (the directory vLLM serves)")
+    text = args.connector_config or "{}"
+    if text.startswith("@"):
+        with open(text[1:]) as f:
+            text = f.read()
+    config = ConnectorConfig.from_json(text)
+    summary = recover_for_vllm(args.model, config, shadow_url=args.store,
+                               session_ids=args.session, endpoint_url=args.endpoint_url)
+    out = sys.stdout
+    out.write(f"recovered {summary['sessions']} session(s) for vLLM from {summary['store']} "
+              f"into {summary['local_store']}: {summary['snapshot_blocks']} blocks, "
+              f"{summary['skipped']} skipped, {len(summary['errors'])} refused, "
+              f"{summary['seconds']:.2f} s\n")
+    for sid, why in summary["errors"].items():
+        out.write(f"  {sid}: {why}\n")
+    for skip in summary["skipped_blocks"][:10]:
+        out.write(f"  skipped block {skip['index']} of {skip['session_id']}: {skip['reason']}\n")
+    out.flush()
+    return summary

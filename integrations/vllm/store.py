@@ -1,0 +1,296 @@
+"""Worker-side block store of the vLLM connector: contextkit's tiers plus the shadow.
+
+Holds a :class:`gpu_cache.TQGPUCache` (device tier + DDR tier, semantic eviction,
+prefix pins) whose blocks are keyed by contextkit's block keys, and a
+:class:`shadow.CacheShadow` that makes them durable. Free of vLLM imports: the
+connector hands it K/V as ``[num_layers, n, block_size, num_kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_cache import (
+    BlockStateError,
+    CacheConfig,
+    CacheIdentity,
+    CacheIdentityError,
+    PinCapacityError,
+    PrefixPinManager,
+    Tier,
+    TQGPUCache,
+)
+from gpu_cache.codec import TQ4Encoded
+from gpu_cache.hashing import BlockHash
+from gpu_cache.kernels import quantize_into_cache
+from integrations.vllm.config import ConnectorConfig
+from integrations.vllm.planning import BlockLabel
+from shadow import (
+    CacheShadow,
+    RecoveryReport,
+    ShadowConfig,
+    ShadowError,
+    StoreConfig,
+    open_store,
+    recover_session,
+)
+
+__all__ = ["ConnectorStore", "SaveResult", "local_session_keys"]
+
+logger = logging.getLogger(__name__)
+
+#: Session name of the verified snapshot ``contextkit recover --for-vllm`` writes.
+LOCAL_SESSION = "vllm-recovered"
+
+
+@dataclass(slots=True)
+class SaveResult:
+    """Keys a save stored, keys its allocation evicted, keys it could not store."""
+
+    stored: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
+    failed: list[bytes] = field(default_factory=list)
+
+
+def local_session_keys(local_store: str, identity: CacheIdentity) -> list[bytes]:
+    """Keys of the verified snapshot in ``local_store`` (empty if absent or for another
+    identity). The scheduler seeds its index with them."""
+    from shadow import BlobNotFoundError, load_manifest
+
+    if not local_store:
+        return []
+    store = open_store(local_store)
+    try:
+        manifest = load_manifest(store, LOCAL_SESSION)
+    except BlobNotFoundError:
+        return []
+    except ShadowError as exc:
+        logger.warning("local store %s unreadable (%s); starting cold", local_store, exc)
+        return []
+    finally:
+        store.close()
+    if manifest.identity != identity:
+        return []  # the worker refuses it too (and says why)
+    return [bytes.fromhex(b.key) for b in manifest.blocks if b.key is not None]
+
+
+class ConnectorStore:
+    """Blocks by key in contextkit's tiers, shadowed to ``config.shadow_url``.
+
+    Args:
+        identity: the cache identity (model, block size, codec).
+        config: tier sizes, shadow and local store.
+
+    Saves go to the DDR tier on CPU (both tiers are RAM; DDR is where stored
+    blocks belong) and to the device tier on CUDA (fused quantization on the GPU;
+    the semantic policy spills them to pinned DDR as the device tier fills).
+    """
+
+    def __init__(self, identity: CacheIdentity, config: ConnectorConfig) -> None:
+        self.identity = identity
+        self.config = config
+        self.cache = TQGPUCache(identity, CacheConfig(
+            num_device_blocks=config.device_blocks, num_host_blocks=config.host_blocks,
+            device=config.device))
+        self.save_tier = Tier.HOST if self.cache.device.type == "cpu" else Tier.DEVICE
+        self.pins = PrefixPinManager(self.cache)
+        self.shadow: CacheShadow | None = None
+        self._lock = threading.RLock()
+        self._ids: dict[bytes, int] = {}  # key -> block id, to notice evictions
+        self.num_saved = 0
+        self.num_loaded = 0
+
+    # ------------------------------------------------------------------ start / stop
+    def warm_up(self) -> None:
+        """Compile the codec's fused CPU kernels now rather than on the first request."""
+        if self.identity.codec == "tq4":
+            codec = self.cache.codec
+            x = torch.randn(512, self.identity.head_dim, device=codec.device)
+            codec.decode(codec.encode(x))
+
+    def restore_local(self) -> RecoveryReport | None:
+        """Load the verified snapshot from ``config.local_store`` into the DDR tier.
+
+        A snapshot of another identity is refused (logged, nothing loaded): vLLM then
+        recomputes instead of reading wrong KV. Corrupt blocks are skipped.
+        """
+        if not self.config.local_store:
+            return None
+        from shadow import BlobNotFoundError
+
+        store = open_store(self.config.local_store)
+        try:
+            report = recover_session(store, LOCAL_SESSION, self.cache, repin=True)
+        except BlobNotFoundError:
+            logger.info("no recovered snapshot in %s; starting cold (run `contextkit "
+                        "recover --for-vllm` before `vllm serve`)", self.config.local_store)
+            return None
+        except (CacheIdentityError, ShadowError) as exc:
+            logger.error("refusing the snapshot in %s: %s", self.config.local_store, exc)
+            return None
+        finally:
+            store.close()
+        with self._lock:
+            for ids in report.block_ids.values():
+                for bid in ids:
+                    if bid is not None:
+                        key = self.cache.metadata.get(bid).key
+                        if key is not None:
+                            self._ids[bytes(key)] = bid
+        logger.info("restored %d blocks (%d skipped) from %s", report.blocks,
+                    report.num_skipped, self.config.local_store)
+        return report
+
+    def open_shadow(self, restored: bool) -> None:
+        """Start shadowing to ``config.shadow_url`` under ``config.session_id``.
+
+        Args:
+            restored: the local snapshot was loaded. Then the session's blocks are in
+                the cache and the next shadow is incremental. Otherwise an existing
+                session is recovered straight from the shadow first, so a restart
+                without the recovery job never shadows an empty cache over it.
+        """
+        if not self.config.shadow_url:
+            return
+        interval = self.config.shadow_interval_s
+        try:
+            shadow = CacheShadow(
+                self.cache, self.config.shadow_url, self.config.session_id,
+                config=ShadowConfig(interval_seconds=interval or 60.0, autostart=False),
+                store_config=StoreConfig(endpoint_url=self.config.endpoint_url))
+        except (CacheIdentityError, ShadowError) as exc:
+            # Never overwrite (or read) a session of another model: serve unshadowed.
+            logger.error("shadowing disabled: %s (give this server its own session_id or "
+                         "shadow_url)", exc)
+            return
+        if shadow.manifest is not None and shadow.manifest.blocks and not restored:
+            logger.warning("session %s was not restored by `contextkit recover --for-vllm`; "
+                           "recovering it inside the engine", self.config.session_id)
+            report = shadow.recover_session()
+            with self._lock:
+                for ids in report.block_ids.values():
+                    for bid in ids:
+                        if bid is not None and self.cache.metadata.get(bid).key is not None:
+                            self._ids[bytes(self.cache.metadata.get(bid).key)] = bid  # type: ignore[arg-type]
+        elif shadow.manifest is not None:
+            shadow.shadow_now()  # the restored blocks are the session: commit, incrementally
+        if interval:
+            shadow.start()
+        self.shadow = shadow
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._ids)
+
+    def close(self) -> None:
+        """Final shadow and stop; idempotent."""
+        shadow, self.shadow = self.shadow, None
+        if shadow is not None:
+            try:
+                shadow.close(final_shadow=True)
+            except Exception:
+                logger.exception("final shadow of session %s failed", self.config.session_id)
+
+    # ------------------------------------------------------------------ save
+    def save(self, k: torch.Tensor, v: torch.Tensor, keys: Sequence[bytes], tenant: str,
+             labels: Sequence[BlockLabel]) -> SaveResult:
+        """Quantize blocks into the store under their keys.
+
+        Args:
+            k, v: ``[num_layers, n, block_size, num_kv_heads, head_dim]`` (any float dtype).
+            keys: one key per block; keys already held are skipped.
+            tenant: owner of the blocks (keys are salted with it).
+            labels: one semantic label per block.
+
+        Returns:
+            Stored keys, keys evicted to make room, keys not stored (no room).
+        """
+        ident = self.identity
+        want = (ident.num_layers, len(keys), ident.block_size, ident.num_kv_heads, ident.head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ValueError(f"k/v must be {want}, got {tuple(k.shape)} / {tuple(v.shape)}")
+        result = SaveResult()
+        cache = self.cache
+        with self._lock, cache.locked():
+            todo = [i for i, key in enumerate(keys) if key not in self._ids]
+            if not todo:
+                return result
+            ids = cache.allocate(len(todo), self.save_tier, tenant=tenant)
+            if ids is None:
+                result.failed = [keys[i] for i in todo]
+                return result
+            slots = torch.tensor([cache.metadata.get(b).slot for b in ids], dtype=torch.int64,
+                                 device=cache.device)
+            bs = ident.block_size
+            token_slots = (slots[:, None] * bs + torch.arange(bs, device=cache.device)).reshape(-1)
+            index = torch.tensor(todo, dtype=torch.int64, device=k.device)
+            for layer in range(ident.num_layers):
+                kl = k[layer].index_select(0, index).reshape(-1, ident.num_kv_heads, ident.head_dim)
+                vl = v[layer].index_select(0, index).reshape(-1, ident.num_kv_heads, ident.head_dim)
+                kl, vl = kl.to(cache.device, torch.float32), vl.to(cache.device, torch.float32)
+                view = cache.layer_view(layer, self.save_tier)
+                if ident.codec == "native":
+                    d = ident.head_dim
+                    view.k_packed.view(-1, ident.num_kv_heads, d).index_copy_(0, token_slots, kl)
+                    view.v_packed.view(-1, ident.num_kv_heads, d).index_copy_(0, token_slots, vl)
+                else:
+                    quantize_into_cache(kl, vl, token_slots, view.k_packed, view.k_norms,
+                                        view.v_packed, view.v_norms, cache.codec,
+                                        check_bounds=False)
+            to_pin = []
+            for bid, i in zip(ids, todo, strict=True):
+                label = labels[i]
+                cache.metadata.annotate(bid, source_layer=label.source_layer,
+                                        importance=label.importance, tenant_slug=tenant,
+                                        num_tokens=bs)
+                cache.set_key(bid, BlockHash(keys[i]))
+                self._ids[keys[i]] = bid
+                result.stored.append(keys[i])
+                if label.pinned:
+                    to_pin.append(bid)
+            if to_pin:
+                try:
+                    self.pins.pin(to_pin)
+                except (PinCapacityError, BlockStateError) as exc:
+                    logger.warning("blocks stored but not pinned: %s", exc)
+            result.removed = self._forget_evicted()
+            self.num_saved += len(result.stored)
+        return result
+
+    def _forget_evicted(self) -> list[bytes]:
+        gone = [key for key, bid in self._ids.items() if bid not in self.cache.metadata]
+        for key in gone:
+            del self._ids[key]
+        return gone
+
+    # ------------------------------------------------------------------ load
+    def read(self, keys: Sequence[bytes], tenant: str
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Decode the longest held prefix of ``keys``.
+
+        Returns:
+            ``(k, v)`` float32 ``[num_layers, n, block_size, num_kv_heads, head_dim]``
+            for the first ``n`` keys (``n`` may be smaller than ``len(keys)``), or None
+            when the first key is not held.
+        """
+        cache = self.cache
+        with self._lock, cache.locked():
+            bids = cache.lookup([BlockHash(key) for key in keys], tenant)
+            if not bids:
+                return None
+            cache.metadata.touch(bids)
+            exported = cache.export_blocks(bids)  # layer-major CPU copies of the bytes
+        if self.identity.codec == "native":
+            k, v = exported["k_packed"], exported["v_packed"]
+        else:
+            codec = cache.codec
+            dev = codec.device
+            k = codec.decode(TQ4Encoded(exported["k_packed"].to(dev), exported["k_norms"].to(dev)))
+            v = codec.decode(TQ4Encoded(exported["v_packed"].to(dev), exported["v_norms"].to(dev)))
+        self.num_loaded += len(bids)
+        return k, v

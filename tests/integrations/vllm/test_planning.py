@@ -1,0 +1,126 @@
+"""Scheduler-side planning of the vLLM connector (no vLLM needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpu_cache import CacheIdentity, hash_token_blocks
+from integrations.vllm import ConnectorConfig, ConnectorConfigError, kv_transfer_config
+from integrations.vllm.planning import (
+    RequestPlanner,
+    StepRequest,
+    WorkerReport,
+    labels_from_params,
+    semantic_params,
+)
+
+BS = 4
+IDENTITY = CacheIdentity(model_id="m", num_layers=2, num_kv_heads=2, head_dim=8, block_size=BS)
+TOKENS = list(range(100, 118))  # 18 tokens: 4 full blocks + 2
+
+
+def planner() -> RequestPlanner:
+    return RequestPlanner(IDENTITY.digest(), BS)
+
+
+def test_keys_are_contextkits_block_keys_salted_by_tenant() -> None:
+    p = planner()
+    keys = hash_token_blocks(IDENTITY.digest(), "acme", TOKENS, BS)
+    p.seed(keys)
+    assert p.matched_tokens("r", TOKENS, len(TOKENS), 0, tenant="acme") == 16
+    # same tokens, another tenant (vLLM cache_salt): no match
+    assert p.matched_tokens("s", TOKENS, len(TOKENS), 0, tenant="other") == 0
+
+
+def test_match_is_a_prefix_leaves_a_token_and_counts_beyond_local_hits() -> None:
+    keys = hash_token_blocks(IDENTITY.digest(), "default", TOKENS, BS)
+    p = planner()
+    p.seed([keys[0], keys[1], keys[3]])  # block 2 missing: the chain stops there
+    assert p.matched_tokens("a", TOKENS, len(TOKENS), 0) == 8
+    assert p.matched_tokens("b", TOKENS, len(TOKENS), 4) == 4  # vLLM had block 0 locally
+    p.seed(keys)
+    exact = TOKENS[:16]  # a prompt of exactly 4 blocks: the last token is recomputed
+    assert p.matched_tokens("c", exact, 16, 0) == 12
+
+
+def test_plan_loads_hits_and_saves_new_full_blocks_once() -> None:
+    keys = hash_token_blocks(IDENTITY.digest(), "default", TOKENS, BS)
+    p = planner()
+    p.seed(keys[:2])
+    assert p.matched_tokens("r", TOKENS, len(TOKENS), 0) == 8
+    p.on_alloc("r", 8)
+    loads, saves = p.plan([StepRequest("r", TOKENS, 8, 10, [7, 8, 9, 10, 11])])
+    assert [(s.keys, s.block_ids) for s in loads] == [(keys[:2], [7, 8])]
+    assert [(s.keys, s.block_ids, s.first_block) for s in saves] == [(keys[2:4], [9, 10], 2)]
+    # in flight: not planned again, not matched yet
+    loads, saves = p.plan([StepRequest("r", [*TOKENS, 5, 6], 18, 1, [7, 8, 9, 10, 11])])
+    assert loads == [] and saves == []
+    assert p.matched_tokens("q", TOKENS, len(TOKENS), 0) == 8
+    p.apply(WorkerReport(stored=set(keys[2:4])))
+    assert p.matched_tokens("q2", TOKENS, len(TOKENS), 0) == 16
+
+
+def test_stats_wait_for_the_load_report_of_a_request_finished_in_that_step() -> None:
+    keys = hash_token_blocks(IDENTITY.digest(), "default", TOKENS, BS)
+    p = planner()
+    p.seed(keys)
+    p.matched_tokens("r", TOKENS, len(TOKENS), 0)
+    p.on_alloc("r", 16)
+    p.plan([StepRequest("r", TOKENS, 16, 2, [1, 2, 3, 4, 5])])
+    assert p.finish("r") == []  # vLLM frees it before handing over the step's report
+    (stats,) = p.apply(WorkerReport(loaded_tokens={"r": 12}, load_failed_tokens={"r": 4}))
+    assert stats["planned_hit_tokens"] == 16
+    assert stats["external_hit_tokens"] == 12 and stats["load_failed_tokens"] == 4
+    assert p.finish("never-seen") == []
+
+
+def test_evicted_keys_leave_the_index() -> None:
+    keys = hash_token_blocks(IDENTITY.digest(), "default", TOKENS, BS)
+    p = planner()
+    p.seed(keys)
+    p.apply(WorkerReport(removed={keys[1]}))
+    assert p.matched_tokens("r", TOKENS, len(TOKENS), 0) == 4
+
+
+def test_worker_reports_aggregate_conservatively() -> None:
+    a = WorkerReport(stored={b"x"}, loaded_tokens={"r": 16})
+    b = WorkerReport(stored={b"y"}, loaded_tokens={"r": 8}, load_failed_tokens={"r": 8})
+    merged = a.merge(b)
+    assert merged.stored == {b"x", b"y"}
+    assert merged.loaded_tokens == {"r": 8} and merged.load_failed_tokens == {"r": 8}
+    assert not WorkerReport()
+
+
+def test_semantic_labels_from_request_params() -> None:
+    params = semantic_params([(0, 8, "axioms", 1.0), (8, 12, "memories")], pin=True)
+    labels = labels_from_params(params, 0, 4, BS, "user_turn")
+    assert [lab.source_layer for lab in labels] == ["axioms", "axioms", "memories", "user_turn"]
+    assert [lab.pinned for lab in labels] == [True, True, False, False]
+    assert labels_from_params({"contextkit": {"spans": "junk"}}, 0, 1, BS, "x")[0].source_layer \
+        == "x"
+    with pytest.raises(ValueError):
+        semantic_params([(5, 2, "axioms")])
+
+
+def test_config_refuses_unknown_keys_and_builds_the_kv_transfer_config() -> None:
+    with pytest.raises(ConnectorConfigError, match="shadow_ulr"):
+        ConnectorConfig.from_extra_config({"shadow_ulr": "file:///x"})
+    with pytest.raises(ConnectorConfigError):
+        ConnectorConfig(codec="tq3")
+    config = ConnectorConfig.from_json('{"kv_connector": "ContextKitConnector", '
+                                       '"kv_connector_extra_config": {"block_size": 16}}')
+    doc = kv_transfer_config(config)
+    assert doc["kv_connector_module_path"] == "integrations.vllm.connector"
+    assert doc["kv_load_failure_policy"] == "recompute"
+    assert doc["kv_connector_extra_config"]["block_size"] == 16
+
+
+def test_importing_the_package_imports_neither_vllm_nor_numba() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, integrations.vllm; "
+            "print(any(m in sys.modules for m in ('vllm', 'numba', 'gpu_cache')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
