@@ -32,6 +32,7 @@ __all__ = [
     "CallLog",
     "ChatRun",
     "EngineChat",
+    "LogView",
     "ModelCall",
     "SystemParts",
     "layers_in",
@@ -426,3 +427,18 @@ class CallLog:
             "cache_hit_ratio": read / total_in if total_in else 0.0,
             "ttft_ms_p50": statistics.median(ttfts) if ttfts else None,
         }
+
+
+class LogView:
+    """``records`` and ``summary()`` of a handler's :class:`CallLog` (``self.log``)."""
+
+    log: CallLog
+
+    @property
+    def records(self) -> list[ModelCall]:
+        """Every call seen so far (oldest first)."""
+        return self.log.records
+
+    def summary(self) -> dict[str, Any]:
+        """See :meth:`CallLog.summary`."""
+        return self.log.summary()

@@ -67,6 +67,7 @@ from integrations._common import (  # noqa: E402
     CallLog,
     ChatRun,
     EngineChat,
+    LogView,
     layers_in,
     split_system_text,
     usage_from,
@@ -208,7 +209,7 @@ def _pipeline_token(pipeline: CacheAwareContextPipeline) -> str:
 
 
 # ---------------------------------------------------------------------------- callbacks
-class ContextKitCallbackHandler(BaseCallbackHandler):
+class ContextKitCallbackHandler(LogView, BaseCallbackHandler):
     """Telemetry of chat model calls; observes only (never changes messages).
 
     Records, per call, the prompt's layers and content blocks (with cache
@@ -225,13 +226,6 @@ class ContextKitCallbackHandler(BaseCallbackHandler):
     def __init__(self, log: CallLog | None = None) -> None:
         super().__init__()
         self.log = log if log is not None else CallLog()
-
-    @property
-    def records(self) -> list[Any]:
-        return self.log.records
-
-    def summary(self) -> dict[str, Any]:
-        return self.log.summary()
 
     def on_chat_model_start(self, serialized: dict[str, Any], messages: list[list[BaseMessage]],
                             *, run_id: uuid.UUID, **kwargs: Any) -> None:

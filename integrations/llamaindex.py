@@ -66,6 +66,7 @@ from integrations._common import (  # noqa: E402
     CallLog,
     ChatRun,
     EngineChat,
+    LogView,
     layers_in,
     usage_from,
 )
@@ -264,7 +265,7 @@ def _start_fields(messages: Sequence[ChatMessage], model: dict[str, Any] | None)
             "system_chars": len(system), "layers": layers_in(system)}
 
 
-class ContextKitEventHandler(BaseEventHandler):
+class ContextKitEventHandler(LogView, BaseEventHandler):
     """Instrumentation handler: one record per ``LLMChatStartEvent``/``LLMChatEndEvent``.
 
     Register with ``get_dispatcher().add_event_handler(handler)``. Observes only.
@@ -276,13 +277,6 @@ class ContextKitEventHandler(BaseEventHandler):
     def class_name(cls) -> str:
         return "ContextKitEventHandler"
 
-    @property
-    def records(self) -> list[Any]:
-        return self.log.records
-
-    def summary(self) -> dict[str, Any]:
-        return self.log.summary()
-
     def handle(self, event: BaseEvent, **kwargs: Any) -> Any:
         key = str(event.span_id or "")
         if isinstance(event, LLMChatStartEvent):
@@ -292,7 +286,7 @@ class ContextKitEventHandler(BaseEventHandler):
         return None
 
 
-class ContextKitLlamaCallbackHandler(LlamaBaseCallbackHandler):
+class ContextKitLlamaCallbackHandler(LogView, LlamaBaseCallbackHandler):
     """Legacy callback handler for ``CBEventType.LLM`` events (observes only).
 
     Register with ``Settings.callback_manager = CallbackManager([handler])`` or on
@@ -302,13 +296,6 @@ class ContextKitLlamaCallbackHandler(LlamaBaseCallbackHandler):
     def __init__(self, log: CallLog | None = None) -> None:
         super().__init__(event_starts_to_ignore=[], event_ends_to_ignore=[])
         self.log = log if log is not None else CallLog()
-
-    @property
-    def records(self) -> list[Any]:
-        return self.log.records
-
-    def summary(self) -> dict[str, Any]:
-        return self.log.summary()
 
     def on_event_start(self, event_type: CBEventType, payload: dict[str, Any] | None = None,
                        event_id: str = "", parent_id: str = "", **kwargs: Any) -> str:
