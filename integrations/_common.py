@@ -57,10 +57,6 @@ class SystemParts:
     trailing: str
     built: BuiltPrompt | None = None
 
-    @property
-    def text(self) -> str:
-        return self.stable + self.changing + self.trailing
-
 
 def split_system_text(pipeline: CacheAwareContextPipeline, raw: object,
                       tenant: str | None = None) -> SystemParts:

@@ -201,11 +201,8 @@ class ContextKitMiddleware(AgentMiddleware):
 
 
 def _pipeline_token(pipeline: CacheAwareContextPipeline) -> str:
-    token = getattr(pipeline, "_langchain_token", None)
-    if token is None:
-        token = uuid.uuid4().hex
-        pipeline._langchain_token = token  # type: ignore[attr-defined]
-    return str(token)
+    """Which pipeline built a system message (the chat model only trusts its own)."""
+    return f"{id(pipeline):x}"
 
 
 # ---------------------------------------------------------------------------- callbacks

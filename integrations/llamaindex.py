@@ -91,12 +91,12 @@ def _conversation(messages: Sequence[ChatMessage]) -> list[tuple[str, str]]:
     return out
 
 
-def _usage_raw(run: ChatRun) -> dict[str, Any]:
+def _usage_raw(run: ChatRun, model_name: str) -> dict[str, Any]:
     u = run.usage()
     return {"usage": {"prompt_tokens": u["input_tokens"], "completion_tokens": u["output_tokens"],
                       "total_tokens": u["total_tokens"],
                       "prompt_tokens_details": {"cached_tokens": run.generation.reused_tokens}},
-            **run.metadata("")}
+            **run.metadata(model_name)}
 
 
 class ContextKitLLM(CustomLLM):
@@ -159,6 +159,9 @@ class ContextKitLLM(CustomLLM):
         limit = token_limit or self.metadata.context_window - self.max_new_tokens
         return ChatMemoryBuffer.from_defaults(token_limit=limit, tokenizer_fn=self._engine.encode)
 
+    def _raw(self, run: ChatRun) -> dict[str, Any]:
+        return _usage_raw(run, self._chat_runner.model_name)
+
     # ------------------------------------------------------------------ chat
     def _prepare(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
                  ) -> tuple[list[tuple[str, str]], dict[str, Any]]:
@@ -172,12 +175,8 @@ class ContextKitLLM(CustomLLM):
                 raw = self._builder(messages)
             elif conv and conv[0][0] == "system" and has_markers(conv[0][1], pipeline.config):
                 raw = conv[0][1]
-            if raw is not None:
+            if raw is not None:  # EngineChat.run lays out ``built`` in place of conv[0]
                 built = pipeline.build(raw, tenant=tenant)
-                if conv and conv[0][0] == "system":
-                    conv[0] = ("system", built.text)
-                else:
-                    conv.insert(0, ("system", built.text))
         stop = kwargs.get("stop") or []
         return conv, {"built": built, "tenant": tenant,
                       "max_new_tokens": int(kwargs.get("max_new_tokens") or self.max_new_tokens),
@@ -188,7 +187,7 @@ class ContextKitLLM(CustomLLM):
         conv, run_kw = self._prepare(messages, kwargs)
         run = self._chat_runner.run(conv, **run_kw)
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=run.text),
-                            raw=_usage_raw(run), additional_kwargs=dict(usage_from(run.usage())))
+                            raw=self._raw(run), additional_kwargs=dict(usage_from(run.usage())))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
@@ -204,7 +203,7 @@ class ContextKitLLM(CustomLLM):
                 else:
                     yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT,
                                                            content=item.text),
-                                       delta="", raw=_usage_raw(item),
+                                       delta="", raw=self._raw(item),
                                        additional_kwargs=dict(usage_from(item.usage())))
 
         return gen()
@@ -217,7 +216,7 @@ class ContextKitLLM(CustomLLM):
         run = self._chat_runner.run([("user", prompt)], tenant=kwargs.get("tenant") or self.tenant,
                                     max_new_tokens=int(kwargs.get("max_new_tokens")
                                                        or self.max_new_tokens))
-        return CompletionResponse(text=run.text, raw=_usage_raw(run))
+        return CompletionResponse(text=run.text, raw=self._raw(run))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False,
@@ -231,7 +230,7 @@ class ContextKitLLM(CustomLLM):
                     text += item
                     yield CompletionResponse(text=text, delta=item)
                 else:
-                    yield CompletionResponse(text=item.text, delta="", raw=_usage_raw(item))
+                    yield CompletionResponse(text=item.text, delta="", raw=self._raw(item))
 
         return gen()
 
