@@ -290,7 +290,8 @@ def tq4_decode_attention(
     backend: Backend = "auto",
     num_splits: int | None = None,
     check_bounds: bool = True,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One decode step of paged attention read straight from the packed cache.
 
     Args:
@@ -307,9 +308,12 @@ def tq4_decode_attention(
         check_bounds: verify seq_lens against the table and block ids against the
             cache. It costs one host sync; callers whose tables come from the cache
             itself may turn it off in the per-layer decode loop.
+        return_lse: also return the log-sum-exp of the scaled scores, float32
+            ``[B, Hq]`` (``-inf`` for an empty sequence), so that the result can be
+            merged with attention over other keys (a full-precision recent window).
 
     Returns:
-        ``[B, Hq, D]`` in ``query``'s dtype.
+        ``[B, Hq, D]`` in ``query``'s dtype; with ``return_lse``, ``(out, lse)``.
 
     Raises:
         CodecInputError: wrong dtype, shape or device; a sequence longer than its
@@ -330,17 +334,21 @@ def tq4_decode_attention(
         _check_block_refs(block_table, seq_lens, num_blocks, block_size)
     scale = _default_scale(scale, codec.head_dim)
     if batch == 0:
-        return torch.empty_like(query)
+        empty = torch.empty_like(query)
+        return (empty, torch.empty(query.shape[:2], device=device)) if return_lse else empty
     if _resolve_backend(backend, device) == "triton":
-        out = _triton_ops().tq4_decode_attention_triton(
+        res = _triton_ops().tq4_decode_attention_triton(
             query, k_packed, k_norms, v_packed, v_norms, block_table.contiguous(),
-            seq_lens.contiguous(), codec, scale, num_splits=num_splits,
+            seq_lens.contiguous(), codec, scale, num_splits=num_splits, return_lse=True,
         )
     else:
-        out = torch_ops.tq4_decode_attention_torch(
-            query, k_packed, k_norms, v_packed, v_norms, block_table, seq_lens, codec, scale
+        res = torch_ops.tq4_decode_attention_torch(
+            query, k_packed, k_norms, v_packed, v_norms, block_table, seq_lens, codec, scale,
+            return_lse=True,
         )
-    return out.to(query.dtype)
+    assert isinstance(res, tuple)
+    out, lse = res
+    return (out.to(query.dtype), lse) if return_lse else out.to(query.dtype)
 
 
 def tq4_extend_attention(

@@ -154,6 +154,10 @@ class _OnlineSoftmax:
         """Normalised output ``[H, R, D]``; rows that saw no key are zero."""
         return self.acc / self.l.clamp_min(torch.finfo(torch.float32).tiny)
 
+    def lse(self) -> torch.Tensor:
+        """Log-sum-exp of the scores ``[H, R]`` (``-inf`` for rows that saw no key)."""
+        return (self.m + torch.log(self.l))[..., 0]
+
 
 def tq4_decode_attention_torch(
     query: torch.Tensor,
@@ -166,7 +170,8 @@ def tq4_decode_attention_torch(
     codec: TQ4Codec,
     scale: float,
     chunk_blocks: int | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged decode attention over one layer of the packed cache (no validation).
 
     Args:
@@ -177,9 +182,11 @@ def tq4_decode_attention_torch(
         codec: the codec the cache was written with.
         scale: softmax scale.
         chunk_blocks: cache blocks per online-softmax step (default: ~``CHUNK_BYTES``).
+        return_lse: also return the log-sum-exp of the scaled scores.
 
     Returns:
-        float32 ``[B, Hq, D]``.
+        float32 ``[B, Hq, D]``, plus the log-sum-exp ``[B, Hq]`` (``-inf`` for an
+        empty sequence) with ``return_lse``.
     """
     batch, num_q_heads, dim = query.shape
     block_size, num_kv_heads = k_packed.shape[1], k_packed.shape[2]
@@ -189,6 +196,7 @@ def tq4_decode_attention_torch(
     chunk_blocks = _chunk_blocks(k_packed, chunk_blocks)
     q_rot = _to_pairs(query.float() @ codec.rotation.T) * scale
     out = torch.zeros(batch, num_q_heads, dim, device=device)
+    lse = torch.full((batch, num_q_heads), float("-inf"), device=device)
     for b, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             continue
@@ -204,7 +212,9 @@ def tq4_decode_attention_torch(
             scores = torch.bmm(q, keys.transpose(1, 2)) * key_norms[:, None, :]
             state.update(scores, values, value_norms)
         out[b] = state.result().reshape(num_q_heads, dim)
-    return _from_pairs(out) @ codec.rotation
+        lse[b] = state.lse().reshape(num_q_heads)
+    out = _from_pairs(out) @ codec.rotation
+    return (out, lse) if return_lse else out
 
 
 def tq4_extend_attention_torch(

@@ -43,6 +43,7 @@ __all__ = [
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 
 _LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 #: fp32 ``tl.dot`` precision. "ieee" is exact fp32 FMA; on CUDA "tf32x3" keeps fp32
 #: accuracy (three TF32 MMAs) while using the tensor cores.
 _CUDA_DOT_PRECISION = "tf32x3"
@@ -370,7 +371,8 @@ def tq4_decode_attention_triton(
     codec: TQ4Codec,
     scale: float,
     num_splits: int | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launch :func:`_decode_kernel` and merge its splits (no validation).
 
     Args:
@@ -379,9 +381,10 @@ def tq4_decode_attention_triton(
         block_table: ``[B, max_blocks]``; seq_lens: ``[B]`` (int32 or int64).
         codec: the codec the cache was written with; scale: softmax scale.
         num_splits: split-K factor; ``None`` picks one from the block-table width.
+        return_lse: also return the natural-log log-sum-exp of the scaled scores.
 
     Returns:
-        float32 ``[B, Hq, D]``.
+        float32 ``[B, Hq, D]``, plus the log-sum-exp ``[B, Hq]`` with ``return_lse``.
     """
     batch, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = k_packed.shape[1], k_packed.shape[2]
@@ -425,15 +428,21 @@ def tq4_decode_attention_triton(
         num_warps=4,
         num_stages=2,
     )
-    return _merge_splits(mid_acc, mid_max, mid_sum) @ codec.rotation
+    out, lse2 = _merge_splits(mid_acc, mid_max, mid_sum)
+    out = out @ codec.rotation
+    return (out, lse2 * _LN2) if return_lse else out
 
 
-def _merge_splits(acc: torch.Tensor, mx: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
-    """Combine per-split partials (base-2 max) into ``[B, Hq, D]`` (rotated domain)."""
+def _merge_splits(acc: torch.Tensor, mx: torch.Tensor,
+                  sm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine per-split partials (base-2 max) into ``[B, Hq, D]`` (rotated domain)
+    and the base-2 log-sum-exp ``[B, Hq]`` (``-inf`` for an empty sequence)."""
     total_max = mx.amax(dim=-1, keepdim=True)
     live = sm > 0
     # Empty splits (and empty sequences, whose max is -inf) get weight 0.
     weight = torch.where(live, torch.exp2(mx - total_max), torch.zeros_like(mx))
     num = (acc * weight[..., None]).sum(dim=2)
     den = (sm * weight).sum(dim=-1, keepdim=True)
-    return num / den.clamp_min(torch.finfo(torch.float32).tiny)
+    lse2 = torch.where(den > 0, total_max + torch.log2(den.clamp_min(
+        torch.finfo(torch.float32).tiny)), torch.full_like(den, float("-inf")))
+    return num / den.clamp_min(torch.finfo(torch.float32).tiny), lse2[..., 0]

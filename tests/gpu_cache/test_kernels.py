@@ -254,6 +254,40 @@ def test_decode_attention_matches_reference(codec64: TQ4Codec, case: str, backen
             assert (out[b] == 0).all()
 
 
+@pytest.mark.parametrize("case", ["gqa-4-batch-3", "norms-1e-3..1e3", "splits-5-len-201",
+                                  "empty-and-full"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_lse_matches_reference(codec64: TQ4Codec, case: str, backend: str):
+    """``return_lse`` gives the log-sum-exp of the scaled scores over the dequantized
+    keys, so partial attentions can be merged exactly (empty sequences: -inf)."""
+    c = DECODE_CASES.get(case) or DecodeCase((0, 64), num_q_heads=3, num_kv_heads=1)
+    cache = make_cache(codec64, c.num_blocks, c.num_kv_heads, c.block_size,
+                       k_norms=c.k_norms, v_norms=c.v_norms)
+    gen = torch.Generator().manual_seed(11)
+    batch = len(c.seq_lens)
+    width = max(1, -(-max(c.seq_lens) // c.block_size))
+    table = scattered_table(gen, batch, c.num_blocks, width)
+    lens = torch.tensor(c.seq_lens, dtype=torch.int32, device=DEVICE)
+    query = (torch.randn(batch, c.num_q_heads, 64, generator=gen) * 2).to(DEVICE)
+    out, lse = tq4_decode_attention(query, *cache.layer, table, lens, codec64, 0.125,
+                                    backend=backend, num_splits=c.num_splits, return_lse=True)
+    plain = tq4_decode_attention(query, *cache.layer, table, lens, codec64, 0.125,
+                                 backend=backend, num_splits=c.num_splits)
+    assert torch.equal(out, plain)
+    assert lse.shape == (batch, c.num_q_heads) and lse.dtype == torch.float32
+    group = c.num_q_heads // c.num_kv_heads
+    for b, n in enumerate(c.seq_lens):
+        if n == 0:
+            assert torch.isneginf(lse[b]).all()
+            continue
+        keys = naive._gather_sequence(cache.k_float, table[b], n)  # [n, Hkv, D]
+        keys = keys.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", query[b].double(), keys.double()) * 0.125
+        ref = torch.logsumexp(scores, dim=-1)
+        err = (lse[b].double() - ref).abs().max().item()
+        assert err <= 1e-4 * max(1.0, ref.abs().max().item()), f"{case} [{backend}]: {err}"
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 8], ids=lambda s: f"splits-{s}")
 def test_decode_triton_split_count_does_not_change_result(codec64: TQ4Codec, num_splits: int):
     cache = make_cache(codec64, 12, 1, seed=2)
