@@ -25,6 +25,7 @@ import hashlib
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,10 @@ __all__ = [
 ]
 
 KV_FORMATS = ("tq4", "native")
+
+#: Float sink K/V kept for this many (tenant, first tokens) prefixes (~0.7 MB each
+#: for SmolLM2's 16-token sink).
+_SINK_MEMO_SIZE = 8
 
 #: Text the key offsets are calibrated on (fixed, so the identity is reproducible).
 _CALIBRATION_TEXT = (
@@ -232,6 +237,36 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype), lse
 
 
+def _fold(q: torch.Tensor, num_kv: int) -> torch.Tensor:
+    """Queries ``[T, Hq, D]`` as ``[1, Hkv, T*G, D]``: the G query heads sharing a KV
+    head become rows of one head, so K/V are read once per KV head, not per group."""
+    num_new, num_q, dim = q.shape
+    group = num_q // num_kv
+    return q.view(num_new, num_kv, group, dim).permute(1, 0, 2, 3).reshape(
+        1, num_kv, num_new * group, dim)
+
+
+def _unfold(out: torch.Tensor, lse: torch.Tensor, num_new: int,
+            num_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`_fold` for an attention output and its log-sum-exp:
+    ``[1, Hkv, T*G, D]``, ``[1, Hkv, T*G]`` -> ``[1, Hq, T, D]``, ``[1, Hq, T]``."""
+    num_kv, dim = out.shape[1], out.shape[-1]
+    group = num_q // num_kv
+    out = out.view(num_kv, num_new, group, dim).permute(0, 2, 1, 3).reshape(
+        1, num_q, num_new, dim)
+    lse = lse.view(num_kv, num_new, group).permute(0, 2, 1).reshape(1, num_q, num_new)
+    return out, lse
+
+
+def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+           lse_b: torch.Tensor) -> torch.Tensor:
+    """Softmax attention over keys ``A + B`` from the attentions over ``A`` and ``B``
+    and their log-sum-exps (outputs ``[..., D]``, lse ``[...]``; ``-inf``: no keys)."""
+    top = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    return (out_a * w_a[..., None] + out_b * w_b[..., None]) / (w_a + w_b)[..., None]
+
+
 def _attend(q: torch.Tensor, k_prefix: torch.Tensor | None, v_prefix: torch.Tensor | None,
             k_new: torch.Tensor, v_new: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of ``T`` new queries over a visible prefix plus themselves.
@@ -244,7 +279,7 @@ def _attend(q: torch.Tensor, k_prefix: torch.Tensor | None, v_prefix: torch.Tens
         ``[T, Hq, D]``. Prefix and causal parts run as two flash passes merged by
         their log-sum-exp, so no ``T x (P+T)`` mask is ever built.
     """
-    num_new, num_q, dim = q.shape
+    num_new, num_q, _ = q.shape
     num_kv = k_new.shape[1]
     group = num_q // num_kv
 
@@ -257,18 +292,10 @@ def _attend(q: torch.Tensor, k_prefix: torch.Tensor | None, v_prefix: torch.Tens
     out_new, lse_new = _flash(q.transpose(0, 1)[None], heads(k_new), heads(v_new), True, scale)
     if k_prefix is None or v_prefix is None or k_prefix.shape[0] == 0:
         return out_new[0].transpose(0, 1)
-    # The prefix is visible to every query, so the G query heads sharing a KV head
-    # fold into one head of T*G rows: K/V are read once per KV head, not per group.
-    folded = q.view(num_new, num_kv, group, dim).permute(1, 0, 2, 3).reshape(
-        1, num_kv, num_new * group, dim)
-    out_pre, lse_pre = _flash(folded, k_prefix.transpose(0, 1)[None],
+    out_pre, lse_pre = _flash(_fold(q, num_kv), k_prefix.transpose(0, 1)[None],
                               v_prefix.transpose(0, 1)[None], False, scale)
-    out_pre = out_pre.view(num_kv, num_new, group, dim).permute(0, 2, 1, 3).reshape(
-        1, num_q, num_new, dim)
-    lse_pre = lse_pre.view(num_kv, num_new, group).permute(0, 2, 1).reshape(1, num_q, num_new)
-    top = torch.maximum(lse_pre, lse_new)
-    w_pre, w_new = torch.exp(lse_pre - top), torch.exp(lse_new - top)
-    out = (out_pre * w_pre[..., None] + out_new * w_new[..., None]) / (w_pre + w_new)[..., None]
+    out_pre, lse_pre = _unfold(out_pre, lse_pre, num_new, num_q)
+    out = _merge(out_pre, lse_pre, out_new, lse_new)
     return out[0].transpose(0, 1).to(q.dtype)
 
 
@@ -295,11 +322,26 @@ class _PagedKV:
 
     Tokens ``< cached`` are already in the cache (reused blocks) and are not written.
     ``fresh=True`` lets new tokens attend to their own unquantized K/V (prefill);
-    ``fresh=False`` reads them back from the cache first (exactly what decode sees,
-    used for teacher-forced scoring).
+    ``fresh=False`` reads them back as decode would see them (teacher-forced scoring).
+
+    Full-precision overlay (TQ4 only). Two ranges of the sequence are read as float32
+    for the whole request instead of from their packed copy:
+
+    - the **attention sink**, positions ``[0, sink)``: the first tokens draw a large
+      share of attention in every layer, so their 4-bit error reaches every query.
+      Their K/V depend on those tokens alone, so the engine recomputes them (one
+      short forward) when the request reuses them from the cache;
+    - the **residual window**, positions ``>= window_start`` that this request
+      computes (the tail of the prompt and every generated token), as KIVI keeps its
+      most recent tokens in full precision.
+
+    The cache stores every token in TQ4 all the same: later requests and other
+    engines read the packed blocks. Decode attends the packed middle with the fused
+    kernel and merges the float ranges by log-sum-exp.
     """
 
-    def __init__(self, cache: TQGPUCache, block_ids: Sequence[int], cached: int) -> None:
+    def __init__(self, cache: TQGPUCache, block_ids: Sequence[int], cached: int,
+                 window_start: int | None = None, sink: int = 0) -> None:
         self.cache = cache
         self.ids = list(block_ids)
         self.cached = cached
@@ -307,12 +349,50 @@ class _PagedKV:
         self.native = cache.identity.codec == "native"
         self.block_size = cache.block_size
         self.fresh = True
+        num_layers = cache.identity.num_layers
+        self.window_start = None if self.native else window_start
+        w0 = self.window_start
+        # The sink stays block-aligned (the kernel reads whole blocks after it); a
+        # window starting inside it already covers the rest.
+        self.sink = 0 if self.native else min(sink, w0 if w0 is not None else sink)
+        self.sink_k: list[torch.Tensor | None] = [None] * num_layers
+        self.sink_v: list[torch.Tensor | None] = [None] * num_layers
+        self.win_k: list[torch.Tensor | None] = [None] * num_layers
+        self.win_v: list[torch.Tensor | None] = [None] * num_layers
 
     def _slots(self, start: int, n: int) -> torch.Tensor:
         pos = torch.arange(start, start + n, device=self.table.device)
         return self.table[pos // self.block_size] * self.block_size + pos % self.block_size
 
+    def _centered(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """Keys as the TQ4 cache holds them (minus the layer's calibrated offset)."""
+        offset = self.cache.key_offset(layer)
+        return k.float() if offset is None else k.float() - offset
+
+    def set_sink(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The sink tokens' K/V ``[sink, Hkv, D]`` (uncentered), computed apart."""
+        self.sink_k[layer] = self._centered(layer, k[: self.sink])
+        self.sink_v[layer] = v[: self.sink].float()
+
+    def _keep(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Keep the float copy of the sink and window parts of tokens ``start..``."""
+        if start == 0 and self.sink and self.sink_k[layer] is None and k.shape[0] >= self.sink:
+            self.set_sink(layer, k, v)
+        w0 = self.window_start
+        if w0 is None or start + k.shape[0] <= w0:
+            return
+        skip = max(0, w0 - start)
+        have = self.win_k[layer]
+        if (have.shape[0] if have is not None else 0) != start + skip - w0:
+            raise RuntimeError("residual window writes must be contiguous")
+        k_new, v_new = self._centered(layer, k[skip:]), v[skip:].float()
+        prev_v = self.win_v[layer]
+        self.win_k[layer] = k_new if have is None else torch.cat([have, k_new])
+        self.win_v[layer] = v_new if prev_v is None else torch.cat([prev_v, v_new])
+
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        if not self.native:
+            self._keep(layer, k, v, start)
         skip = max(0, self.cached - start)
         if skip >= k.shape[0]:
             return
@@ -328,14 +408,40 @@ class _PagedKV:
                             view.v_packed, view.v_norms, self.cache.codec,
                             check_bounds=False, key_offset=self.cache.key_offset(layer))
 
+    def _float_parts(self, layer: int, n: int) -> tuple[int, int, list[torch.Tensor],
+                                                          list[torch.Tensor]]:
+        """For tokens ``0..n``: the packed range ``[lo, hi)`` and the float K/V pieces
+        (sink, then window) that surround it."""
+        lo = min(n, self.sink)
+        w0 = self.window_start
+        hi = n if w0 is None or w0 >= n else max(lo, w0)
+        ks: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
+        if lo:
+            sk, sv = self.sink_k[layer], self.sink_v[layer]
+            assert sk is not None and sv is not None, "sink K/V were not computed"
+            ks.append(sk[:lo])
+            vs.append(sv[:lo])
+        if hi < n:
+            wk, wv = self.win_k[layer], self.win_v[layer]
+            assert wk is not None and wv is not None and w0 is not None
+            ks.append(wk[hi - w0 : n - w0])
+            vs.append(wv[hi - w0 : n - w0])
+        return lo, hi, ks, vs
+
     def _read(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of tokens ``0..n`` as float ``[n, Hkv, D]`` (keys centered for tq4)."""
+        """K/V of tokens ``0..n`` as float ``[n, Hkv, D]`` (keys centered for tq4); the
+        sink and residual window come from their float copies."""
         view = self.cache.layer_view(layer)
-        slots = self._slots(0, n)
         if self.native:
+            slots = self._slots(0, n)
             h, d = view.k_packed.shape[2], view.k_packed.shape[3]
             return (view.k_packed.view(-1, h, d).index_select(0, slots),
                     view.v_packed.view(-1, h, d).index_select(0, slots))
+        lo, hi, ks, vs = self._float_parts(layer, n)
+        if hi == lo:
+            return torch.cat(ks), torch.cat(vs)
+        slots = self._slots(lo, hi - lo)
         h = view.k_packed.shape[2]
         pd = view.k_packed.shape[3]
         codec = self.cache.codec
@@ -343,29 +449,48 @@ class _PagedKV:
                                     view.k_norms.view(-1, h).index_select(0, slots)))
         v = codec.decode(TQ4Encoded(view.v_packed.view(-1, h, pd).index_select(0, slots),
                                     view.v_norms.view(-1, h).index_select(0, slots)))
-        return k, v
+        if not ks:
+            return k, v
+        head = 1 if lo else 0  # the sink piece goes before the packed range
+        return (torch.cat([*ks[:head], k, *ks[head:]]),
+                torch.cat([*vs[:head], v, *vs[head:]]))
+
+    def _decode(self, layer: int, q: torch.Tensor, pos: int, scale: float) -> torch.Tensor:
+        """One query at ``pos`` over the packed cache (Triton kernel on CUDA) merged
+        with the float sink and residual window."""
+        view = self.cache.layer_view(layer)
+        lo, hi, ks, vs = self._float_parts(layer, pos + 1)
+        if hi == lo:  # everything visible is float
+            k_f, v_f = torch.cat(ks), torch.cat(vs)
+            return _attend(q, k_f[:-1], v_f[:-1], k_f[-1:], v_f[-1:], scale)
+        table = self.table[lo // self.block_size :][None].to(torch.int32)
+        res = tq4_decode_attention(
+            q.float(), view.k_packed, view.k_norms, view.v_packed, view.v_norms, table,
+            torch.tensor([hi - lo], device=self.table.device),
+            self.cache.codec, scale=scale, check_bounds=False, return_lse=bool(ks))
+        if not ks:
+            assert isinstance(res, torch.Tensor)
+            return res.to(q.dtype)
+        out_pack, lse_pack = res
+        k_f = torch.cat(ks) if len(ks) > 1 else ks[0]
+        v_f = torch.cat(vs) if len(vs) > 1 else vs[0]
+        out_f, lse_f = _flash(_fold(q.float(), k_f.shape[1]), k_f.transpose(0, 1)[None],
+                              v_f.transpose(0, 1)[None], False, scale)
+        out_f, lse_f = _unfold(out_f, lse_f, 1, q.shape[1])  # [1, Hq, 1, D]
+        return _merge(out_pack, lse_pack, out_f[:, :, 0], lse_f[:, :, 0]).to(q.dtype)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                start: int, scale: float) -> torch.Tensor:
         n = q.shape[0]
         self._write(layer, k, v, start)
         if n == 1 and not self.native:
-            # Decode: one query over the packed cache (Triton kernel on CUDA).
-            view = self.cache.layer_view(layer)
-            out = tq4_decode_attention(
-                q.float(), view.k_packed, view.k_norms, view.v_packed, view.v_norms,
-                self.table[None].to(torch.int32),
-                torch.tensor([start + 1], device=self.table.device),
-                self.cache.codec, scale=scale, check_bounds=False)
-            return out.to(q.dtype)
+            return self._decode(layer, q, start, scale)
         if not self.fresh:
             k_all, v_all = self._read(layer, start + n)
             return _attend(q, k_all[:start], v_all[:start], k_all[start:], v_all[start:], scale)
         k_pre, v_pre = self._read(layer, start) if start else (None, None)
         if not self.native:
-            offset = self.cache.key_offset(layer)
-            if offset is not None:
-                k = k - offset.to(k.dtype)
+            k = self._centered(layer, k).to(k.dtype)
         return _attend(q, k_pre, v_pre, k, v, scale)
 
 
@@ -384,6 +509,14 @@ class Engine:
         model_id: name recorded in the cache identity.
         block_size: tokens per block.
         prefill_chunk: prompt tokens run per forward step (bounds activation memory).
+        residual_tokens: TQ4 only: the last this-many prompt tokens a request computes,
+            and every token it generates, are attended in float32 for the rest of the
+            request (a KIVI-style full-precision recent window; the cache stores them
+            in TQ4 all the same). 0 reads everything back from TQ4.
+        sink_tokens: TQ4 only: the first this-many tokens (the attention sink; a
+            multiple of ``block_size``) are attended in float32, recomputed by a short
+            forward when a request reuses them (remembered per tenant for the last 8
+            prefixes). ``None``: one block; 0: off.
 
     Raises:
         UnsupportedModelError: not a Llama-architecture model.
@@ -404,6 +537,8 @@ class Engine:
         model_id: str | None = None,
         block_size: int = 16,
         prefill_chunk: int = 4096,
+        residual_tokens: int = 128,
+        sink_tokens: int | None = None,
         _shared: _Model | None = None,
         _offsets: torch.Tensor | None = None,
     ) -> None:
@@ -411,6 +546,16 @@ class Engine:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be > 0, got {prefill_chunk}")
+        if residual_tokens < 0:
+            raise ValueError(f"residual_tokens must be >= 0, got {residual_tokens}")
+        self.residual_tokens = residual_tokens
+        sink_tokens = block_size if sink_tokens is None else sink_tokens
+        if sink_tokens < 0 or sink_tokens % block_size:
+            raise ValueError(f"sink_tokens must be a multiple of block_size ({block_size}) and "
+                             f">= 0, got {sink_tokens}")
+        self.sink_tokens = sink_tokens
+        self._sink_memo: OrderedDict[tuple[str, tuple[int, ...]],
+                                     list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
         self.model = _shared or _Model(model)
         self.tokenizer = tokenizer
         self.kv_format = kv_format
@@ -481,6 +626,8 @@ class Engine:
         fmt = kv_format or self.kv_format
         kwargs.setdefault("model_id", self.model_id)
         kwargs.setdefault("block_size", self.identity.block_size)
+        kwargs.setdefault("residual_tokens", self.residual_tokens)
+        kwargs.setdefault("sink_tokens", self.sink_tokens)
         return Engine(self.model.hf, self.tokenizer, kv_format=fmt, _shared=self.model,
                       _offsets=self._offsets if fmt == "tq4" else None, **kwargs)
 
@@ -553,8 +700,10 @@ class Engine:
 
     def _open_sequence(self, ids: Sequence[int], extra: int, tenant: str,
                        spans: Sequence[TokenSpan] | None,
-                       reuse: bool) -> tuple[list[int], list[int], list[BlockHash], int]:
-        """Find reusable blocks and allocate the rest; every block is acquired.
+                       reuse: bool, max_reuse: int | None = None,
+                       ) -> tuple[list[int], list[int], list[BlockHash], int]:
+        """Find reusable blocks (at most ``max_reuse`` tokens' worth) and allocate the
+        rest; every block is acquired.
 
         Returns:
             ``(block_ids, new_ids, keys, cached_tokens)``.
@@ -569,6 +718,8 @@ class Engine:
             pinned_elsewhere = len(cache.metadata.pinned())
             keys = cache.block_keys(ids, tenant)
             hits = cache.lookup(keys, tenant) if reuse else []
+            if max_reuse is not None:
+                hits = hits[: max(0, max_reuse) // bs]
             pinned_hits = sum(1 for b in hits if cache.metadata.get(b).pinned)
             room = cache.capacity(Tier.DEVICE) - (pinned_elsewhere - pinned_hits)
             if need > room:
@@ -636,6 +787,41 @@ class Engine:
             if drop:
                 cache.remove_blocks(drop)
 
+    def _paged(self, block_ids: list[int], cached: int, prompt: Sequence[int],
+               compute_start: int, tenant: str, residual: int | None = None,
+               sink: int | None = None) -> _PagedKV:
+        """The request's view of its blocks, with the float sink and residual window
+        (the sink recomputed here when the request does not compute it itself)."""
+        residual = self.residual_tokens if residual is None else residual
+        sink = self.sink_tokens if sink is None else sink
+        if residual < 0 or sink < 0 or sink % self.cache.block_size:
+            raise ValueError(
+                f"residual_tokens must be >= 0 and sink_tokens a multiple of block_size "
+                f"({self.cache.block_size}) and >= 0, got {residual} and {sink}")
+        window_start = max(compute_start, len(prompt) - residual)
+        kv = _PagedKV(self.cache, block_ids, cached, window_start, sink)
+        if kv.sink and (compute_start > 0 or self.prefill_chunk < kv.sink):
+            for layer, (k, v) in enumerate(self._sink_kv(prompt[: kv.sink], tenant)):
+                kv.set_sink(layer, k, v)
+        return kv
+
+    def _sink_kv(self, ids: Sequence[int], tenant: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Float K/V of the first tokens, per layer: a short forward, remembered for
+        the last few prefixes (they depend on those tokens alone)."""
+        key = (tenant, tuple(ids))
+        hit = self._sink_memo.get(key)
+        if hit is not None:
+            self._sink_memo.move_to_end(key)
+            return hit
+        kv = _ContiguousKV(self.model.num_layers)
+        self._forward(ids, 0, kv)
+        pairs = [(k, v) for k, v in zip(kv.k, kv.v, strict=True)
+                 if k is not None and v is not None]
+        self._sink_memo[key] = pairs
+        while len(self._sink_memo) > _SINK_MEMO_SIZE:
+            self._sink_memo.popitem(last=False)
+        return pairs
+
     def _blocks_per_tier(self) -> dict[str, int]:
         return {t.value: self.cache.num_used(t) for t in Tier}
 
@@ -686,7 +872,7 @@ class Engine:
             else:
                 block_ids, new_ids, keys, cached = self._open_sequence(
                     ids, max_new_tokens, tenant, spans, reuse)
-                kv = _PagedKV(self.cache, block_ids, cached)
+                kv = self._paged(block_ids, cached, ids, min(cached, len(ids) - 1), tenant)
             written = len(ids)
             out: list[int] = []
             try:
@@ -724,12 +910,22 @@ class Engine:
         *,
         tenant: str = "default",
         use_cache: bool = True,
+        max_reuse_tokens: int | None = None,
+        residual_tokens: int | None = None,
+        sink_tokens: int | None = None,
     ) -> torch.Tensor:
         """Teacher-forced logits ``[len(target), V]``: row ``i`` predicts ``target[i]``.
 
         With the cache, the prompt reuses cached blocks and the target tokens read
-        their own K/V back from the cache (as decode would), so the logits reflect
-        the cache format. Without it, everything is one exact full prefill.
+        their own K/V back as decode would (packed, or from the residual window), so
+        the logits reflect the cache format. Without it, everything is one exact
+        full prefill.
+
+        Args:
+            max_reuse_tokens: reuse at most this many cached prompt tokens (to replay
+                the exact path a request took: what it reused, what it computed).
+            residual_tokens, sink_tokens: this call's float residual window and sink
+                (default: the engine's; 0 and 0 read every token back from TQ4).
         """
         prompt = [int(t) for t in prompt_ids]
         target = [int(t) for t in target_ids]
@@ -742,10 +938,13 @@ class Engine:
                 logits = self._prefill(ids, 0, _ContiguousKV(self.model.num_layers),
                                        all_logits=True)
                 return logits[len(prompt) - 1 : len(ids) - 1]
-            block_ids, new_ids, keys, cached = self._open_sequence(ids, 0, tenant, None, True)
+            block_ids, new_ids, keys, cached = self._open_sequence(
+                ids, 0, tenant, None, True, max_reuse=max_reuse_tokens)
             try:
-                kv = _PagedKV(self.cache, block_ids, cached)
-                first = self._prefill(prompt, min(cached, len(prompt) - 1), kv)
+                start = min(cached, len(prompt) - 1)
+                kv = self._paged(block_ids, cached, prompt, start, tenant, residual_tokens,
+                                 sink_tokens)
+                first = self._prefill(prompt, start, kv)
                 if len(target) == 1:
                     return first[None]
                 kv.fresh = False  # target tokens read their own K/V back, as decode does

@@ -191,3 +191,47 @@ def test_teacher_forced_scores(engine: Engine, fresh: Callable[..., Engine]) -> 
     ce_exact = torch.nn.functional.cross_entropy(exact, torch.tensor(reply))
     ce_tq4 = torch.nn.functional.cross_entropy(cached, torch.tensor(reply))
     assert abs(float(ce_tq4 - ce_exact)) < 0.5
+
+
+def test_residual_window_is_float_and_decode_agrees_with_scoring(
+        engine: Engine, fresh: Callable[..., Engine]) -> None:
+    ids = chat(engine, SYSTEM)
+    exact = engine.score(ids, engine.generate(ids, max_new_tokens=8, use_cache=False).token_ids,
+                         use_cache=False)
+    reply = exact.argmax(-1).tolist()
+    # A window covering the whole request: nothing is read back from TQ4, so the
+    # logits are the full-precision ones; with no window they are not.
+    wide = fresh("tq4", residual_tokens=4096)
+    assert wide.residual_tokens == 4096
+    all_float = wide.score(ids, reply)
+    assert (all_float - exact).abs().max() < 1e-3 * exact.abs().max()
+    packed = wide.score(ids, reply, max_reuse_tokens=0, residual_tokens=0)
+    assert (packed - exact).abs().max() > 1e-2 * exact.abs().max()
+    full = wide.generate(ids, max_new_tokens=8, reuse=False)
+    assert full.token_ids == reply
+
+    # A reused prefix (packed) plus a 16-token window: decode merges the fused
+    # kernel's packed attention with the float window by log-sum-exp; teacher-forced
+    # scoring of the same path reads the same K/V, so the two agree.
+    eng = fresh("tq4", residual_tokens=16)
+    eng.generate(ids, max_new_tokens=8)
+    again = eng.generate(ids, max_new_tokens=8)
+    assert again.reused_tokens > 0.8 * len(ids)
+    scored = eng.score(ids, again.token_ids, max_reuse_tokens=again.reused_tokens)
+    assert scored.argmax(-1).tolist() == again.token_ids
+    assert again.first_logits is not None
+    assert torch.allclose(scored[0], again.first_logits, atol=1e-3 * float(scored[0].abs().max()))
+    # The recomputed sink is remembered per tenant (keys never cross tenants).
+    eng.generate(ids, max_new_tokens=1, tenant="acme")
+    eng.generate(ids, max_new_tokens=1, tenant="acme")
+    assert sorted(t for t, _ in eng._sink_memo) == ["acme", "default"]
+    # The recomputed sink is the prefill's own: with a window and sink covering the
+    # prompt, scoring that reuses the whole prefix matches scoring that reuses none.
+    both = fresh("tq4", residual_tokens=4096, sink_tokens=4096)
+    both.generate(ids, max_new_tokens=8)
+    reused = both.score(ids, reply)  # the sink is the whole reused prefix, recomputed
+    assert (reused - exact).abs().max() < 1e-3 * exact.abs().max()
+    with pytest.raises(ValueError, match="residual_tokens must be >= 0"):
+        fresh("tq4", residual_tokens=-1)
+    with pytest.raises(ValueError, match="sink_tokens must be a multiple of block_size"):
+        fresh("tq4", sink_tokens=8)
