@@ -441,7 +441,8 @@ class _PagedKV:
         lo, hi, ks, vs = self._float_parts(layer, n)
         if hi == lo:
             return torch.cat(ks), torch.cat(vs)
-        slots = self._slots(lo, hi - lo)
+        # Decode [0, hi) and overwrite the sink rows in place: no copy of the prefix.
+        slots = self._slots(0, hi)
         h = view.k_packed.shape[2]
         pd = view.k_packed.shape[3]
         codec = self.cache.codec
@@ -449,11 +450,12 @@ class _PagedKV:
                                     view.k_norms.view(-1, h).index_select(0, slots)))
         v = codec.decode(TQ4Encoded(view.v_packed.view(-1, h, pd).index_select(0, slots),
                                     view.v_norms.view(-1, h).index_select(0, slots)))
-        if not ks:
-            return k, v
-        head = 1 if lo else 0  # the sink piece goes before the packed range
-        return (torch.cat([*ks[:head], k, *ks[head:]]),
-                torch.cat([*vs[:head], v, *vs[head:]]))
+        if lo:
+            k[:lo], v[:lo] = ks[0], vs[0]
+            ks, vs = ks[1:], vs[1:]
+        if ks:  # the window part
+            k, v = torch.cat([k, *ks]), torch.cat([v, *vs])
+        return k, v
 
     def _decode(self, layer: int, q: torch.Tensor, pos: int, scale: float) -> torch.Tensor:
         """One query at ``pos`` over the packed cache (Triton kernel on CUDA) merged
