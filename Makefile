@@ -15,7 +15,7 @@ help:
 	@echo "make test-vllm  the vLLM connector end to end on vLLM's CPU build, in its own"
 	@echo "                virtualenv .venv-vllm (~4 min to create, then ~5-7 min)"
 	@echo "make bench      run the quick CPU benchmarks with --json into bench/results/"
-	@echo "make bench-ttft the 20-turn TTFT benchmark (~25 min on 2 cores)"
+	@echo "make bench-ttft the 20-turn TTFT benchmark (~35 min on 2 cores)"
 	@echo "make lint       ruff; make typecheck: mypy"
 
 setup:
