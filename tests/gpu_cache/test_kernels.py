@@ -231,18 +231,24 @@ DECODE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(DECODE_CASES), ids=list(DECODE_CASES))
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_decode_attention_matches_reference(codec64: TQ4Codec, case: str, backend: str):
-    c = DECODE_CASES[case]
-    cache = make_cache(codec64, c.num_blocks, c.num_kv_heads, c.block_size,
+def decode_inputs(codec: TQ4Codec, c: DecodeCase, seed: int):
+    """A packed cache, scattered block tables, lengths and queries for one case."""
+    cache = make_cache(codec, c.num_blocks, c.num_kv_heads, c.block_size,
                        k_norms=c.k_norms, v_norms=c.v_norms)
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(seed)
     batch = len(c.seq_lens)
     width = max(1, -(-max(c.seq_lens) // c.block_size))
     table = scattered_table(gen, batch, c.num_blocks, width)
     lens = torch.tensor(c.seq_lens, dtype=torch.int32, device=DEVICE)
-    query = (torch.randn(batch, c.num_q_heads, 64, generator=gen) * 2).to(DEVICE)
+    query = (torch.randn(batch, c.num_q_heads, codec.head_dim, generator=gen) * 2).to(DEVICE)
+    return cache, table, lens, query
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES), ids=list(DECODE_CASES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_attention_matches_reference(codec64: TQ4Codec, case: str, backend: str):
+    c = DECODE_CASES[case]
+    cache, table, lens, query = decode_inputs(codec64, c, seed=5)
     scale = 1 / math.sqrt(64)
     ref = naive.paged_decode_attention_ref(query, cache.k_float, cache.v_float, table, lens,
                                            scale)
@@ -261,14 +267,8 @@ def test_decode_lse_matches_reference(codec64: TQ4Codec, case: str, backend: str
     """``return_lse`` gives the log-sum-exp of the scaled scores over the dequantized
     keys, so partial attentions can be merged exactly (empty sequences: -inf)."""
     c = DECODE_CASES.get(case) or DecodeCase((0, 64), num_q_heads=3, num_kv_heads=1)
-    cache = make_cache(codec64, c.num_blocks, c.num_kv_heads, c.block_size,
-                       k_norms=c.k_norms, v_norms=c.v_norms)
-    gen = torch.Generator().manual_seed(11)
+    cache, table, lens, query = decode_inputs(codec64, c, seed=11)
     batch = len(c.seq_lens)
-    width = max(1, -(-max(c.seq_lens) // c.block_size))
-    table = scattered_table(gen, batch, c.num_blocks, width)
-    lens = torch.tensor(c.seq_lens, dtype=torch.int32, device=DEVICE)
-    query = (torch.randn(batch, c.num_q_heads, 64, generator=gen) * 2).to(DEVICE)
     out, lse = tq4_decode_attention(query, *cache.layer, table, lens, codec64, 0.125,
                                     backend=backend, num_splits=c.num_splits, return_lse=True)
     plain = tq4_decode_attention(query, *cache.layer, table, lens, codec64, 0.125,
