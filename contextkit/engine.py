@@ -299,6 +299,15 @@ def _attend(q: torch.Tensor, k_prefix: torch.Tensor | None, v_prefix: torch.Tens
     return out[0].transpose(0, 1).to(q.dtype)
 
 
+def _check_overlay(residual_tokens: int, sink_tokens: int, block_size: int) -> None:
+    """Validate the float residual window and sink sizes (engine or per call)."""
+    if residual_tokens < 0:
+        raise ValueError(f"residual_tokens must be >= 0, got {residual_tokens}")
+    if sink_tokens < 0 or sink_tokens % block_size:
+        raise ValueError(f"sink_tokens must be a multiple of block_size ({block_size}) and "
+                         f">= 0, got {sink_tokens}")
+
+
 class _ContiguousKV:
     """Plain per-request K/V (the no-cache baseline)."""
 
@@ -548,13 +557,9 @@ class Engine:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be > 0, got {prefill_chunk}")
-        if residual_tokens < 0:
-            raise ValueError(f"residual_tokens must be >= 0, got {residual_tokens}")
-        self.residual_tokens = residual_tokens
         sink_tokens = block_size if sink_tokens is None else sink_tokens
-        if sink_tokens < 0 or sink_tokens % block_size:
-            raise ValueError(f"sink_tokens must be a multiple of block_size ({block_size}) and "
-                             f">= 0, got {sink_tokens}")
+        _check_overlay(residual_tokens, sink_tokens, block_size)
+        self.residual_tokens = residual_tokens
         self.sink_tokens = sink_tokens
         self._sink_memo: OrderedDict[tuple[str, tuple[int, ...]],
                                      list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
@@ -796,10 +801,7 @@ class Engine:
         (the sink recomputed here when the request does not compute it itself)."""
         residual = self.residual_tokens if residual is None else residual
         sink = self.sink_tokens if sink is None else sink
-        if residual < 0 or sink < 0 or sink % self.cache.block_size:
-            raise ValueError(
-                f"residual_tokens must be >= 0 and sink_tokens a multiple of block_size "
-                f"({self.cache.block_size}) and >= 0, got {residual} and {sink}")
+        _check_overlay(residual, sink, self.cache.block_size)
         window_start = max(compute_start, len(prompt) - residual)
         kv = _PagedKV(self.cache, block_ids, cached, window_start, sink)
         if kv.sink and (compute_start > 0 or self.prefill_chunk < kv.sink):
