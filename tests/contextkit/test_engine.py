@@ -235,3 +235,32 @@ def test_residual_window_is_float_and_decode_agrees_with_scoring(
         fresh("tq4", residual_tokens=-1)
     with pytest.raises(ValueError, match="sink_tokens must be a multiple of block_size"):
         fresh("tq4", sink_tokens=8)
+
+
+def test_prefill_flops_count_what_the_forward_runs(engine: Engine) -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ids = chat(engine, SYSTEM)
+    n, reused = len(ids), 48
+    m = engine.model
+    params = [p for p in m.hf.parameters() if p.requires_grad]
+    for p in params:  # the flop counter's module hooks need weights without grad
+        p.requires_grad_(False)
+    try:
+        kv = _ContiguousKV(m.num_layers)
+        engine._forward(ids[:reused], 0, kv)
+        with FlopCounterMode(display=False) as counter:
+            engine._forward(ids[reused:], reused, kv)
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+    # The counter sees the matmuls (projections, MLP, LM head), not the attention
+    # kernel: count the query-key pairs the causal attention visits from its mask.
+    computed = n - reused
+    pairs = int(torch.ones(computed, n, dtype=torch.bool).tril(reused).sum())
+    attention = 4 * m.num_layers * m.num_heads * m.head_dim * pairs
+    assert engine.prefill_flops(n, reused) == counter.get_total_flops() + attention
+    full = engine.prefill_flops(n)
+    assert full > engine.prefill_flops(n, reused) > engine.prefill_flops(n, n - 1)
+    with pytest.raises(ValueError, match="reused_tokens < prompt_tokens"):
+        engine.prefill_flops(n, n)
