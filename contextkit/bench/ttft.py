@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reply length limit per turn (default 32, greedy)")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="replay content scale (1.0: ~6K-token system prompt at default "
-                             "budgets; 5.0: ~30K tokens for GPU runs)")
+                             "budgets; 5.0: ~30K tokens of content, trimmed to the expanded "
+                             "budgets: a ~20K-token prompt)")
     parser.add_argument("--device-blocks", type=int, default=768,
                         help="device-tier blocks of the TQ4 cache (default 768)")
     parser.add_argument("--host-blocks", type=int, default=2048,
@@ -251,10 +252,11 @@ def plot_ttft(records: list[dict[str, Any]], path: Path, title: str) -> Path:
                 label="same reuse, lossless native K/V")
     ax.set_xlabel("turn")
     ax.set_ylabel("time to first token (s)")
-    ax.set_ylim(bottom=0)
+    top = max(r[k] for r in records for k in r if k.startswith("ttft_ms_")) / 1000
+    ax.set_ylim(0, top * 1.3)  # room above the curves for the legend
     ax.set_xticks(turns)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper center", ncol=2, fontsize=8)
     ax.set_title(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
