@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import re
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -53,7 +52,7 @@ from contextkit.prompt import (
     render_marked,
     synthesize_for_budget,
 )
-from gpu_cache import PrefixPinManager
+from gpu_cache import PrefixPinManager, validate_tenant
 from gpu_cache.metadata import PINNABLE_SOURCES, BlockMeta
 
 __all__ = [
@@ -66,7 +65,6 @@ __all__ = [
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}$")
 
 #: A layer is emitted in the trailing (volatile) message when its learned change
 #: rate is at least this.
@@ -77,10 +75,7 @@ _BOUNDARY = "<trailing message>"
 
 
 def _check_tenant(tenant: str) -> str:
-    if not isinstance(tenant, str) or not _TENANT.match(tenant) or ".." in tenant:
-        raise ValueError(f"tenant {tenant!r} is not a valid slug; use 1-128 letters, digits and "
-                         "'_.:@-' starting with a letter or digit (no '/', no '..')")
-    return tenant
+    return validate_tenant(tenant)  # InvalidNameError is a ValueError
 
 
 @dataclass
@@ -304,7 +299,7 @@ class CacheAwareContextPipeline:
             PromptFormatError: unknown or unbalanced layer markers, or an unsupported
                 return type (nothing is recorded).
         """
-        tenant = _check_tenant(tenant or self.tenant)
+        tenant = _check_tenant(self.tenant if tenant is None else tenant)
         prompt = coerce_prompt(raw, self.config)
         count = self._count_tokens
         sections: list[PromptSection] = []
@@ -427,7 +422,7 @@ class CacheAwareContextPipeline:
         """
         if self.engine is None:
             return [], [], 0
-        tenant = _check_tenant(tenant or self.tenant)
+        tenant = _check_tenant(self.tenant if tenant is None else tenant)
         if built is None:
             with self._lock:
                 built = self._state(tenant).last
@@ -507,8 +502,9 @@ class CacheAwareContextPipeline:
         if self.engine is None:
             raise RuntimeError("no engine attached: this pipeline only passes prompts "
                                "through; build it with CacheAwareContextPipeline(engine)")
-        tenant = _check_tenant(tenant or (built.report.tenant if built else None)
-                               or self.tenant)
+        if tenant is None:
+            tenant = built.report.tenant if built is not None else self.tenant
+        tenant = _check_tenant(tenant)
         if built is not None and built.report.tenant != tenant:
             raise ValueError(f"this prompt was built for tenant {built.report.tenant!r}, not "
                              f"{tenant!r}; tenants never share blocks")
@@ -559,7 +555,7 @@ class CacheAwareContextPipeline:
         """Metadata of the tenant's blocks in the cache (empty without a cache)."""
         if self.engine is None:
             return []
-        tenant = _check_tenant(tenant or self.tenant)
+        tenant = _check_tenant(self.tenant if tenant is None else tenant)
         return [m for m in self.engine.cache.metadata.all() if m.tenant_slug == tenant]
 
     def pinned_blocks(self, tenant: str | None = None) -> list[int]:
@@ -583,14 +579,14 @@ class CacheAwareContextPipeline:
         if self.engine is None:
             return None
         with self._lock:
-            return self._state(_check_tenant(tenant or self.tenant)).last
+            return self._state(_check_tenant(self.tenant if tenant is None else tenant)).last
 
     def last_report(self, tenant: str | None = None) -> CallReport | None:
         """The latest call's report (``None`` without a cache or before any call)."""
         if self.engine is None:
             return None
         with self._lock:
-            last = self._state(_check_tenant(tenant or self.tenant)).last
+            last = self._state(_check_tenant(self.tenant if tenant is None else tenant)).last
         return last.report if last else None
 
     def volatility(self, tenant: str | None = None) -> dict[str, float]:
@@ -598,7 +594,7 @@ class CacheAwareContextPipeline:
         if self.engine is None:
             return {}
         with self._lock:
-            return dict(self._state(_check_tenant(tenant or self.tenant)).rates)
+            return dict(self._state(_check_tenant(self.tenant if tenant is None else tenant)).rates)
 
 
 def cache_aware(pipeline: CacheAwareContextPipeline) -> Callable[[F], F]:

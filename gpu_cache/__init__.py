@@ -8,6 +8,7 @@ from gpu_cache._errors import (
     CacheIdentityError,
     CodecInputError,
     GPUCacheError,
+    InvalidNameError,
     PinCapacityError,
     UnknownBlockError,
 )
@@ -15,6 +16,7 @@ from gpu_cache.cache import TENSOR_NAMES, CacheConfig, LayerView, TQGPUCache
 from gpu_cache.codebook import Codebook, lloyd_max_codebook
 from gpu_cache.codec import TQ4Codec, TQ4Encoded, rotation_matrix
 from gpu_cache.hashing import BlockHash, hash_block_tokens, hash_token_blocks
+from gpu_cache.ids import validate_name, validate_tenant
 from gpu_cache.identity import SCHEMA_VERSION, CacheIdentity
 from gpu_cache.metadata import (
     DEFAULT_SOURCE_PRIORITY,
@@ -48,6 +50,7 @@ __all__ = [
     "CodecInputError",
     "EvictionPolicy",
     "GPUCacheError",
+    "InvalidNameError",
     "LRUEvictionPolicy",
     "LayerView",
     "PinCapacityError",
@@ -62,4 +65,6 @@ __all__ = [
     "hash_token_blocks",
     "lloyd_max_codebook",
     "rotation_matrix",
+    "validate_name",
+    "validate_tenant",
 ]

@@ -7,6 +7,7 @@ __all__ = [
     "CacheIdentityError",
     "CodecInputError",
     "GPUCacheError",
+    "InvalidNameError",
     "PinCapacityError",
     "UnknownBlockError",
 ]
@@ -37,3 +38,7 @@ class PinCapacityError(GPUCacheError, RuntimeError):
 
 class CacheIdentityError(GPUCacheError, ValueError):
     """Data produced for another cache identity (model, codec, block size, schema)."""
+
+
+class InvalidNameError(GPUCacheError, ValueError):
+    """A tenant or session id that breaks the naming rule of :mod:`gpu_cache.ids`."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import time
 import zlib
 from collections.abc import Mapping
@@ -33,8 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpu_cache import TENSOR_NAMES, CacheIdentity, CacheIdentityError
+from gpu_cache import TENSOR_NAMES, CacheIdentity, CacheIdentityError, InvalidNameError
 from gpu_cache.calibration import key_offset_digest
+from gpu_cache.ids import MAX_NAME_LENGTH, validate_name
 from shadow._errors import CorruptShadowError, InvalidSessionIdError
 
 __all__ = [
@@ -57,8 +57,7 @@ FORMAT_NAME = "contextkit-shadow"
 #: Version of the manifest format; readers refuse newer versions.
 FORMAT_VERSION = 1
 INDEX_KEY = "index.json"
-MAX_SESSION_ID_LENGTH = 128
-_SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+MAX_SESSION_ID_LENGTH = MAX_NAME_LENGTH
 #: Checksum algorithm of block slices (zlib CRC-32, several GB/s, catches torn writes).
 CHECKSUM = "crc32"
 _NUMPY_DTYPES = {"k_packed": np.uint8, "v_packed": np.uint8,
@@ -68,20 +67,16 @@ _NUMPY_DTYPES = {"k_packed": np.uint8, "v_packed": np.uint8,
 def validate_session_id(session_id: object) -> str:
     """Return ``session_id`` if it is a safe single path component.
 
+    The rule is :func:`gpu_cache.ids.validate_name`'s, the same as for tenants.
+
     Raises:
-        InvalidSessionIdError: anything but 1-128 characters of letters, digits,
-            ``.``, ``_`` and ``-`` starting with a letter or digit.
+        InvalidSessionIdError: not 1-128 characters of letters, digits and ``_.:@-``
+            starting with a letter or digit, ``..``, or a reserved name (``index.json``).
     """
-    rule = (f"session ids are 1-{MAX_SESSION_ID_LENGTH} characters of letters, digits, "
-            "'.', '_' and '-', starting with a letter or digit (no path separators)")
-    if not isinstance(session_id, str):
-        raise InvalidSessionIdError(f"session id must be a str, got {type(session_id).__name__}; "
-                                    f"{rule}")
-    if len(session_id) > MAX_SESSION_ID_LENGTH:
-        raise InvalidSessionIdError(f"session id is {len(session_id)} characters long; {rule}")
-    if not _SESSION_ID.fullmatch(session_id):
-        raise InvalidSessionIdError(f"invalid session id {session_id!r}; {rule}")
-    return session_id
+    try:
+        return validate_name(session_id, "session id")
+    except InvalidNameError as exc:
+        raise InvalidSessionIdError(str(exc)) from None
 
 
 def manifest_key(session_id: str) -> str:

@@ -184,7 +184,7 @@ def test_bad_prompts_fail_clearly_and_lose_nothing(fresh: Callable[..., Engine])
     with pytest.raises(CacheFullError, match="device tier"):
         pipeline.generate("hi", max_new_tokens=1)
     assert keys_of(engine) == before
-    with pytest.raises(ValueError, match="slug"):
+    with pytest.raises(ValueError, match="invalid tenant"):
         pipeline.build(marked(0), tenant="../etc/passwd")
 
 
