@@ -11,7 +11,10 @@ from shadow._errors import (
     InvalidSessionIdError,
     ShadowError,
     ShadowStoreError,
+    TamperedShadowError,
+    UnauthenticatedShadowError,
 )
+from shadow.auth import KEY_ENV, describe_auth, resolve_key
 from shadow.manifest import (
     BlockRecord,
     Manifest,
@@ -40,6 +43,7 @@ from shadow.stores import (
 from shadow.writer import CacheShadow, ShadowConfig, ShadowResult
 
 __all__ = [
+    "KEY_ENV",
     "STORES",
     "BlobNotFoundError",
     "BlobWriter",
@@ -61,10 +65,14 @@ __all__ = [
     "ShadowStoreError",
     "SkippedBlock",
     "StoreConfig",
+    "TamperedShadowError",
+    "UnauthenticatedShadowError",
+    "describe_auth",
     "discover_sessions",
     "load_manifest",
     "open_store",
     "recover_session",
     "recover_sessions",
+    "resolve_key",
     "validate_session_id",
 ]

@@ -8,6 +8,8 @@ __all__ = [
     "InvalidSessionIdError",
     "ShadowError",
     "ShadowStoreError",
+    "TamperedShadowError",
+    "UnauthenticatedShadowError",
 ]
 
 
@@ -29,3 +31,17 @@ class BlobNotFoundError(ShadowStoreError, FileNotFoundError):
 
 class CorruptShadowError(ShadowError, ValueError):
     """A manifest or index that is not valid JSON or misses required fields."""
+
+
+class TamperedShadowError(CorruptShadowError):
+    """A manifest or index whose MAC does not match its content under the configured key.
+
+    Someone (or something) changed it after it was written, or it was written with
+    another key; the session is refused and nothing of it is imported.
+    """
+
+
+class UnauthenticatedShadowError(ShadowError, PermissionError):
+    """Authentication is required but missing: an unsigned manifest read with a key, a
+    signed one read without a key, or an ``s3://`` store recovered without a key and
+    without ``allow_unauthenticated``."""
