@@ -35,7 +35,8 @@ def test_exports_are_what_they_should_be():
          "MeteredStore", "RecoveryReport", "S3Store", "SegmentRecord", "SessionInfo",
          "ShadowConfig", "ShadowError", "ShadowResult", "ShadowStore", "ShadowStoreError",
          "SkippedBlock", "StoreConfig", "discover_sessions", "load_manifest", "open_store",
-         "recover_session", "recover_sessions", "validate_session_id"])
+         "recover_session", "recover_sessions", "validate_session_id", "KEY_ENV",
+         "TamperedShadowError", "UnauthenticatedShadowError", "describe_auth", "resolve_key"])
     for name in shadow.__all__:
         assert getattr(shadow, name) is not None
 
