@@ -6,7 +6,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from gpu_cache._errors import CacheIdentityError
 
@@ -41,22 +41,42 @@ class CacheIdentity:
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+        """Check every field's type and range (a shadow's identity is read from data).
+
+        Raises:
+            CacheIdentityError: one line naming the field, what it must be and what it is.
+        """
+        if not isinstance(self.model_id, str) or not self.model_id:
+            _bad("model_id", "a non-empty str", self.model_id)
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "schema_version"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"CacheIdentity.{name} must be a positive int, got {value!r}")
+            if not _is_int(value) or value <= 0:
+                _bad(name, "a positive int", value)
         if self.head_dim % 2:
-            raise ValueError(f"CacheIdentity.head_dim must be even for 4-bit packing, "
-                             f"got {self.head_dim}")
-        if self.codec not in CODECS:
-            raise ValueError(f"CacheIdentity.codec must be one of {CODECS}, got {self.codec!r}")
+            _bad("head_dim", "even for 4-bit packing", self.head_dim)
+        if not isinstance(self.codec, str) or self.codec not in CODECS:
+            _bad("codec", f"one of {CODECS}", self.codec)
+        if not _is_int(self.rotation_seed) or not 0 <= self.rotation_seed < 2**64:
+            _bad("rotation_seed", "an int in [0, 2**64)", self.rotation_seed)
+        for name in ("tokenizer_id", "key_offset_digest"):
+            if not isinstance(getattr(self, name), str):
+                _bad(name, "a str", getattr(self, name))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CacheIdentity:
-        """Rebuild an identity; unknown or missing fields raise CacheIdentityError."""
+        """Rebuild an identity from data (a manifest's ``identity`` object).
+
+        Raises:
+            CacheIdentityError: not an object, unknown or missing fields, or a field of
+                the wrong type or range (named, with what to do).
+        """
+        if not isinstance(data, dict):
+            raise CacheIdentityError(
+                f"identity must be a JSON object, got {type(data).__name__}; the data is "
+                "damaged - discard it and let the cache recompute")
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - fields
         if unknown:
@@ -68,6 +88,10 @@ class CacheIdentity:
             return cls(**data)
         except TypeError as exc:
             raise CacheIdentityError(f"identity is incomplete: {exc}") from exc
+        except CacheIdentityError as exc:
+            raise CacheIdentityError(
+                f"identity is invalid: {exc}; the data is damaged or was written by another "
+                "tool - discard it and let the cache recompute") from None
 
     def digest(self) -> bytes:
         """SHA-256 over the canonical JSON form; the root of every block key."""
@@ -95,3 +119,15 @@ class CacheIdentity:
             "Use a cache built for the same model, codec, block size and schema, or "
             "discard the data and let the cache recompute."
         )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bad(name: str, expected: str, value: object) -> NoReturn:
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    raise CacheIdentityError(f"CacheIdentity.{name} must be {expected}, got "
+                             f"{type(value).__name__} {shown}")
