@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from numbers import Real
 
 from contextkit.layers import LayerConfig
 
@@ -46,6 +47,12 @@ class PromptLine:
     importance: float = 0.5
 
     def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise PromptFormatError(f"the text must be a str, got {_shown(self.text)}")
+        if isinstance(self.importance, bool) or not isinstance(self.importance, Real):
+            raise PromptFormatError(f"importance must be a number in [0, 1], got "
+                                    f"{_shown(self.importance)} for line {self.text[:40]!r}")
+        object.__setattr__(self, "importance", float(self.importance))
         if not 0.0 <= self.importance <= 1.0:
             raise PromptFormatError(f"importance must be within [0, 1], got {self.importance} "
                                     f"for line {self.text[:40]!r}")
@@ -151,14 +158,47 @@ def render_marked(prompt: StructuredPrompt) -> str:
 
 LineLike = str | PromptLine | tuple[str, float]
 
+_LINE_FORMS = "a str, a (str, importance) pair or a PromptLine"
 
-def _line(item: LineLike) -> PromptLine:
+
+def _shown(value: object) -> str:
+    """``type repr`` of a bad value, short enough for a one-line error."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def _line(item: object) -> PromptLine:
     if isinstance(item, PromptLine):
         return item
     if isinstance(item, str):
         return PromptLine(item)
+    if not isinstance(item, tuple):
+        raise PromptFormatError(f"expected {_LINE_FORMS}, got {_shown(item)}")
+    if len(item) != 2:
+        raise PromptFormatError(f"expected {_LINE_FORMS}, got a tuple of {len(item)}")
     text, importance = item
-    return PromptLine(text, float(importance))
+    return PromptLine(text, importance)
+
+
+def _section(layer: str, items: object) -> PromptSection:
+    """One layer of a ``{layer: lines}`` mapping, each error naming layer and line."""
+    if isinstance(items, str):
+        return PromptSection(layer, tuple(PromptLine(t) for t in items.splitlines()))
+    if isinstance(items, (bytes, bytearray, Mapping)) or not isinstance(items, Iterable):
+        raise PromptFormatError(f"layer {layer!r}: expected a string or a list of lines, "
+                                f"got {type(items).__name__} (each line {_LINE_FORMS})")
+    lines = []
+    for number, item in enumerate(items, start=1):
+        try:
+            lines.append(_line(item))
+        except PromptFormatError as exc:
+            raise PromptFormatError(f"layer {layer!r}, line {number}: {exc}") from None
+    return PromptSection(layer, tuple(lines))
+
+
+def _unknown_layer(layer: str, config: LayerConfig) -> PromptFormatError:
+    known = ", ".join(s.name for s in config)
+    return PromptFormatError(f"unknown layer {layer!r}; known layers: {known}")
 
 
 def coerce_prompt(value: object, config: LayerConfig) -> StructuredPrompt:
@@ -168,23 +208,27 @@ def coerce_prompt(value: object, config: LayerConfig) -> StructuredPrompt:
     ``{layer: [line | (text, importance) | PromptLine, ...] | str}``.
 
     Raises:
-        PromptFormatError: anything else, or unknown layers (names the known ones).
+        PromptFormatError: anything else, unknown layers (names the known ones), or a
+            malformed layer or line (names the layer, the line number and what was
+            expected).
     """
     if isinstance(value, StructuredPrompt):
         for section in value.sections:
-            config.get(section.layer)
+            if section.layer not in config:
+                raise _unknown_layer(section.layer, config)
         return value
     if isinstance(value, str):
         return parse_marked(value, config)
     if isinstance(value, Mapping):
         sections = []
         for layer, items in value.items():
-            if str(layer).lower() not in config:
-                known = ", ".join(s.name for s in config)
-                raise PromptFormatError(f"unknown layer {layer!r}; known layers: {known}")
-            raw: Iterable[LineLike] = items.splitlines() if isinstance(items, str) else items
-            sections.append(PromptSection(config.get(str(layer)).name,
-                                          tuple(_line(i) for i in raw)))
+            if not isinstance(layer, str):
+                raise PromptFormatError(f"layer names must be str, got {_shown(layer)}; use "
+                                        "the layer's name, e.g. {'memories': [...]}")
+            if layer not in config:
+                raise _unknown_layer(layer, config)
+            name = config.get(layer).name
+            sections.append(_section(name, items))
         return StructuredPrompt(tuple(sections))
     raise PromptFormatError(
         f"build_system_message returned {type(value).__name__}; return a string with "

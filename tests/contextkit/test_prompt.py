@@ -98,6 +98,51 @@ def test_structured_prompts_are_accepted_in_several_shapes() -> None:
         PromptLine("x", 1.5)
 
 
+BAD_STRUCTURES = [
+    ({"axioms": 5}, r"layer 'axioms': expected a string or a list of lines, got int"),
+    ({"axioms": None}, r"layer 'axioms': expected a string or a list of lines, got NoneType"),
+    ({"axioms": b"raw"}, r"layer 'axioms': expected a string or a list of lines, got bytes"),
+    ({"axioms": {"a": 1}}, r"layer 'axioms': expected a string or a list of lines, got dict"),
+    ({5: ["x"]}, r"layer names must be str, got int 5"),
+    ({("axioms",): ["x"]}, r"layer names must be str, got tuple"),
+    ({"axioms": [5]}, r"layer 'axioms', line 1: expected a str, a \(str, importance\) pair "
+                      r"or a PromptLine, got int"),
+    ({"axioms": ["ok", ("a", 0.5, 1)]}, r"layer 'axioms', line 2: expected .* got a tuple of 3"),
+    ({"axioms": [(5, 0.5)]}, r"layer 'axioms', line 1: the text must be a str, got int"),
+    ({"axioms": [("a", "high")]}, r"layer 'axioms', line 1: importance must be a number in "
+                                  r"\[0, 1\], got str 'high'"),
+    ({"axioms": [("a", None)]}, r"layer 'axioms', line 1: importance must be a number"),
+    ({"memories": [("a", 1.5)]}, r"layer 'memories', line 1: importance must be within \[0, 1\]"),
+    ({"memories": [("a", -0.1)]}, r"layer 'memories', line 1: importance must be within"),
+    ({"memories": [("a", float("nan"))]}, r"layer 'memories', line 1: importance must be within"),
+    ({"memories": [("a\nb", 0.5)]}, r"layer 'memories', line 1: a PromptLine holds one line"),
+]
+
+
+@pytest.mark.parametrize(("value", "match"), BAD_STRUCTURES,
+                         ids=[repr(v)[:40] for v, _ in BAD_STRUCTURES])
+def test_malformed_structured_prompts_name_the_layer_and_what_was_expected(
+        value: object, match: str) -> None:
+    with pytest.raises(PromptFormatError, match=match) as exc:
+        coerce_prompt(value, CONFIG)
+    assert "\n" not in str(exc.value)
+
+
+def test_prompt_lines_and_sections_check_their_types() -> None:
+    with pytest.raises(PromptFormatError, match="text must be a str, got int"):
+        PromptLine(5)  # type: ignore[arg-type]
+    with pytest.raises(PromptFormatError, match="importance must be a number"):
+        PromptLine("x", "0.5")  # type: ignore[arg-type]
+    with pytest.raises(PromptFormatError, match="importance must be a number"):
+        PromptLine("x", True)
+    assert PromptLine("x", 1).importance == 1
+    from contextkit.prompt import PromptSection
+
+    unknown = StructuredPrompt((PromptSection("mood", (PromptLine("x"),)),))
+    with pytest.raises(PromptFormatError, match="unknown layer 'mood'; known layers"):
+        coerce_prompt(unknown, CONFIG)
+
+
 def test_synthesize_keeps_important_lines_in_order_within_budget(
         count_tokens: Callable[[str], int]) -> None:
     lines = [PromptLine(f"fact number {i} about the deployment of service {i}", imp)
