@@ -9,6 +9,9 @@ Because the block axis sits right after the layer axis, moving a set of blocks
 between tiers is one strided copy per tensor across all layers: 4 copies per move
 whatever the layer count. Blocks have stable ids; a block's slot changes when it
 moves tiers. Running out of room returns ``None``; broken contracts raise.
+
+The tier tensors live in :mod:`gpu_cache._storage` and the configuration in
+:mod:`gpu_cache.config`; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,8 +32,10 @@ from gpu_cache._errors import (
     CodecInputError,
     UnknownBlockError,
 )
+from gpu_cache._storage import TENSOR_NAMES, LayerView, MoveStats, TierStorage, _run
 from gpu_cache.calibration import key_offset_digest
 from gpu_cache.codec import TQ4Codec
+from gpu_cache.config import CacheConfig
 from gpu_cache.hashing import BlockHash, hash_token_blocks
 from gpu_cache.identity import CacheIdentity
 from gpu_cache.metadata import (
@@ -47,133 +51,6 @@ __all__ = ["TENSOR_NAMES", "CacheConfig", "LayerView", "MoveStats", "TQGPUCache"
 logger = logging.getLogger(__name__)
 
 _FREED_MEMORY = 1 << 20  # remember this many freed ids for precise errors
-
-#: The four tensors of a tier, in the order moves and shadows handle them.
-TENSOR_NAMES = ("k_packed", "k_norms", "v_packed", "v_norms")
-
-
-@dataclass(frozen=True, slots=True)
-class CacheConfig:
-    """Sizes and placement of a :class:`TQGPUCache`.
-
-    Args:
-        num_device_blocks: blocks in the device ("VRAM") tier.
-        num_host_blocks: blocks in the host ("DDR") tier.
-        device: accelerator device; ``None`` picks CUDA when present, else CPU.
-        pin_host_memory: pin the host tier; ``None`` pins when CUDA is present
-            (pinning needs a CUDA driver; without one host memory stays pageable).
-        eviction_policy: key of :data:`gpu_cache.metadata.EVICTION_POLICIES`.
-        default_priority: eviction priority of source layers without an entry.
-    """
-
-    num_device_blocks: int
-    num_host_blocks: int
-    device: str | None = None
-    pin_host_memory: bool | None = None
-    eviction_policy: str = "semantic"
-    default_priority: int = 50
-
-    def __post_init__(self) -> None:
-        if self.num_device_blocks < 1 or self.num_host_blocks < 0:
-            raise ValueError(
-                "num_device_blocks must be >= 1 and num_host_blocks >= 0, got "
-                f"{self.num_device_blocks} and {self.num_host_blocks}"
-            )
-        if self.eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction_policy must be one of {sorted(EVICTION_POLICIES)}, "
-                             f"got {self.eviction_policy!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class LayerView:
-    """One layer of one tier: views ``[num_blocks, block_size, heads, ...]``."""
-
-    k_packed: torch.Tensor
-    k_norms: torch.Tensor
-    v_packed: torch.Tensor
-    v_norms: torch.Tensor
-
-
-class TierStorage:
-    """The four tensors of a tier plus its free-slot map."""
-
-    def __init__(self, identity: CacheIdentity, num_blocks: int, device: torch.device,
-                 pin: bool) -> None:
-        shape = (identity.num_layers, num_blocks, identity.block_size, identity.num_kv_heads)
-        opts = {"device": device, "pin_memory": pin} if pin else {"device": device}
-        if identity.codec == "native":
-            # Plain float32 K/V in the same 5D layout; the norm tensors are empty.
-            vec, vec_dtype, norm_shape = identity.head_dim, torch.float32, (*shape[:3], 0)
-        else:
-            vec, vec_dtype, norm_shape = identity.head_dim // 2, torch.uint8, shape
-        self.k_packed = torch.zeros((*shape, vec), dtype=vec_dtype, **opts)
-        self.v_packed = torch.zeros((*shape, vec), dtype=vec_dtype, **opts)
-        self.k_norms = torch.zeros(norm_shape, dtype=torch.float32, **opts)
-        self.v_norms = torch.zeros(norm_shape, dtype=torch.float32, **opts)
-        self.num_blocks = num_blocks
-        self.device = device
-        self.pinned = pin
-        self.free = np.ones(num_blocks, dtype=bool)
-        self._num_free = num_blocks
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.k_packed, self.k_norms, self.v_packed, self.v_norms)
-
-    @property
-    def num_free(self) -> int:
-        return self._num_free
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
-    def take(self, n: int) -> np.ndarray | None:
-        """Reserve ``n`` free slots, one contiguous run when there is one."""
-        idx = np.flatnonzero(self.free)
-        if idx.size < n:
-            return None
-        chosen = idx[:n]
-        if n > 1:
-            spans = idx[n - 1:] - idx[: idx.size - n + 1]
-            runs = np.flatnonzero(spans == n - 1)
-            if runs.size:
-                chosen = idx[runs[0]: runs[0] + n]
-        self.free[chosen] = False
-        self._num_free -= n
-        return chosen
-
-    def give_back(self, slots: Iterable[int]) -> None:
-        arr = np.fromiter(slots, dtype=np.int64)
-        if arr.size and self.free[arr].any():
-            raise BlockStateError(f"slots {arr[self.free[arr]].tolist()} are already free")
-        self.free[arr] = True
-        self._num_free += arr.size
-
-
-@dataclass(slots=True)
-class MoveStats:
-    """Counters of tier moves since the cache was created."""
-
-    warms: int = 0
-    spills: int = 0
-    removes: int = 0
-    evictions: int = 0
-    blocks_warmed: int = 0
-    blocks_spilled: int = 0
-    bytes_moved: int = 0
-    copies: int = 0
-    last_move_copies: int = 0
-
-
-def _run(slots: np.ndarray) -> tuple[int, int] | None:
-    """``(start, stop)`` when ``slots`` is one ascending contiguous run."""
-    if slots.size == 0:
-        return None
-    start = int(slots[0])
-    if int(slots[-1]) - start + 1 == slots.size and (slots.size == 1 or
-                                                      bool(np.all(np.diff(slots) == 1))):
-        return start, start + slots.size
-    return None
 
 
 class TQGPUCache:
@@ -687,4 +564,5 @@ class TQGPUCache:
             meta.pinned = pinned
             meta.eviction_priority = (PINNED_PRIORITY if pinned
                                       else self.metadata.priority_for(meta.source_layer))
+
 
