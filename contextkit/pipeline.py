@@ -39,10 +39,11 @@ import hashlib
 import struct
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
-from contextkit.engine import Engine, GenerationResult, TokenSpan
+from contextkit._chatml import _ChatML
+from contextkit._reports import BuiltPrompt, CallReport, PipelineResult
+from contextkit.engine import Engine, TokenSpan
 from contextkit.layers import LayerConfig, LayerSpec
 from contextkit.prompt import (
     PromptSection,
@@ -78,102 +79,6 @@ def _check_tenant(tenant: str) -> str:
     return validate_tenant(tenant)  # InvalidNameError is a ValueError
 
 
-@dataclass
-class CallReport:
-    """What one pipeline call did to the cache.
-
-    Attributes:
-        call: 1-based call number for the tenant.
-        stable_hash: SHA-256 (hex) of the stable prefix's tokens.
-        stable_changed: the stable prefix differs from the previous call's.
-        changed_layers: layers whose text differs from the previous call (all on the
-            first call).
-        prefix_broken_by: the first segment, in emitted order, that differs from the
-            previous call ("first_call" on the first; ``None`` when nothing changed).
-        layer_order: main-message layers in emitted order; trailing_layers: layers
-            emitted after the conversation.
-        layer_tokens: tokens per layer after budgets; spilled_lines: lines over budget.
-        reused_tokens, computed_tokens, kv_reuse_ratio, ttft_ms, total_ms: from the
-            engine (zero until :meth:`CacheAwareContextPipeline.generate` runs).
-        blocks_per_tier: used blocks per cache tier; pinned_blocks: pinned blocks;
-        blocks_by_layer: this tenant's cached blocks per source layer.
-    """
-
-    call: int
-    tenant: str
-    stable_hash: str
-    stable_changed: bool
-    changed_layers: list[str]
-    prefix_broken_by: str | None
-    layer_order: list[str]
-    trailing_layers: list[str]
-    layer_tokens: dict[str, int]
-    spilled_lines: int
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    computed_tokens: int = 0
-    kv_reuse_ratio: float = 0.0
-    ttft_ms: float = 0.0
-    total_ms: float = 0.0
-    blocks_per_tier: dict[str, int] = field(default_factory=dict)
-    pinned_blocks: int = 0
-    blocks_by_layer: dict[str, int] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class BuiltPrompt:
-    """A system prompt after budgets and ordering.
-
-    Attributes:
-        main: sections of the main system message, in emitted order.
-        trailing: sections emitted after the conversation (volatile layers).
-        text: the whole system prompt as ``[LAYER]...[/LAYER]`` text (main, then
-            trailing): what the wrapped ``build_system_message`` returns.
-        report: the call's report (engine fields filled by ``generate``).
-        section_ids: token ids of each section's text, by layer.
-        section_texts: each section's ``[LAYER]...[/LAYER]`` text, by layer.
-        stable_layers: the leading main sections that form the stable prefix.
-    """
-
-    main: tuple[PromptSection, ...]
-    trailing: tuple[PromptSection, ...]
-    text: str
-    report: CallReport
-    section_ids: dict[str, tuple[int, ...]]
-    section_texts: dict[str, str] = field(default_factory=dict)
-    stable_layers: tuple[str, ...] = ()
-
-    def parts(self) -> tuple[str, str, str]:
-        """``(stable, changing, trailing)``: the text split where caching changes.
-
-        ``stable`` is the pinned prefix (the stable layers), ``changing`` the rest of
-        the main system message, ``trailing`` the volatile layers. Their
-        concatenation is :attr:`text`; any part may be empty. Providers with prompt
-        caching get ``stable`` as its own content block with a cache breakpoint.
-        """
-        n = len(self.stable_layers)
-        pieces = ["".join(self.section_texts[s.layer] for s in group)
-                  for group in (self.main[:n], self.main[n:], self.trailing)]
-        # Sections end with a newline; the whole text does not.
-        for i in (2, 1, 0):
-            if pieces[i]:
-                pieces[i] = pieces[i][:-1]
-                break
-        return pieces[0], pieces[1], pieces[2]
-
-
-@dataclass
-class PipelineResult:
-    """A reply with the engine's telemetry and the call report."""
-
-    text: str
-    generation: GenerationResult
-    report: CallReport
-
-
 class _TenantState:
     def __init__(self, config: LayerConfig) -> None:
         self.calls = 0
@@ -183,35 +88,6 @@ class _TenantState:
         self.stable_hash = ""
         self.pinned: list[int] = []
         self.last: BuiltPrompt | None = None
-
-
-class _ChatML:
-    """ChatML pieces (``<|im_start|>role\\n ... <|im_end|>\\n``), as SmolLM2 uses."""
-
-    START, END = "<|im_start|>", "<|im_end|>"
-
-    @classmethod
-    def check(cls, tokenizer: Any) -> None:
-        probe = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
-        try:
-            text = tokenizer.apply_chat_template(probe, tokenize=False,
-                                                 add_generation_prompt=True)
-        except Exception as exc:  # no template at all
-            raise ValueError(f"the tokenizer has no usable chat template ({exc})") from exc
-        want = (f"{cls.START}system\nS{cls.END}\n{cls.START}user\nU{cls.END}\n"
-                f"{cls.START}assistant\n")
-        if text != want:
-            raise ValueError("contextkit's pipeline assembles ChatML prompts; this tokenizer's "
-                             f"chat template renders {text!r}. Use a ChatML model (SmolLM2, "
-                             "Qwen) or pass prompts to Engine.generate yourself")
-
-    @classmethod
-    def open(cls, role: str) -> str:
-        return f"{cls.START}{role}\n"
-
-    @classmethod
-    def close(cls) -> str:
-        return f"{cls.END}\n"
 
 
 class CacheAwareContextPipeline:
