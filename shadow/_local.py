@@ -7,8 +7,10 @@ import ctypes
 import errno
 import io
 import os
+import re
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -17,9 +19,18 @@ from urllib.parse import unquote, urlparse
 from shadow._errors import BlobNotFoundError, ShadowStoreError
 from shadow._store_base import BlobWriter, ShadowStore, StoreConfig, check_key
 
-__all__ = ["LocalStore", "fsync_dir"]
+__all__ = ["LocalStore", "fsync_dir", "is_temp_name"]
 
 _TMP_MARK = ".tmp-"
+#: The exact name of a temp file :class:`_LocalWriter` writes: ``<name>.tmp-<pid>-<8 hex>``.
+#: Matched against a file's own name only, never against the directories above it, so
+#: a session id such as ``agent.tmp-1`` is an ordinary name.
+_TMP_NAME = re.compile(r".+\.tmp-[0-9]+-[0-9a-f]{8}")
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether a file name is one of :class:`_LocalWriter`'s unfinished temp files."""
+    return _TMP_NAME.fullmatch(name) is not None
 _MAX_READ_FDS = 64
 _PAGE = 4096  # O_DIRECT alignment of offsets, lengths and buffer addresses
 
@@ -89,11 +100,17 @@ class LocalStore(ShadowStore):
     Args:
         url: ``file:///absolute/path`` (or a plain path).
         config: ``fsync`` decides durability; other fields are ignored.
+        create: create the directory if it does not exist (writers). Readers pass
+            ``False``: a mistyped path is then an error, not an empty store.
+
+    Raises:
+        ShadowStoreError: a URL naming a host, or (``create=False``) no such directory.
     """
 
     scheme = "file"
 
-    def __init__(self, url: str, config: StoreConfig | None = None) -> None:
+    def __init__(self, url: str, config: StoreConfig | None = None, *,
+                 create: bool = True) -> None:
         parsed = urlparse(url)
         if parsed.scheme not in ("", "file"):
             raise ShadowStoreError(f"LocalStore serves file:// URLs, got {url!r}")
@@ -105,7 +122,16 @@ class LocalStore(ShadowStore):
         self.root = Path(raw).expanduser().resolve()
         self.url = f"file://{self.root}"
         self.config = config or StoreConfig()
-        self.root.mkdir(parents=True, exist_ok=True)
+        if create:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ShadowStoreError(f"cannot create the shadow store {self.url} "
+                                       f"({exc.strerror}); check the path and its "
+                                       "permissions") from None
+        elif not self.root.is_dir():
+            raise ShadowStoreError(f"no shadow store at {self.url}; check the path (nothing "
+                                   "has been shadowed there)")
         self._read_fds: OrderedDict[str, tuple[int, tuple[int, int]]] = OrderedDict()
         self._fd_lock = threading.Lock()
         self._direct_ok = self.config.direct_io and hasattr(os, "O_DIRECT")
@@ -213,7 +239,7 @@ class LocalStore(ShadowStore):
         for dirpath, _dirs, files in os.walk(base):
             rel = Path(dirpath).relative_to(base)
             for name in files:
-                if _TMP_MARK in name:
+                if is_temp_name(name):
                     continue
                 key = name if rel == Path(".") else f"{rel.as_posix()}/{name}"
                 if key.startswith(prefix):
@@ -222,7 +248,15 @@ class LocalStore(ShadowStore):
 
     def list_unfinished(self, prefix: str = "") -> builtins.list[str]:
         """Temp files of writes that never committed (a crash leaves them)."""
-        return sorted(k for k in self._list_all() if k.startswith(prefix) and _TMP_MARK in k)
+        return sorted(k for k in self._list_all()
+                      if k.startswith(prefix) and is_temp_name(k.rsplit("/", 1)[-1]))
+
+    def age(self, key: str) -> float | None:
+        """Seconds since ``key`` (a committed object or a temp file) was last written."""
+        try:
+            return max(0.0, time.time() - (self.root / key).stat().st_mtime)
+        except FileNotFoundError:
+            return None
 
     def _list_all(self) -> builtins.list[str]:
         out = []
@@ -232,7 +266,11 @@ class LocalStore(ShadowStore):
         return out
 
     def remove_unfinished(self, prefix: str = "") -> int:
-        """Delete leftover temp files under ``prefix``; only safe with a single writer."""
+        """Delete leftover temp files under ``prefix``.
+
+        Only for a prefix no live writer is writing under (a session's own writer at
+        start, or :func:`shadow.debris.sweep_debris` for sessions without a live lease).
+        """
         stale = self.list_unfinished(prefix)
         for key in stale:
             (self.root / key).unlink(missing_ok=True)

@@ -2,17 +2,73 @@
 
 from __future__ import annotations
 
+import builtins
+import functools
 import logging
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
-from shadow._errors import BlobNotFoundError, ShadowStoreError
+from shadow._errors import BlobNotFoundError, ShadowError, ShadowStoreError
 from shadow._store_base import BlobWriter, ShadowStore, StoreConfig, check_key
 
 __all__ = ["S3Store"]
 
 logger = logging.getLogger(__name__)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_DENIED = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403",
+           "ExpiredToken", "InvalidToken")
+
+
+def store_error(exc: BaseException, url: str, what: str) -> ShadowStoreError | None:
+    """A one-line :class:`ShadowStoreError` saying what to set or fix, for the botocore
+    failures a user causes (no credentials, unreachable endpoint, missing bucket, denied);
+    ``None`` for anything else."""
+    name = type(exc).__name__
+    detail = " ".join(str(exc).split())[:160]
+    if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
+        return ShadowStoreError(
+            f"no AWS credentials for {url}; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+            "(or AWS_PROFILE, or an instance role)")
+    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+                "ConnectionClosedError", "InvalidEndpointURL"):
+        return ShadowStoreError(
+            f"cannot reach the S3 endpoint of {url} ({detail}); check --endpoint-url "
+            "(AWS_ENDPOINT_URL) and the network")
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = str(response.get("Error", {}).get("Code", ""))
+        if code == "NoSuchBucket":
+            return ShadowStoreError(f"S3 bucket of {url} does not exist; create it or fix the "
+                                    "URL")
+        if code in _DENIED:
+            return ShadowStoreError(f"S3 {what} of {url} was denied ({code}); check the "
+                                    "credentials and the bucket policy")
+        return ShadowStoreError(f"S3 {what} of {url} failed ({detail})")
+    if type(exc).__module__.startswith(("botocore", "urllib3")):
+        return ShadowStoreError(f"S3 {what} of {url} failed ({detail})")
+    return None
+
+
+def _s3_errors(what: str) -> Callable[[_F], _F]:
+    """Turn botocore failures of an S3 call into one-line :class:`ShadowStoreError`."""
+    def wrap(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def inner(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except ShadowError:
+                raise
+            except Exception as exc:
+                url = self.url if isinstance(self, S3Store) else self._store.url
+                err = store_error(exc, url, what)
+                if err is None:
+                    raise
+                raise err from None
+        return inner  # type: ignore[return-value]
+    return wrap
 
 
 class _S3Writer(BlobWriter):
@@ -28,6 +84,7 @@ class _S3Writer(BlobWriter):
         self._parts: list[dict[str, Any]] = []
         self._done = False
 
+    @_s3_errors("write")
     def write(self, data: Any) -> None:
         assert not self._done, "write after commit/abort"
         view = memoryview(data).cast("B")
@@ -51,6 +108,7 @@ class _S3Writer(BlobWriter):
             PartNumber=number, Body=body)
         self._parts.append({"PartNumber": number, "ETag": resp["ETag"]})
 
+    @_s3_errors("commit")
     def commit(self) -> int:
         assert not self._done, "commit after commit/abort"
         client, bucket = self._store.client, self._store.bucket
@@ -129,6 +187,7 @@ class S3Store(ShadowStore):
         code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
         return code in ("404", "NoSuchKey", "NotFound")
 
+    @_s3_errors("put")
     def put(self, key: str, data: Any) -> None:
         # One PUT is atomic on S3: readers see the old object or the new one.
         self.client.put_object(Bucket=self.bucket, Key=self._object_key(key),
@@ -137,6 +196,7 @@ class S3Store(ShadowStore):
     def open_writer(self, key: str) -> BlobWriter:
         return _S3Writer(self, key)
 
+    @_s3_errors("get")
     def get(self, key: str) -> bytes:
         try:
             resp = self.client.get_object(Bucket=self.bucket, Key=self._object_key(key))
@@ -147,6 +207,7 @@ class S3Store(ShadowStore):
         body: bytes = resp["Body"].read()
         return body
 
+    @_s3_errors("read")
     def read_into(self, key: str, offset: int, buffer: memoryview) -> int:
         view = memoryview(buffer).cast("B")
         if not len(view):
@@ -169,6 +230,7 @@ class S3Store(ShadowStore):
             total += len(chunk)
         return total
 
+    @_s3_errors("head")
     def size(self, key: str) -> int | None:
         try:
             resp = self.client.head_object(Bucket=self.bucket, Key=self._object_key(key))
@@ -178,9 +240,11 @@ class S3Store(ShadowStore):
             raise
         return int(resp["ContentLength"])
 
+    @_s3_errors("delete")
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._object_key(key))
 
+    @_s3_errors("listing")
     def list(self, prefix: str = "") -> list[str]:
         full = f"{self.prefix}/{prefix}" if self.prefix else prefix
         strip = len(self.prefix) + 1 if self.prefix else 0
@@ -189,6 +253,22 @@ class S3Store(ShadowStore):
                 Bucket=self.bucket, Prefix=full):
             keys += [obj["Key"][strip:] for obj in page.get("Contents", [])]
         return sorted(keys)
+
+    @_s3_errors("listing of multipart uploads")
+    def list_uploads(self, prefix: str = "") -> builtins.list[tuple[str, str, float]]:
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        out = []
+        for page in self.client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=full):
+            for up in page.get("Uploads", []):
+                out.append((up["Key"][strip:], up["UploadId"], up["Initiated"].timestamp()))
+        return sorted(out)
+
+    @_s3_errors("abort of a multipart upload")
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        self.client.abort_multipart_upload(Bucket=self.bucket, Key=self._object_key(key),
+                                           UploadId=upload_id)
 
     def close(self) -> None:
         with self._client_lock:

@@ -7,6 +7,7 @@ re-exports everything and picks a backend by URL scheme (:func:`shadow.stores.op
 from __future__ import annotations
 
 import abc
+import builtins
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import TracebackType
@@ -147,6 +148,16 @@ class ShadowStore(abc.ABC):
     def delete_many(self, keys: Iterable[str]) -> None:
         for key in keys:
             self.delete(key)
+
+    def list_uploads(self, prefix: str = "") -> builtins.list[tuple[str, str, float]]:
+        """Incomplete multipart uploads as ``(key, upload id, started at Unix time)``.
+
+        Stores without multipart uploads have none.
+        """
+        return []
+
+    def abort_upload(self, key: str, upload_id: str) -> None:  # noqa: B027 - optional
+        """Abort an incomplete multipart upload (see :meth:`list_uploads`)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
         """Release clients and handles; idempotent."""

@@ -22,7 +22,10 @@ removed blocks, reclaimed by compaction.
 from __future__ import annotations
 
 import base64
+import binascii
+import dataclasses
 import json
+import math
 import time
 import zlib
 from collections.abc import Mapping
@@ -34,8 +37,9 @@ import torch
 
 from gpu_cache import TENSOR_NAMES, CacheIdentity, CacheIdentityError, InvalidNameError
 from gpu_cache.calibration import key_offset_digest
-from gpu_cache.ids import MAX_NAME_LENGTH, validate_name
+from gpu_cache.ids import MAX_NAME_LENGTH, validate_name, validate_tenant
 from shadow._errors import CorruptShadowError, InvalidSessionIdError
+from shadow.auth import sign, verify
 
 __all__ = [
     "FORMAT_NAME",
@@ -60,6 +64,11 @@ INDEX_KEY = "index.json"
 MAX_SESSION_ID_LENGTH = MAX_NAME_LENGTH
 #: Checksum algorithm of block slices (zlib CRC-32, several GB/s, catches torn writes).
 CHECKSUM = "crc32"
+SEGMENT_KINDS = ("base", "incremental", "compaction")
+#: Upper bounds of identity sizes a manifest may name (far above any real model); a
+#: manifest beyond them is refused before anything is sized from it.
+_MAX_DIM = 1 << 16
+_KEY_HEX = 64  # block keys are SHA-256 digests
 _NUMPY_DTYPES = {"k_packed": np.uint8, "v_packed": np.uint8,
                  "k_norms": np.float32, "v_norms": np.float32}
 
@@ -111,6 +120,82 @@ def checksum(data: Any) -> int:
     return zlib.crc32(data)
 
 
+class _FieldError(ValueError):
+    """A malformed manifest field; :meth:`Manifest.from_json` adds where and what to do."""
+
+
+def _int(value: object, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if type(value) is not int:  # bool is not an int here, nor is 1.0
+        raise _FieldError(f"{what} must be an integer, got {value!r:.40}")
+    if not lo <= value <= hi:
+        raise _FieldError(f"{what} = {value} is outside [{lo}, {hi}]")
+    return value
+
+
+def _number(value: object, what: str, lo: float, hi: float) -> float:
+    if type(value) not in (int, float):
+        raise _FieldError(f"{what} must be a number, got {value!r:.40}")
+    number = float(value)  # type: ignore[arg-type]
+    if not math.isfinite(number) or not lo <= number <= hi:
+        raise _FieldError(f"{what} = {number} is outside [{lo}, {hi}]")
+    return number
+
+
+def _text(value: object, what: str, *, empty: bool = False) -> str:
+    if not isinstance(value, str) or (not value and not empty) or len(value) > 1024 \
+            or not value.isprintable():
+        raise _FieldError(f"{what} must be a printable string, got {value!r:.40}")
+    return value
+
+
+def _mapping(value: object, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _FieldError(f"{what} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _list(value: object, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise _FieldError(f"{what} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _per_tensor(value: object, what: str, hi: int) -> dict[str, int]:
+    data = _mapping(value, what)
+    if set(data) != set(TENSOR_NAMES):
+        raise _FieldError(f"{what} must name exactly {list(TENSOR_NAMES)}")
+    return {n: _int(data[n], f"{what}.{n}", 0, hi) for n in TENSOR_NAMES}
+
+
+def parse_identity(value: object) -> CacheIdentity:
+    """A manifest's identity, every field type- and range-checked first.
+
+    Raises:
+        _FieldError: a field of the wrong type or out of range.
+        CacheIdentityError: unknown fields (a newer contextkit wrote it).
+    """
+    data = _mapping(value, "identity")
+    checked: dict[str, Any] = {}
+    for f in dataclasses.fields(CacheIdentity):
+        if f.name not in data:
+            continue
+        v = data[f.name]
+        if f.name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            checked[f.name] = _int(v, f"identity.{f.name}", 1, _MAX_DIM)
+        elif f.name in ("rotation_seed", "schema_version"):
+            checked[f.name] = _int(v, f"identity.{f.name}", 0, (1 << 64) - 1)
+        elif f.name == "model_id":
+            checked[f.name] = _text(v, "identity.model_id")
+        else:
+            checked[f.name] = _text(v, f"identity.{f.name}", empty=True)
+    unknown = set(data) - {f.name for f in dataclasses.fields(CacheIdentity)}
+    checked.update({k: data[k] for k in unknown})  # from_dict names them
+    try:
+        return CacheIdentity.from_dict(checked)
+    except ValueError as exc:  # __post_init__: odd head_dim, unknown codec
+        raise _FieldError(f"identity: {exc}") from None
+
+
 @dataclass(slots=True)
 class SegmentRecord:
     """One immutable set of four blobs."""
@@ -148,18 +233,44 @@ class BlockRecord:
                 "checksums": self.checksums}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> BlockRecord:
+    def from_dict(cls, data: Mapping[str, Any], block_size: int | None = None,
+                  what: str = "block") -> BlockRecord:
+        """Parse one record, checking every field's type and range.
+
+        Raises:
+            ValueError: (a private subclass) naming the bad field.
+            KeyError: a missing field.
+        """
+        data = _mapping(data, what)
         key = data["key"]
         if key is not None:
-            bytes.fromhex(key)  # ValueError on garbage
-        tr = data["token_range"]
-        offsets = {n: int(data["offsets"][n]) for n in TENSOR_NAMES}
-        checksums = {n: int(data["checksums"][n]) for n in TENSOR_NAMES}
-        return cls(key=key, source_layer=str(data["source_layer"]),
-                   importance=float(data["importance"]), token_range=(int(tr[0]), int(tr[1])),
-                   tenant=str(data["tenant"]), pinned=bool(data["pinned"]),
-                   num_tokens=int(data["num_tokens"]), segment_id=int(data["segment"]),
-                   offsets=offsets, checksums=checksums)
+            if not isinstance(key, str) or len(key) != _KEY_HEX:
+                raise _FieldError(f"{what}.key must be {_KEY_HEX} hex digits or null")
+            try:
+                bytes.fromhex(key)
+            except ValueError:
+                raise _FieldError(f"{what}.key is not hex") from None
+        tr = _list(data["token_range"], f"{what}.token_range")
+        if len(tr) != 2:
+            raise _FieldError(f"{what}.token_range must be [start, end]")
+        start = _int(tr[0], f"{what}.token_range[0]")
+        end = _int(tr[1], f"{what}.token_range[1]", start)
+        try:
+            tenant = validate_tenant(data["tenant"])
+        except InvalidNameError as exc:
+            raise _FieldError(f"{what}.tenant: {exc}") from None
+        pinned = data["pinned"]
+        if not isinstance(pinned, bool):
+            raise _FieldError(f"{what}.pinned must be true or false, got {pinned!r:.40}")
+        return cls(key=key, source_layer=_text(data["source_layer"], f"{what}.source_layer"),
+                   importance=_number(data["importance"], f"{what}.importance", 0.0, 1.0),
+                   token_range=(start, end), tenant=tenant, pinned=pinned,
+                   num_tokens=_int(data["num_tokens"], f"{what}.num_tokens", 0,
+                                   block_size if block_size is not None else 1 << 62),
+                   segment_id=_int(data["segment"], f"{what}.segment"),
+                   offsets=_per_tensor(data["offsets"], f"{what}.offsets", 1 << 62),
+                   checksums=_per_tensor(data["checksums"], f"{what}.checksums",
+                                         0xFFFFFFFF))
 
     def meta_for_import(self) -> dict[str, object]:
         """The metadata dict :meth:`gpu_cache.TQGPUCache.import_blocks` takes."""
@@ -187,6 +298,8 @@ class Manifest:
     updated_at: float = field(default_factory=time.time)
     #: the cache's per-head key offsets (float32 ``[L, H, D]``, little-endian), if any
     key_offsets: bytes | None = None
+    #: whether the manifest read carried a MAC that checked out (not stored)
+    authenticated: bool = False
 
     def key_offsets_tensor(self) -> torch.Tensor | None:
         """The key offsets as a tensor, for building a cache of this identity."""
@@ -214,8 +327,9 @@ class Manifest:
         """Bytes of every referenced segment, garbage included."""
         return sum(s.num_blocks for s in self.segments) * self.bytes_per_block
 
-    def to_json(self) -> bytes:
-        doc = {
+    def to_json(self, key: bytes | None = None) -> bytes:
+        """The manifest file; with ``key``, it carries a MAC over its whole content."""
+        doc: dict[str, Any] = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "session_id": self.session_id,
@@ -234,60 +348,106 @@ class Manifest:
             "segments": [s.to_dict() for s in self.segments],
             "blocks": [b.to_dict() for b in self.blocks],
         }
+        if key is not None:
+            doc["mac"] = sign(doc, key, "manifest")
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes, where: str = "manifest") -> Manifest:
-        """Parse and validate a manifest.
+    def from_json(cls, raw: bytes, where: str = "manifest", *,
+                  key: bytes | None = None) -> Manifest:
+        """Authenticate, parse and validate a manifest; nothing is trusted before the MAC.
+
+        Every field is type- and range-checked here, so a manifest that parses can be
+        recovered without surprises (no allocation happens before this returns).
+
+        Args:
+            raw: the file's bytes.
+            where: names the file in errors.
+            key: the MAC key; ``None`` reads unauthenticated manifests only.
 
         Raises:
+            TamperedShadowError: ``key`` is given and the MAC is missing or wrong.
+            UnauthenticatedShadowError: no ``key`` but the manifest carries a MAC.
             CorruptShadowError: not JSON, another format, a newer version, missing
                 or malformed fields, or segments/offsets that do not add up.
-            CacheIdentityError: the identity block itself is unreadable.
+            CacheIdentityError: the identity names fields this contextkit does not know.
         """
         try:
             doc = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise CorruptShadowError(
-                f"{where} is not valid JSON ({exc}); the session cannot be recovered - "
-                "delete it or restore it from a backup") from None
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+                f"{where} is not valid JSON ({str(exc).splitlines()[0][:80]}); the session "
+                "cannot be recovered - delete it or restore it from a backup") from None
+        if not isinstance(doc, dict):
+            raise CorruptShadowError(f"{where} is not a {FORMAT_NAME} manifest")
+        authenticated = verify(doc, key, "manifest", where)
+        if doc.get("format") != FORMAT_NAME:
             raise CorruptShadowError(f"{where} is not a {FORMAT_NAME} manifest")
         version = doc.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
-            raise CorruptShadowError(f"{where} has format_version {version!r}; this contextkit "
-                                     f"reads up to {FORMAT_VERSION} - upgrade contextkit")
+        if type(version) is not int or version > FORMAT_VERSION:
+            raise CorruptShadowError(f"{where} has format_version {version!r:.20}; this "
+                                     f"contextkit reads up to {FORMAT_VERSION} - upgrade "
+                                     "contextkit")
         try:
-            identity = CacheIdentity.from_dict(doc["identity"])
-            if doc.get("checksum", CHECKSUM) != CHECKSUM:
-                raise CorruptShadowError(f"{where} uses checksum {doc['checksum']!r}; only "
-                                         f"{CHECKSUM!r} is known")
-            segments = [SegmentRecord(segment_id=int(s["id"]),
-                                      files={n: str(s["files"][n]) for n in TENSOR_NAMES},
-                                      num_blocks=int(s["num_blocks"]),
-                                      kind=str(s.get("kind", "incremental")))
-                        for s in doc["segments"]]
-            blocks = [BlockRecord.from_dict(b) for b in doc["blocks"]]
-            manifest = cls(session_id=validate_session_id(doc["session_id"]), identity=identity,
-                           generation=int(doc["generation"]), segments=segments, blocks=blocks,
-                           next_segment=int(doc["next_segment"]),
-                           created_at=float(doc["created_at"]),
-                           updated_at=float(doc["updated_at"]),
-                           key_offsets=(base64.b64decode(doc["key_offsets"], validate=True)
-                                        if doc.get("key_offsets") else None))
+            manifest = cls._parse(doc, where)
         except CacheIdentityError:
             raise
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            if isinstance(exc, CorruptShadowError):
-                raise
-            raise CorruptShadowError(f"{where} is missing or has malformed fields "
-                                     f"({type(exc).__name__}: {exc})") from None
+        except CorruptShadowError:
+            raise
+        except InvalidSessionIdError as exc:
+            raise CorruptShadowError(f"{where} names an invalid session: {exc}") from None
+        except KeyError as exc:
+            raise CorruptShadowError(f"{where} is missing field {exc}; the session cannot be "
+                                     "recovered - delete it or restore it from a backup") \
+                from None
+        except (TypeError, ValueError, IndexError, binascii.Error) as exc:
+            raise CorruptShadowError(f"{where} has a malformed field ({exc}); the session "
+                                     "cannot be recovered - delete it or restore it from a "
+                                     "backup") from None
+        manifest.authenticated = authenticated
+        return manifest
+
+    @classmethod
+    def _parse(cls, doc: dict[str, Any], where: str) -> Manifest:
+        identity = parse_identity(doc["identity"])
+        if doc.get("checksum", CHECKSUM) != CHECKSUM:
+            raise CorruptShadowError(f"{where} uses checksum {doc['checksum']!r:.20}; only "
+                                     f"{CHECKSUM!r} is known")
+        session_id = validate_session_id(doc["session_id"])
+        next_segment = _int(doc["next_segment"], "next_segment", 0, 1 << 40)
+        segments = []
+        for i, raw_seg in enumerate(_list(doc["segments"], "segments")):
+            seg = _mapping(raw_seg, f"segments[{i}]")
+            seg_id = _int(seg["id"], f"segments[{i}].id", 0, max(0, next_segment - 1))
+            files = _mapping(seg["files"], f"segments[{i}].files")
+            if files != segment_files(session_id, seg_id):
+                raise _FieldError(f"segments[{i}].files must be this session's own blobs "
+                                  f"{sorted(segment_files(session_id, seg_id).values())}")
+            kind = seg.get("kind", "incremental")
+            if kind not in SEGMENT_KINDS:
+                raise _FieldError(f"segments[{i}].kind must be one of {SEGMENT_KINDS}")
+            segments.append(SegmentRecord(
+                segment_id=seg_id, files=dict(files), kind=kind,
+                num_blocks=_int(seg["num_blocks"], f"segments[{i}].num_blocks", 0, 1 << 40)))
+        if len({s.segment_id for s in segments}) != len(segments):
+            raise _FieldError("segments lists a segment id twice")
+        blocks = [BlockRecord.from_dict(b, identity.block_size, f"blocks[{i}]")
+                  for i, b in enumerate(_list(doc["blocks"], "blocks"))]
+        raw_offsets = doc.get("key_offsets")
+        if raw_offsets is not None and not isinstance(raw_offsets, str):
+            raise _FieldError("key_offsets must be base64 text or null")
+        manifest = cls(session_id=session_id, identity=identity,
+                       generation=_int(doc["generation"], "generation", 0),
+                       segments=segments, blocks=blocks, next_segment=next_segment,
+                       created_at=_number(doc["created_at"], "created_at", 0.0, 1e12),
+                       updated_at=_number(doc["updated_at"], "updated_at", 0.0, 1e12),
+                       key_offsets=(base64.b64decode(raw_offsets, validate=True)
+                                    if raw_offsets else None))
         manifest._check_consistent(where)
-        offsets = manifest.key_offsets_tensor() if manifest.key_offsets is not None else None
         want = manifest.identity
         if manifest.key_offsets is not None and (
                 len(manifest.key_offsets) != 4 * want.num_layers * want.num_kv_heads * want.head_dim
-                or key_offset_digest(offsets) != want.key_offset_digest):
+                or key_offset_digest(manifest.key_offsets_tensor()) != want.key_offset_digest):
             raise CorruptShadowError(f"{where} holds key offsets that do not match its identity "
                                      "(key_offset_digest); the session cannot be trusted")
         if manifest.key_offsets is None and want.key_offset_digest:
@@ -298,21 +458,31 @@ class Manifest:
     def _check_consistent(self, where: str) -> None:
         sizes = self.block_nbytes
         by_id = {s.segment_id: s for s in self.segments}
+        slots: set[tuple[int, int]] = set()
         for i, b in enumerate(self.blocks):
             seg = by_id.get(b.segment_id)
             if seg is None:
                 raise CorruptShadowError(f"{where}: block {i} names segment {b.segment_id}, "
                                          "which the manifest does not list")
+            index = b.offsets[TENSOR_NAMES[0]] // sizes[TENSOR_NAMES[0]]
             for name in TENSOR_NAMES:
                 off = b.offsets[name]
                 if off < 0 or off % sizes[name] or off // sizes[name] >= seg.num_blocks:
                     raise CorruptShadowError(f"{where}: block {i} has offset {off} in "
                                              f"{name}, outside segment {seg.segment_id}")
+                if off // sizes[name] != index:
+                    raise CorruptShadowError(f"{where}: block {i} has offsets that name "
+                                             "different blocks in different tensors")
+            if (b.segment_id, index) in slots:
+                raise CorruptShadowError(f"{where}: block {i} reuses the bytes of another "
+                                         f"block (segment {b.segment_id}, slot {index})")
+            slots.add((b.segment_id, index))
 
     def info(self) -> SessionInfo:
         return SessionInfo(session_id=self.session_id, generation=self.generation,
                            num_blocks=len(self.blocks), num_bytes=self.num_bytes,
-                           updated_at=self.updated_at, identity=self.identity)
+                           updated_at=self.updated_at, identity=self.identity,
+                           authenticated=self.authenticated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,10 +496,11 @@ class SessionInfo:
     updated_at: float
     identity: CacheIdentity | None = None
     error: str | None = None  # why the session's manifest could not be read
+    authenticated: bool = False  # its manifest carried a MAC that checked out
 
     def to_dict(self) -> dict[str, Any]:
         return {"session_id": self.session_id, "generation": self.generation,
                 "num_blocks": self.num_blocks, "num_bytes": self.num_bytes,
                 "updated_at": self.updated_at,
                 "identity": self.identity.to_dict() if self.identity else None,
-                "error": self.error}
+                "error": self.error, "authenticated": self.authenticated}

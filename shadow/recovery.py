@@ -32,7 +32,13 @@ from gpu_cache import (
     Tier,
     TQGPUCache,
 )
-from shadow._errors import BlobNotFoundError, CorruptShadowError, ShadowError
+from shadow._errors import (
+    BlobNotFoundError,
+    CorruptShadowError,
+    ShadowError,
+    UnauthenticatedShadowError,
+)
+from shadow.auth import KEY_ENV, resolve_key, sign, verify
 from shadow.manifest import (
     INDEX_KEY,
     BlockRecord,
@@ -128,64 +134,103 @@ class RecoveryReport:
 
 
 # ---------------------------------------------------------------------- manifests & index
-def load_manifest(store: ShadowStore, session_id: str) -> Manifest:
-    """Read and validate a session's manifest.
+def load_manifest(store: ShadowStore, session_id: str, *,
+                  key: bytes | str | None = None) -> Manifest:
+    """Read, authenticate and validate a session's manifest.
+
+    Args:
+        store: where the session lives.
+        session_id: the session.
+        key: the MAC key; ``None`` takes ``$CONTEXTKIT_SHADOW_KEY`` (see
+            :func:`shadow.auth.resolve_key`), and without one reads unauthenticated
+            manifests only.
 
     Raises:
         InvalidSessionIdError: an unsafe session id.
         BlobNotFoundError: no such session.
-        CorruptShadowError: the manifest cannot be parsed.
+        TamperedShadowError: a key is configured and the MAC is missing or wrong.
+        UnauthenticatedShadowError: no key is configured but the manifest is signed.
+        CorruptShadowError: the manifest cannot be parsed or has malformed fields.
     """
-    key = manifest_key(session_id)
-    manifest = Manifest.from_json(store.get(key), where=f"{store.url}/{key}")
+    path = manifest_key(session_id)
+    manifest = Manifest.from_json(store.get(path), where=f"{store.url}/{path}",
+                                  key=resolve_key(key))
     if manifest.session_id != session_id:
-        raise CorruptShadowError(f"{store.url}/{key} describes session "
+        raise CorruptShadowError(f"{store.url}/{path} describes session "
                                  f"{manifest.session_id!r}, not {session_id!r}")
     return manifest
 
 
-def read_index(store: ShadowStore) -> dict[str, dict[str, Any]]:
-    """Sessions listed in ``index.json``; an unreadable index reads as empty (it is a hint)."""
+def read_index(store: ShadowStore, *, key: bytes | str | None = None
+               ) -> dict[str, dict[str, Any]]:
+    """Sessions listed in ``index.json``; an unparsable index reads as empty (it is a hint).
+
+    Raises:
+        TamperedShadowError: a key is configured and the index's MAC is missing or wrong.
+        UnauthenticatedShadowError: no key is configured but the index is signed.
+    """
     try:
         doc = json.loads(store.get(INDEX_KEY))
+        if not isinstance(doc, dict):
+            raise TypeError("the index is not an object")
+        verify(doc, resolve_key(key), "index", f"{store.url}/{INDEX_KEY}")
         sessions = doc["sessions"]
         if not isinstance(sessions, dict):
             raise TypeError("sessions is not an object")
         return {str(k): dict(v) for k, v in sessions.items()}
     except BlobNotFoundError:
         return {}
-    except (ValueError, KeyError, TypeError) as exc:
+    except ShadowError:
+        raise
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         logger.warning("ignoring unreadable %s/%s (%s); discovery lists manifests instead",
                        store.url, INDEX_KEY, exc)
         return {}
 
 
-def update_index(store: ShadowStore, info: SessionInfo) -> None:
-    """Record a session in ``index.json`` (read-modify-write, atomic put).
+def update_index(store: ShadowStore, info: SessionInfo, *, key: bytes | None = None) -> None:
+    """Record a session in ``index.json`` (read-modify-write, atomic put), signed with
+    ``key`` when one is given (``None`` here means unsigned, not the environment).
 
     Writers in other processes may race; discovery therefore also lists manifests,
-    so a lost index entry only costs a manifest read.
+    so a lost index entry only costs a manifest read. An index that fails its MAC is
+    rebuilt from this session alone (its other entries cannot be trusted).
     """
     with _index_locks_guard:
         lock = _index_locks.setdefault(store.url, threading.Lock())
     with lock:
-        sessions = read_index(store)
+        try:
+            # b"" resolves to no key (not to the environment): the caller decided.
+            sessions = read_index(store, key=key or b"")
+        except UnauthenticatedShadowError:
+            logger.warning("%s/%s is signed but this writer has no key; index not updated "
+                           "(set %s)", store.url, INDEX_KEY, KEY_ENV)
+            return
+        except ShadowError as exc:
+            logger.warning("%s; rewriting the index", exc)
+            sessions = {}
         sessions[info.session_id] = {
             "generation": info.generation, "num_blocks": info.num_blocks,
             "num_bytes": info.num_bytes, "updated_at": info.updated_at,
             "identity": info.identity.to_dict() if info.identity else None,
         }
-        doc = {"format": "contextkit-shadow-index", "format_version": 1, "sessions": sessions}
+        doc: dict[str, Any] = {"format": "contextkit-shadow-index", "format_version": 1,
+                               "sessions": sessions}
+        if key:
+            doc["mac"] = sign(doc, key, "index")
         store.put(INDEX_KEY, json.dumps(doc, separators=(",", ":"), sort_keys=True).encode())
 
 
-def discover_sessions(store: ShadowStore) -> list[SessionInfo]:
+def discover_sessions(store: ShadowStore, *, key: bytes | str | None = None
+                      ) -> list[SessionInfo]:
     """Every session with a manifest, sorted by id.
 
     The manifests are authoritative: index entries without a manifest are left out,
     manifests missing from the index are found by listing. A session whose
-    manifest is unreadable is listed with ``error`` set.
+    manifest is unreadable, or fails authentication under ``key`` (default
+    ``$CONTEXTKIT_SHADOW_KEY``), is listed with ``error`` set.
     """
+    key = resolve_key(key) or b""
     listed = {k.split("/", 1)[0] for k in store.list() if k.endswith("/manifest.json")
               and k.count("/") == 1}
     infos = []
@@ -195,7 +240,7 @@ def discover_sessions(store: ShadowStore) -> list[SessionInfo]:
         except ShadowError:
             continue
         try:
-            infos.append(load_manifest(store, sid).info())
+            infos.append(load_manifest(store, sid, key=key).info())
         except (ShadowError, CacheIdentityError) as exc:
             infos.append(SessionInfo(session_id=sid, generation=-1, num_blocks=0, num_bytes=0,
                                      updated_at=0.0, error=str(exc)))
@@ -384,6 +429,8 @@ def recover_session(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     repin: bool = True,
     progress: Callable[[int], object] | None = None,
+    key: bytes | str | None = None,
+    allow_unauthenticated: bool = False,
 ) -> RecoveryReport:
     """Restore one session into the host tier of ``cache``.
 
@@ -401,16 +448,34 @@ def recover_session(
         chunk_bytes: bytes read per step (memory use is about twice this).
         repin: pin again the blocks that were pinned when shadowed.
         progress: called with the number of blocks handled after each step.
+        key: the MAC key (default ``$CONTEXTKIT_SHADOW_KEY``). With a key, the
+            manifest's MAC is checked before anything else is read or allocated.
+        allow_unauthenticated: recover an unsigned session from an ``s3://`` store
+            (refused by default: anyone who can write the bucket could have written
+            it). Local ``file://`` stores are recovered unsigned without asking.
+
+    The manifest is validated whole before the first host block is allocated, and if
+    a later step fails (a store error), the blocks this call imported are removed
+    again before the error propagates.
 
     Raises:
         InvalidSessionIdError: an unsafe session id.
         BlobNotFoundError: no such session.
-        CorruptShadowError: the manifest cannot be parsed.
+        TamperedShadowError: a key is configured and the manifest's MAC is missing or
+            does not match (the session was modified, or signed with another key).
+        UnauthenticatedShadowError: the manifest is signed but no key is configured,
+            or an unsigned ``s3://`` session without ``allow_unauthenticated``.
+        CorruptShadowError: the manifest cannot be parsed or has malformed fields.
         CacheIdentityError: the session was shadowed for another model, codec,
             block size or schema (the message lists the differing fields).
     """
     start = time.perf_counter()
-    manifest = load_manifest(store, session_id)
+    manifest = load_manifest(store, session_id, key=resolve_key(key) or b"")
+    if not manifest.authenticated and store.scheme == "s3" and not allow_unauthenticated:
+        raise UnauthenticatedShadowError(
+            f"{store.url}/{session_id} is not authenticated and an s3:// store may be "
+            f"writable by others; refused - set {KEY_ENV} (and shadow with it), or pass "
+            "allow_unauthenticated=True (CLI: --allow-unauthenticated)")
     cache.identity.check_compatible(manifest.identity, what=f"shadow session {session_id!r}")
     report = RecoveryReport(sessions=[session_id])
     ids: list[int | None] = [None] * len(manifest.blocks)
@@ -427,10 +492,19 @@ def recover_session(
     sizes = manifest.block_nbytes
     chunk_blocks = max(1, chunk_bytes // manifest.bytes_per_block)
     chunks = _plan(manifest, todo, chunk_blocks)
+    present = [bid for bid in ids if bid is not None]
     reader = _ChunkReader(store, manifest, chunks)
     try:
         _import_chunks(cache, session_id, _prefetched(reader.read, chunks), report, ids,
                        sizes, progress)
+    except BaseException:
+        # leave the cache as it was: drop what this call imported
+        ours = [bid for bid in ids if bid is not None and bid not in set(present)]
+        if ours:
+            cache.remove_blocks(ours)
+            logger.warning("session %s: recovery failed; released the %d blocks it had "
+                           "imported", session_id, len(ours))
+        raise
     finally:
         reader.close()
 

@@ -13,6 +13,7 @@ is aborted, or a process killed mid-write, leaves no object under the key.
 
 from __future__ import annotations
 
+import builtins
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -114,6 +115,12 @@ class MeteredStore(ShadowStore):
     def list(self, prefix: str = "") -> list[str]:
         return self.inner.list(prefix)
 
+    def list_uploads(self, prefix: str = "") -> builtins.list[tuple[str, str, float]]:
+        return self.inner.list_uploads(prefix)
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        self.inner.abort_upload(key, upload_id)
+
     def close(self) -> None:
         self.inner.close()
 
@@ -125,11 +132,20 @@ STORES: dict[str, type[ShadowStore]] = {
 }
 
 
-def open_store(url: str, config: StoreConfig | None = None) -> ShadowStore:
+def open_store(url: str, config: StoreConfig | None = None, *,
+               create: bool = True) -> ShadowStore:
     """The store serving ``url`` (a plain path means ``file://``).
 
+    Args:
+        url: ``file:///path``, a plain path, or ``s3://bucket/prefix``.
+        config: store options.
+        create: writers leave this on (a ``file://`` directory is created); readers
+            (recover, status, discovery) pass ``False`` so a path that does not exist
+            is an error instead of an empty store.
+
     Raises:
-        ShadowStoreError: an unknown scheme (the message lists the known ones).
+        ShadowStoreError: an unknown scheme (the message lists the known ones), or
+            ``create=False`` and no ``file://`` directory at ``url``.
     """
     scheme = urlparse(url).scheme or "file"
     try:
@@ -137,4 +153,6 @@ def open_store(url: str, config: StoreConfig | None = None) -> ShadowStore:
     except KeyError:
         known = ", ".join(f"{s}://" for s in sorted(STORES))
         raise ShadowStoreError(f"no shadow store for {url!r}; use one of: {known}") from None
+    if cls is LocalStore:
+        return LocalStore(url, config, create=create)
     return cls(url, config)  # type: ignore[call-arg]

@@ -24,14 +24,22 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from gpu_cache import TENSOR_NAMES, BlockMeta, TQGPUCache
-from shadow._errors import BlobNotFoundError, CorruptShadowError
+from shadow._errors import BlobNotFoundError, CorruptShadowError, TamperedShadowError
+from shadow.auth import KEY_ENV, resolve_key
+from shadow.debris import (
+    DEFAULT_DEBRIS_AGE_S,
+    LEASE_NAME,
+    abort_stale_uploads,
+    drop_lease,
+    write_lease,
+)
 from shadow.manifest import (
     BlockRecord,
     Manifest,
@@ -70,6 +78,15 @@ class ShadowConfig:
             three times this, since the next step is prepared while one is written).
         compact_garbage_fraction: compact when unreferenced bytes exceed this
             share of the bytes the segments hold.
+        auth_key: the MAC key of manifests and the index (``bytes`` or ``str``);
+            ``None`` takes ``$CONTEXTKIT_SHADOW_KEY``. Without either, manifests are
+            written unauthenticated (a warning says so).
+        allow_unauthenticated: let :meth:`CacheShadow.recover_session` restore an
+            unsigned session from an ``s3://`` store.
+        lease_ttl_seconds: how long the writer's lease stays live without a refresh
+            (see :mod:`shadow.debris`); ``None``: three intervals, at least 600 s.
+        upload_abort_after_seconds: at start, abort incomplete multipart uploads older
+            than this (of this session, and of sessions without a live writer).
     """
 
     interval_seconds: float = 60.0
@@ -77,6 +94,10 @@ class ShadowConfig:
     tenant: str | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     compact_garbage_fraction: float = 0.5
+    auth_key: bytes | str | None = field(default=None, repr=False)
+    allow_unauthenticated: bool = False
+    lease_ttl_seconds: float | None = None
+    upload_abort_after_seconds: float = DEFAULT_DEBRIS_AGE_S
 
     def __post_init__(self) -> None:
         if self.interval_seconds <= 0:
@@ -86,6 +107,17 @@ class ShadowConfig:
         if not 0.0 < self.compact_garbage_fraction <= 1.0:
             raise ValueError("compact_garbage_fraction must be within (0, 1], got "
                              f"{self.compact_garbage_fraction}")
+        if self.lease_ttl_seconds is not None and self.lease_ttl_seconds <= 0:
+            raise ValueError(f"lease_ttl_seconds must be > 0, got {self.lease_ttl_seconds}")
+        if self.upload_abort_after_seconds < 0:
+            raise ValueError("upload_abort_after_seconds must be >= 0, got "
+                             f"{self.upload_abort_after_seconds}")
+
+    @property
+    def lease_ttl(self) -> float:
+        if self.lease_ttl_seconds is not None:
+            return self.lease_ttl_seconds
+        return max(3.0 * self.interval_seconds, 600.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,9 +161,16 @@ class CacheShadow:
     (so a restarted process never shadows its empty cache over the saved session);
     an explicit :meth:`shadow_now` overrides that.
 
+    The writer holds the session's lease (``{session}/writer.lease``, see
+    :mod:`shadow.debris`) from construction to :meth:`close`, refreshed at the start of
+    every shadow, so recovery's debris sweep never touches a live writer's files.
+
     Raises:
         InvalidSessionIdError: an unsafe session id.
         CacheIdentityError: the existing session belongs to another identity.
+        TamperedShadowError: a key is configured and the existing manifest fails its
+            MAC (never overwritten: delete the session or fix the key).
+        UnauthenticatedShadowError: the existing manifest is signed and no key is set.
     """
 
     def __init__(
@@ -154,18 +193,33 @@ class CacheShadow:
         self._closed = False
         self.last_result: ShadowResult | None = None
         self.last_error: BaseException | None = None
-        self._manifest = self._load_existing()
-        self._awaiting_recovery = self._manifest is not None and bool(self._manifest.blocks)
-        self._collect_garbage()
+        self._key = resolve_key(self.config.auth_key)
+        if self._key is None:
+            logger.warning("session %s: shadow manifests in %s are unauthenticated; set %s "
+                           "(or ShadowConfig.auth_key) so tampering is detected",
+                           self.session_id, self.store.url, KEY_ENV)
+        write_lease(self.store, self.session_id, self.config.lease_ttl)
+        try:
+            self._manifest = self._load_existing()
+            self._awaiting_recovery = (self._manifest is not None
+                                       and bool(self._manifest.blocks))
+            abort_stale_uploads(self.store, self.config.upload_abort_after_seconds,
+                                own_session=self.session_id)
+            self._collect_garbage()
+        except BaseException:
+            self._release()
+            raise
         if self.config.autostart:
             self.start()
 
     # ------------------------------------------------------------------ state
     def _load_existing(self) -> Manifest | None:
         try:
-            manifest = load_manifest(self.store, self.session_id)
+            manifest = load_manifest(self.store, self.session_id, key=self._key or b"")
         except BlobNotFoundError:
             return None
+        except TamperedShadowError:
+            raise  # never overwrite a session that may be someone else's evidence or data
         except CorruptShadowError as exc:
             logger.warning("session %s: existing manifest unreadable (%s); the next shadow "
                            "starts the session afresh", self.session_id, exc)
@@ -179,7 +233,7 @@ class CacheShadow:
 
         Assumes one writer per session (the documented contract).
         """
-        keep = {manifest_key(self.session_id)}
+        keep = {manifest_key(self.session_id), f"{self.session_id}/{LEASE_NAME}"}
         if self._manifest is not None:
             keep |= {f for s in self._manifest.segments for f in s.files.values()}
         stale = [k for k in self.store.list(f"{self.session_id}/") if k not in keep]
@@ -234,9 +288,20 @@ class CacheShadow:
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=True)
             self._scheduler = None
-        if final_shadow:
-            self.shadow_now()
-        self._closed = True
+        try:
+            if final_shadow:
+                self.shadow_now()
+        finally:
+            self._closed = True
+            self._release()
+
+    def _release(self) -> None:
+        """Drop the lease and close an owned store."""
+        try:
+            drop_lease(self.store, self.session_id)
+        except Exception:  # the lease goes stale by itself after its TTL
+            logger.warning("session %s: could not drop the writer lease", self.session_id,
+                           exc_info=True)
         if self._owns_store:
             self.store.close()
 
@@ -270,6 +335,8 @@ class CacheShadow:
 
     def _shadow_locked(self) -> ShadowResult:
         start = time.perf_counter()
+        # a shadow in progress always has a fresh lease: the sweep never takes its blobs
+        write_lease(self.store, self.session_id, self.config.lease_ttl)
         cache, prev = self.cache, self._manifest
         identity = cache.identity
         metas = self._live_blocks()
@@ -322,12 +389,13 @@ class CacheShadow:
                             generation=(prev.generation + 1) if prev else 1,
                             segments=segments, blocks=records, next_segment=next_segment,
                             created_at=prev.created_at if prev else now, updated_at=now,
-                            key_offsets=self._key_offset_bytes())
-        raw = manifest.to_json()
+                            key_offsets=self._key_offset_bytes(),
+                            authenticated=self._key is not None)
+        raw = manifest.to_json(self._key)
         self.store.put(manifest_key(self.session_id), raw)  # the commit point
         self._manifest = manifest
         try:
-            update_index(self.store, manifest.info())
+            update_index(self.store, manifest.info(), key=self._key)
         except Exception:  # the manifest is committed; the index is only a hint
             logger.warning("session %s: index update failed", self.session_id, exc_info=True)
         if prev is not None:
@@ -418,7 +486,7 @@ class CacheShadow:
     # ------------------------------------------------------------------ discovery / recovery
     def discover_sessions(self) -> list[SessionInfo]:
         """Sessions in this shadow's store (see :func:`shadow.recovery.discover_sessions`)."""
-        return discover_sessions(self.store)
+        return discover_sessions(self.store, key=self._key or b"")
 
     def session_info(self) -> SessionInfo | None:
         return self._manifest.info() if self._manifest else None
@@ -429,6 +497,8 @@ class CacheShadow:
         See :func:`shadow.recovery.recover_session` for arguments and errors.
         """
         sid = self.session_id if session_id is None else validate_session_id(session_id)
+        kwargs.setdefault("key", self._key or b"")
+        kwargs.setdefault("allow_unauthenticated", self.config.allow_unauthenticated)
         with self._lock:
             report = recover_session(self.store, sid, self.cache, **kwargs)
             if sid == self.session_id:

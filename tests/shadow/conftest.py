@@ -11,7 +11,35 @@ HERE = str(Path(__file__).resolve().parent)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
+@pytest.fixture(autouse=True)
+def _no_shadow_key_from_the_environment(monkeypatch):
+    """A developer's CONTEXTKIT_SHADOW_KEY must not change what the tests see."""
+    monkeypatch.delenv("CONTEXTKIT_SHADOW_KEY", raising=False)
+
 
 @pytest.fixture
 def store_url(tmp_path) -> str:
     return f"file://{tmp_path / 'shadow'}"
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 endpoint over HTTP: moto's threaded server on 127.0.0.1."""
+    # boto3 and moto's server are installed by `make setup` (shadow and dev extras); a
+    # missing one must fail these tests, not skip them.
+    import boto3
+    import moto.server as moto_server
+    from shadow_testkit import BUCKET
+
+    mp = pytest.MonkeyPatch()
+    for var, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                       ("AWS_DEFAULT_REGION", "us-east-1")):
+        mp.setenv(var, value)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+    yield endpoint
+    server.stop()
+    mp.undo()

@@ -12,6 +12,11 @@ import torch
 
 from gpu_cache import TENSOR_NAMES, CacheConfig, CacheIdentity, Tier, TQGPUCache
 
+#: The bucket the moto server of the S3 tests holds.
+BUCKET = "ck-shadow"
+#: The MAC key of authenticated-shadow tests.
+KEY = b"test-shadow-key-0123456789abcdef"
+
 SMALL = CacheIdentity(model_id="test/tiny", num_layers=2, num_kv_heads=2, head_dim=16,
                       block_size=4, rotation_seed=7)
 #: Blocks big enough (18 KiB) that manifests are small next to them.
