@@ -4,6 +4,12 @@ The CLI module wires :func:`add_recover_arguments` and :func:`run_recover` into 
 ``recover`` sub-command. Without a cache, one is built per cache identity found in
 the manifests, sized to hold the sessions (a verification run; services pass their
 own cache).
+
+Before recovering, the store's debris is swept (:func:`shadow.debris.sweep_debris`:
+unreferenced blobs and temp files of sessions without a live writer, incomplete
+multipart uploads older than ``--debris-age``). Manifests are checked with the key in
+``$CONTEXTKIT_SHADOW_KEY``; without one, an ``s3://`` store is refused unless
+``--allow-unauthenticated`` is given, and the output says ``unauthenticated``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from typing import Any
 
 from gpu_cache import CacheConfig, CacheIdentity, CacheIdentityError, TQGPUCache
 from shadow._errors import ShadowError
+from shadow.auth import describe_auth, resolve_key
+from shadow.debris import DEFAULT_DEBRIS_AGE_S, DebrisReport, sweep_debris
 from shadow.manifest import Manifest
 from shadow.recovery import RecoveryReport, discover_sessions, load_manifest, recover_session
 from shadow.stores import StoreConfig, open_store
@@ -45,6 +53,16 @@ def add_recover_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint-url", default=None, metavar="URL",
                         help="S3-compatible endpoint (MinIO, Ceph); default: boto3's")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--allow-unauthenticated", action="store_true",
+                        help="recover unsigned sessions from an s3:// store (refused by "
+                             "default; set CONTEXTKIT_SHADOW_KEY to sign and check them)")
+    parser.add_argument("--debris-age", type=float, default=DEFAULT_DEBRIS_AGE_S,
+                        metavar="SECONDS",
+                        help="sweep temp files and incomplete S3 uploads older than this "
+                             f"(default {DEFAULT_DEBRIS_AGE_S:.0f}); writers holding a live "
+                             "lease are never swept")
+    parser.add_argument("--no-sweep", action="store_true",
+                        help="leave debris (unreferenced blobs, temp files, uploads) alone")
 
 
 def _build_cache(identity: CacheIdentity, manifests: list[Manifest]) -> TQGPUCache:
@@ -71,14 +89,22 @@ def run_recover(args: argparse.Namespace, cache: TQGPUCache | None = None) -> di
 
     start = time.perf_counter()
     url = args.store or default_store_url()
-    store = open_store(url, StoreConfig(endpoint_url=getattr(args, "endpoint_url", None)))
+    key = resolve_key() or b""  # b"": decided here, no second look at the environment
+    allow = bool(getattr(args, "allow_unauthenticated", False))
+    store = open_store(url, StoreConfig(endpoint_url=getattr(args, "endpoint_url", None)),
+                       create=False)
     report = RecoveryReport()
+    debris = DebrisReport()
     try:
-        wanted = args.session or [s.session_id for s in discover_sessions(store)]
+        if not getattr(args, "no_sweep", False):
+            debris = sweep_debris(store, key=key,
+                                  older_than_seconds=getattr(args, "debris_age",
+                                                             DEFAULT_DEBRIS_AGE_S))
+        wanted = args.session or [s.session_id for s in discover_sessions(store, key=key)]
         manifests: dict[str, Manifest] = {}
         for sid in wanted:
             try:
-                manifests[sid] = load_manifest(store, sid)
+                manifests[sid] = load_manifest(store, sid, key=key)
             except (ShadowError, CacheIdentityError) as exc:
                 report.errors[sid] = str(exc)
         caches: dict[CacheIdentity, TQGPUCache] = {}
@@ -93,18 +119,25 @@ def run_recover(args: argparse.Namespace, cache: TQGPUCache | None = None) -> di
             for sid, m in manifests.items():
                 target = cache if cache is not None else caches[m.identity]
                 try:
-                    report.merge(recover_session(store, sid, target, progress=bar.update))
+                    report.merge(recover_session(store, sid, target, progress=bar.update,
+                                                 key=key, allow_unauthenticated=allow))
                 except (ShadowError, CacheIdentityError) as exc:
                     report.errors[sid] = str(exc)
     finally:
         store.close()
     report.seconds = time.perf_counter() - start
     summary = report.to_dict()
-    summary["store"] = store.url
+    auth = describe_auth(key or None)
+    summary.update(store=store.url, authenticated=bool(key), auth=auth,
+                   debris=debris.to_dict())
     out = sys.stdout
     out.write(f"recovered {summary['sessions']} session(s) from {store.url}: "
               f"{summary['blocks']} blocks, {summary['bytes'] / 1e6:,.1f} MB, "
-              f"{summary['skipped']} skipped, {summary['seconds']:.2f} s\n")
+              f"{summary['skipped']} skipped, {summary['seconds']:.2f} s\n"
+              f"  manifests: {auth}\n")
+    if debris.deleted or debris.aborted_uploads:
+        out.write(f"  swept {len(debris.deleted)} stale blobs/temp files and aborted "
+                  f"{len(debris.aborted_uploads)} incomplete uploads\n")
     for sid, why in report.errors.items():
         out.write(f"  {sid}: {why}\n")
     out.flush()

@@ -84,3 +84,115 @@ def test_key_offsets_travel_with_the_session_and_are_checked(store_url, tmp_path
     path.write_text(json.dumps(doc))
     with pytest.raises(CorruptShadowError, match="key offsets"):
         load_manifest(open_store(store_url), "centered")
+
+
+# ---------------------------------------------------------------- issue 19
+def _main(argv, capsys):
+    from contextkit.cli import main
+
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_recover_of_a_missing_local_store_is_one_line_and_non_zero(tmp_path, capsys):
+    missing = tmp_path / "nonexistent" / "dir"
+    code, out, err = _main(["recover", "--store", f"file://{missing}", "--no-progress"], capsys)
+    assert code != 0
+    assert "Traceback" not in out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "no shadow store at" in lines[0]
+    assert not missing.exists()
+
+
+def test_recover_reports_malformed_identity_as_one_line_per_session(store_url, tmp_path,
+                                                                   capsys):
+    import json
+
+    for sid in ("model", "seed", "fine"):
+        cache = make_cache()
+        add_blocks(cache, range(3))
+        with CacheShadow(cache, store_url, sid, config=ShadowConfig(autostart=False)) as sh:
+            sh.shadow_now()
+    for sid, field, value in (("model", "model_id", {}), ("seed", "rotation_seed", None)):
+        path = tmp_path / "shadow" / sid / "manifest.json"
+        doc = json.loads(path.read_bytes())
+        doc["identity"][field] = value
+        path.write_text(json.dumps(doc))
+    code, out, err = _main(["recover", "--store", store_url, "--no-progress", "--json"], capsys)
+    assert code == 1 and "Traceback" not in out + err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["blocks"] == 3 and summary["session_ids"] == ["fine"]
+    assert "model_id" in summary["errors"]["model"]
+    assert "rotation_seed" in summary["errors"]["seed"]
+
+
+def test_recover_says_whether_the_store_is_authenticated_and_sweeps(store_url, tmp_path,
+                                                                    capsys, monkeypatch):
+    import pytest
+    from shadow_testkit import KEY
+
+    from shadow import TamperedShadowError
+
+    cache = make_cache()
+    add_blocks(cache, range(4))
+    with CacheShadow(cache, store_url, "s", config=ShadowConfig(autostart=False)) as sh:
+        sh.shadow_now()
+    (tmp_path / "shadow" / "s" / "seg-000005.k_packed.bin").write_bytes(b"debris")
+    code, out, _ = _main(["recover", "--store", store_url, "--no-progress",
+                          "--debris-age", "0"], capsys)
+    assert code == 0 and "unauthenticated" in out
+    assert not (tmp_path / "shadow" / "s" / "seg-000005.k_packed.bin").exists()
+    assert "swept 1" in out
+
+    monkeypatch.setenv("CONTEXTKIT_SHADOW_KEY", KEY.decode())
+    # the unsigned session is now refused (its MAC is missing), by the writer and recovery
+    with pytest.raises(TamperedShadowError):
+        CacheShadow(cache, store_url, "s", config=ShadowConfig(autostart=False))
+    code, out, _ = _main(["recover", "--store", store_url, "--no-progress"], capsys)
+    assert code == 1 and "carries no MAC" in out
+    signed = f"file://{tmp_path / 'signed'}"
+    with CacheShadow(cache, signed, "s", config=ShadowConfig(autostart=False)) as sh:
+        sh.shadow_now()
+    code, out, _ = _main(["recover", "--store", signed, "--no-progress"], capsys)
+    assert code == 0 and "authenticated (HMAC-SHA256" in out and "unauthenticated" not in out
+
+
+def test_recover_of_an_unsigned_s3_store_needs_the_flag(s3_endpoint, request, capsys):
+    import json
+
+    from shadow_testkit import BUCKET, MEDIUM
+
+    url = f"s3://{BUCKET}/{request.node.name}"
+    cache = make_cache(MEDIUM)
+    add_blocks(cache, range(3))
+    from shadow import StoreConfig
+
+    with CacheShadow(cache, url, "plain", config=ShadowConfig(autostart=False),
+                     store_config=StoreConfig(endpoint_url=s3_endpoint)) as sh:
+        sh.shadow_now()
+    argv = ["recover", "--store", url, "--endpoint-url", s3_endpoint, "--no-progress", "--json"]
+    code, out, err = _main(argv, capsys)
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert code == 1 and summary["blocks"] == 0 and "Traceback" not in out + err
+    assert "--allow-unauthenticated" in summary["errors"]["plain"]
+    code, out, _ = _main([*argv, "--allow-unauthenticated"], capsys)
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and summary["blocks"] == 3 and "unauthenticated" in out
+
+
+def test_recover_of_s3_without_credentials_is_one_line(s3_endpoint, capsys, monkeypatch,
+                                                        tmp_path):
+    import boto3
+
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)  # it caches the fixture's credentials
+    code, out, err = _main(["recover", "--store", "s3://ck-shadow/x", "--endpoint-url",
+                            s3_endpoint, "--no-progress"], capsys)
+    assert code != 0 and "Traceback" not in out + err
+    assert len(err.strip().splitlines()) == 1 and "AWS_ACCESS_KEY_ID" in err
