@@ -1,22 +1,45 @@
-"""The ``contextkit`` command: demo, status, recover, bench."""
+"""The ``contextkit`` command: demo, status, recover, bench.
+
+Every error a user can cause (a missing store, bad data, no credentials, a model that
+is not installed) ends as one line on stderr, ``contextkit: error: ...``, saying what
+to do, and exit status 2; anything else is a bug and prints one line naming it plus
+how to see the traceback (``--debug``), exit status 1. Ctrl-C exits 130 quietly.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from importlib import metadata
 
 from contextkit._extras import MissingExtraError
 from contextkit.bench import BENCHMARKS, load
 from contextkit.engine import CacheFullError
+from contextkit.layers import UnknownLayerError
 from contextkit.models import ModelNotInstalledError
 from contextkit.prompt import PromptFormatError
 from gpu_cache import GPUCacheError
 from shadow import ShadowError
 
-__all__ = ["build_parser", "main"]
+__all__ = ["EXIT_BUG", "EXIT_INTERRUPTED", "EXIT_USER_ERROR", "build_parser", "main",
+           "run_command"]
+
+#: Exit statuses: a user error (one line saying what to do), a bug, Ctrl-C.
+EXIT_USER_ERROR = 2
+EXIT_BUG = 1
+EXIT_INTERRUPTED = 130
+
+#: Errors a user can cause and fix; their messages say how. ValueError and OSError
+#: cover bad values and paths handed to the library (typed errors derive from them).
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    MissingExtraError, ModelNotInstalledError, GPUCacheError, ShadowError, CacheFullError,
+    PromptFormatError, UnknownLayerError, ValueError, OSError)
+
+Command = Callable[[argparse.Namespace], "int | None"]
 
 
 def _emit_json(args: argparse.Namespace, result: dict[str, object]) -> None:
@@ -30,13 +53,15 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+               parents: list[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser("bench", help="run a benchmark (see `contextkit bench -h`)",
-                           description="Benchmarks measured as ratios within one run.")
+                           description="Benchmarks measured as ratios within one run.",
+                           parents=parents)
     names = bench.add_subparsers(dest="bench_name", metavar="NAME", required=True)
     for name in BENCHMARKS:
         module = load(name)
-        p = names.add_parser(name, help=module.HELP, description=module.HELP)
+        p = names.add_parser(name, help=module.HELP, description=module.HELP, parents=parents)
         p.add_argument("--json", action="store_true",
                        help="print one JSON object as the last line of stdout")
         module.add_arguments(p)
@@ -64,27 +89,47 @@ def _recover(args: argparse.Namespace) -> int:
         import importlib
 
         job = importlib.import_module("integrations.vllm.recovery")
-        try:
-            result = job.run_recover_for_vllm(args)
-        except (ValueError, OSError) as exc:  # bad config, missing model directory
-            sys.stderr.write(f"contextkit: error: {exc}\n")
-            return 2
+        result = job.run_recover_for_vllm(args)
         _emit_json(args, result)
         return 1 if result.get("errors") else 0
+    from contextkit.status import require_store
     from shadow.cli import run_recover
 
+    require_store(args.store)
     result = run_recover(args)
     _emit_json(args, result)
     return 1 if result.get("errors") else 0
+
+
+def _version() -> str:
+    try:
+        return metadata.version("contextkit")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed; run `pip install -e .`)"
+
+
+def _debug_parent() -> argparse.ArgumentParser:
+    """``--debug`` on every sub-command too, so it works after the command's options."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on an error, show the full traceback")
+    return parent
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="contextkit",
         description="Semantic control of a 4-bit tiered KV cache for agents.",
+        epilog="Errors print one line saying what to do and exit with status 2 (1 for a "
+               "bug: rerun with --debug for the traceback).",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("--debug", action="store_true", default=False,
+                        help="on an error, show the full traceback (also accepted after "
+                             "the command)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parents = [_debug_parent()]
 
     from contextkit.demo import add_demo_arguments
     from contextkit.status import add_status_arguments
@@ -96,14 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "served through the cache-aware pipeline on the TQ4 cache, each turn also "
                     "served by a full prefill. Prints per-turn TTFT and reuse, writes "
                     "demo.json and ttft.png under --out, and shadows the cache so the next "
-                    "run starts warm.")
+                    "run starts warm.",
+        parents=parents)
     add_demo_arguments(demo)
     demo.set_defaults(func=_demo)
 
     status = sub.add_parser(
         "status", help="sessions, blocks, pins and layers held in the shadow store",
         description="Read every shadowed session's manifest and show its blocks, pinned "
-                    "blocks, blocks per layer and tenant, bytes, cache identity and age.")
+                    "blocks, blocks per layer and tenant, bytes, cache identity and age, "
+                    "and whether manifests are authenticated ($CONTEXTKIT_SHADOW_KEY). A "
+                    "--store or $CONTEXTKIT_SHADOW_URL naming a directory that does not "
+                    "exist is an error.",
+        parents=parents)
     add_status_arguments(status)
     status.set_defaults(func=_status)
 
@@ -112,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     recover = sub.add_parser(
         "recover", help="restore shadowed sessions (run before serving)",
         description="Restore sessions shadowed to NVMe or S3 into the host tier, "
-                    "re-pinning their stable prefixes.")
+                    "re-pinning their stable prefixes. Exit status 1 when a session was "
+                    "refused (named with the reason), 2 when the store cannot be used.",
+        parents=parents)
     add_recover_arguments(recover)
     recover.add_argument("--json", action="store_true",
                          help="print one JSON object as the last line of stdout")
@@ -126,8 +178,62 @@ def build_parser() -> argparse.ArgumentParser:
                               "(or the whole --kv-transfer-config) as JSON, or @FILE")
     recover.set_defaults(func=_recover)
 
-    _add_bench(sub)
+    _add_bench(sub, parents)
     return parser
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _describe_s3(exc: BaseException, args: argparse.Namespace) -> str | None:
+    """One line for an S3 client error that escaped the store's own translation.
+
+    Stores turn the botocore failures a user causes into ShadowStoreError; this is
+    the net for any that get past them. ``None`` when ``exc`` is not botocore's.
+    """
+    if not type(exc).__module__.startswith("botocore"):
+        return None
+    store = getattr(args, "store", None) or os.environ.get("CONTEXTKIT_SHADOW_URL") or "the store"
+    if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+        return (f"no AWS credentials for {store}; set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or use a file:// store")
+    return (f"S3 request for {store} failed ({type(exc).__name__}: {_one_line(str(exc))}); "
+            "check the --store URL, --endpoint-url and the AWS credentials")
+
+
+def run_command(func: Command, args: argparse.Namespace, *, debug: bool = False) -> int:
+    """Run one sub-command, turning what it raises into one line and an exit status.
+
+    Args:
+        func: the sub-command.
+        args: its parsed options (``store`` names the store in S3 errors).
+        debug: re-raise instead, traceback and all.
+
+    Returns:
+        The command's status; :data:`EXIT_USER_ERROR` for an error a user can fix,
+        :data:`EXIT_BUG` for anything else, :data:`EXIT_INTERRUPTED` for Ctrl-C.
+    """
+    try:
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if debug:
+            raise
+        s3 = _describe_s3(exc, args)
+        if s3 is not None:
+            sys.stderr.write(f"contextkit: error: {s3}\n")
+            return EXIT_USER_ERROR
+        if isinstance(exc, USER_ERRORS):
+            sys.stderr.write(f"contextkit: error: {_one_line(str(exc)) or type(exc).__name__}\n")
+            return EXIT_USER_ERROR
+        sys.stderr.write(f"contextkit: error: unexpected {type(exc).__name__}: "
+                         f"{_one_line(str(exc))} (a bug; run with --debug for the traceback "
+                         "and report it)\n")
+        return EXIT_BUG
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -135,15 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        return 130
-    except (MissingExtraError, ModelNotInstalledError, GPUCacheError, ShadowError,
-            CacheFullError, PromptFormatError) as exc:
-        # Errors a user can fix: one line that says what to do, no traceback.
-        sys.stderr.write(f"contextkit: error: {exc}\n")
-        return 2
+    return run_command(args.func, args, debug=args.debug)
 
 
 if __name__ == "__main__":

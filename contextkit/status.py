@@ -3,22 +3,68 @@
 A running process's cache lives in its memory; what outlives it is the shadow. The
 status command reads every session's manifest from the store (local directory or
 S3) and reports its blocks by tier at shadow time, pinned blocks, blocks per source
-layer and tenant, bytes, cache identity and age. Sessions whose manifest cannot be
-read are listed with the reason. With ``--tier-status PATH`` it also shows the last
-cycle of a tier manager, from the file that ``ContextTierManager.write_status`` writes.
+layer and tenant, bytes, cache identity and age, and whether manifests are
+authenticated (``$CONTEXTKIT_SHADOW_KEY``). Sessions whose manifest cannot be read are
+listed with the reason. With ``--tier-status PATH`` it also shows the last cycle of a
+tier manager, from the file that ``ContextTierManager.write_status`` writes.
+
+A store the user named (``--store`` or ``$CONTEXTKIT_SHADOW_URL``) that is a local
+directory which does not exist is an error, not an empty store: a typo must not read
+as "nothing shadowed". The default store missing just means nothing was shadowed yet.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
-__all__ = ["add_status_arguments", "run_status"]
+__all__ = ["TierStatusError", "add_status_arguments", "require_store", "run_status"]
+
+#: Fields of a tier-manager cycle that status prints.
+_CYCLE_FIELDS = ("cycle", "duration_s", "num_items", "items_by_tier", "actions",
+                 "blocks_moved", "bytes_moved", "blocks_skipped")
+
+
+class TierStatusError(ValueError):
+    """A ``--tier-status`` file that is missing or not what ``write_status`` writes."""
+
+
+def require_store(store_arg: str | None) -> None:
+    """Refuse a named local store directory that does not exist.
+
+    Args:
+        store_arg: the ``--store`` option (``None``: ``$CONTEXTKIT_SHADOW_URL`` if set,
+            else the default store, which may legitimately not exist yet).
+
+    Raises:
+        ShadowStoreError: the named ``file://`` store (or plain path) is not an existing
+            directory; the message names the path and the option to check.
+    """
+    from shadow import ShadowStoreError
+    from shadow.cli import DEFAULT_STORE_ENV
+
+    if store_arg:
+        url, named_by = store_arg, "--store"
+    elif os.environ.get(DEFAULT_STORE_ENV):
+        url, named_by = os.environ[DEFAULT_STORE_ENV], f"${DEFAULT_STORE_ENV}"
+    else:
+        return
+    parsed = urlparse(url)
+    if parsed.scheme not in ("", "file") or parsed.netloc not in ("", "localhost"):
+        return  # S3, or a file URL the store itself refuses with its own message
+    path = Path(unquote(parsed.path) if parsed.scheme else url).expanduser()
+    if not path.exists():
+        raise ShadowStoreError(f"no shadow store at {path}; check {named_by} (a directory "
+                               "written by `contextkit demo` or a CacheShadow)")
+    if not path.is_dir():
+        raise ShadowStoreError(f"shadow store {path} is not a directory; check {named_by}")
 
 
 def add_status_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,16 +89,26 @@ def _age(seconds: float) -> str:
 
 
 def run_status(args: argparse.Namespace) -> dict[str, Any]:
-    """Collect and print the store's sessions; returns the JSON-able summary."""
+    """Collect and print the store's sessions; returns the JSON-able summary.
+
+    Raises:
+        ShadowStoreError: a named store directory that does not exist.
+        TierStatusError: ``--tier-status`` names a missing or malformed file.
+    """
     from gpu_cache import CacheIdentityError
     from shadow import ShadowError, discover_sessions, load_manifest, open_store
+    from shadow.auth import KEY_ENV, describe_auth, resolve_key
     from shadow.cli import default_store_url
     from shadow.stores import StoreConfig
 
+    now = time.time()
+    # Both inputs are checked before anything is printed: an error is the only output.
+    tier_path = getattr(args, "tier_status", None)
+    tier_doc = _read_tier_status(Path(tier_path)) if tier_path is not None else None
+    require_store(args.store)
     url = args.store or default_store_url()
     store = open_store(url, StoreConfig(endpoint_url=getattr(args, "endpoint_url", None)))
     sessions: list[dict[str, Any]] = []
-    now = time.time()
     try:
         for info in discover_sessions(store):
             entry: dict[str, Any] = {"session_id": info.session_id, "error": info.error}
@@ -81,8 +137,13 @@ def run_status(args: argparse.Namespace) -> dict[str, Any]:
             sessions.append(entry)
     finally:
         store.close()
+    key = resolve_key()
+    auth = {"authenticated": key is not None, "description": describe_auth(key),
+            "key_source": KEY_ENV if key is not None else None}
     out = sys.stdout
     out.write(f"shadow store {store.url}: {len(sessions)} session(s)\n")
+    out.write(f"manifest auth: {auth['description']}"
+              f"{f'; key from ${KEY_ENV}' if key is not None else ''}\n")
     for s in sessions:
         if s.get("error"):
             out.write(f"\n  {s['session_id']}: unreadable - {s['error']}\n")
@@ -99,22 +160,61 @@ def run_status(args: argparse.Namespace) -> dict[str, Any]:
             f"    tenants    {tenants}\n")
     if not sessions:
         out.write("  nothing shadowed yet; run `contextkit demo` or attach a CacheShadow\n")
-    result: dict[str, Any] = {"store": store.url, "sessions": sessions}
-    tier_path = getattr(args, "tier_status", None)
-    if tier_path is not None and Path(tier_path).exists():
-        result["tier_manager"] = _tier_status(Path(tier_path), now)
+    result: dict[str, Any] = {"store": store.url, "auth": auth, "sessions": sessions}
+    if tier_doc is not None:
+        result["tier_manager"] = _tier_status(Path(str(tier_path)), tier_doc, now)
     out.flush()
     return result
 
 
-def _tier_status(path: Path, now: float) -> dict[str, Any]:
-    """Print and return the last cycle recorded in a tier-manager status file."""
-    out = sys.stdout
+def _read_tier_status(path: Path) -> dict[str, Any]:
+    """The parsed tier-status file, its shape checked as far as status reads it.
+
+    Raises:
+        TierStatusError: missing, unreadable, not JSON, or not a tier-status document.
+    """
+    rewrite = "check --tier-status (ContextTierManager.write_status writes the file)"
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        out.write(f"\ntier manager {path}: unreadable - {exc}\n")
-        return {"path": str(path), "error": str(exc)}
+        text = path.read_text()
+    except FileNotFoundError:
+        raise TierStatusError(f"no tier-status file at {path}; {rewrite}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise TierStatusError(f"cannot read tier-status file {path} ({reason}); "
+                              f"{rewrite}") from None
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise TierStatusError(f"tier-status file {path} is not valid JSON ({exc}); "
+                              f"{rewrite}") from None
+    if not isinstance(doc, dict):
+        raise TierStatusError(f"{path} is not a tier-status file (a JSON "
+                              f"{type(doc).__name__}, expected an object); {rewrite}")
+    cycles = doc.get("cycles") or []
+    if not isinstance(cycles, list):
+        raise TierStatusError(f"tier-status file {path}: cycles must be a list, got "
+                              f"{type(cycles).__name__}; {rewrite}")
+    if cycles:
+        last = cycles[-1]
+        if not isinstance(last, dict):
+            raise TierStatusError(f"tier-status file {path}: the last cycle is a "
+                                  f"{type(last).__name__}, expected an object; {rewrite}")
+        missing = [f for f in _CYCLE_FIELDS if f not in last]
+        if missing:
+            raise TierStatusError(f"tier-status file {path}: the last cycle misses "
+                                  f"{', '.join(missing)}; {rewrite}")
+        numbers = ("cycle", "duration_s", "num_items", "bytes_moved")
+        bad = [f for f in numbers if isinstance(last[f], bool)
+               or not isinstance(last[f], (int, float))]
+        if bad or not isinstance(last.get("thresholds_after", {}), dict):
+            raise TierStatusError(f"tier-status file {path}: the last cycle has malformed "
+                                  f"{', '.join(bad) or 'thresholds_after'}; {rewrite}")
+    return doc
+
+
+def _tier_status(path: Path, doc: dict[str, Any], now: float) -> dict[str, Any]:
+    """Print and return the last cycle recorded in a (checked) tier-status document."""
+    out = sys.stdout
     cycles = doc.get("cycles") or []
     last = cycles[-1] if cycles else None
     summary: dict[str, Any] = {

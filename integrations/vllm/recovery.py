@@ -22,12 +22,15 @@ and JSON say what was restored.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from gpu_cache import CacheConfig, CacheIdentityError, TQGPUCache
+from contextkit.status import require_store
+from gpu_cache import CacheConfig, CacheIdentity, CacheIdentityError, TQGPUCache
 from integrations.vllm.config import ConnectorConfig
 from integrations.vllm.identity import vllm_cache_identity
 from integrations.vllm.store import LOCAL_SESSION
@@ -44,7 +47,9 @@ from shadow import (
     recover_session,
 )
 
-__all__ = ["recover_for_vllm", "run_recover_for_vllm"]
+__all__ = ["check_model_dir", "recover_for_vllm", "run_recover_for_vllm"]
+
+_MODEL_HINT = "pass --model DIR, the Hugging Face model directory vLLM serves"
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +69,19 @@ def recover_for_vllm(model_dir: str, config: ConnectorConfig, *, shadow_url: str
     Returns:
         JSON-able summary: sessions restored, blocks, skipped blocks with reasons,
         refused sessions with reasons (``errors``), the local store.
+
+    Raises:
+        ValueError: no shadow store given, or a model directory whose ``config.json``
+            does not describe a model (one line naming the file).
+        ShadowStoreError: a local store directory that does not exist.
     """
     start = time.perf_counter()
     url = shadow_url or config.shadow_url
     if not url:
         raise ValueError("no shadow store: pass --store URL or set shadow_url in the "
                          "connector config")
-    identity = vllm_cache_identity(model_dir, config.block_size, config.codec,
-                                   model_id=config.model_id)
+    require_store(url)
+    identity = _identity(model_dir, config)
     store = open_store(url, StoreConfig(endpoint_url=endpoint_url or config.endpoint_url))
     report = RecoveryReport()
     try:
@@ -116,16 +126,70 @@ def recover_for_vllm(model_dir: str, config: ConnectorConfig, *, shadow_url: str
     return summary
 
 
-def run_recover_for_vllm(args: argparse.Namespace) -> dict[str, Any]:
-    """The CLI body of ``contextkit recover --for-vllm`` (prints a one-line summary)."""
-    if not args.model:
-        raise ValueError("--for-vllm needs --model DIR (the directory vLLM serves)")
-    text = args.connector_config or "{}"
+def check_model_dir(model_dir: str | None) -> Path:
+    """The model directory, if it is one vLLM could serve (it holds ``config.json``).
+
+    Raises:
+        FileNotFoundError: no ``--model``, a path that does not exist or is not a
+            directory, or no ``config.json`` in it; the message says what to pass.
+    """
+    if not model_dir:
+        raise FileNotFoundError(f"--for-vllm needs --model DIR; {_MODEL_HINT}")
+    path = Path(model_dir).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model directory {path} does not exist; {_MODEL_HINT}")
+    if not path.is_dir():
+        raise FileNotFoundError(f"--model {path} is a file, not a directory; {_MODEL_HINT}")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {path} has no config.json; {_MODEL_HINT} "
+                                "(with config.json, tokenizer and *.safetensors)")
+    return path
+
+
+def _identity(model_dir: str, config: ConnectorConfig) -> CacheIdentity:
+    """The connector's identity for ``model_dir``; a malformed config.json is one line."""
+    where = Path(model_dir) / "config.json"
+    try:
+        return vllm_cache_identity(model_dir, config.block_size, config.codec,
+                                   model_id=config.model_id)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where} is not valid JSON ({exc}); {_MODEL_HINT}") from None
+    except KeyError as exc:
+        raise ValueError(f"{where} misses {exc.args[0]!r}, needed for the KV shape; "
+                         f"{_MODEL_HINT}") from None
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        if isinstance(exc, CacheIdentityError):
+            raise
+        raise ValueError(f"{where} does not describe the model's KV shape ({exc}); "
+                         f"{_MODEL_HINT}") from None
+
+
+def _connector_config(text: str | None) -> ConnectorConfig:
+    """``--connector-config``: JSON, or ``@FILE`` holding it."""
+    text = text or "{}"
     if text.startswith("@"):
-        with open(text[1:]) as f:
-            text = f.read()
-    config = ConnectorConfig.from_json(text)
-    summary = recover_for_vllm(args.model, config, shadow_url=args.store,
+        path = Path(text[1:]).expanduser()
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"connector config file {path} does not exist; pass "
+                                    "--connector-config JSON or @FILE") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read connector config file {path} ({exc}); pass "
+                             "--connector-config JSON or @FILE") from None
+    return ConnectorConfig.from_json(text)
+
+
+def run_recover_for_vllm(args: argparse.Namespace) -> dict[str, Any]:
+    """The CLI body of ``contextkit recover --for-vllm`` (prints a one-line summary).
+
+    Raises:
+        FileNotFoundError, ValueError: a missing or unusable model directory, store or
+            connector config; ``contextkit`` prints the one-line message.
+    """
+    model_dir = check_model_dir(args.model)
+    config = _connector_config(args.connector_config)
+    summary = recover_for_vllm(str(model_dir), config, shadow_url=args.store,
                                session_ids=args.session, endpoint_url=args.endpoint_url)
     out = sys.stdout
     out.write(f"recovered {summary['sessions']} session(s) for vLLM from {summary['store']} "

@@ -30,6 +30,17 @@ def test_help_lists_every_command_and_benchmark() -> None:
         assert name in bench.stdout
 
 
+def test_version_prints_the_installed_distribution_version() -> None:
+    from importlib import metadata
+
+    out = run_cli("--version")
+    assert out.returncode == 0 and out.stderr == ""
+    assert out.stdout == f"contextkit {metadata.version('contextkit')}\n"
+    help_text = run_cli("--help").stdout
+    assert "--version" in help_text and "--debug" in help_text
+    assert "--debug" in run_cli("status", "--help").stdout
+
+
 def test_unknown_benchmark_is_a_usage_error() -> None:
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["bench", "nope"])
