@@ -28,13 +28,14 @@ from contextkit.tiers import (
     TierManagerConfig,
 )
 from gpu_cache import CacheConfig, CacheIdentity, PrefixPinManager, Tier, TQGPUCache
+from gpu_cache.config import NO_PIN_QUOTA, PinConfig
 
 IDENTITY = CacheIdentity("test-tiers", num_layers=2, num_kv_heads=2, head_dim=16)
 
 
-def make_cache(device: int = 32, host: int = 64) -> TQGPUCache:
+def make_cache(device: int = 32, host: int = 64, pins: PinConfig | None = None) -> TQGPUCache:
     return TQGPUCache(IDENTITY, CacheConfig(num_device_blocks=device, num_host_blocks=host,
-                                            device="cpu"))
+                                            device="cpu", pins=pins or PinConfig()))
 
 
 class FakeClock:
@@ -183,7 +184,7 @@ def test_pinned_and_in_use_blocks_are_never_moved() -> None:
 
 
 def test_blocks_freed_meanwhile_and_full_tiers_do_not_crash() -> None:
-    cache, clock = make_cache(device=2, host=8), FakeClock()
+    cache, clock = make_cache(device=2, host=8, pins=NO_PIN_QUOTA), FakeClock()
     pinned = cache.allocate(2, Tier.DEVICE, source_layer="axioms")
     mine = cache.allocate(2, Tier.HOST, source_layer="memories")
     gone = cache.allocate(1, Tier.HOST, source_layer="memories")
@@ -428,9 +429,12 @@ def test_write_status_and_contextkit_status(tmp_path: Path,
     status = json.loads(out.strip().splitlines()[-1])
     assert status["tier_manager"]["last_cycle"]["cycle"] == 5
     assert "tier manager" in out and "thresholds" in out
+    # A missing tier-status file is a one-line error (exit 2), not silently ignored.
     assert main(["status", "--store", f"file://{store}", "--tier-status",
-                 str(tmp_path / "missing.json"), "--json"]) == 0
-    assert "tier_manager" not in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+                 str(tmp_path / "missing.json"), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert "missing.json" in captured.err and "Traceback" not in captured.err
+    assert "tier_manager" not in captured.out
 
 
 def test_bench_ooda_reports_its_fields(capsys: pytest.CaptureFixture[str]) -> None:
