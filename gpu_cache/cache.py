@@ -20,8 +20,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ from gpu_cache._errors import (
     BlockStateError,
     CacheIdentityError,
     CodecInputError,
+    InvalidNameError,
     UnknownBlockError,
 )
 from gpu_cache._storage import TENSOR_NAMES, LayerView, MoveStats, TierStorage, _run
@@ -38,6 +40,7 @@ from gpu_cache.codec import TQ4Codec
 from gpu_cache.config import CacheConfig
 from gpu_cache.hashing import BlockHash, hash_token_blocks
 from gpu_cache.identity import CacheIdentity
+from gpu_cache.ids import validate_tenant
 from gpu_cache.metadata import (
     EVICTION_POLICIES,
     PINNED_PRIORITY,
@@ -51,6 +54,18 @@ __all__ = ["TENSOR_NAMES", "CacheConfig", "LayerView", "MoveStats", "TQGPUCache"
 logger = logging.getLogger(__name__)
 
 _FREED_MEMORY = 1 << 20  # remember this many freed ids for precise errors
+
+
+@dataclass(frozen=True, slots=True)
+class _ImportRecord:
+    """One checked block record of :meth:`TQGPUCache.import_blocks`."""
+
+    source_layer: str
+    importance: float
+    token_range: tuple[int, int]
+    tenant: str
+    num_tokens: int
+    key: BlockHash | None
 
 
 class TQGPUCache:
@@ -174,9 +189,13 @@ class TQGPUCache:
 
         Returns:
             New block ids, or ``None`` when the tier cannot make room (nothing changes).
+
+        Raises:
+            InvalidNameError: ``tenant`` breaks the naming rule of :mod:`gpu_cache.ids`.
         """
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        validate_tenant(tenant)
         with self._lock:
             if not self._make_room(tier, num_blocks, protect=()):
                 return None
@@ -371,7 +390,12 @@ class TQGPUCache:
     # ------------------------------------------------------------------ keys
     def block_keys(self, token_ids: Sequence[int], tenant: str,
                    parent: BlockHash | None = None) -> list[BlockHash]:
-        """Content keys of the full blocks of ``token_ids`` under this identity and tenant."""
+        """Content keys of the full blocks of ``token_ids`` under this identity and tenant.
+
+        Raises:
+            InvalidNameError: ``tenant`` breaks the naming rule of :mod:`gpu_cache.ids`.
+        """
+        validate_tenant(tenant)
         return hash_token_blocks(self._identity_digest, tenant, token_ids, self.block_size, parent)
 
     def set_key(self, block_id: int, key: BlockHash) -> None:
@@ -384,7 +408,12 @@ class TQGPUCache:
             self._keys[key] = block_id
 
     def lookup(self, keys: Sequence[BlockHash], tenant: str) -> list[int]:
-        """Block ids for the longest prefix of ``keys`` held in any tier for ``tenant``."""
+        """Block ids for the longest prefix of ``keys`` held in any tier for ``tenant``.
+
+        Raises:
+            InvalidNameError: ``tenant`` breaks the naming rule of :mod:`gpu_cache.ids`.
+        """
+        validate_tenant(tenant)
         found: list[int] = []
         with self._lock:
             for key in keys:
@@ -502,6 +531,7 @@ class TQGPUCache:
         """
         n = len(metas)
         ref = self._tiers[tier]
+        records = [self._import_record(i, m) for i, m in enumerate(metas)]
         if block_major:
             tensors = {name: t.transpose(0, 1) for name, t in tensors.items()}
         for name, t_ref in zip(TENSOR_NAMES, ref.tensors(), strict=True):
@@ -519,21 +549,55 @@ class TQGPUCache:
                 torch.cuda.current_stream(self.device).synchronize()
             for name, t_dst in zip(TENSOR_NAMES, ref.tensors(), strict=True):
                 self._copy_blocks(tensors[name], np.arange(n), t_dst, slots)
-            for bid, m in zip(ids, metas, strict=True):
-                tr = m.get("token_range", (0, 0))
-                assert isinstance(tr, (tuple, list))
+            for bid, rec in zip(ids, records, strict=True):
                 self.metadata.annotate(
-                    bid,
-                    source_layer=str(m.get("source_layer", "unassigned")),
-                    importance=float(m.get("importance", 0.5)),  # type: ignore[arg-type]
-                    token_range=(int(tr[0]), int(tr[1])),
-                    tenant_slug=str(m.get("tenant_slug", "default")),
-                    num_tokens=int(m.get("num_tokens", self.block_size)),  # type: ignore[call-overload]
-                )
-                key = m.get("key")
-                if isinstance(key, bytes):
-                    self.set_key(bid, BlockHash(key))
+                    bid, source_layer=rec.source_layer, importance=rec.importance,
+                    token_range=rec.token_range, tenant_slug=rec.tenant,
+                    num_tokens=rec.num_tokens)
+                if rec.key is not None:
+                    self.set_key(bid, rec.key)
             return ids
+
+    def _import_record(self, index: int, meta: Mapping[str, object]) -> _ImportRecord:
+        """Check one block record of :meth:`import_blocks` before anything is allocated.
+
+        Raises:
+            ValueError: a field of the wrong type or out of range (InvalidNameError for
+                the tenant), naming the record and the field.
+        """
+        where = f"import_blocks record {index}"
+        layer = meta.get("source_layer", "unassigned")
+        if not isinstance(layer, str) or not layer:
+            raise ValueError(f"{where}: source_layer must be a non-empty str, got {layer!r}")
+        importance = meta.get("importance", 0.5)
+        if (isinstance(importance, bool) or not isinstance(importance, (int, float))
+                or not 0.0 <= float(importance) <= 1.0):
+            raise ValueError(f"{where}: importance must be a number in [0, 1], got "
+                             f"{importance!r}")
+        token_range = meta.get("token_range", (0, 0))
+        if (not isinstance(token_range, (tuple, list)) or len(token_range) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                           for x in token_range)
+                or token_range[0] > token_range[1]):
+            raise ValueError(f"{where}: token_range must be two ints 0 <= start <= end, got "
+                             f"{token_range!r}")
+        tenant = meta.get("tenant_slug", "default")
+        try:
+            validate_tenant(tenant)
+        except InvalidNameError as exc:
+            raise InvalidNameError(f"{where}: {exc}") from None
+        assert isinstance(tenant, str)
+        num_tokens = meta.get("num_tokens", self.block_size)
+        if (not isinstance(num_tokens, int) or isinstance(num_tokens, bool)
+                or not 0 <= num_tokens <= self.block_size):
+            raise ValueError(f"{where}: num_tokens must be an int in [0, {self.block_size}], "
+                             f"got {num_tokens!r}")
+        key = meta.get("key")
+        if key is not None and (not isinstance(key, bytes) or len(key) != 32):
+            raise ValueError(f"{where}: key must be 32 bytes (a SHA-256 block key) or absent, "
+                             f"got {key!r:.80}")
+        return _ImportRecord(layer, float(importance), (token_range[0], token_range[1]),
+                             tenant, num_tokens, None if key is None else BlockHash(key))
 
     # ------------------------------------------------------------------ reporting
     def summary(self) -> dict[str, object]:
@@ -557,10 +621,13 @@ class TQGPUCache:
                 },
             }
 
-    def set_pinned(self, block_id: int, pinned: bool) -> None:
-        """Low-level pin flag used by :class:`PrefixPinManager`; prefer the manager."""
+    def set_pinned(self, block_id: int, pinned: bool, now: float | None = None) -> None:
+        """Low-level pin flag used by :class:`PrefixPinManager`; prefer the manager
+        (it enforces the pin quotas of :class:`~gpu_cache.config.PinConfig`)."""
         with self._lock:
             meta = self.metadata.get(block_id)
+            if pinned and not meta.pinned:
+                meta.pinned_at = time.time() if now is None else now
             meta.pinned = pinned
             meta.eviction_priority = (PINNED_PRIORITY if pinned
                                       else self.metadata.priority_for(meta.source_layer))

@@ -75,10 +75,16 @@ class BlockMeta:
     pinned: bool = False
     ref_count: int = 0
     num_tokens: int = 0
+    pinned_at: float = 0.0
 
     @property
     def evictable(self) -> bool:
         return not self.pinned and self.ref_count == 0
+
+    @property
+    def last_active(self) -> float:
+        """When the block was last attended or pinned (what a pin's idle TTL counts from)."""
+        return max(self.last_attended, self.pinned_at)
 
 
 class EvictionPolicy(Protocol):
@@ -200,9 +206,16 @@ class BlockMetadataTable:
         with self._lock:
             return [m for m in self._metas.values() if m.tier is tier]
 
-    def pinned(self) -> list[BlockMeta]:
+    def pinned(self, tenant: str | None = None) -> list[BlockMeta]:
+        """Pinned blocks (of one tenant when given)."""
         with self._lock:
-            return [m for m in self._metas.values() if m.pinned]
+            return [m for m in self._metas.values()
+                    if m.pinned and (tenant is None or m.tenant_slug == tenant)]
+
+    def of_tenant(self, tenant: str) -> list[BlockMeta]:
+        """Every block of one tenant, in any tier."""
+        with self._lock:
+            return [m for m in self._metas.values() if m.tenant_slug == tenant]
 
     def eviction_order(self, tier: Tier, policy: EvictionPolicy,
                        exclude: Iterable[int] = ()) -> list[BlockMeta]:

@@ -19,15 +19,18 @@ from gpu_cache import (
     TQGPUCache,
     UnknownBlockError,
 )
+from gpu_cache.config import NO_PIN_QUOTA
 
 
 def make_cache(device_blocks: int = 8, host_blocks: int = 8, layers: int = 3,
                policy: str = "semantic") -> TQGPUCache:
+    """A single-tenant cache whose pins are bounded by the device tier alone (the
+    quotas are tested in test_pin_quota.py)."""
     identity = CacheIdentity("test-model", num_layers=layers, num_kv_heads=2, head_dim=8,
                              block_size=4)
     return TQGPUCache(identity, CacheConfig(num_device_blocks=device_blocks,
                                             num_host_blocks=host_blocks,
-                                            eviction_policy=policy))
+                                            eviction_policy=policy, pins=NO_PIN_QUOTA))
 
 
 def fill(cache: TQGPUCache, block_ids: list[int], seed: int) -> dict[str, torch.Tensor]:
@@ -166,7 +169,7 @@ def test_pinning_more_than_fits_fails_and_keeps_existing_pins() -> None:
     pins.pin(first)
     extra = cache.allocate(2, Tier.HOST, source_layer="rules")
     assert extra is not None
-    with pytest.raises(PinCapacityError, match="device tier holds 4"):
+    with pytest.raises(PinCapacityError, match=r"quota of 4 .*of 4 device blocks"):
         pins.pin(extra)
     assert pins.pinned_ids() == sorted(first)
     assert all(cache.metadata.get(b).tier is Tier.DEVICE for b in first)
