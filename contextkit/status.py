@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-__all__ = ["TierStatusError", "add_status_arguments", "require_store", "run_status"]
+__all__ = ["TierStatusError", "add_status_arguments", "local_store_path", "require_store",
+           "run_status"]
 
 #: Fields of a tier-manager cycle that status prints.
 _CYCLE_FIELDS = ("cycle", "duration_s", "num_items", "items_by_tier", "actions",
@@ -36,12 +37,23 @@ class TierStatusError(ValueError):
     """A ``--tier-status`` file that is missing or not what ``write_status`` writes."""
 
 
-def require_store(store_arg: str | None) -> None:
+def local_store_path(url: str) -> Path | None:
+    """The directory of a ``file://`` URL or plain path; ``None`` for other stores."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("", "file") or parsed.netloc not in ("", "localhost"):
+        return None  # S3, or a file URL the store itself refuses with its own message
+    return Path(unquote(parsed.path) if parsed.scheme else url).expanduser()
+
+
+def require_store(store_arg: str | None) -> bool:
     """Refuse a named local store directory that does not exist.
 
     Args:
         store_arg: the ``--store`` option (``None``: ``$CONTEXTKIT_SHADOW_URL`` if set,
             else the default store, which may legitimately not exist yet).
+
+    Returns:
+        Whether the user named the store (option or environment).
 
     Raises:
         ShadowStoreError: the named ``file://`` store (or plain path) is not an existing
@@ -55,16 +67,16 @@ def require_store(store_arg: str | None) -> None:
     elif os.environ.get(DEFAULT_STORE_ENV):
         url, named_by = os.environ[DEFAULT_STORE_ENV], f"${DEFAULT_STORE_ENV}"
     else:
-        return
-    parsed = urlparse(url)
-    if parsed.scheme not in ("", "file") or parsed.netloc not in ("", "localhost"):
-        return  # S3, or a file URL the store itself refuses with its own message
-    path = Path(unquote(parsed.path) if parsed.scheme else url).expanduser()
+        return False
+    path = local_store_path(url)
+    if path is None:
+        return True
     if not path.exists():
         raise ShadowStoreError(f"no shadow store at {path}; check {named_by} (a directory "
                                "written by `contextkit demo` or a CacheShadow)")
     if not path.is_dir():
         raise ShadowStoreError(f"shadow store {path} is not a directory; check {named_by}")
+    return True
 
 
 def add_status_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,19 +107,60 @@ def run_status(args: argparse.Namespace) -> dict[str, Any]:
         ShadowStoreError: a named store directory that does not exist.
         TierStatusError: ``--tier-status`` names a missing or malformed file.
     """
-    from gpu_cache import CacheIdentityError
-    from shadow import ShadowError, discover_sessions, load_manifest, open_store
     from shadow.auth import KEY_ENV, describe_auth, resolve_key
     from shadow.cli import default_store_url
-    from shadow.stores import StoreConfig
 
     now = time.time()
     # Both inputs are checked before anything is printed: an error is the only output.
     tier_path = getattr(args, "tier_status", None)
     tier_doc = _read_tier_status(Path(tier_path)) if tier_path is not None else None
-    require_store(args.store)
+    named = require_store(args.store)
     url = args.store or default_store_url()
-    store = open_store(url, StoreConfig(endpoint_url=getattr(args, "endpoint_url", None)))
+    local = local_store_path(url)
+    sessions: list[dict[str, Any]]
+    if not named and local is not None and not local.is_dir():
+        store_url, sessions = f"file://{local}", []  # the default store: nothing shadowed yet
+    else:
+        store_url, sessions = _read_sessions(url, getattr(args, "endpoint_url", None), now)
+    key = resolve_key()
+    auth = {"authenticated": key is not None, "description": describe_auth(key),
+            "key_source": KEY_ENV if key is not None else None}
+    out = sys.stdout
+    out.write(f"shadow store {store_url}: {len(sessions)} session(s)\n")
+    out.write(f"manifest auth: {auth['description']}"
+              f"{f'; key from ${KEY_ENV}' if key is not None else ''}\n")
+    for s in sessions:
+        if s.get("error"):
+            out.write(f"\n  {s['session_id']}: unreadable - {s['error']}\n")
+            continue
+        layers = ", ".join(f"{k} {v}" for k, v in s["by_layer"].items())
+        tenants = ", ".join(f"{k} {v}" for k, v in s["tenants"].items())
+        out.write(
+            f"\n  {s['session_id']}  (generation {s['generation']}, {_age(s['age_s'])})\n"
+            f"    model      {s['model']} [{s['codec']}], identity {s['identity']}\n"
+            f"    manifest   {'signed, MAC checked' if s['authenticated'] else 'unsigned'}\n"
+            f"    blocks     {s['blocks']:,} ({s['tokens']:,} tokens, "
+            f"{s['bytes'] / 1e6:,.1f} MB; {s['stored_bytes'] / 1e6:,.1f} MB on disk)\n"
+            f"    pinned     {s['pinned_blocks']:,} (restored to the device tier on recovery)\n"
+            f"    layers     {layers}\n"
+            f"    tenants    {tenants}\n")
+    if not sessions:
+        out.write("  nothing shadowed yet; run `contextkit demo` or attach a CacheShadow\n")
+    result: dict[str, Any] = {"store": store_url, "auth": auth, "sessions": sessions}
+    if tier_doc is not None:
+        result["tier_manager"] = _tier_status(Path(str(tier_path)), tier_doc, now)
+    out.flush()
+    return result
+
+
+def _read_sessions(url: str, endpoint_url: str | None,
+                   now: float) -> tuple[str, list[dict[str, Any]]]:
+    """The store's URL and one summary per session (``error`` set when unreadable)."""
+    from gpu_cache import CacheIdentityError
+    from shadow import ShadowError, discover_sessions, load_manifest, open_store
+    from shadow.stores import StoreConfig
+
+    store = open_store(url, StoreConfig(endpoint_url=endpoint_url), create=False)
     sessions: list[dict[str, Any]] = []
     try:
         for info in discover_sessions(store):
@@ -131,40 +184,14 @@ def run_status(args: argparse.Namespace) -> dict[str, Any]:
                         "model": m.identity.model_id,
                         "codec": m.identity.codec,
                         "identity": m.identity.digest().hex()[:12],
+                        "authenticated": m.authenticated,
                         "updated_at": m.updated_at,
                         "age_s": max(0.0, now - m.updated_at),
                     })
             sessions.append(entry)
     finally:
         store.close()
-    key = resolve_key()
-    auth = {"authenticated": key is not None, "description": describe_auth(key),
-            "key_source": KEY_ENV if key is not None else None}
-    out = sys.stdout
-    out.write(f"shadow store {store.url}: {len(sessions)} session(s)\n")
-    out.write(f"manifest auth: {auth['description']}"
-              f"{f'; key from ${KEY_ENV}' if key is not None else ''}\n")
-    for s in sessions:
-        if s.get("error"):
-            out.write(f"\n  {s['session_id']}: unreadable - {s['error']}\n")
-            continue
-        layers = ", ".join(f"{k} {v}" for k, v in s["by_layer"].items())
-        tenants = ", ".join(f"{k} {v}" for k, v in s["tenants"].items())
-        out.write(
-            f"\n  {s['session_id']}  (generation {s['generation']}, {_age(s['age_s'])})\n"
-            f"    model      {s['model']} [{s['codec']}], identity {s['identity']}\n"
-            f"    blocks     {s['blocks']:,} ({s['tokens']:,} tokens, "
-            f"{s['bytes'] / 1e6:,.1f} MB; {s['stored_bytes'] / 1e6:,.1f} MB on disk)\n"
-            f"    pinned     {s['pinned_blocks']:,} (restored to the device tier on recovery)\n"
-            f"    layers     {layers}\n"
-            f"    tenants    {tenants}\n")
-    if not sessions:
-        out.write("  nothing shadowed yet; run `contextkit demo` or attach a CacheShadow\n")
-    result: dict[str, Any] = {"store": store.url, "auth": auth, "sessions": sessions}
-    if tier_doc is not None:
-        result["tier_manager"] = _tier_status(Path(str(tier_path)), tier_doc, now)
-    out.flush()
-    return result
+    return store.url, sessions
 
 
 def _read_tier_status(path: Path) -> dict[str, Any]:

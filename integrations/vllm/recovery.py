@@ -56,7 +56,8 @@ logger = logging.getLogger(__name__)
 
 def recover_for_vllm(model_dir: str, config: ConnectorConfig, *, shadow_url: str | None = None,
                      session_ids: list[str] | None = None,
-                     endpoint_url: str | None = None) -> dict[str, Any]:
+                     endpoint_url: str | None = None,
+                     allow_unauthenticated: bool = False) -> dict[str, Any]:
     """Restore shadowed sessions into ``config.local_store`` for the connector.
 
     Args:
@@ -65,6 +66,8 @@ def recover_for_vllm(model_dir: str, config: ConnectorConfig, *, shadow_url: str
         shadow_url: overrides ``config.shadow_url``.
         session_ids: sessions to restore (default: every session in the store).
         endpoint_url: S3-compatible endpoint (default: ``config.endpoint_url``).
+        allow_unauthenticated: restore unsigned sessions of an ``s3://`` store (refused
+            by default; manifests are checked with ``$CONTEXTKIT_SHADOW_KEY``).
 
     Returns:
         JSON-able summary: sessions restored, blocks, skipped blocks with reasons,
@@ -82,7 +85,8 @@ def recover_for_vllm(model_dir: str, config: ConnectorConfig, *, shadow_url: str
                          "connector config")
     require_store(url)
     identity = _identity(model_dir, config)
-    store = open_store(url, StoreConfig(endpoint_url=endpoint_url or config.endpoint_url))
+    store = open_store(url, StoreConfig(endpoint_url=endpoint_url or config.endpoint_url),
+                       create=False)
     report = RecoveryReport()
     try:
         wanted = session_ids or [s.session_id for s in discover_sessions(store)]
@@ -102,7 +106,8 @@ def recover_for_vllm(model_dir: str, config: ConnectorConfig, *, shadow_url: str
                                                  device="cpu"))
         for sid in manifests:
             try:
-                report.merge(recover_session(store, sid, cache))
+                report.merge(recover_session(store, sid, cache,
+                                             allow_unauthenticated=allow_unauthenticated))
             except (ShadowError, CacheIdentityError) as exc:
                 report.errors[sid] = str(exc)
     finally:
@@ -190,7 +195,9 @@ def run_recover_for_vllm(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = check_model_dir(args.model)
     config = _connector_config(args.connector_config)
     summary = recover_for_vllm(str(model_dir), config, shadow_url=args.store,
-                               session_ids=args.session, endpoint_url=args.endpoint_url)
+                               session_ids=args.session, endpoint_url=args.endpoint_url,
+                               allow_unauthenticated=bool(getattr(args, "allow_unauthenticated",
+                                                                  False)))
     out = sys.stdout
     out.write(f"recovered {summary['sessions']} session(s) for vLLM from {summary['store']} "
               f"into {summary['local_store']}: {summary['snapshot_blocks']} blocks, "

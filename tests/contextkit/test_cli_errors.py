@@ -111,6 +111,7 @@ def test_the_default_store_missing_means_nothing_shadowed_yet(
     code, out, err = call(capsys, "status")
     assert code == 0 and err == ""
     assert "nothing shadowed yet" in out
+    assert not (tmp_path / ".cache").exists()  # status reads; it never creates the store
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +223,60 @@ def test_recover_for_vllm_names_the_missing_model_directory(
     assert code == 2 and "no shadow store at" in error_line(err)
 
 
+def _tiny_model_dir(root: Path) -> Path:
+    """A Hugging Face directory vLLM's identity can be derived from: config and tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = root / "tiny-llama"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "hidden_size": 64}))
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
+    return path
+
+
+def test_recover_for_vllm_refuses_unsigned_s3_sessions_unless_allowed(
+        s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from integrations.vllm.identity import vllm_cache_identity
+    from shadow import StoreConfig
+
+    _aws_env(monkeypatch, tmp_path, credentials=True)
+    monkeypatch.delenv("CONTEXTKIT_SHADOW_KEY")
+    model = _tiny_model_dir(tmp_path)
+    identity = vllm_cache_identity(str(model), 4)
+    cache = TQGPUCache(identity, CacheConfig(num_device_blocks=4, num_host_blocks=8,
+                                             device="cpu"))
+    shape = (identity.num_layers, 2, identity.block_size, identity.num_kv_heads)
+    tensors = {n: (torch.zeros((*shape, identity.head_dim // 2), dtype=torch.uint8)
+                   if n.endswith("packed") else torch.ones(shape)) for n in TENSOR_NAMES}
+    metas = [{"source_layer": "memories", "tenant_slug": "default", "num_tokens": 4,
+              "token_range": (4 * i, 4 * i + 4),
+              "key": cache.block_keys([7 * i + t for t in range(4)], "default")[0]}
+             for i in range(2)]
+    assert cache.import_blocks(tensors, metas, tier=Tier.HOST) is not None
+    url = f"s3://{BUCKET}/vllm-unsigned"
+    with CacheShadow(cache, url, "agent", config=ShadowConfig(autostart=False),
+                     store_config=StoreConfig(endpoint_url=s3_endpoint)) as shadow:
+        shadow.shadow_now()
+    argv = ["recover", "--for-vllm", "--model", str(model), "--store", url, "--endpoint-url",
+            s3_endpoint, "--connector-config",
+            json.dumps({"block_size": 4, "local_store": f"file://{tmp_path / 'local'}"}),
+            "--json", "--no-progress"]
+    code, out, _ = call(capsys, *argv)
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert code == 1 and summary["snapshot_blocks"] == 0
+    assert "not authenticated" in summary["errors"]["agent"]
+    code, out, _ = call(capsys, *argv, "--allow-unauthenticated")
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and summary["snapshot_blocks"] == 2 and not summary["errors"]
+
+
 # ------------------------------------------------------------------------ identity
 
 @pytest.mark.parametrize(("field", "value"), [("model_id", {}), ("rotation_seed", None),
@@ -269,6 +324,16 @@ def test_status_says_whether_manifests_are_authenticated(
     assert "manifest auth: authenticated (HMAC-SHA256" in out
     assert "key from $CONTEXTKIT_SHADOW_KEY" in out
     assert json.loads(out.strip().splitlines()[-1])["auth"]["authenticated"] is True
+    # per session: signed under the key, or unreadable without it (it says what to set)
+    shadow_session(store, "signed")
+    code, out, _ = call(capsys, "status", "--store", str(store), "--json")
+    (session,) = json.loads(out.strip().splitlines()[-1])["sessions"]
+    assert code == 0 and session["authenticated"] is True
+    assert "signed, MAC checked" in out
+    monkeypatch.delenv("CONTEXTKIT_SHADOW_KEY")
+    code, out, _ = call(capsys, "status", "--store", str(store), "--json")
+    (session,) = json.loads(out.strip().splitlines()[-1])["sessions"]
+    assert code == 1 and "CONTEXTKIT_SHADOW_KEY" in session["error"]
 
 
 # ------------------------------------------------------------------------ the guard
