@@ -43,8 +43,27 @@ class LayerSpec:
     aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.name or not self.name.replace("_", "").isalnum():
-            raise ValueError(f"layer name must be letters, digits and '_', got {self.name!r}")
+        if not isinstance(self.name, str) or not self.name.replace("_", "").isalnum():
+            raise ValueError(f"layer name must be a str of letters, digits and '_', got "
+                             f"{_shown(self.name)}")
+        for budget in ("budget", "expanded_budget"):
+            value = getattr(self, budget)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"layer {self.name!r}: {budget} must be a positive int "
+                                 f"(tokens), got {_shown(value)}")
+        for flag in ("stable", "volatile"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"layer {self.name!r}: {flag} must be a bool, got "
+                                 f"{_shown(getattr(self, flag))}")
+        if not isinstance(self.source, str):
+            raise ValueError(f"layer {self.name!r}: source must be a str, got "
+                             f"{_shown(self.source)}")
+        if isinstance(self.aliases, list):
+            object.__setattr__(self, "aliases", tuple(self.aliases))
+        if not isinstance(self.aliases, tuple) or not all(
+                isinstance(a, str) and a for a in self.aliases):
+            raise ValueError(f"layer {self.name!r}: aliases must be a tuple of names, got "
+                             f"{_shown(self.aliases)}")
         if self.budget <= 0 or self.expanded_budget <= 0:
             raise ValueError(f"layer {self.name!r}: budgets must be > 0 tokens, got "
                              f"{self.budget} and {self.expanded_budget}")
@@ -53,6 +72,12 @@ class LayerSpec:
 
     def budget_for(self, expanded: bool) -> int:
         return self.expanded_budget if expanded else self.budget
+
+
+def _shown(value: object) -> str:
+    """``type repr`` of a bad value, short enough for a one-line error."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 DEFAULT_LAYERS: tuple[LayerSpec, ...] = (
@@ -77,11 +102,14 @@ class LayerConfig:
         layers: the layers in the user's order (default :data:`DEFAULT_LAYERS`).
 
     Raises:
-        ValueError: a name or alias used twice.
+        ValueError: an item that is not a LayerSpec, or a name or alias used twice.
     """
 
     def __init__(self, layers: Iterable[LayerSpec] = DEFAULT_LAYERS) -> None:
         self.layers = tuple(layers)
+        for spec in self.layers:
+            if not isinstance(spec, LayerSpec):
+                raise ValueError(f"layers must be LayerSpec objects, got {_shown(spec)}")
         self._by_name: dict[str, LayerSpec] = {}
         for spec in self.layers:
             for name in (spec.name, *spec.aliases):
@@ -105,7 +133,7 @@ class LayerConfig:
     def get(self, name: str) -> LayerSpec:
         """The layer called ``name`` (case-insensitive; aliases accepted)."""
         try:
-            return self._by_name[name.lower()]
+            return self._by_name[name.lower() if isinstance(name, str) else name]
         except KeyError:
             known = ", ".join(s.name for s in self.layers)
             raise UnknownLayerError(f"unknown layer {name!r}; known layers: {known} (add a "

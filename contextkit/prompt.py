@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Real
 
-from contextkit.layers import LayerConfig
+from contextkit.layers import LayerConfig, _shown
 
 __all__ = [
     "PromptFormatError",
@@ -159,12 +159,6 @@ def render_marked(prompt: StructuredPrompt) -> str:
 LineLike = str | PromptLine | tuple[str, float]
 
 _LINE_FORMS = "a str, a (str, importance) pair or a PromptLine"
-
-
-def _shown(value: object) -> str:
-    """``type repr`` of a bad value, short enough for a one-line error."""
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 def _line(item: object) -> PromptLine:

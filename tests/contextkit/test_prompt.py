@@ -47,6 +47,35 @@ def test_default_layers_and_budgets_follow_the_spec() -> None:
     assert CONFIG.with_budgets(memories=50).get("memories").budget == 50
 
 
+BAD_SPECS = [
+    ({"name": 5}, r"layer name must be a str of letters, digits and '_', got int 5"),
+    ({"name": "my layer"}, r"layer name must be a str of letters, digits and '_'"),
+    ({"budget": "5"}, r"layer 'notes': budget must be a positive int \(tokens\), got str '5'"),
+    ({"budget": 1.5}, r"layer 'notes': budget must be a positive int \(tokens\), got float"),
+    ({"expanded_budget": True}, r"layer 'notes': expanded_budget must be a positive int"),
+    ({"stable": "yes"}, r"layer 'notes': stable must be a bool, got str 'yes'"),
+    ({"source": 3}, r"layer 'notes': source must be a str, got int 3"),
+    ({"aliases": "notes2"}, r"layer 'notes': aliases must be a tuple of names, got str"),
+    ({"aliases": ("ok", 7)}, r"layer 'notes': aliases must be a tuple of names, got tuple"),
+]
+
+
+@pytest.mark.parametrize(("change", "match"), BAD_SPECS, ids=[repr(c)[:30] for c, _ in BAD_SPECS])
+def test_layer_specs_check_their_types(change: dict[str, object], match: str) -> None:
+    fields: dict[str, object] = {"name": "notes", "budget": 100, "expanded_budget": 200,
+                                 **change}
+    with pytest.raises(ValueError, match=match):
+        LayerSpec(**fields)  # type: ignore[arg-type]
+
+
+def test_layer_configs_check_their_items_and_lookups() -> None:
+    with pytest.raises(ValueError, match=r"layers must be LayerSpec objects, got str 'axioms'"):
+        LayerConfig(["axioms"])  # type: ignore[list-item]
+    with pytest.raises(UnknownLayerError, match="unknown layer 5; known layers"):
+        CONFIG.get(5)  # type: ignore[arg-type]
+    assert LayerSpec("notes", 10, 20, aliases=["memo"]).aliases == ("memo",)  # type: ignore[arg-type]
+
+
 MARKED = """[AXIOMS]
 Never reveal secrets.
 [/AXIOMS]
