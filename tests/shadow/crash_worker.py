@@ -2,20 +2,32 @@
 
 Generation ``g`` of the session holds exactly the blocks ``live_serials(g)``, whose
 bytes and keys depend only on their serial number, so the parent can check that a
-recovered snapshot is one complete generation.
+recovered snapshot is one complete generation. Manifests are signed (``KEY``).
+
+Modes: ``incremental`` writes each generation's new blocks as a new segment
+(compacting now and then); ``full`` compacts on any garbage, so every generation after
+the first rewrites all its blocks into one fresh segment.
 """
 
 from __future__ import annotations
 
 import os
 
-from shadow_testkit import MEDIUM, add_blocks, make_cache
+from shadow_testkit import KEY, MEDIUM, add_blocks, make_cache
 
-from shadow import BlobNotFoundError, CacheShadow, ShadowConfig, load_manifest, open_store
+from shadow import (
+    BlobNotFoundError,
+    CacheShadow,
+    ShadowConfig,
+    StoreConfig,
+    load_manifest,
+    open_store,
+)
 
 SESSION = "crash"
 NEW_PER_GENERATION = 6
 WINDOW = 30
+COMPACT_AT = {"incremental": 0.4, "full": 1e-9}
 
 
 def live_serials(generation: int) -> list[int]:
@@ -23,15 +35,18 @@ def live_serials(generation: int) -> list[int]:
     return list(range(max(0, hi - WINDOW), hi))
 
 
-def run(store_url: str, progress_path: str) -> None:
-    store = open_store(store_url)
+def run(store_url: str, progress_path: str, endpoint_url: str | None = None,
+        mode: str = "incremental", env: dict[str, str] | None = None) -> None:
+    os.environ.update(env or {})
+    store = open_store(store_url, StoreConfig(endpoint_url=endpoint_url))
     cache = make_cache(MEDIUM, device_blocks=8, host_blocks=4 * WINDOW)
     try:
-        generation = load_manifest(store, SESSION).generation
+        generation = load_manifest(store, SESSION, key=KEY).generation
     except BlobNotFoundError:
         generation = 0
     shadow = CacheShadow(cache, store, SESSION,
-                         config=ShadowConfig(autostart=False, compact_garbage_fraction=0.4))
+                         config=ShadowConfig(autostart=False, auth_key=KEY,
+                                             compact_garbage_fraction=COMPACT_AT[mode]))
     by_serial: dict[int, int] = {}
     if generation:
         report = shadow.recover_session()
