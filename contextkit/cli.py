@@ -3,7 +3,8 @@
 Every error a user can cause (a missing store, bad data, no credentials, a model that
 is not installed) ends as one line on stderr, ``contextkit: error: ...``, saying what
 to do, and exit status 2; anything else is a bug and prints one line naming it plus
-how to see the traceback (``--debug``), exit status 1. Ctrl-C exits 130 quietly.
+how to see the traceback (``--debug``), exit status 70 (EX_SOFTWARE), so that it is
+never mistaken for ``recover``'s 1 (a session refused). Ctrl-C exits 130 quietly.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from shadow import ShadowError
 __all__ = ["EXIT_BUG", "EXIT_INTERRUPTED", "EXIT_USER_ERROR", "build_parser", "main",
            "run_command"]
 
-#: Exit statuses: a user error (one line saying what to do), a bug, Ctrl-C.
+#: Exit statuses: a user error (one line saying what to do), a bug (sysexits'
+#: EX_SOFTWARE), Ctrl-C.
 EXIT_USER_ERROR = 2
-EXIT_BUG = 1
+EXIT_BUG = 70
 EXIT_INTERRUPTED = 130
 
 #: Errors a user can cause and fix; their messages say how. ValueError and OSError
@@ -120,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="contextkit",
         description="Semantic control of a 4-bit tiered KV cache for agents.",
-        epilog="Errors print one line saying what to do and exit with status 2 (1 for a "
+        epilog="Errors print one line saying what to do and exit with status 2 (70 for a "
                "bug: rerun with --debug for the traceback).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
