@@ -87,6 +87,9 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> None:
                         help="S3-compatible endpoint (MinIO, Ceph, moto); default: boto3's")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object as the last line of stdout")
+    parser.add_argument("--tenant", default=None, metavar="NAME",
+                        help="show only this tenant's blocks, pins and layers (default: "
+                             "every tenant's)")
     parser.add_argument("--tier-status", default=None, metavar="PATH",
                         help="also show the last tier-manager cycle from this file "
                              "(written by ContextTierManager.write_status)")
@@ -107,11 +110,15 @@ def run_status(args: argparse.Namespace) -> dict[str, Any]:
         ShadowStoreError: a named store directory that does not exist.
         TierStatusError: ``--tier-status`` names a missing or malformed file.
     """
+    from gpu_cache.ids import validate_tenant
     from shadow.auth import KEY_ENV, describe_auth, resolve_key
     from shadow.cli import default_store_url
 
     now = time.time()
-    # Both inputs are checked before anything is printed: an error is the only output.
+    # Inputs are checked before anything is printed: an error is the only output.
+    tenant = getattr(args, "tenant", None)
+    if tenant is not None:
+        validate_tenant(tenant)
     tier_path = getattr(args, "tier_status", None)
     tier_doc = _read_tier_status(Path(tier_path)) if tier_path is not None else None
     named = require_store(args.store)
@@ -121,12 +128,14 @@ def run_status(args: argparse.Namespace) -> dict[str, Any]:
     if not named and local is not None and not local.is_dir():
         store_url, sessions = f"file://{local}", []  # the default store: nothing shadowed yet
     else:
-        store_url, sessions = _read_sessions(url, getattr(args, "endpoint_url", None), now)
+        store_url, sessions = _read_sessions(url, getattr(args, "endpoint_url", None), now,
+                                             tenant)
     key = resolve_key()
     auth = {"authenticated": key is not None, "description": describe_auth(key),
             "key_source": KEY_ENV if key is not None else None}
     out = sys.stdout
-    out.write(f"shadow store {store_url}: {len(sessions)} session(s)\n")
+    whose = f"tenant {tenant}" if tenant is not None else "all tenants"
+    out.write(f"shadow store {store_url}: {len(sessions)} session(s), {whose}\n")
     out.write(f"manifest auth: {auth['description']}"
               f"{f'; key from ${KEY_ENV}' if key is not None else ''}\n")
     for s in sessions:
@@ -135,27 +144,34 @@ def run_status(args: argparse.Namespace) -> dict[str, Any]:
             continue
         layers = ", ".join(f"{k} {v}" for k, v in s["by_layer"].items())
         tenants = ", ".join(f"{k} {v}" for k, v in s["tenants"].items())
+        disk = (f"; {s['stored_bytes'] / 1e6:,.1f} MB on disk"
+                if s["stored_bytes"] is not None else "")
         out.write(
             f"\n  {s['session_id']}  (generation {s['generation']}, {_age(s['age_s'])})\n"
             f"    model      {s['model']} [{s['codec']}], identity {s['identity']}\n"
             f"    manifest   {'signed, MAC checked' if s['authenticated'] else 'unsigned'}\n"
             f"    blocks     {s['blocks']:,} ({s['tokens']:,} tokens, "
-            f"{s['bytes'] / 1e6:,.1f} MB; {s['stored_bytes'] / 1e6:,.1f} MB on disk)\n"
+            f"{s['bytes'] / 1e6:,.1f} MB{disk})\n"
             f"    pinned     {s['pinned_blocks']:,} (restored to the device tier on recovery)\n"
             f"    layers     {layers}\n"
             f"    tenants    {tenants}\n")
     if not sessions:
         out.write("  nothing shadowed yet; run `contextkit demo` or attach a CacheShadow\n")
-    result: dict[str, Any] = {"store": store_url, "auth": auth, "sessions": sessions}
+    result: dict[str, Any] = {"store": store_url, "tenant": tenant, "auth": auth,
+                              "sessions": sessions}
     if tier_doc is not None:
         result["tier_manager"] = _tier_status(Path(str(tier_path)), tier_doc, now)
     out.flush()
     return result
 
 
-def _read_sessions(url: str, endpoint_url: str | None,
-                   now: float) -> tuple[str, list[dict[str, Any]]]:
-    """The store's URL and one summary per session (``error`` set when unreadable)."""
+def _read_sessions(url: str, endpoint_url: str | None, now: float,
+                   tenant: str | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """The store's URL and one summary per session (``error`` set when unreadable).
+
+    With ``tenant``, only that tenant's blocks are counted and sessions holding none
+    of them are left out (unreadable sessions are still listed).
+    """
     from gpu_cache import CacheIdentityError
     from shadow import ShadowError, discover_sessions, load_manifest, open_store
     from shadow.stores import StoreConfig
@@ -171,16 +187,20 @@ def _read_sessions(url: str, endpoint_url: str | None,
                 except (ShadowError, CacheIdentityError) as exc:
                     entry["error"] = str(exc)
                 else:
+                    blocks = [b for b in m.blocks if tenant is None or b.tenant == tenant]
+                    if not blocks and tenant is not None:
+                        continue
                     entry.update({
                         "generation": m.generation,
-                        "blocks": len(m.blocks),
-                        "pinned_blocks": sum(1 for b in m.blocks if b.pinned),
-                        "tokens": sum(b.num_tokens for b in m.blocks),
-                        "bytes": m.num_bytes,
-                        "stored_bytes": m.stored_bytes,
-                        "by_layer": dict(Counter(b.source_layer for b in m.blocks)
+                        "blocks": len(blocks),
+                        "pinned_blocks": sum(1 for b in blocks if b.pinned),
+                        "tokens": sum(b.num_tokens for b in blocks),
+                        "bytes": len(blocks) * m.bytes_per_block,
+                        # the session's files are shared by its tenants: whole only
+                        "stored_bytes": m.stored_bytes if tenant is None else None,
+                        "by_layer": dict(Counter(b.source_layer for b in blocks)
                                          .most_common()),
-                        "tenants": dict(Counter(b.tenant for b in m.blocks).most_common()),
+                        "tenants": dict(Counter(b.tenant for b in blocks).most_common()),
                         "model": m.identity.model_id,
                         "codec": m.identity.codec,
                         "identity": m.identity.digest().hex()[:12],

@@ -56,8 +56,10 @@ def _no_ambient_config(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CONTEXTKIT_SHADOW_KEY", raising=False)
 
 
-def shadow_session(store: Path, session_id: str, num_blocks: int = 3) -> Path:
-    """Shadow a small real cache as ``session_id``; returns its manifest's path."""
+def shadow_session(store: Path, session_id: str, num_blocks: int = 3,
+                   tenants: tuple[str, ...] = ("default",)) -> Path:
+    """Shadow a small real cache as ``session_id`` (block ``i`` of tenant
+    ``tenants[i % len(tenants)]``); returns its manifest's path."""
     cache = TQGPUCache(SMALL, CacheConfig(num_device_blocks=8, num_host_blocks=16, device="cpu"))
     shape = (SMALL.num_layers, num_blocks, SMALL.block_size, SMALL.num_kv_heads)
     gen = torch.Generator().manual_seed(len(session_id))
@@ -67,9 +69,11 @@ def shadow_session(store: Path, session_id: str, num_blocks: int = 3) -> Path:
             else torch.rand(shape, generator=gen) + 0.5)
         for n in TENSOR_NAMES}
     bs = SMALL.block_size
-    metas = [{"source_layer": "memories", "importance": 0.5, "tenant_slug": "default",
+    metas = [{"source_layer": "memories", "importance": 0.5,
+              "tenant_slug": tenants[i % len(tenants)],
               "token_range": (i * bs, i * bs + bs), "num_tokens": bs,
-              "key": cache.block_keys([i * 31 + t for t in range(bs)], "default")[0]}
+              "key": cache.block_keys([i * 31 + t for t in range(bs)],
+                                      tenants[i % len(tenants)])[0]}
              for i in range(num_blocks)]
     assert cache.import_blocks(tensors, metas, tier=Tier.HOST) is not None
     with CacheShadow(cache, f"file://{store}", session_id,
@@ -355,6 +359,28 @@ def test_recover_and_status_never_fail_as_a_bug_on_mutated_manifests(
         assert summary["blocks"] in (3, 5), context  # good whole; bad whole or refused
         code, out, err = call(capsys, "status", "--store", str(store), "--json")
         assert code in (0, 1) and "unexpected" not in err, context
+
+
+def test_status_shows_one_tenant_when_asked_and_checks_the_name(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = tmp_path / "store"
+    shadow_session(store, "shared", num_blocks=5, tenants=("acme", "globex"))
+    shadow_session(store, "solo", num_blocks=2, tenants=("globex",))
+    code, out, _ = call(capsys, "status", "--store", str(store), "--json")
+    everyone = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and everyone["tenant"] is None and "all tenants" in out
+    assert everyone["sessions"][0]["tenants"] == {"acme": 3, "globex": 2}
+
+    code, out, _ = call(capsys, "status", "--store", str(store), "--tenant", "acme", "--json")
+    result = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and result["tenant"] == "acme" and "tenant acme" in out
+    (session,) = result["sessions"]  # "solo" holds nothing of acme's
+    assert session["session_id"] == "shared" and session["blocks"] == 3
+    assert session["tenants"] == {"acme": 3} and "globex" not in out
+
+    for bad in ("", "acme\nglobex", "../x"):
+        code, out, err = call(capsys, "status", "--store", str(store), "--tenant", bad)
+        assert code == 2 and out == "" and "tenant" in error_line(err)
 
 
 # ------------------------------------------------------------------ status: auth
