@@ -15,6 +15,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import crash_worker
 import pytest
@@ -72,7 +73,7 @@ def _recovered_is_one_generation(store, generation: int) -> str | None:
 
 
 def _kill_loop(tmp_path, monkeypatch, store_url: str, kills: int, *, mode: str,
-               endpoint_url: str | None = None) -> dict[str, object]:
+               endpoint_url: str | None = None) -> dict[str, Any]:
     # Children fork from a server that already imported torch and the worker: no 3-5 s
     # start-up per kill. The server finds the worker through PYTHONPATH (Python 3.11's
     # forkserver ignores the parent's sys.path when preloading).

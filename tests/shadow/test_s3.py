@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -185,7 +186,7 @@ def test_missing_bucket_is_a_store_error(s3_endpoint):
         store.list()
 
 
-def _dangling_upload(store: S3Store, key: str) -> str:
+def _dangling_upload(store: Any, key: str) -> str:
     """A multipart upload a killed writer left: started, one part, never completed."""
     client, obj = store.client, store._object_key(key)
     upload = client.create_multipart_upload(Bucket=store.bucket, Key=obj)["UploadId"]
