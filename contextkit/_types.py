@@ -7,7 +7,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["CacheFullError", "GenerationResult", "TokenSpan"]
+__all__ = ["CacheFullError", "GenerationResult", "TokenIdError", "TokenSpan"]
+
+
+class TokenIdError(ValueError):
+    """A token id that is not an integer in the model's vocabulary ``[0, vocab_size)``."""
 
 
 class CacheFullError(RuntimeError):
@@ -36,7 +40,8 @@ class GenerationResult:
         computed_tokens: prompt tokens run through the model.
         ttft_ms: request start to first token.
         total_ms: request start to last token.
-        blocks_per_tier: the cache's used blocks per tier after the request.
+        blocks_per_tier: the caller's tenant's blocks per tier after the request (other
+            tenants' are not counted; ``engine.cache.summary()`` has the cache-wide view).
         block_ids: this sequence's blocks in order (kept or freed afterwards).
         first_logits: float32 logits that chose the first token ``[vocab]``.
     """

@@ -20,7 +20,8 @@ test_engine.py``). Weights are shared between engines built from one model
 
 The pieces live in private modules: ``_llama`` (weights and shapes), ``_attention``
 (flash passes and log-sum-exp merging), ``_kv`` (per-request K/V views over the
-cache) and ``_types`` (results and errors); their public names are re-exported here.
+cache), ``_inputs`` (checks of token ids) and ``_types`` (results and errors); their
+public names are re-exported here.
 """
 
 from __future__ import annotations
@@ -37,12 +38,21 @@ import torch.nn.functional as F
 
 from contextkit._attention import _rotate
 from contextkit._extras import require
+from contextkit._inputs import CALIBRATION_TEXT, check_token_ids
 from contextkit._kv import _check_overlay, _ContiguousKV, _PagedKV
 from contextkit._llama import UnsupportedModelError, _Model, tokenizer_fingerprint
-from contextkit._types import CacheFullError, GenerationResult, TokenSpan
-from gpu_cache import CacheConfig, CacheIdentity, Tier, TQGPUCache
+from contextkit._types import CacheFullError, GenerationResult, TokenIdError, TokenSpan
+from gpu_cache import (
+    CacheConfig,
+    CacheIdentity,
+    PrefixPinManager,
+    Tier,
+    TQGPUCache,
+    validate_tenant,
+)
 from gpu_cache._errors import CacheIdentityError
 from gpu_cache.calibration import key_offset_digest, mean_key_offsets
+from gpu_cache.config import PinConfig
 from gpu_cache.hashing import BlockHash
 
 __all__ = [
@@ -50,6 +60,7 @@ __all__ = [
     "CacheFullError",
     "Engine",
     "GenerationResult",
+    "TokenIdError",
     "TokenSpan",
     "UnsupportedModelError",
     "tokenizer_fingerprint",
@@ -61,24 +72,6 @@ KV_FORMATS = ("tq4", "native")
 #: for SmolLM2's 16-token sink).
 _SINK_MEMO_SIZE = 8
 
-#: Text the key offsets are calibrated on (fixed, so the identity is reproducible).
-_CALIBRATION_TEXT = (
-    "You are a careful assistant for a platform engineering team. Check the facts before "
-    "acting, prefer reversible changes, and say what you do not know.\n"
-    "The deploy pipeline builds a container image, runs the integration suite, rolls the "
-    "new version out to one region, watches error rates and latency for ten minutes, and "
-    "then continues region by region. A failed health check stops the rollout.\n"
-    "User: the checkout service p95 latency doubled after the 14:05 deploy. What changed?\n"
-    "Assistant: The 14:05 deploy of checkout-api v2.31 enabled the new pricing client. "
-    "Its connection pool is 8, down from 32, and the pool wait time rose from 2 ms to 180 ms. "
-    "I suggest raising the pool size back to 32 or rolling back to v2.30; both are safe.\n"
-    "def retry(fn, attempts=3, backoff=0.5):\n    for i in range(attempts):\n        try:\n"
-    "            return fn()\n        except TimeoutError:\n"
-    "            time.sleep(backoff * 2 ** i)\n"
-    "    raise RuntimeError('gave up')\n"
-    "Memory 2026-03-02: the user prefers short answers with the exact command to run.\n"
-    "State: 14 services healthy, 1 degraded (search-indexer, replica lag 41 s), queue depth 312.\n"
-)
 
 
 class Engine:
@@ -104,6 +97,9 @@ class Engine:
             multiple of ``block_size``) are attended in float32, recomputed by a short
             forward when a request reuses them (remembered per tenant for the last 8
             prefixes). ``None``: one block; 0: off.
+        pins: pin quotas and idle TTL of the cache the engine builds (default
+            :class:`~gpu_cache.config.PinConfig`: a tenant pins at most a quarter of
+            the device tier, all tenants three quarters; pins idle 10 minutes expire).
 
     Raises:
         UnsupportedModelError: not a Llama-architecture model.
@@ -126,6 +122,7 @@ class Engine:
         prefill_chunk: int = 4096,
         residual_tokens: int = 128,
         sink_tokens: int | None = None,
+        pins: PinConfig | None = None,
         _shared: _Model | None = None,
         _offsets: torch.Tensor | None = None,
     ) -> None:
@@ -169,7 +166,8 @@ class Engine:
         else:
             cache = TQGPUCache(identity, CacheConfig(
                 num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
-                device=str(m.device), eviction_policy=eviction_policy), key_offsets=offsets)
+                device=str(m.device), eviction_policy=eviction_policy,
+                pins=pins if pins is not None else PinConfig()), key_offsets=offsets)
         self.identity = identity
         self.cache = cache
         self._offsets = offsets
@@ -215,7 +213,7 @@ class Engine:
                       _offsets=self._offsets if fmt == "tq4" else None, **kwargs)
 
     def _calibrate_offsets(self) -> torch.Tensor:
-        ids = self.encode(_CALIBRATION_TEXT)
+        ids = self.encode(CALIBRATION_TEXT)
         keys: list[torch.Tensor] = []
         self._forward(ids, 0, _ContiguousKV(self.model.num_layers), collect_keys=keys)
         return mean_key_offsets([k.transpose(0, 1) for k in keys])
@@ -294,6 +292,14 @@ class Engine:
         return torch.cat(outs) if all_logits else outs[-1]
 
     # ------------------------------------------------------------------ requests
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's embedding: valid token ids are ``[0, vocab_size)``."""
+        return int(self.model.embed.shape[0])
+
+    def _token_ids(self, token_ids: Sequence[int], what: str = "token_ids") -> list[int]:
+        return check_token_ids(token_ids, self.vocab_size, what)
+
     def _check_prompt(self, ids: Sequence[int], extra: int) -> None:
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
@@ -320,20 +326,31 @@ class Engine:
         cache = self.cache
         bs = cache.block_size
         need = -(-(len(ids) + extra) // bs)
+        capacity = cache.capacity(Tier.DEVICE)
         with cache.locked():
-            pinned_elsewhere = len(cache.metadata.pinned())
             keys = cache.block_keys(ids, tenant)
             hits = cache.lookup(keys, tenant) if reuse else []
             if max_reuse is not None:
                 hits = hits[: max(0, max_reuse) // bs]
-            pinned_hits = sum(1 for b in hits if cache.metadata.get(b).pinned)
-            room = cache.capacity(Tier.DEVICE) - (pinned_elsewhere - pinned_hits)
+            pins = PrefixPinManager(cache)
+            pins.release_idle(protect=hits)
+            if need > capacity:
+                raise CacheFullError(
+                    f"a request of {len(ids)} prompt + {extra} new tokens needs {need} blocks of "
+                    f"{bs} tokens, but the device tier holds {capacity}; raise "
+                    "num_device_blocks or shorten the prompt. Nothing cached was dropped")
+            room = capacity - self._pinned_outside(hits)
+            if need > room:
+                # Pins are a cache, not a reservation: demote other tenants' (idle and
+                # over-quota ones first) rather than fail this request.
+                pins.reclaim(need - room, for_tenant=tenant, protect=hits)
+                room = capacity - self._pinned_outside(hits)
             if need > room:
                 raise CacheFullError(
                     f"a request of {len(ids)} prompt + {extra} new tokens needs {need} blocks of "
-                    f"{bs} tokens, but the device tier has {cache.capacity(Tier.DEVICE)} blocks "
-                    f"({pinned_elsewhere} pinned); raise num_device_blocks, unpin prefixes, or "
-                    "shorten the prompt. Nothing cached was dropped")
+                    f"{bs} tokens, but only {room} of the device tier's {capacity} are not "
+                    "pinned; raise num_device_blocks or shorten the prompt. Nothing cached was "
+                    "dropped")
             cache.acquire(hits)
             host = [b for b in hits if cache.metadata.get(b).tier is Tier.HOST]
             if host and cache.warm_blocks(host) is None:
@@ -354,6 +371,11 @@ class Engine:
             self._annotate(block_ids, len(hits), len(ids), tenant, spans)
             cache.metadata.touch(hits)
         return block_ids, new, keys, len(hits) * bs
+
+    def _pinned_outside(self, hits: Sequence[int]) -> int:
+        """Pinned blocks other than ``hits`` (what a request cannot use)."""
+        mine = set(hits)
+        return sum(1 for m in self.cache.metadata.pinned() if m.block_id not in mine)
 
     def _annotate(self, block_ids: Sequence[int], first: int, prompt_len: int, tenant: str,
                   spans: Sequence[TokenSpan] | None) -> None:
@@ -425,8 +447,12 @@ class Engine:
             self._sink_memo.popitem(last=False)
         return pairs
 
-    def _blocks_per_tier(self) -> dict[str, int]:
-        return {t.value: self.cache.num_used(t) for t in Tier}
+    def _blocks_per_tier(self, tenant: str) -> dict[str, int]:
+        """The tenant's blocks per tier (other tenants' are not the caller's business)."""
+        out = {t.value: 0 for t in Tier}
+        for meta in self.cache.metadata.of_tenant(tenant):
+            out[meta.tier.value] += 1
+        return out
 
     def _sample(self, logits: torch.Tensor) -> int:
         return int(torch.argmax(logits))
@@ -458,11 +484,14 @@ class Engine:
 
         Raises:
             ValueError: an empty or over-long prompt.
+            TokenIdError: a token id outside the vocabulary (a ValueError).
+            InvalidNameError: a tenant that breaks :func:`gpu_cache.validate_tenant`.
             CacheFullError: the device tier cannot hold the sequence (nothing lost).
         """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        ids = [int(t) for t in token_ids]
+        validate_tenant(tenant)
+        ids = self._token_ids(token_ids)
         self._check_prompt(ids, max_new_tokens)
         with self._lock:
             t0 = time.perf_counter()
@@ -502,7 +531,7 @@ class Engine:
             reused_tokens=start if use_cache else 0,
             computed_tokens=len(ids) - (start if use_cache else 0),
             ttft_ms=ttft * 1000, total_ms=total * 1000,
-            blocks_per_tier=self._blocks_per_tier() if use_cache else {},
+            blocks_per_tier=self._blocks_per_tier(tenant) if use_cache else {},
             kv_format=self.kv_format if use_cache else "native",
             block_ids=block_ids, first_logits=first_logits)
 
@@ -529,9 +558,15 @@ class Engine:
                 the exact path a request took: what it reused, what it computed).
             residual_tokens, sink_tokens: this call's float residual window and sink
                 (default: the engine's; 0 and 0 read every token back from TQ4).
+
+        Raises:
+            ValueError: an empty target or an over-long sequence.
+            TokenIdError: a token id outside the vocabulary (a ValueError).
+            InvalidNameError: a tenant that breaks :func:`gpu_cache.validate_tenant`.
         """
-        prompt = [int(t) for t in prompt_ids]
-        target = [int(t) for t in target_ids]
+        validate_tenant(tenant)
+        prompt = self._token_ids(prompt_ids, "prompt_ids")
+        target = self._token_ids(target_ids, "target_ids")
         if not target:
             raise ValueError("target_ids is empty")
         ids = prompt + target

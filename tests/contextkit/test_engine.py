@@ -147,6 +147,49 @@ def test_bad_requests_say_what_to_do(engine: Engine) -> None:
         engine.sibling("fp8")
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_allocation(
+        fresh: Callable[..., Engine]) -> None:
+    eng = fresh("tq4", device=32, host=32)
+    vocab = eng.model.embed.shape[0]
+    ids = chat(eng, "Short system prompt.")
+    rule = rf"\[0, {vocab}\)"
+    for bad in ([*ids, vocab], [-1, *ids], [*ids[:3], vocab + 1000, *ids[3:]]):
+        with pytest.raises(ValueError, match=rule) as err:
+            eng.generate(bad, max_new_tokens=1)
+        assert "\n" not in str(err.value) and "tokenizer" in str(err.value)
+        with pytest.raises(ValueError, match=rule):
+            eng.score(bad, [1])
+        with pytest.raises(ValueError, match=rule):
+            eng.score(ids, bad)
+        with pytest.raises(ValueError, match=rule):
+            eng.generate(bad, max_new_tokens=1, use_cache=False)
+    with pytest.raises(ValueError, match="integer"):
+        eng.generate([*ids, 2.5], max_new_tokens=1)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="position 3"):
+        eng.generate([1, 2, 3, -7], max_new_tokens=1)
+    assert len(eng.cache.metadata) == 0
+    assert eng.cache.num_used(Tier.DEVICE) == eng.cache.num_used(Tier.HOST) == 0
+    assert eng.generate(ids, max_new_tokens=1).prompt_tokens == len(ids)  # still serves
+
+
+def test_tenants_are_checked_and_results_count_the_callers_blocks(
+        fresh: Callable[..., Engine]) -> None:
+    eng = fresh("tq4", device=64, host=64)
+    ids = chat(eng, SYSTEM)
+    for bad in ("", "a\nb", "acme corp", "../x"):
+        with pytest.raises(ValueError, match="tenant"):
+            eng.generate(ids, max_new_tokens=1, tenant=bad)
+        with pytest.raises(ValueError, match="tenant"):
+            eng.score(ids, [1], tenant=bad)
+    assert len(eng.cache.metadata) == 0
+    first = eng.generate(ids, max_new_tokens=1, tenant="acme")
+    other = eng.generate(chat(eng, "Short system prompt."), max_new_tokens=1, tenant="globex")
+    for result, tenant in ((first, "acme"), (other, "globex")):
+        mine = [m for m in eng.cache.metadata.all() if m.tenant_slug == tenant]
+        assert sum(result.blocks_per_tier.values()) == len(mine)
+    assert sum(other.blocks_per_tier.values()) < len(eng.cache.metadata)
+
+
 def test_cache_of_another_tokenizer_is_refused(engine: Engine) -> None:
     from transformers import AutoTokenizer
 
