@@ -29,8 +29,13 @@ class CallReport:
         layer_tokens: tokens per layer after budgets; spilled_lines: lines over budget.
         reused_tokens, computed_tokens, kv_reuse_ratio, ttft_ms, total_ms: from the
             engine (zero until :meth:`CacheAwareContextPipeline.generate` runs).
-        blocks_per_tier: used blocks per cache tier; pinned_blocks: pinned blocks;
-        blocks_by_layer: this tenant's cached blocks per source layer.
+        blocks_per_tier: this tenant's blocks per cache tier; pinned_blocks: this
+            tenant's pinned blocks; blocks_by_layer: this tenant's cached blocks per
+            source layer (other tenants' blocks are never counted).
+        pin_state: what happened to the stable prefix's pins: ``"pinned"``,
+            ``"unpinned"`` (served without pins: the cap of all tenants' pins was
+            reached, or the prefix is shorter than a block; ``pin_reason`` says which)
+            or ``"off"`` (``pin_stable=False``, or before ``generate``).
     """
 
     call: int
@@ -52,6 +57,8 @@ class CallReport:
     blocks_per_tier: dict[str, int] = field(default_factory=dict)
     pinned_blocks: int = 0
     blocks_by_layer: dict[str, int] = field(default_factory=dict)
+    pin_state: str = "off"
+    pin_reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

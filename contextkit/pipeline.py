@@ -28,14 +28,17 @@ What it does with an engine attached:
   themselves;
 - tokenizes segment by segment, labels every token range with its layer and
   importance, and lets the engine register each block with that metadata;
-- pins the stable prefix's blocks, and reports per call what was reused, what was
-  computed, which layer broke the prefix, and the blocks per tier.
+- pins the stable prefix's blocks within the tenant's pin quota (releasing the
+  tenant's superseded pins; see :mod:`gpu_cache.pinning`), and reports per call what
+  was reused, what was computed, which layer broke the prefix, whether the prefix is
+  pinned, and the tenant's blocks per tier.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -53,7 +56,7 @@ from contextkit.prompt import (
     render_marked,
     synthesize_for_budget,
 )
-from gpu_cache import PrefixPinManager, validate_tenant
+from gpu_cache import PinCapacityError, PrefixPinManager, Tier, validate_tenant
 from gpu_cache.metadata import PINNABLE_SOURCES, BlockMeta
 
 __all__ = [
@@ -65,6 +68,8 @@ __all__ = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+logger = logging.getLogger(__name__)
 
 
 #: A layer is emitted in the trailing (volatile) message when its learned change
@@ -86,7 +91,6 @@ class _TenantState:
         self.last_texts: dict[str, str] = {}
         self.last_segments: list[tuple[str, tuple[int, ...]]] = []
         self.stable_hash = ""
-        self.pinned: list[int] = []
         self.last: BuiltPrompt | None = None
 
 
@@ -374,6 +378,8 @@ class CacheAwareContextPipeline:
         Raises:
             RuntimeError: no engine attached, or nothing built yet.
             CacheFullError: the prompt does not fit the device tier (nothing lost).
+            PinCapacityError: ``pin_stable`` and the tenant's stable prefix is longer
+                than its pin quota (nothing computed).
         """
         if self.engine is None:
             raise RuntimeError("no engine attached: this pipeline only passes prompts "
@@ -390,11 +396,16 @@ class CacheAwareContextPipeline:
             ids, spans, stable_end = self.assemble(user_message, history, tenant=tenant,
                                                    built=built, after=after)
             assert built is not None
+            if self.pin_stable:
+                self._check_pin_quota(tenant, spans, stable_end)
             result = self.engine.generate(ids, max_new_tokens=max_new_tokens, tenant=tenant,
                                           spans=spans, on_token=on_token)
-            if self.pin_stable:
-                self._pin_stable(state, result.block_ids, stable_end)
             report = built.report
+            if self.pin_stable:
+                report.pin_state, report.pin_reason = self._pin_stable(
+                    tenant, result.block_ids, stable_end)
+            else:
+                report.pin_state, report.pin_reason = "off", ""
             report.prompt_tokens = result.prompt_tokens
             report.reused_tokens = result.reused_tokens
             report.computed_tokens = result.computed_tokens
@@ -402,29 +413,66 @@ class CacheAwareContextPipeline:
             report.ttft_ms = result.ttft_ms
             report.total_ms = result.total_ms
             report.blocks_per_tier = dict(result.blocks_per_tier)
-            report.pinned_blocks = len(self.pinned_blocks())
+            report.pinned_blocks = len(self.pinned_blocks(tenant))
             report.blocks_by_layer = self.blocks_by_layer(tenant)
         return PipelineResult(result.text, result, report)
 
-    def _pin_stable(self, state: _TenantState, block_ids: Sequence[int], stable_end: int) -> None:
+    def _check_pin_quota(self, tenant: str, spans: Sequence[TokenSpan], stable_end: int) -> None:
+        """Refuse, before any work, a stable prefix longer than the tenant's pin quota.
+
+        Raises:
+            PinCapacityError: the prefix's full blocks exceed the quota.
+        """
+        assert self.engine is not None
+        pinnable_end = 0
+        for span in spans:  # the leading run of pinnable layers, within the stable prefix
+            if span.start >= stable_end or span.source_layer not in PINNABLE_SOURCES:
+                break
+            pinnable_end = span.end
+        num_blocks = min(pinnable_end, stable_end) // self.engine.cache.block_size
+        quota = self._pins.tenant_quota
+        if num_blocks > quota:
+            pins = self._pins.config
+            raise PinCapacityError(
+                f"tenant {tenant!r}'s stable prefix is {num_blocks} blocks, over its pin quota "
+                f"of {quota} (PinConfig.tenant_share={pins.tenant_share} of "
+                f"{self._pins.cache.capacity(Tier.DEVICE)} device blocks); shorten the stable "
+                "layers, give the engine more num_device_blocks or a larger tenant_share, or "
+                "build the pipeline with pin_stable=False. Nothing was computed")
+
+    def _pin_stable(self, tenant: str, block_ids: Sequence[int],
+                    stable_end: int) -> tuple[str, str]:
+        """Pin this call's stable prefix and release the tenant's superseded pins.
+
+        Returns:
+            ``(pin_state, reason)``: ``("pinned", "")`` or ``("unpinned", why)``.
+        """
         assert self.engine is not None
         cache = self.engine.cache
         full = stable_end // cache.block_size
         wanted = []
-        for bid in block_ids[:full]:
-            if bid not in cache.metadata:
-                break
-            meta = cache.metadata.get(bid)
-            if meta.source_layer not in PINNABLE_SOURCES or meta.key is None:
-                break
-            wanted.append(bid)
-        if wanted == state.pinned:
-            return
-        stale = [b for b in state.pinned if b not in set(wanted) and b in cache.metadata]
-        if stale:
-            self._pins.unpin(stale)
-        self._pins.pin(wanted)
-        state.pinned = wanted
+        with cache.locked():
+            for bid in block_ids[:full]:
+                if bid not in cache.metadata:
+                    break
+                meta = cache.metadata.get(bid)
+                if meta.source_layer not in PINNABLE_SOURCES or meta.key is None:
+                    break
+                wanted.append(bid)
+            # A tenant's pins are its latest stable prefix: whatever else it holds pinned
+            # (an older version, or a prefix pinned by another process) is superseded.
+            self._pins.unpin_tenant(tenant, keep=wanted)
+            if not wanted:
+                return "unpinned", "the stable prefix is shorter than one block"
+            try:
+                outcome = self._pins.try_pin(wanted)
+            except PinCapacityError as exc:  # checked before the call; keep the reply
+                logger.warning("tenant %s: stable prefix served unpinned: %s", tenant, exc)
+                return "unpinned", str(exc)
+        if outcome.refused is not None:
+            logger.info("tenant %s: stable prefix served unpinned: %s", tenant, outcome.refused)
+            return "unpinned", outcome.refused
+        return "pinned", ""
 
     # ------------------------------------------------------------------ cache views
     def cached_blocks(self, tenant: str | None = None) -> list[BlockMeta]:
@@ -434,14 +482,15 @@ class CacheAwareContextPipeline:
         tenant = _check_tenant(self.tenant if tenant is None else tenant)
         return [m for m in self.engine.cache.metadata.all() if m.tenant_slug == tenant]
 
-    def pinned_blocks(self, tenant: str | None = None) -> list[int]:
-        """Ids of pinned blocks (of one tenant when given; empty without a cache)."""
+    def pinned_blocks(self, tenant: str | None = None, *,
+                      all_tenants: bool = False) -> list[int]:
+        """Ids of the pinned blocks of ``tenant`` (default: the pipeline's own), or of
+        every tenant with ``all_tenants=True`` (empty without a cache)."""
         if self.engine is None:
             return []
-        metas = self.engine.cache.metadata.pinned()
-        if tenant is not None:
-            metas = [m for m in metas if m.tenant_slug == tenant]
-        return sorted(m.block_id for m in metas)
+        if all_tenants:
+            return self._pins.pinned_ids()
+        return self._pins.pinned_ids(_check_tenant(self.tenant if tenant is None else tenant))
 
     def blocks_by_layer(self, tenant: str | None = None) -> dict[str, int]:
         """Cached blocks per source layer for a tenant (empty without a cache)."""

@@ -12,6 +12,7 @@ from contextkit.engine import CacheFullError, Engine
 from contextkit.layers import LayerConfig, LayerSpec
 from contextkit.pipeline import CacheAwareContextPipeline, cache_aware
 from contextkit.prompt import PromptFormatError, StructuredPrompt, parse_marked
+from gpu_cache.config import PinConfig
 
 pytestmark = pytest.mark.slow
 
@@ -163,7 +164,8 @@ def test_expanded_budgets_only_with_a_cache(fresh: Callable[..., Engine]) -> Non
 
 
 def test_bad_prompts_fail_clearly_and_lose_nothing(fresh: Callable[..., Engine]) -> None:
-    engine = fresh("tq4", device=48, host=16)
+    # A small device tier: half of it may hold the (18-block) stable prefix's pins.
+    engine = fresh("tq4", device=48, host=16, pins=PinConfig(tenant_share=0.5))
     pipeline = CacheAwareContextPipeline(engine)
     build = pipeline.wrap(lambda text: text)
     build(marked(0))
