@@ -8,6 +8,7 @@ connector hands it K/V as ``[num_layers, n, block_size, num_kv_heads, head_dim]`
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -20,10 +21,12 @@ from gpu_cache import (
     CacheConfig,
     CacheIdentity,
     CacheIdentityError,
+    InvalidNameError,
     PinCapacityError,
     PrefixPinManager,
     Tier,
     TQGPUCache,
+    validate_tenant,
 )
 from gpu_cache.codec import TQ4Encoded
 from gpu_cache.hashing import BlockHash
@@ -40,9 +43,19 @@ from shadow import (
     recover_session,
 )
 
-__all__ = ["ConnectorStore", "SaveResult", "local_session_keys"]
+__all__ = ["ConnectorStore", "SaveResult", "local_session_keys", "tenant_slug"]
 
 logger = logging.getLogger(__name__)
+
+
+def tenant_slug(cache_salt: str) -> str:
+    """The cache tenant of a vLLM ``cache_salt``: the salt itself when it follows
+    contextkit's naming rule (as the pipeline's tenants do), else a stable digest of
+    it. vLLM allows any salt; block keys are salted with the raw salt either way."""
+    try:
+        return validate_tenant(cache_salt)
+    except InvalidNameError:
+        return "salt-" + hashlib.sha256(cache_salt.encode()).hexdigest()[:40]
 
 #: Session name of the verified snapshot ``contextkit recover --for-vllm`` writes.
 LOCAL_SESSION = "vllm-recovered"
@@ -204,7 +217,8 @@ class ConnectorStore:
         Args:
             k, v: ``[num_layers, n, block_size, num_kv_heads, head_dim]`` (any float dtype).
             keys: one key per block; keys already held are skipped.
-            tenant: owner of the blocks (keys are salted with it).
+            tenant: owner of the blocks, vLLM's ``cache_salt`` (keys are salted with
+                it; the cache records it as :func:`tenant_slug`).
             labels: one semantic label per block.
 
         Returns:
@@ -216,6 +230,7 @@ class ConnectorStore:
             raise ValueError(f"k/v must be {want}, got {tuple(k.shape)} / {tuple(v.shape)}")
         result = SaveResult()
         cache = self.cache
+        tenant = tenant_slug(tenant)
         with self._lock, cache.locked():
             todo = [i for i, key in enumerate(keys) if key not in self._ids]
             if not todo:
@@ -280,7 +295,7 @@ class ConnectorStore:
         """
         cache = self.cache
         with self._lock, cache.locked():
-            bids = cache.lookup([BlockHash(key) for key in keys], tenant)
+            bids = cache.lookup([BlockHash(key) for key in keys], tenant_slug(tenant))
             if not bids:
                 return None
             cache.metadata.touch(bids)
