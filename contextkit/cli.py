@@ -196,7 +196,9 @@ def _describe_s3(exc: BaseException, args: argparse.Namespace) -> str | None:
     """
     if not type(exc).__module__.startswith("botocore"):
         return None
-    store = getattr(args, "store", None) or os.environ.get("CONTEXTKIT_SHADOW_URL") or "the store"
+    from shadow.cli import DEFAULT_STORE_ENV
+
+    store = getattr(args, "store", None) or os.environ.get(DEFAULT_STORE_ENV) or "the store"
     if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
         return (f"no AWS credentials for {store}; set AWS_ACCESS_KEY_ID and "
                 "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or use a file:// store")
