@@ -1,4 +1,4 @@
-"""The ``contextkit`` command: demo, status, recover, bench.
+"""The ``contextkit`` command: demo, status, recover, config, bench.
 
 Every error a user can cause (a missing store, bad data, no credentials, a model that
 is not installed) ends as one line on stderr, ``contextkit: error: ...``, saying what
@@ -19,6 +19,7 @@ from importlib import metadata
 
 from contextkit._extras import MissingExtraError
 from contextkit.bench import BENCHMARKS, load
+from contextkit.config import ConfigError
 from contextkit.engine import CacheFullError
 from contextkit.layers import UnknownLayerError
 from contextkit.models import ModelNotInstalledError
@@ -38,8 +39,8 @@ EXIT_INTERRUPTED = 130
 #: Errors a user can cause and fix; their messages say how. ValueError and OSError
 #: cover bad values and paths handed to the library (typed errors derive from them).
 USER_ERRORS: tuple[type[BaseException], ...] = (
-    MissingExtraError, ModelNotInstalledError, GPUCacheError, ShadowError, CacheFullError,
-    PromptFormatError, UnknownLayerError, ValueError, OSError)
+    ConfigError, MissingExtraError, ModelNotInstalledError, GPUCacheError, ShadowError,
+    CacheFullError, PromptFormatError, UnknownLayerError, ValueError, OSError)
 
 Command = Callable[[argparse.Namespace], "int | None"]
 
@@ -101,6 +102,38 @@ def _recover(args: argparse.Namespace) -> int:
     result = run_recover(args)
     _emit_json(args, result)
     return 1 if result.get("errors") else 0
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    from contextkit.config import load_config
+
+    config = load_config(args.config)
+    if args.json:
+        _emit_json(args, config.as_dict())
+    else:
+        print(config.describe())
+    return 0
+
+
+def _add_config(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+                parents: list[argparse.ArgumentParser]) -> None:
+    from contextkit.config import CONFIG_ENV
+
+    config = sub.add_parser(
+        "config", help="the effective configuration and where each value came from",
+        description="contextkit reads one configuration: defaults, then a TOML/YAML file "
+                    f"(--config or ${CONFIG_ENV}), then CONTEXTKIT_<SECTION>_<FIELD> "
+                    "environment variables, then values set in code; later sources win. "
+                    "See docs/configuration.md.",
+        parents=parents)
+    actions = config.add_subparsers(dest="config_action", metavar="ACTION", required=True)
+    show = actions.add_parser("show", help="print every key, its value and its source "
+                                           "(secrets masked)", parents=parents)
+    show.add_argument("--config", default=None, metavar="PATH",
+                      help=f"a TOML or YAML configuration file (default: ${CONFIG_ENV})")
+    show.add_argument("--json", action="store_true",
+                      help="print one JSON object as the last line of stdout")
+    show.set_defaults(func=_config_show)
 
 
 def _version() -> str:
@@ -180,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "(or the whole --kv-transfer-config) as JSON, or @FILE")
     recover.set_defaults(func=_recover)
 
+    _add_config(sub, parents)
     _add_bench(sub, parents)
     return parser
 

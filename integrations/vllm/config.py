@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from contextkit.config import ConfigError, load_config
 
 __all__ = [
     "CONNECTOR_CLASS",
@@ -95,11 +98,16 @@ class ConnectorConfig:
                                            f"s3://bucket/prefix), got {url!r}")
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
-        """Build from ``kv_connector_extra_config``.
+    def from_extra_config(cls, extra: dict[str, Any] | None, *,
+                          env: Mapping[str, str] | None = None) -> ConnectorConfig:
+        """Build from ``kv_connector_extra_config`` over contextkit's configuration.
+
+        The ``[connector]`` section of :func:`contextkit.config.load_config` (its file,
+        ``CONTEXTKIT_CONNECTOR_*`` variables, ``CONTEXTKIT_CONNECTOR_CONFIG``) gives the
+        base; ``extra`` (what ``--kv-transfer-config`` says) wins over it.
 
         Raises:
-            ConnectorConfigError: an unknown key or a bad value.
+            ConnectorConfigError: an unknown key or a bad value, in any source.
         """
         extra = dict(extra or {})
         known = {f.name for f in dataclasses.fields(cls)}
@@ -108,9 +116,11 @@ class ConnectorConfig:
             raise ConnectorConfigError(
                 f"unknown kv_connector_extra_config keys {unknown}; known keys: {sorted(known)}")
         try:
-            return cls(**extra)
-        except TypeError as exc:
-            raise ConnectorConfigError(str(exc)) from exc
+            config: ConnectorConfig = load_config(env=env, overrides={"connector": extra})[
+                "connector"]
+        except ConfigError as exc:
+            raise ConnectorConfigError(str(exc)) from None
+        return config
 
     @classmethod
     def from_json(cls, text: str) -> ConnectorConfig:

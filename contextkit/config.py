@@ -1,0 +1,548 @@
+"""One configuration for every component: defaults in one place, four sources, one order.
+
+A configuration is a set of *sections*, each a frozen dataclass whose field defaults are
+the defaults (there is no second copy of them anywhere)::
+
+    cache     CacheSettings         sizes and placement of the block cache, cache dir
+    engine    EngineSettings        the embedded engine (model, KV format, overlays)
+    pins      gpu_cache.PinConfig   per-tenant pin quota, global cap, idle TTL
+    pipeline  PipelineSettings      the cache-aware pipeline (tenant, ordering, pinning)
+    shadow    ShadowSettings        cold-tier store URL, MAC key, schedule, S3 endpoint
+    tiers     TierManagerConfig     the OODA tier manager (``tiers.thresholds.promote``...)
+    metrics   MetricsSettings       Prometheus export
+    connector ConnectorConfig       the vLLM connector (``kv_connector_extra_config``)
+
+Values come from, lowest precedence first:
+
+1. the defaults of the section dataclasses;
+2. a TOML or YAML file (``--config PATH`` or ``$CONTEXTKIT_CONFIG``), one table per
+   section (``[shadow]`` ``url = "file:///var/lib/contextkit"``);
+3. environment variables ``CONTEXTKIT_<SECTION>_<FIELD>`` (``CONTEXTKIT_SHADOW_URL``,
+   ``CONTEXTKIT_PINS_TENANT_SHARE``; nested fields join with ``__``:
+   ``CONTEXTKIT_TIERS_THRESHOLDS__PROMOTE``);
+4. code: the ``overrides`` mapping given to :func:`load_config`.
+
+A later source wins field by field. Unknown sections and keys are refused with the known
+ones listed, values are converted to the field's type and checked by the section's own
+validation; every error is one line that names the source and the key.
+:meth:`Config.describe` (``contextkit config show``) tells where each value came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import json
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if typing.TYPE_CHECKING:
+    from gpu_cache.config import CacheConfig, PinConfig
+
+__all__ = [
+    "CONFIG_ENV",
+    "ENV_PREFIX",
+    "SECTIONS",
+    "CacheSettings",
+    "Config",
+    "ConfigError",
+    "EngineSettings",
+    "MetricsSettings",
+    "PipelineSettings",
+    "ShadowSettings",
+    "load_config",
+    "register_section",
+]
+
+#: Environment variable naming the configuration file.
+CONFIG_ENV = "CONTEXTKIT_CONFIG"
+#: Prefix of every configuration environment variable.
+ENV_PREFIX = "CONTEXTKIT_"
+#: Fields whose values are never printed.
+SECRET_FIELDS = frozenset({"shadow.key"})
+
+
+class ConfigError(ValueError):
+    """A configuration source holds an unknown key or a value of the wrong type or range."""
+
+
+def _default_cache_dir() -> str:
+    return str(Path.home() / ".cache" / "contextkit")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSettings:
+    """The block cache the engine builds, and where contextkit keeps converted models.
+
+    Args:
+        dir: directory of converted model weights and the connector's local store.
+        num_device_blocks: blocks of the device ("VRAM") tier.
+        num_host_blocks: blocks of the host ("DDR") tier.
+        device: device of the device tier; ``None`` picks CUDA when present.
+        eviction_policy: ``"semantic"`` (layer priority, importance, recency) or ``"lru"``.
+        block_size: tokens per block.
+    """
+
+    dir: str = dataclasses.field(default_factory=_default_cache_dir)
+    num_device_blocks: int = 1024
+    num_host_blocks: int = 2048
+    device: str | None = None
+    eviction_policy: str = "semantic"
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        from gpu_cache.config import PinConfig
+
+        # CacheConfig owns the checks of what it shares with these settings.
+        self.cache_config(PinConfig())
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    def cache_config(self, pins: PinConfig) -> CacheConfig:
+        """The :class:`gpu_cache.CacheConfig` of these settings and ``pins``."""
+        from gpu_cache.config import CacheConfig
+
+        return CacheConfig(num_device_blocks=self.num_device_blocks,
+                           num_host_blocks=self.num_host_blocks, device=self.device,
+                           eviction_policy=self.eviction_policy, pins=pins)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """The embedded engine (:class:`contextkit.engine.Engine`).
+
+    Args:
+        model: a local transformers model directory; ``None``: the packaged SmolLM2.
+        kv_format: ``"tq4"`` (packed 4-bit) or ``"native"`` (float32, exact).
+        calibrate: per-head key offsets (tq4).
+        prefill_chunk: prompt tokens per forward step.
+        residual_tokens: float32 recent window over the TQ4 cache.
+        sink_tokens: float32 attention sink; ``None``: one block.
+    """
+
+    model: str | None = None
+    kv_format: str = "tq4"
+    calibrate: bool = True
+    prefill_chunk: int = 4096
+    residual_tokens: int = 128
+    sink_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_format not in ("tq4", "native"):
+            raise ValueError(f"kv_format must be 'tq4' or 'native', got {self.kv_format!r}")
+        if self.prefill_chunk < 1 or self.residual_tokens < 0:
+            raise ValueError("prefill_chunk must be >= 1 and residual_tokens >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSettings:
+    """The cache-aware pipeline (:class:`contextkit.pipeline.CacheAwareContextPipeline`).
+
+    Args:
+        tenant: the default tenant of calls that name none.
+        reorder: volatility-aware layer ordering.
+        trailing_message: volatile layers in a system message after the conversation.
+        pin_stable: pin the stable prefix (within the tenant's pin quota).
+        volatility_alpha: weight of the newest observation in a layer's change rate.
+    """
+
+    tenant: str = "default"
+    reorder: bool = True
+    trailing_message: bool = True
+    pin_stable: bool = True
+    volatility_alpha: float = 0.3
+
+    def __post_init__(self) -> None:
+        from gpu_cache import validate_tenant
+
+        validate_tenant(self.tenant)
+        if not 0.0 < self.volatility_alpha <= 1.0:
+            raise ValueError(f"volatility_alpha must be in (0, 1], got {self.volatility_alpha}")
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowSettings:
+    """The cold-tier shadow (:mod:`shadow`).
+
+    Args:
+        url: ``file:///path`` or ``s3://bucket/prefix``; empty: no shadow.
+        key: MAC key of manifests and the index (secret; never printed).
+        session_id: the session this process shadows under.
+        interval_seconds: period of the background shadow.
+        allow_unauthenticated: restore unsigned sessions from an ``s3://`` store.
+        upload_abort_after_seconds: age past which incomplete S3 uploads are aborted.
+        endpoint_url: S3-compatible endpoint (MinIO, Ceph, moto); ``None``: boto3's.
+        region_name: S3 region; ``None``: boto3's.
+    """
+
+    url: str = ""
+    key: str | None = None
+    session_id: str = "default"
+    interval_seconds: float = 60.0
+    allow_unauthenticated: bool = False
+    upload_abort_after_seconds: float = 3600.0
+    endpoint_url: str | None = None
+    region_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.url and "://" not in self.url:
+            raise ValueError(f"url must be file:///path or s3://bucket/prefix, got {self.url!r}")
+        self.shadow_config()
+
+    def shadow_config(self, **kwargs: Any) -> Any:
+        """A :class:`shadow.ShadowConfig` of these settings (``kwargs`` override)."""
+        from shadow import ShadowConfig
+
+        values: dict[str, Any] = {
+            "interval_seconds": self.interval_seconds, "auth_key": self.key,
+            "allow_unauthenticated": self.allow_unauthenticated,
+            "upload_abort_after_seconds": self.upload_abort_after_seconds}
+        values.update(kwargs)
+        return ShadowConfig(**values)
+
+    def store_config(self) -> Any:
+        """A :class:`shadow.StoreConfig` of these settings."""
+        from shadow import StoreConfig
+
+        return StoreConfig(endpoint_url=self.endpoint_url, region_name=self.region_name)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSettings:
+    """Prometheus export (:mod:`contextkit.metrics`).
+
+    Args:
+        enabled: record metrics at all.
+        port: serve ``/metrics`` on this port (127.0.0.1 unless ``addr`` says otherwise);
+            ``None``: do not serve (a host process such as vLLM exports them).
+        addr: address of that server.
+        max_tenant_labels: distinct tenants labelled by name; later ones share the label
+            ``"other"`` (keeps the series count bounded).
+    """
+
+    enabled: bool = True
+    port: int | None = None
+    addr: str = "127.0.0.1"
+    max_tenant_labels: int = 32
+
+    def __post_init__(self) -> None:
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535] or None, got {self.port}")
+        if self.max_tenant_labels < 1:
+            raise ValueError(f"max_tenant_labels must be >= 1, got {self.max_tenant_labels}")
+
+
+#: Section name -> dataclass, or ``"module:Class"`` imported when a configuration is
+#: loaded (so ``import contextkit.config`` stays cheap: no torch).
+SECTIONS: dict[str, type | str] = {
+    "cache": CacheSettings,
+    "engine": EngineSettings,
+    "pins": "gpu_cache.config:PinConfig",
+    "pipeline": PipelineSettings,
+    "shadow": ShadowSettings,
+    "tiers": "contextkit.tiers:TierManagerConfig",
+    "metrics": MetricsSettings,
+    "connector": "integrations.vllm.config:ConnectorConfig",
+}
+
+
+def register_section(name: str, cls: type | str) -> None:
+    """Add a section (a dataclass with defaults for every field, or ``"module:Class"``)."""
+    if "_" in name or not name.isidentifier():
+        raise ValueError(f"section name {name!r} must be an identifier without '_'")
+    SECTIONS[name] = cls
+
+
+def _section_classes() -> dict[str, type]:
+    classes = {}
+    for name, ref in SECTIONS.items():
+        if isinstance(ref, str):
+            module, _, attr = ref.partition(":")
+            ref = getattr(importlib.import_module(module), attr)
+        assert isinstance(ref, type) and dataclasses.is_dataclass(ref), name
+        classes[name] = ref
+    return classes
+
+
+# --------------------------------------------------------------------------- values
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _fields(cls: type) -> dict[str, Any]:
+    hints = _hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _coerce(value: Any, tp: Any, where: str, from_text: bool) -> Any:
+    """``value`` as type ``tp``; ``from_text``: it came from an environment variable."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if type(None) in args and (value is None or (
+                from_text and str(value).strip().lower() in ("", "none", "null"))):
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where, from_text)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp in (int, float):
+        if isinstance(value, bool) or (not from_text and not isinstance(value, (int, float))):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            number = tp(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
+        if tp is int and isinstance(value, float) and number != value:
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return number
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        for member in tp:
+            if value in (member.value, member.name) or str(value).lower() in (
+                    str(member.value).lower(), member.name.lower()):
+                return member
+        raise ConfigError(f"{where}: expected one of {[m.name.lower() for m in tp]}, "
+                          f"got {value!r}")
+    if tp is Any:
+        return value
+    raise ConfigError(f"{where}: values of type {tp} cannot be configured")
+
+
+def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
+    kwargs: dict[str, Any] = {}
+    fields = _fields(cls)
+    for name, value in values.items():
+        tp = fields[name]
+        kwargs[name] = _build(tp, value, f"{where}.{name}") if _is_dataclass_type(tp) else value
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+# --------------------------------------------------------------------------- sources
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The effective configuration: one instance per section, and each value's source.
+
+    Sections are attributes (``config.shadow.url``) and items (``config["shadow"]``).
+    ``sources`` maps ``"section.field"`` to ``"default"``, ``"file PATH"``,
+    ``"env NAME"`` or ``"code"``.
+    """
+
+    sections: Mapping[str, Any]
+    sources: Mapping[str, str]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.sections[name]
+        except KeyError:
+            raise AttributeError(f"no configuration section {name!r}; sections: "
+                                 f"{sorted(self.sections)}") from None
+
+    def __getitem__(self, name: str) -> Any:
+        return self.sections[name]
+
+    def items(self) -> list[tuple[str, Any, str]]:
+        """``(key, value, source)`` of every field, sections in order, secrets masked."""
+        rows = []
+        for section, obj in self.sections.items():
+            for key, value in _flatten(obj, section):
+                shown = "***" if key in SECRET_FIELDS and value is not None else value
+                rows.append((key, shown, self.sources.get(key, "default")))
+        return rows
+
+    def describe(self) -> str:
+        """One line per field: ``key = value  (source)``."""
+        rows = self.items()
+        width = max(len(k) for k, _, _ in rows)
+        return "\n".join(f"{k:<{width}} = {json.dumps(_plain(v))}  ({s})" for k, v, s in rows)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Nested plain values (secrets masked), e.g. for ``--json``."""
+        out: dict[str, Any] = {}
+        for key, value, source in self.items():
+            out[key] = {"value": _plain(value), "source": source}
+        return out
+
+
+def _plain(value: Any) -> Any:
+    return value.name.lower() if isinstance(value, enum.Enum) else value
+
+
+def _flatten(obj: Any, prefix: str) -> list[tuple[str, Any]]:
+    rows: list[tuple[str, Any]] = []
+    for f in dataclasses.fields(obj):
+        if not f.init:
+            continue
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            rows.extend(_flatten(value, f"{prefix}.{f.name}"))
+        else:
+            rows.append((f"{prefix}.{f.name}", value))
+    return rows
+
+
+def _merge(into: dict[str, Any], cls: type, values: Any, where: str, source: str,
+           sources: dict[str, str], from_text: bool) -> None:
+    """Check ``values`` (a mapping for dataclass ``cls``) and merge them into ``into``."""
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where}: expected a table of keys, got {values!r}")
+    fields = _fields(cls)
+    for name, value in values.items():
+        key = f"{where}.{name}"
+        if name not in fields:
+            raise ConfigError(f"unknown key {key!r} ({source}); known keys of "
+                              f"[{where}]: {sorted(fields)}")
+        tp = fields[name]
+        if _is_dataclass_type(tp):
+            nested = into.setdefault(name, {})
+            _merge(nested, tp, value, key, source, sources, from_text)
+        else:
+            into[name] = _coerce(value, tp, f"{key} ({source})", from_text)
+            sources[key] = source
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"configuration file {str(path)!r} does not exist; fix --config or "
+                          f"${CONFIG_ENV}")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            doc = yaml.safe_load(text)
+        elif path.suffix.lower() == ".json":
+            doc = json.loads(text)
+        else:
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib  # type: ignore[no-redef]
+            doc = tomllib.loads(text)
+    except Exception as exc:  # every parser has its own error class
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"cannot parse configuration file {str(path)!r}: {reason}") from None
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"configuration file {str(path)!r} must hold tables of keys")
+    return doc
+
+
+def _env_values(env: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """Environment variables as ``{section: {field or nested: text}}`` plus their names."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, text in sorted(env.items()):
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
+            continue
+        rest = name[len(ENV_PREFIX):].lower()
+        section, _, field = rest.partition("_")
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown configuration variable ${name}; variables are "
+                              f"{ENV_PREFIX}<SECTION>_<FIELD> with sections {sorted(SECTIONS)}")
+        if section == "connector" and field == "config":
+            # The connector's historical JSON form: a whole section in one variable.
+            try:
+                doc = json.loads(text)
+            except ValueError as exc:
+                raise ConfigError(f"${name} is not JSON: {exc}") from None
+            if not isinstance(doc, dict):
+                raise ConfigError(f"${name} must be a JSON object")
+            doc = doc.get("kv_connector_extra_config", doc) or {}
+            out.setdefault(section, {}).update({k: (v, name, False) for k, v in doc.items()})
+            continue
+        target = out.setdefault(section, {})
+        parts = field.split("__")
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+        target[parts[-1]] = (text, name, True)
+    return out
+
+
+def _merge_env(into: dict[str, Any], cls: type, values: dict[str, Any], where: str,
+               sources: dict[str, str]) -> None:
+    fields = _fields(cls)
+    for name, item in values.items():
+        key = f"{where}.{name}"
+        if name not in fields:
+            var = item[1] if isinstance(item, tuple) else key
+            raise ConfigError(f"unknown configuration variable for {key!r} (${var}); known "
+                              f"keys of [{where}]: {sorted(fields)}")
+        tp = fields[name]
+        if _is_dataclass_type(tp):
+            if isinstance(item, tuple):
+                raise ConfigError(f"${item[1]}: {key} is a table; set its keys with __")
+            _merge_env(into.setdefault(name, {}), tp, item, key, sources)
+        else:
+            text, var, from_text = item
+            into[name] = _coerce(text, tp, f"{key} (${var})", from_text)
+            sources[key] = f"env {var}"
+
+
+def load_config(path: str | os.PathLike[str] | None = None, *,
+                env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Config:
+    """The effective configuration from defaults, a file, the environment and code.
+
+    Args:
+        path: a TOML, YAML or JSON file; ``None``: ``$CONTEXTKIT_CONFIG`` if set.
+        env: the environment to read (default ``os.environ``).
+        overrides: ``{section: {field: value}}`` set in code; they win over the rest.
+
+    Raises:
+        ConfigError: an unknown section or key, a value of the wrong type or range, or a
+            file that is missing or does not parse. One line, naming the source.
+    """
+    env = os.environ if env is None else env
+    if path is None and env.get(CONFIG_ENV):
+        path = env[CONFIG_ENV]
+    classes = _section_classes()
+    raw: dict[str, dict[str, Any]] = {name: {} for name in classes}
+    sources: dict[str, str] = {}
+
+    def merge_tables(doc: Mapping[str, Any], source: str, from_text: bool) -> None:
+        for section, values in doc.items():
+            if section not in classes:
+                raise ConfigError(f"unknown configuration section {section!r} ({source}); "
+                                  f"sections: {sorted(classes)}")
+            _merge(raw[section], classes[section], values, section, source, sources,
+                   from_text)
+
+    if path is not None:
+        merge_tables(_read_file(Path(path)), f"file {path}", False)
+    for section, values in _env_values(env).items():
+        _merge_env(raw[section], classes[section], values, section, sources)
+    if overrides:
+        merge_tables(overrides, "code", False)
+    sections = {name: _build(cls, raw[name], name) for name, cls in classes.items()}
+    return Config(sections=sections, sources=sources)
