@@ -34,7 +34,7 @@ class CallReport:
             source layer (other tenants' blocks are never counted).
         pin_state: what happened to the stable prefix's pins: ``"pinned"``,
             ``"unpinned"`` (served without pins: the cap of all tenants' pins was
-            reached, or the prefix is shorter than a block; ``pin_reason`` says which)
+            reached, or the prefix fills no whole block; ``pin_reason`` says which)
             or ``"off"`` (``pin_stable=False``, or before ``generate``).
     """
 

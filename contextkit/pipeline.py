@@ -463,7 +463,8 @@ class CacheAwareContextPipeline:
             # (an older version, or a prefix pinned by another process) is superseded.
             self._pins.unpin_tenant(tenant, keep=wanted)
             if not wanted:
-                return "unpinned", "the stable prefix is shorter than one block"
+                return "unpinned", ("the stable prefix fills no whole block of a pinnable "
+                                    "layer; nothing to pin")
             try:
                 outcome = self._pins.try_pin(wanted)
             except PinCapacityError as exc:  # checked before the call; keep the reply

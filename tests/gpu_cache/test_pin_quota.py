@@ -21,7 +21,7 @@ T0 = 1_000_000.0  # a fixed clock: tests pass ``now`` explicitly
 
 def make_cache(device: int = 32, host: int = 64, pins: PinConfig | None = None) -> TQGPUCache:
     config = CacheConfig(num_device_blocks=device, num_host_blocks=host,
-                         **({"pins": pins} if pins is not None else {}))
+                         pins=pins if pins is not None else PinConfig())
     return TQGPUCache(IDENTITY, config)
 
 
