@@ -5,6 +5,7 @@ Engines are siblings of the session's model (``fresh``), so the weights load onc
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 from contextkit.engine import Engine
 from contextkit.pipeline import CacheAwareContextPipeline
 from gpu_cache import PinCapacityError, Tier
+from gpu_cache.config import PinConfig
 
 pytestmark = pytest.mark.slow
 
@@ -147,3 +149,22 @@ def test_views_and_reports_show_the_callers_tenant_only(fresh: Callable[..., Eng
         assert report.blocks_per_tier[Tier.DEVICE.value] == sum(
             1 for m in blocks if m.tier is Tier.DEVICE)
     assert sum(reports["acme"].blocks_per_tier.values()) < len(engine.cache.metadata)
+
+
+def test_pins_of_an_idle_tenant_expire_on_the_next_request(
+        fresh: Callable[..., Engine]) -> None:
+    engine = fresh("tq4", device=64, host=64, pins=PinConfig(idle_ttl_s=0.5))
+    pipeline = CacheAwareContextPipeline(engine)
+    pipeline.build(tenant_prompt("quiet"), tenant="quiet")
+    first = pipeline.generate("hi", max_new_tokens=1, tenant="quiet")
+    assert first.report.pin_state == "pinned" and pins_by_tenant(engine)["quiet"] > 0
+    quiet = pipeline.pinned_blocks("quiet")
+    time.sleep(0.6)
+    pipeline.build(tenant_prompt("busy"), tenant="busy")
+    pipeline.generate("hi", max_new_tokens=1, tenant="busy")
+    assert set(pins_by_tenant(engine)) == {"busy"}
+    # The idle tenant's blocks stay cached as ordinary blocks of their layer's priority.
+    metas = [engine.cache.metadata.get(b) for b in quiet]
+    assert all(not m.pinned and m.eviction_priority < 999 for m in metas)
+    again = pipeline.generate("hi", max_new_tokens=1, tenant="quiet")
+    assert again.report.reused_tokens > 0 and again.report.pin_state == "pinned"
