@@ -20,9 +20,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,9 +30,9 @@ from gpu_cache._errors import (
     BlockStateError,
     CacheIdentityError,
     CodecInputError,
-    InvalidNameError,
     UnknownBlockError,
 )
+from gpu_cache._records import check_import_record
 from gpu_cache._storage import TENSOR_NAMES, LayerView, MoveStats, TierStorage, _run
 from gpu_cache.calibration import key_offset_digest
 from gpu_cache.codec import TQ4Codec
@@ -54,18 +53,6 @@ __all__ = ["TENSOR_NAMES", "CacheConfig", "LayerView", "MoveStats", "TQGPUCache"
 logger = logging.getLogger(__name__)
 
 _FREED_MEMORY = 1 << 20  # remember this many freed ids for precise errors
-
-
-@dataclass(frozen=True, slots=True)
-class _ImportRecord:
-    """One checked block record of :meth:`TQGPUCache.import_blocks`."""
-
-    source_layer: str
-    importance: float
-    token_range: tuple[int, int]
-    tenant: str
-    num_tokens: int
-    key: BlockHash | None
 
 
 class TQGPUCache:
@@ -531,7 +518,7 @@ class TQGPUCache:
         """
         n = len(metas)
         ref = self._tiers[tier]
-        records = [self._import_record(i, m) for i, m in enumerate(metas)]
+        records = [check_import_record(i, m, self.block_size) for i, m in enumerate(metas)]
         if block_major:
             tensors = {name: t.transpose(0, 1) for name, t in tensors.items()}
         for name, t_ref in zip(TENSOR_NAMES, ref.tensors(), strict=True):
@@ -557,47 +544,6 @@ class TQGPUCache:
                 if rec.key is not None:
                     self.set_key(bid, rec.key)
             return ids
-
-    def _import_record(self, index: int, meta: Mapping[str, object]) -> _ImportRecord:
-        """Check one block record of :meth:`import_blocks` before anything is allocated.
-
-        Raises:
-            ValueError: a field of the wrong type or out of range (InvalidNameError for
-                the tenant), naming the record and the field.
-        """
-        where = f"import_blocks record {index}"
-        layer = meta.get("source_layer", "unassigned")
-        if not isinstance(layer, str) or not layer:
-            raise ValueError(f"{where}: source_layer must be a non-empty str, got {layer!r}")
-        importance = meta.get("importance", 0.5)
-        if (isinstance(importance, bool) or not isinstance(importance, (int, float))
-                or not 0.0 <= float(importance) <= 1.0):
-            raise ValueError(f"{where}: importance must be a number in [0, 1], got "
-                             f"{importance!r}")
-        token_range = meta.get("token_range", (0, 0))
-        if (not isinstance(token_range, (tuple, list)) or len(token_range) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                           for x in token_range)
-                or token_range[0] > token_range[1]):
-            raise ValueError(f"{where}: token_range must be two ints 0 <= start <= end, got "
-                             f"{token_range!r}")
-        tenant = meta.get("tenant_slug", "default")
-        try:
-            validate_tenant(tenant)
-        except InvalidNameError as exc:
-            raise InvalidNameError(f"{where}: {exc}") from None
-        assert isinstance(tenant, str)
-        num_tokens = meta.get("num_tokens", self.block_size)
-        if (not isinstance(num_tokens, int) or isinstance(num_tokens, bool)
-                or not 0 <= num_tokens <= self.block_size):
-            raise ValueError(f"{where}: num_tokens must be an int in [0, {self.block_size}], "
-                             f"got {num_tokens!r}")
-        key = meta.get("key")
-        if key is not None and (not isinstance(key, bytes) or len(key) != 32):
-            raise ValueError(f"{where}: key must be 32 bytes (a SHA-256 block key) or absent, "
-                             f"got {key!r:.80}")
-        return _ImportRecord(layer, float(importance), (token_range[0], token_range[1]),
-                             tenant, num_tokens, None if key is None else BlockHash(key))
 
     # ------------------------------------------------------------------ reporting
     def summary(self) -> dict[str, object]:
