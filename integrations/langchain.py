@@ -270,7 +270,9 @@ class ContextKitCallbackHandler(LogView, BaseCallbackHandler):
 class ContextKitChatModel(BaseChatModel):
     """A LangChain chat model running on contextkit's embedded engine.
 
-    Args:
+    Its fields are passed by keyword: ``ContextKitChatModel(engine=engine)``.
+
+    Attributes:
         engine: the :class:`~contextkit.engine.Engine` (e.g. ``Engine.from_pretrained()``).
         pipeline: the pipeline the :class:`ContextKitMiddleware` uses; with it, system
             messages the middleware built are laid out the pipeline's way.
