@@ -5,17 +5,19 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft lint typecheck clean
+.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft docs lint typecheck clean
 
 help:
 	@echo "make demo       set up, then replay a ten-layer agent on SmolLM2: TTFT with vs"
 	@echo "                without contextkit per turn, plot, shadow (~5 min on 2 cores)"
-	@echo "make test       set up, then run the test suite (what CI runs)"
+	@echo "make test       set up, then run the test suite (CI runs it, then make docs)"
 	@echo "make test-heavy multi-minute end-to-end runs (bench ttft on the real model)"
 	@echo "make test-vllm  the vLLM connector end to end on vLLM's CPU build, in its own"
 	@echo "                virtualenv .venv-vllm (~4 min to create, then ~5-7 min)"
 	@echo "make bench      run the quick CPU benchmarks with --json into bench/results/"
 	@echo "make bench-ttft the 20-turn TTFT benchmark (~35 min on 2 cores)"
+	@echo "make docs       set up, then build the API reference into site/ (mkdocs --strict:"
+	@echo "                any broken reference or docstring warning fails; CI runs it)"
 	@echo "make lint       ruff; make typecheck: mypy"
 
 setup:
@@ -50,6 +52,11 @@ bench-ttft: setup
 	@mkdir -p bench/results
 	$(PY) -m contextkit.cli bench ttft --json --out bench/results | tee bench/results/ttft-cpu.log | tail -n 1 > bench/results/ttft-cpu.json
 
+# Strict: a broken cross-reference, a docstring that does not match its signature or a
+# missing page is an error. Static analysis only: nothing is imported (see mkdocs.yml).
+docs: setup
+	.venv/bin/mkdocs build --strict --site-dir site
+
 lint: setup
 	.venv/bin/ruff check contextkit gpu_cache memory_graph shadow integrations tests
 
@@ -57,4 +64,4 @@ typecheck: setup
 	.venv/bin/mypy
 
 clean:
-	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache runs
+	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache runs site
