@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -130,6 +131,15 @@ class DebrisReport:
                 "live_sessions": list(self.live_sessions), "untrusted": list(self.untrusted)}
 
 
+_WRITER_FILE = re.compile(r"(seg-[0-9]{6}\.)?[kv]_(packed|norms)\.bin|" + re.escape(LEASE_NAME))
+
+
+def _is_writer_file(session_id: str, key: str) -> bool:
+    """``key`` is a blob or lease name a shadow writer writes directly under its session."""
+    rest = key[len(session_id) + 1:]
+    return key.startswith(f"{session_id}/") and _WRITER_FILE.fullmatch(rest) is not None
+
+
 def _session_of(key: str) -> str | None:
     return key.split("/", 1)[0] if "/" in key else None
 
@@ -225,7 +235,9 @@ def sweep_debris(store: ShadowStore, *, key: bytes | str | None = None,
                 logger.info("not sweeping session %s: %s", sid, exc)
                 continue
             keep = {manifest_path} | {f for s in manifest.segments for f in s.files.values()}
-        stale = [k for k in by_session[sid] if k not in keep]
+        # Only names the writer itself produces, one level under the session: a
+        # directory that merely looks like a session keeps every other file.
+        stale = [k for k in by_session[sid] if k not in keep and _is_writer_file(sid, k)]
         store.delete_many(stale)
         report.deleted += [k for k in stale if not k.endswith(f"/{LEASE_NAME}")]
     if local is not None:

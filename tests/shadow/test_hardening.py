@@ -325,3 +325,18 @@ def test_reading_a_missing_local_store_is_an_error_writing_creates_it(tmp_path):
     _shadow(missing, "s", range(2))
     assert [i.session_id for i in shadow.discover_sessions(open_store(missing, create=False))] \
         == ["s"]
+
+
+def test_recover_sweep_never_deletes_files_that_are_not_shadow_blobs(tmp_path) -> None:
+    from contextkit.cli import main
+
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "main.py").write_text("x")
+    (tmp_path / "agent-1").mkdir()
+    (tmp_path / "agent-1" / "notes.bin").write_text("y")
+    (tmp_path / "agent-1" / "deep").mkdir()
+    (tmp_path / "agent-1" / "deep" / "k_packed.bin").write_text("z")
+    main(["recover", "--store", str(tmp_path), "--no-progress"])
+    assert (tmp_path / "project" / "main.py").read_text() == "x"
+    assert (tmp_path / "agent-1" / "notes.bin").read_text() == "y"
+    assert (tmp_path / "agent-1" / "deep" / "k_packed.bin").read_text() == "z"
