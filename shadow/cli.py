@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_cache import CacheConfig, CacheIdentity, CacheIdentityError, TQGPUCache
+from gpu_cache.config import NO_PIN_QUOTA
 from shadow._errors import ShadowError
 from shadow.auth import describe_auth, resolve_key
 from shadow.debris import DEFAULT_DEBRIS_AGE_S, DebrisReport, sweep_debris
@@ -69,7 +70,8 @@ def _build_cache(identity: CacheIdentity, manifests: list[Manifest]) -> TQGPUCac
     """A cache for ``identity`` big enough for the sessions' blocks and pins."""
     num_blocks = sum(len(m.blocks) for m in manifests)
     num_pinned = sum(1 for m in manifests for b in m.blocks if b.pinned)
-    return TQGPUCache(identity, CacheConfig(num_device_blocks=max(16, num_pinned + 16),
+    return TQGPUCache(identity, CacheConfig(
+            pins=NO_PIN_QUOTA, num_device_blocks=max(16, num_pinned + 16),
                                             num_host_blocks=max(16, num_blocks)),
                       key_offsets=manifests[0].key_offsets_tensor())
 

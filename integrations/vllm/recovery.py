@@ -31,6 +31,7 @@ from typing import Any
 
 from contextkit.status import require_store
 from gpu_cache import CacheConfig, CacheIdentity, CacheIdentityError, TQGPUCache
+from gpu_cache.config import NO_PIN_QUOTA
 from integrations.vllm.config import ConnectorConfig
 from integrations.vllm.identity import vllm_cache_identity
 from integrations.vllm.store import LOCAL_SESSION
@@ -101,7 +102,8 @@ def recover_for_vllm(model_dir: str, config: ConnectorConfig, *, shadow_url: str
                 logger.warning("session %s refused: %s", sid, exc)
         num_blocks = sum(len(m.blocks) for m in manifests.values())
         num_pinned = sum(1 for m in manifests.values() for b in m.blocks if b.pinned)
-        cache = TQGPUCache(identity, CacheConfig(num_device_blocks=max(16, num_pinned + 16),
+        cache = TQGPUCache(identity, CacheConfig(
+            pins=NO_PIN_QUOTA, num_device_blocks=max(16, num_pinned + 16),
                                                  num_host_blocks=max(16, num_blocks),
                                                  device="cpu"))
         for sid in manifests:
