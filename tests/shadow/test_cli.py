@@ -181,17 +181,8 @@ def test_recover_of_an_unsigned_s3_store_needs_the_flag(s3_endpoint, request, ca
     assert code == 0 and summary["blocks"] == 3 and "unauthenticated" in out
 
 
-def test_recover_of_s3_without_credentials_is_one_line(s3_endpoint, capsys, monkeypatch,
-                                                        tmp_path):
-    import boto3
-
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)  # it caches the fixture's credentials
+def test_recover_of_s3_without_credentials_is_one_line(s3_endpoint, capsys,
+                                                        no_aws_credentials):
     code, out, err = _main(["recover", "--store", "s3://ck-shadow/x", "--endpoint-url",
                             s3_endpoint, "--no-progress"], capsys)
     assert code != 0 and "Traceback" not in out + err

@@ -161,17 +161,8 @@ def test_unsigned_s3_session_is_refused_unless_explicitly_allowed(s3_config, req
     assert "plain" in signed.errors and signed.blocks == 0
 
 
-def test_s3_without_credentials_is_one_line_saying_what_to_set(s3_endpoint, monkeypatch,
-                                                               tmp_path):
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    import boto3
-
-    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)  # it caches the fixture's credentials
+def test_s3_without_credentials_is_one_line_saying_what_to_set(s3_endpoint,
+                                                               no_aws_credentials):
     store = open_store(f"s3://{BUCKET}/nocreds", StoreConfig(endpoint_url=s3_endpoint))
     with pytest.raises(ShadowStoreError, match="AWS_ACCESS_KEY_ID") as err:
         discover_sessions(store)
