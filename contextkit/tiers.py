@@ -28,11 +28,14 @@ live in three context tiers:
 Every cycle records a :class:`CycleMetrics` (actions, blocks and bytes moved,
 duration, thresholds before and after) in a bounded history, optionally exported
 as Prometheus metrics.
+
+The value types (tiers, items, decisions, :class:`TierManagerConfig`, reports) live
+in ``_tier_types``, the bridge in ``_tier_bridge`` and the columnar item table in
+``_tier_table``; every public name is re-exported here, its import path.
 """
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 import logging
@@ -41,19 +44,38 @@ import os
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from contextkit._extras import require
+from contextkit._tier_bridge import TierCacheBridge
+from contextkit._tier_table import _ItemTable
+from contextkit._tier_types import (
+    _KIND_CODE,
+    _KINDS,
+    Action,
+    ActReport,
+    BlockSkip,
+    ContextTier,
+    CycleMetrics,
+    CycleReport,
+    Decision,
+    ItemKind,
+    ThresholdPolicy,
+    Thresholds,
+    ThresholdSuggestion,
+    TierItem,
+    TierManagerConfig,
+)
 from contextkit.prompt import SpilledLine, SpilloverQueue
-from gpu_cache import BlockStateError, Tier, TQGPUCache, UnknownBlockError
+from gpu_cache import Tier, TQGPUCache
 
 if TYPE_CHECKING:
-    from memory_graph import GraphBlockReserver, ReservationResult
+    from memory_graph import ReservationResult
 
 __all__ = [
     "ActReport",
@@ -74,469 +96,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class ContextTier(enum.IntEnum):
-    """Where an item stands in the context (not where its bytes are)."""
-
-    PROMPT = 0  # in the prompt; KV in the device tier
-    WORKING = 1  # working memory; KV in the host (DDR) tier
-    ARCHIVE = 2  # archived; no KV kept
-
-
-class ItemKind(enum.Enum):
-    """What an item is."""
-
-    SPILLED_LINE = "spilled_line"
-    MEMORY = "memory"
-    RESERVATION = "reservation"
-    SEGMENT = "segment"
-
-
-_KINDS = tuple(ItemKind)
-_KIND_CODE = {kind: code for code, kind in enumerate(_KINDS)}
-
-
-class Action(enum.Enum):
-    """A tier change. Promote: one tier up; demote: 0 -> 1; archive: 1 -> 2."""
-
-    PROMOTE = "promote"
-    DEMOTE = "demote"
-    ARCHIVE = "archive"
-
-
-@dataclass(frozen=True, slots=True)
-class Thresholds:
-    """Score thresholds, ``0 <= archive < demote < promote <= 1``."""
-
-    promote: float = 0.6
-    demote: float = 0.35
-    archive: float = 0.15
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.archive < self.demote < self.promote <= 1.0:
-            raise ValueError(f"thresholds must satisfy 0 <= archive < demote < promote <= 1, "
-                             f"got {self}")
-
-
-@dataclass(frozen=True, slots=True)
-class ThresholdPolicy:
-    """How DDR occupancy moves the thresholds (one ``step`` per cycle).
-
-    Below ``low_water`` the host tier has room: the promotion threshold drops (so
-    more items come back from the archive into working memory) and the demotion
-    and archive thresholds relax toward their configured values. Above
-    ``high_water`` the demotion threshold rises, and the archive threshold with it
-    so that working memory sheds blocks from DDR; the promotion threshold relaxes
-    toward its configured value. In between nothing changes.
-    """
-
-    low_water: float = 0.5
-    high_water: float = 0.8
-    step: float = 0.05
-    min_promote: float = 0.3
-    max_demote: float = 0.55
-    min_gap: float = 0.05
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.low_water < self.high_water <= 1.0 or self.step <= 0:
-            raise ValueError(f"need 0 <= low_water < high_water <= 1 and step > 0, got {self}")
-
-    def suggest(self, current: Thresholds, base: Thresholds,
-                host_occupancy: float) -> tuple[Thresholds, str] | None:
-        """The thresholds for the next cycle and why, or None inside the band."""
-        gap, step = self.min_gap, self.step
-        if host_occupancy < self.low_water:
-            archive = (current.archive if current.archive <= base.archive
-                       else max(base.archive, current.archive - step))
-            demote = (current.demote if current.demote <= base.demote
-                      else max(base.demote, current.demote - step, archive + gap))
-            promote = min(current.promote, max(self.min_promote, demote + gap,
-                                               current.promote - step))
-            why = f"host tier {host_occupancy:.0%} full < {self.low_water:.0%}: lower promotion"
-        elif host_occupancy > self.high_water:
-            promote = (current.promote if current.promote >= base.promote
-                       else min(base.promote, current.promote + step))
-            demote = max(current.demote, min(self.max_demote, promote - gap,
-                                             current.demote + step))
-            archive = max(current.archive, min(demote - gap, current.archive + step))
-            why = f"host tier {host_occupancy:.0%} full > {self.high_water:.0%}: raise demotion"
-        else:
-            return None
-        return Thresholds(round(promote, 6), round(demote, 6), round(archive, 6)), why
-
-
-@dataclass(frozen=True, slots=True)
-class ThresholdSuggestion:
-    """Thresholds the bridge suggested after a cycle, and whether they were applied."""
-
-    host_occupancy: float
-    before: Thresholds
-    after: Thresholds
-    reason: str
-    applied: bool
-
-
-@dataclass(frozen=True, slots=True)
-class TierManagerConfig:
-    """Settings of a :class:`ContextTierManager`; defaults live here only.
-
-    Args:
-        interval_s: seconds between scheduled cycles.
-        misfire_grace_s: how late a scheduled cycle may still run.
-        frequency_weight: weight of the access-frequency term of the score (the three
-            weights sum to 1).
-        recency_weight: weight of the recency term.
-        relevance_weight: weight of the relevance term.
-        recency_half_life_s: idle time that halves the recency term.
-        frequency_half_life_s: time that halves the access count.
-        frequency_scale: access count that gives ``1 - 1/e`` of the frequency term.
-        thresholds: initial (and base) thresholds.
-        max_prompt_items: most items in tier 0 (``None``: no limit).
-        max_moves_per_cycle: most decisions per cycle, largest margins first.
-        max_spill_drain: most spilled lines taken per cycle.
-        spilled_line_tier: tier of newly spilled lines.
-        history: cycles kept by :meth:`ContextTierManager.metrics`.
-    """
-
-    interval_s: float = 60.0
-    misfire_grace_s: float = 30.0
-    frequency_weight: float = 0.4
-    recency_weight: float = 0.35
-    relevance_weight: float = 0.25
-    recency_half_life_s: float = 600.0
-    frequency_half_life_s: float = 1800.0
-    frequency_scale: float = 3.0
-    thresholds: Thresholds = field(default_factory=Thresholds)
-    max_prompt_items: int | None = None
-    max_moves_per_cycle: int | None = 10_000
-    max_spill_drain: int = 10_000
-    spilled_line_tier: ContextTier = ContextTier.WORKING
-    history: int = 256
-
-    def __post_init__(self) -> None:
-        weights = (self.frequency_weight, self.recency_weight, self.relevance_weight)
-        if min(weights) < 0 or not math.isclose(sum(weights), 1.0, abs_tol=1e-6):
-            raise ValueError(f"score weights must be >= 0 and sum to 1, got {weights}")
-        if min(self.interval_s, self.recency_half_life_s, self.frequency_half_life_s,
-               self.frequency_scale) <= 0:
-            raise ValueError("interval_s, half-lives and frequency_scale must be > 0")
-        if self.history < 1 or self.max_spill_drain < 0:
-            raise ValueError("history must be >= 1 and max_spill_drain >= 0")
-
-
-@dataclass(frozen=True, slots=True)
-class TierItem:
-    """A snapshot of one item."""
-
-    item_id: str
-    kind: ItemKind
-    tier: ContextTier
-    tenant: str
-    block_ids: tuple[int, ...]
-    relevance: float
-    frequency: float
-    last_access: float
-    score: float
-    payload: object = None
-
-
-class Decision(NamedTuple):
-    """One tier change decided by a cycle (a named tuple: cycles make thousands)."""
-
-    item_id: str
-    kind: ItemKind
-    action: Action
-    from_tier: ContextTier
-    to_tier: ContextTier
-    score: float
-    threshold: float
-    block_ids: tuple[int, ...] = ()
-    tenant: str = "default"
-    payload: object = None
-
-    @property
-    def reason(self) -> str:
-        op = ">=" if self.action is Action.PROMOTE else "<"
-        return (f"{self.action.value} {self.item_id} tier {int(self.from_tier)}->"
-                f"{int(self.to_tier)}: score {self.score:.3f} {op} {self.action.value} "
-                f"threshold {self.threshold:.3f}")
-
-
-@dataclass(frozen=True, slots=True)
-class BlockSkip:
-    """A block the bridge left alone. ``reason``: pinned, in_use, gone, tier_full, error."""
-
-    block_id: int
-    item_id: str
-    action: Action
-    reason: str
-    detail: str = ""
-
-
-@dataclass(slots=True)
-class ActReport:
-    """What the bridge did with one cycle's decisions."""
-
-    warmed: list[int] = field(default_factory=list)
-    spilled: list[int] = field(default_factory=list)
-    removed: list[int] = field(default_factory=list)
-    gone: list[int] = field(default_factory=list)  # freed by someone else meanwhile
-    skipped: list[BlockSkip] = field(default_factory=list)
-    reservations: list[str] = field(default_factory=list)
-    bytes_moved: int = 0
-    bytes_freed: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class CycleMetrics:
-    """Measurements of one OODA cycle (JSON-able through :meth:`to_dict`)."""
-
-    cycle: int
-    started_at: float
-    duration_s: float
-    phase_ms: dict[str, float]
-    num_items: int
-    items_by_tier: dict[str, int]
-    actions: dict[str, int]
-    blocks_moved: dict[str, int]
-    blocks_skipped: dict[str, int]
-    bytes_moved: int
-    bytes_freed: int
-    spilled_lines: int
-    accesses_observed: int
-    host_occupancy: float | None
-    device_occupancy: float | None
-    thresholds_before: Thresholds
-    thresholds_after: Thresholds
-    threshold_reason: str = ""
-
-    @property
-    def num_blocks_moved(self) -> int:
-        return sum(self.blocks_moved.values())
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True, slots=True)
-class CycleReport:
-    """Everything one cycle produced: metrics, decisions, the bridge's report."""
-
-    metrics: CycleMetrics
-    decisions: tuple[Decision, ...]
-    act: ActReport
-    suggestion: ThresholdSuggestion | None
-
-
-class TierCacheBridge:
-    """Moves an item's KV blocks when its context tier changes.
-
-    Promotion warms blocks (DDR -> VRAM), demotion spills them (VRAM -> DDR),
-    archiving frees them. Pinned blocks and blocks in use (``ref_count > 0``) are
-    never touched; neither are blocks freed meanwhile; each is recorded as a
-    :class:`BlockSkip`. A full tier is not an error: what fits moves, the rest is
-    skipped as ``tier_full``. Block moves run under ``cache.locked()`` so readers
-    never see a half-applied cycle. With ``cache=None`` the bridge does nothing.
-
-    Args:
-        cache: the tiered cache, or None.
-        reserver: when given, reservation items are warmed and released through it
-            (their blocks are held by the reserver, so they are never moved directly).
-        policy: how DDR occupancy moves the thresholds.
-        apply_thresholds: apply suggestions automatically; False only records them.
-    """
-
-    def __init__(self, cache: TQGPUCache | None, *, reserver: GraphBlockReserver | None = None,
-                 policy: ThresholdPolicy | None = None, apply_thresholds: bool = True) -> None:
-        self.cache = cache
-        self.reserver = reserver
-        self.policy = policy or ThresholdPolicy()
-        self.apply_thresholds = apply_thresholds
-
-    def occupancy(self, tier: Tier) -> float | None:
-        """Used fraction of a cache tier (None without a cache or capacity)."""
-        if self.cache is None or self.cache.capacity(tier) == 0:
-            return None
-        return self.cache.num_used(tier) / self.cache.capacity(tier)
-
-    def suggest_thresholds(self, current: Thresholds,
-                           base: Thresholds) -> ThresholdSuggestion | None:
-        """Thresholds for the next cycle from the DDR occupancy (None: no change)."""
-        occupancy = self.occupancy(Tier.HOST)
-        if occupancy is None:
-            return None
-        suggested = self.policy.suggest(current, base, occupancy)
-        if suggested is None:
-            return None
-        after, why = suggested
-        if after == current:  # already at the bound: nothing to suggest
-            return None
-        return ThresholdSuggestion(occupancy, current, after, why, self.apply_thresholds)
-
-    def act(self, decisions: Sequence[Decision]) -> ActReport:
-        """Apply ``decisions`` to the cache: frees first, then spills, then warms."""
-        report = ActReport()
-        cache = self.cache
-        if cache is None or not decisions:
-            return report
-        groups: dict[Action, list[Decision]] = {a: [] for a in Action}
-        routed: list[Decision] = []
-        for d in decisions:
-            if (d.kind is ItemKind.RESERVATION and self.reserver is not None
-                    and d.action is not Action.DEMOTE and d.payload is not None):
-                routed.append(d)
-            elif d.block_ids:
-                groups[d.action].append(d)
-        with cache.locked():
-            self._free(self._select(groups[Action.ARCHIVE], None, report), report)
-            self._move(self._select(groups[Action.DEMOTE], Tier.HOST, report),
-                       cache.spill_blocks, report.spilled, report)
-            self._move(self._select(groups[Action.PROMOTE], Tier.DEVICE, report),
-                       cache.warm_blocks, report.warmed, report)
-        # The reserver takes its own lock, then the cache's: call it outside ours.
-        for d in routed:
-            self._act_reservation(d, report)
-        report.bytes_moved = (len(report.warmed) + len(report.spilled)) * cache.bytes_per_block
-        report.bytes_freed = len(report.removed) * cache.bytes_per_block
-        return report
-
-    def _select(self, decisions: list[Decision], target: Tier | None,
-                report: ActReport) -> list[tuple[Decision, list[int]]]:
-        """Blocks of each decision that need to move to ``target`` (None: be freed)."""
-        assert self.cache is not None
-        metadata = self.cache.metadata
-        out = []
-        for d in decisions:
-            ids = []
-            for bid in d.block_ids:
-                try:
-                    meta = metadata.get(bid)
-                except UnknownBlockError:
-                    report.gone.append(bid)
-                    continue
-                if meta.tier is target:
-                    continue
-                if meta.pinned or meta.ref_count:
-                    reason = "pinned" if meta.pinned else "in_use"
-                    report.skipped.append(BlockSkip(bid, d.item_id, d.action, reason))
-                    continue
-                ids.append(bid)
-            if ids:
-                out.append((d, ids))
-        return out
-
-    def _move(self, groups: list[tuple[Decision, list[int]]],
-              move: Callable[[Sequence[int]], list[int] | None], moved: list[int],
-              report: ActReport) -> None:
-        """One bulk move; when it does not fit (None), item by item, skipping what won't."""
-        every = [bid for _, ids in groups for bid in ids]
-        if not every:
-            return
-        try:
-            done = move(every)
-        except (UnknownBlockError, BlockStateError):  # cannot happen under the lock; be safe
-            done = None
-        if done is not None:
-            moved.extend(done)
-            return
-        for d, ids in groups:
-            try:
-                done = move(ids)
-            except (UnknownBlockError, BlockStateError) as exc:
-                report.skipped.extend(BlockSkip(b, d.item_id, d.action, "error", str(exc))
-                                      for b in ids)
-                continue
-            if done is None:
-                report.skipped.extend(BlockSkip(b, d.item_id, d.action, "tier_full")
-                                      for b in ids)
-            else:
-                moved.extend(done)
-
-    def _free(self, groups: list[tuple[Decision, list[int]]], report: ActReport) -> None:
-        assert self.cache is not None
-        every = [bid for _, ids in groups for bid in ids]
-        if not every:
-            return
-        try:
-            self.cache.remove_blocks(every)
-            report.removed.extend(every)
-            return
-        except (UnknownBlockError, BlockStateError):
-            pass  # remove_blocks checks before it frees: nothing changed; go one by one
-        for d, ids in groups:
-            for bid in ids:
-                try:
-                    self.cache.remove_blocks([bid])
-                except UnknownBlockError:
-                    report.gone.append(bid)
-                except BlockStateError as exc:
-                    report.skipped.append(BlockSkip(bid, d.item_id, d.action, "error", str(exc)))
-                else:
-                    report.removed.append(bid)
-
-    def _act_reservation(self, d: Decision, report: ActReport) -> None:
-        assert self.reserver is not None
-        rid = str(d.payload)
-        try:
-            if d.action is Action.ARCHIVE:
-                res = self.reserver.release(rid)
-            elif d.to_tier is ContextTier.PROMPT:
-                res = self.reserver.warm_reservation(rid)
-            else:
-                return
-        except KeyError as exc:  # UnknownReservationError: forgotten by the reserver
-            report.reservations.append(f"{d.action.value} {rid}: {exc}")
-            return
-        note = f" ({res.reason})" if res.reason else ""
-        report.reservations.append(f"{d.action.value} {rid}: {res.state.value}{note}")
-
-
-class _ItemTable:
-    """Columnar item store: numpy columns for scoring, lists for the rest."""
-
-    def __init__(self, capacity: int = 1024) -> None:
-        self.size = 0  # rows in use, alive or free
-        self.row_of: dict[str, int] = {}
-        self.ids: list[str | None] = []
-        self.tenant: list[str] = []
-        self.blocks: list[tuple[int, ...]] = []
-        self.payload: list[object] = []
-        self.free_rows: list[int] = []
-        self.alive = np.zeros(capacity, dtype=bool)
-        self.kind = np.zeros(capacity, dtype=np.int8)
-        self.tier = np.zeros(capacity, dtype=np.int8)
-        self.relevance = np.zeros(capacity)
-        self.freq = np.zeros(capacity)
-        self.hits = np.zeros(capacity)
-        self.last_access = np.zeros(capacity)
-        self.score = np.zeros(capacity)
-
-    _COLUMNS = ("alive", "kind", "tier", "relevance", "freq", "hits", "last_access", "score")
-
-    def new_row(self) -> int:
-        if self.free_rows:
-            return self.free_rows.pop()
-        if self.size == self.alive.shape[0]:
-            for name in self._COLUMNS:
-                col = getattr(self, name)
-                grown = np.zeros(col.shape[0] * 2, dtype=col.dtype)
-                grown[: col.shape[0]] = col
-                setattr(self, name, grown)
-        self.ids.append(None)
-        self.tenant.append("")
-        self.blocks.append(())
-        self.payload.append(None)
-        self.size += 1
-        return self.size - 1
-
-    def snapshot(self, row: int) -> TierItem:
-        item_id = self.ids[row]
-        assert item_id is not None
-        return TierItem(item_id, _KINDS[int(self.kind[row])], ContextTier(int(self.tier[row])),
-                        self.tenant[row], self.blocks[row], float(self.relevance[row]),
-                        float(self.freq[row] + self.hits[row]), float(self.last_access[row]),
-                        float(self.score[row]), self.payload[row])
 
 
 def spilled_line_id(line: SpilledLine) -> str:
