@@ -26,12 +26,20 @@ class CallReport:
             previous call ("first_call" on the first; ``None`` when nothing changed).
         layer_order: main-message layers in emitted order; trailing_layers: layers
             emitted after the conversation.
-        layer_tokens: tokens per layer after budgets; spilled_lines: lines over budget.
+        layer_tokens: tokens per layer after budgets.
+        spilled_lines: lines over their layer's budget, left out of the prompt (they
+            go to the pipeline's spillover queue); spilled_by_layer: the same per layer
+            (only layers that spilled). The first spill of each layer is also logged as
+            a warning, and every spilled line is counted in the metric
+            ``contextkit_pipeline_spilled_lines_total{layer}``.
         reused_tokens, computed_tokens, kv_reuse_ratio, ttft_ms, total_ms: from the
             engine (zero until :meth:`CacheAwareContextPipeline.generate` runs).
         blocks_per_tier: this tenant's blocks per cache tier; pinned_blocks: this
             tenant's pinned blocks; blocks_by_layer: this tenant's cached blocks per
             source layer (other tenants' blocks are never counted).
+        reused_by_layer, computed_by_layer: the prompt's reused and computed tokens per
+            source layer (``user_turn`` for the conversation, ``template`` for the chat
+            markup); each sums to ``reused_tokens`` and ``computed_tokens``.
         pin_state: what happened to the stable prefix's pins: ``"pinned"``,
             ``"unpinned"`` (served without pins: the cap of all tenants' pins was
             reached, or the prefix fills no whole block; ``pin_reason`` says which)
@@ -48,6 +56,7 @@ class CallReport:
     trailing_layers: list[str]
     layer_tokens: dict[str, int]
     spilled_lines: int
+    spilled_by_layer: dict[str, int] = field(default_factory=dict)
     prompt_tokens: int = 0
     reused_tokens: int = 0
     computed_tokens: int = 0
@@ -57,6 +66,8 @@ class CallReport:
     blocks_per_tier: dict[str, int] = field(default_factory=dict)
     pinned_blocks: int = 0
     blocks_by_layer: dict[str, int] = field(default_factory=dict)
+    reused_by_layer: dict[str, int] = field(default_factory=dict)
+    computed_by_layer: dict[str, int] = field(default_factory=dict)
     pin_state: str = "off"
     pin_reason: str = ""
 

@@ -42,6 +42,8 @@ from contextkit._inputs import CALIBRATION_TEXT, check_token_ids
 from contextkit._kv import _check_overlay, _ContiguousKV, _PagedKV
 from contextkit._llama import UnsupportedModelError, _Model, tokenizer_fingerprint
 from contextkit._types import CacheFullError, GenerationResult, TokenIdError, TokenSpan
+from contextkit.metrics import ContextkitMetrics
+from contextkit.metrics import resolve as resolve_metrics
 from gpu_cache import (
     CacheConfig,
     CacheIdentity,
@@ -101,6 +103,8 @@ class Engine:
         pins: pin quotas and idle TTL of the cache the engine builds (default
             :class:`~gpu_cache.config.PinConfig`: a tenant pins at most a quarter of
             the device tier, all tenants three quarters; pins idle 10 minutes expire).
+        metrics: where requests are counted (:mod:`contextkit.metrics`): ``None`` the
+            process default, ``False`` nowhere.
 
     Raises:
         UnsupportedModelError: not a Llama-architecture model.
@@ -124,6 +128,7 @@ class Engine:
         residual_tokens: int = 128,
         sink_tokens: int | None = None,
         pins: PinConfig | None = None,
+        metrics: ContextkitMetrics | bool | None = None,
         _shared: _Model | None = None,
         _offsets: torch.Tensor | None = None,
     ) -> None:
@@ -139,6 +144,7 @@ class Engine:
                                      list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
         self.model = _shared or _Model(model)
         self.tokenizer = tokenizer
+        self.metrics = metrics
         self.kv_format = kv_format
         self.prefill_chunk = prefill_chunk
         self.model_id = model_id or str(getattr(model.config, "_name_or_path", "") or "model")
@@ -212,6 +218,7 @@ class Engine:
         kwargs.setdefault("block_size", self.identity.block_size)
         kwargs.setdefault("residual_tokens", self.residual_tokens)
         kwargs.setdefault("sink_tokens", self.sink_tokens)
+        kwargs.setdefault("metrics", self.metrics)
         return Engine(self.model.hf, self.tokenizer, kv_format=fmt, _shared=self.model,
                       _offsets=self._offsets if fmt == "tq4" else None, **kwargs)
 
@@ -529,7 +536,7 @@ class Engine:
                     self._close_sequence(block_ids, ids + out, written, tenant, keys,
                                          len(block_ids) - len(new_ids))
             total = time.perf_counter() - t0
-        return GenerationResult(
+        result = GenerationResult(
             text=self.decode(out), token_ids=out, prompt_tokens=len(ids),
             reused_tokens=start if use_cache else 0,
             computed_tokens=len(ids) - (start if use_cache else 0),
@@ -537,6 +544,9 @@ class Engine:
             blocks_per_tier=self._blocks_per_tier(tenant) if use_cache else {},
             kv_format=self.kv_format if use_cache else "native",
             block_ids=block_ids, first_logits=first_logits)
+        if (metrics := resolve_metrics(self.metrics)) is not None:
+            metrics.record_generation(result)
+        return result
 
     def score(
         self,

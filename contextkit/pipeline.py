@@ -48,6 +48,8 @@ from contextkit._chatml import _ChatML
 from contextkit._reports import BuiltPrompt, CallReport, PipelineResult
 from contextkit.engine import Engine, TokenSpan
 from contextkit.layers import LayerConfig, LayerSpec
+from contextkit.metrics import ContextkitMetrics
+from contextkit.metrics import resolve as resolve_metrics
 from contextkit.prompt import (
     PromptSection,
     SpilloverQueue,
@@ -78,6 +80,8 @@ VOLATILE_THRESHOLD = 0.5
 
 _ROLES = ("user", "assistant", "system", "tool")
 _BOUNDARY = "<trailing message>"
+#: Reports' and metrics' name for prompt tokens of the chat markup (in no layer's span).
+_TEMPLATE = "template"
 
 
 def _check_tenant(tenant: str) -> str:
@@ -120,6 +124,7 @@ class CacheAwareContextPipeline:
         pin_stable: bool = True,
         volatility_alpha: float = 0.3,
         spillover: SpilloverQueue | None = None,
+        metrics: ContextkitMetrics | bool | None = None,
     ) -> None:
         if not 0.0 < volatility_alpha <= 1.0:
             raise ValueError(f"volatility_alpha must be in (0, 1], got {volatility_alpha}")
@@ -133,6 +138,9 @@ class CacheAwareContextPipeline:
         self.spillover = spillover if spillover is not None else SpilloverQueue()
         self._states: dict[str, _TenantState] = {}
         self._lock = threading.RLock()
+        self._metrics_arg = metrics
+        self._metrics: ContextkitMetrics | None = None
+        self._spill_warned: set[str] = set()
         if engine is not None:
             _ChatML.check(engine.tokenizer)
             self._pins = PrefixPinManager(engine.cache)
@@ -183,13 +191,16 @@ class CacheAwareContextPipeline:
         prompt = coerce_prompt(raw, self.config)
         count = self._count_tokens
         sections: list[PromptSection] = []
-        spilled = 0
+        spilled: dict[str, int] = {}
         layer_tokens: dict[str, int] = {}
         for section in prompt.sections:
             spec = self.config.get(section.layer)
-            kept, over = synthesize_for_budget(section.lines, self.budget(spec), count,
+            budget = self.budget(spec)
+            kept, over = synthesize_for_budget(section.lines, budget, count,
                                                layer=spec.name, spillover=self.spillover)
-            spilled += len(over)
+            if over:
+                spilled[spec.name] = spilled.get(spec.name, 0) + len(over)
+                self._warn_spill(spec.name, len(over), len(section.lines), budget)
             sections.append(PromptSection(spec.name, tuple(kept)))
             layer_tokens[spec.name] = count("\n".join(line.text for line in kept))
         with self._lock:
@@ -227,7 +238,8 @@ class CacheAwareContextPipeline:
                 stable_changed=not first and stable_hash != state.stable_hash,
                 changed_layers=changed, prefix_broken_by=broken,
                 layer_order=[s.layer for s in main], trailing_layers=[s.layer for s in trailing],
-                layer_tokens=layer_tokens, spilled_lines=spilled)
+                layer_tokens=layer_tokens, spilled_lines=sum(spilled.values()),
+                spilled_by_layer=spilled)
             # Sections end with a newline; the returned text does not.
             text = "".join(texts[sec.layer] for sec in (*main, *trailing))[:-1]
             built = BuiltPrompt(tuple(main), tuple(trailing), text, report, section_ids,
@@ -237,7 +249,32 @@ class CacheAwareContextPipeline:
             state.last_segments = segments
             state.stable_hash = stable_hash
             state.last = built
-            return built
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.record_build(report)
+        return built
+
+    def _warn_spill(self, layer: str, spilled: int, lines: int, budget: int) -> None:
+        """Warn the first time a layer spills (the report counts every call)."""
+        with self._lock:
+            if layer in self._spill_warned:
+                return
+            self._spill_warned.add(layer)
+        logger.warning(
+            "layer %s: %d of its %d lines are over its budget of %d tokens and were "
+            "spilled (left out of the prompt; see CallReport.spilled_by_layer). Shorten "
+            "the layer or raise its budget (LayerConfig.with_budgets); this warning is "
+            "given once per layer", layer, spilled, lines, budget)
+
+    @property
+    def metrics(self) -> ContextkitMetrics | None:
+        """Where this pipeline's figures are recorded (``metrics=`` at construction;
+        default: :func:`contextkit.metrics.default_metrics`); ``None``: nowhere."""
+        if self._metrics is None and self._metrics_arg is not False:
+            self._metrics = resolve_metrics(self._metrics_arg)
+            if self._metrics is None:
+                self._metrics_arg = False
+        return self._metrics
 
     def _count_tokens(self, text: str) -> int:
         assert self.engine is not None
@@ -415,6 +452,11 @@ class CacheAwareContextPipeline:
             report.blocks_per_tier = dict(result.blocks_per_tier)
             report.pinned_blocks = len(self.pinned_blocks(tenant))
             report.blocks_by_layer = self.blocks_by_layer(tenant)
+            report.reused_by_layer, report.computed_by_layer = _tokens_by_layer(
+                spans, result.prompt_tokens, result.reused_tokens)
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.record_generate(report)
         return PipelineResult(result.text, result, report)
 
     def _check_pin_quota(self, tenant: str, spans: Sequence[TokenSpan], stable_end: int) -> None:
@@ -521,6 +563,31 @@ class CacheAwareContextPipeline:
             return {}
         with self._lock:
             return dict(self._state(_check_tenant(self.tenant if tenant is None else tenant)).rates)
+
+
+def _tokens_by_layer(spans: Sequence[TokenSpan], prompt_tokens: int,
+                     reused: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Split a prompt's reused (the first ``reused``) and computed tokens by the source
+    layer of their span; tokens in no span are the chat markup (``template``)."""
+    reused_by: dict[str, int] = {}
+    computed_by: dict[str, int] = {}
+
+    def add(layer: str, start: int, end: int) -> None:
+        hit = max(0, min(end, reused) - start)
+        if hit:
+            reused_by[layer] = reused_by.get(layer, 0) + hit
+        if end - start - hit:
+            computed_by[layer] = computed_by.get(layer, 0) + end - start - hit
+
+    pos = 0
+    for span in sorted(spans, key=lambda s: s.start):
+        if span.start > pos:
+            add(_TEMPLATE, pos, span.start)
+        add(span.source_layer, span.start, span.end)
+        pos = max(pos, span.end)
+    if prompt_tokens > pos:
+        add(_TEMPLATE, pos, prompt_tokens)
+    return reused_by, computed_by
 
 
 def cache_aware(pipeline: CacheAwareContextPipeline) -> Callable[[F], F]:
