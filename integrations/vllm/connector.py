@@ -48,6 +48,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from integrations.vllm.identity import vllm_cache_identity
 from integrations.vllm.layout import LAYOUTS
+from integrations.vllm.metrics import ContextKitConnectorStats, ContextKitPromMetrics
 from integrations.vllm.planning import (
     LoadSpec,
     RequestPlanner,
@@ -59,6 +60,11 @@ from integrations.vllm.store import ConnectorStore, local_session_keys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -344,7 +350,7 @@ class ContextKitConnector(KVConnectorBase_V1):
             report.failed.update(result.failed)
         if self.config.shadow_on_save and self.store.shadow is not None and result.stored:
             try:
-                self.store.shadow.shadow_now()
+                self.store.shadow_now()
             except Exception:
                 logger.exception("shadow after save failed; the previous shadow stays")
 
@@ -352,6 +358,33 @@ class ContextKitConnector(KVConnectorBase_V1):
         with self._lock:
             report, self._report = self._report, WorkerReport()
         return ContextKitWorkerMetadata(report) if report else None
+
+    # ================================================================== metrics
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This role's stats since the last call (vLLM asks after every step).
+
+        Scheduler side: lookups (:class:`RequestPlanner`); worker side: loads, saves,
+        evictions and the shadow (:class:`ConnectorStore`).
+        """
+        if self.role == KVConnectorRole.SCHEDULER:
+            data = self.planner.stats.take() if hasattr(self, "planner") else None
+        else:
+            data = self.store.take_stats() if hasattr(self, "store") else None
+        return None if data is None else ContextKitConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return ContextKitConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> ContextKitPromMetrics:
+        return ContextKitPromMetrics(vllm_config, metric_types, labelnames,
+                                     per_engine_labelvalues)
 
     def flush(self) -> None:
         """Wait for queued saves (tests and shutdown)."""

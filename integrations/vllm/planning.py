@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_cache import PINNABLE_SOURCES, hash_block_tokens
+from integrations.vllm.metrics import StatsRecorder, layer_names
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -186,10 +187,14 @@ class RequestPlanner:
         identity_digest: :meth:`gpu_cache.CacheIdentity.digest` of the store.
         block_size: tokens per block (vLLM's and the store's).
         default_layer: source layer of blocks without a span label.
+
+    Attributes:
+        stats: the scheduler side's metrics (lookups), taken by the connector.
     """
 
     def __init__(self, identity_digest: bytes, block_size: int,
                  default_layer: str = "user_turn") -> None:
+        self.stats = StatsRecorder(layer_names(default_layer))
         self.identity_digest = identity_digest
         self.block_size = block_size
         self.default_layer = default_layer
@@ -228,6 +233,7 @@ class RequestPlanner:
         At least one prompt token is always left to compute (vLLM needs its logits).
         Side-effect free apart from caching the request's keys.
         """
+        self.stats.count("lookups")
         state = self._state(req_id, tenant, params, num_prompt_tokens)
         state.last_num_computed = num_computed
         max_blocks = max(0, num_prompt_tokens - 1) // self.block_size

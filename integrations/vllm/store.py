@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,12 +34,14 @@ from gpu_cache.codec import TQ4Encoded
 from gpu_cache.hashing import BlockHash
 from gpu_cache.kernels import quantize_into_cache
 from integrations.vllm.config import ConnectorConfig
+from integrations.vllm.metrics import StatsRecorder, layer_names
 from integrations.vllm.planning import BlockLabel
 from shadow import (
     CacheShadow,
     RecoveryReport,
     ShadowConfig,
     ShadowError,
+    ShadowResult,
     StoreConfig,
     open_store,
     recover_session,
@@ -68,6 +72,8 @@ class SaveResult:
     stored: list[bytes] = field(default_factory=list)
     removed: list[bytes] = field(default_factory=list)
     failed: list[bytes] = field(default_factory=list)
+    #: source layer of each ``removed`` key (None: unknown)
+    removed_layers: list[str | None] = field(default_factory=list)
 
 
 def local_session_keys(local_store: str, identity: CacheIdentity) -> list[bytes]:
@@ -99,6 +105,10 @@ class ConnectorStore:
         identity: the cache identity (model, block size, codec).
         config: tier sizes, shadow and local store.
 
+    Attributes:
+        stats: the worker side's metrics (loads, saves, evictions, shadow); see
+            :meth:`take_stats`.
+
     Saves go to the DDR tier on CPU (both tiers are RAM; DDR is where stored
     blocks belong) and to the device tier on CUDA (fused quantization on the GPU;
     the semantic policy spills them to pinned DDR as the device tier fills).
@@ -115,8 +125,16 @@ class ConnectorStore:
         self.shadow: CacheShadow | None = None
         self._lock = threading.RLock()
         self._ids: dict[bytes, int] = {}  # key -> block id, to notice evictions
+        self._sources: dict[bytes, str | None] = {}  # key -> source layer (metrics)
         self.num_saved = 0
         self.num_loaded = 0
+        self.stats = StatsRecorder(layer_names(config.default_source_layer))
+        # shadow accounting (metrics), under its own lock: never waits for a save
+        self._stats_lock = threading.Lock()
+        self._unshadowed: dict[bytes, float] = {}  # key -> monotonic time stored, oldest first
+        self._seen_manifest: object = None
+        self._counted_result: ShadowResult | None = None
+        self._shadow_bytes = 0
 
     # ------------------------------------------------------------------ start / stop
     def warm_up(self) -> None:
@@ -152,9 +170,7 @@ class ConnectorStore:
             for ids in report.block_ids.values():
                 for bid in ids:
                     if bid is not None:
-                        key = self.cache.metadata.get(bid).key
-                        if key is not None:
-                            self._ids[bytes(key)] = bid
+                        self._remember(bid)
         logger.info("restored %d blocks (%d skipped) from %s", report.blocks,
                     report.num_skipped, self.config.local_store)
         return report
@@ -188,17 +204,76 @@ class ConnectorStore:
             with self._lock:
                 for ids in report.block_ids.values():
                     for bid in ids:
-                        if bid is not None and self.cache.metadata.get(bid).key is not None:
-                            self._ids[bytes(self.cache.metadata.get(bid).key)] = bid  # type: ignore[arg-type]
+                        if bid is not None:
+                            self._remember(bid)
         elif shadow.manifest is not None:
             shadow.shadow_now()  # the restored blocks are the session: commit, incrementally
         if interval:
             shadow.start()
         self.shadow = shadow
 
+    def _remember(self, bid: int) -> None:
+        """Index a block recovered into the cache (caller holds ``_lock``)."""
+        meta = self.cache.metadata.get(bid)
+        if meta.key is not None:
+            self._ids[bytes(meta.key)] = bid
+            self._sources[bytes(meta.key)] = meta.source_layer or None
+
     def keys(self) -> list[bytes]:
         with self._lock:
             return list(self._ids)
+
+    # ------------------------------------------------------------------ shadow stats
+    def shadow_now(self) -> ShadowResult | None:
+        """Shadow now (None without a shadow); its bytes count in :meth:`shadow_stats`."""
+        shadow = self.shadow
+        if shadow is None:
+            return None
+        result = shadow.shadow_now()
+        self._note_shadow(shadow)
+        return result
+
+    def _note_shadow(self, shadow: CacheShadow) -> None:
+        """Count the shadow's last result once, and clear the keys its manifest holds."""
+        result, manifest = shadow.last_result, shadow.manifest
+        with self._stats_lock:
+            if result is not None and result is not self._counted_result:
+                self._counted_result = result
+                self._shadow_bytes += result.bytes_written + result.manifest_bytes
+            if manifest is not None and manifest is not self._seen_manifest:
+                self._seen_manifest = manifest
+                if self._unshadowed:
+                    for record in manifest.blocks:
+                        if record.key is not None:
+                            self._unshadowed.pop(bytes.fromhex(record.key), None)
+
+    def shadow_stats(self, now: float | None = None) -> tuple[int, float]:
+        """Shadow bytes written since the last call, and the shadow lag in seconds.
+
+        The lag is the age of the oldest stored block that no committed manifest holds
+        yet (0 when none is pending or there is no shadow). Shadows the periodic job
+        ran are counted from the shadow's last result, polled here and after every
+        :meth:`shadow_now`.
+        """
+        shadow = self.shadow
+        if shadow is not None:
+            self._note_shadow(shadow)
+        now = time.monotonic() if now is None else now
+        with self._stats_lock:
+            nbytes, self._shadow_bytes = self._shadow_bytes, 0
+            if shadow is None or not self._unshadowed:
+                return nbytes, 0.0
+            oldest = next(iter(self._unshadowed.values()))
+        return nbytes, max(0.0, now - oldest)
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """The worker side's metrics since the last call (see :mod:`.metrics`); with a
+        shadow, always the current shadow lag."""
+        if self.shadow is not None:
+            nbytes, lag = self.shadow_stats()
+            self.stats.count("shadow_bytes", nbytes)
+            self.stats.set_gauge("shadow_lag_seconds", lag)
+        return self.stats.take()
 
     def close(self) -> None:
         """Final shadow and stop; idempotent."""
@@ -258,6 +333,7 @@ class ConnectorStore:
                                         view.v_packed, view.v_norms, cache.codec,
                                         check_bounds=False)
             to_pin = []
+            stored_at = time.monotonic()
             for bid, i in zip(ids, todo, strict=True):
                 label = labels[i]
                 cache.metadata.annotate(bid, source_layer=label.source_layer,
@@ -265,6 +341,7 @@ class ConnectorStore:
                                         num_tokens=bs)
                 cache.set_key(bid, BlockHash(keys[i]))
                 self._ids[keys[i]] = bid
+                self._sources[keys[i]] = label.source_layer
                 result.stored.append(keys[i])
                 if label.pinned:
                     to_pin.append(bid)
@@ -274,7 +351,17 @@ class ConnectorStore:
                 except (PinCapacityError, BlockStateError) as exc:
                     logger.warning("blocks stored but not pinned: %s", exc)
             result.removed = self._forget_evicted()
+            result.removed_layers = [self._sources.pop(key, None) for key in result.removed]
             self.num_saved += len(result.stored)
+            self.stats.count_layers("saved_blocks",
+                                    [self._sources[key] for key in result.stored])
+            self.stats.count_layers("evicted_blocks", result.removed_layers)
+            if self.shadow is not None:
+                with self._stats_lock:
+                    for key in result.stored:
+                        self._unshadowed[key] = stored_at
+                    for key in result.removed:
+                        self._unshadowed.pop(key, None)
         return result
 
     def _forget_evicted(self) -> list[bytes]:
@@ -296,6 +383,9 @@ class ConnectorStore:
         cache = self.cache
         with self._lock, cache.locked():
             bids = cache.lookup([BlockHash(key) for key in keys], tenant_slug(tenant))
+            self.stats.count("loaded_blocks", len(bids))
+            self.stats.count("hit_tokens", len(bids) * self.identity.block_size)
+            self.stats.count("load_errors", len(keys) - len(bids))
             if not bids:
                 return None
             cache.metadata.touch(bids)
