@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from contextkit._types import GenerationResult
+from contextkit._types import GenerationResult, TokenSpan
 from contextkit.prompt import PromptSection
 
 __all__ = ["BuiltPrompt", "CallReport", "PipelineResult"]
+
+#: Reports' and metrics' name for prompt tokens of the chat markup (in no layer's span).
+_TEMPLATE = "template"
 
 
 @dataclass
@@ -124,3 +128,28 @@ class PipelineResult:
     text: str
     generation: GenerationResult
     report: CallReport
+
+
+def _tokens_by_layer(spans: Sequence[TokenSpan], prompt_tokens: int,
+                     reused: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Split a prompt's reused (the first ``reused``) and computed tokens by the source
+    layer of their span; tokens in no span are the chat markup (``template``)."""
+    reused_by: dict[str, int] = {}
+    computed_by: dict[str, int] = {}
+
+    def add(layer: str, start: int, end: int) -> None:
+        hit = max(0, min(end, reused) - start)
+        if hit:
+            reused_by[layer] = reused_by.get(layer, 0) + hit
+        if end - start - hit:
+            computed_by[layer] = computed_by.get(layer, 0) + end - start - hit
+
+    pos = 0
+    for span in sorted(spans, key=lambda s: s.start):
+        if span.start > pos:
+            add(_TEMPLATE, pos, span.start)
+        add(span.source_layer, span.start, span.end)
+        pos = max(pos, span.end)
+    if prompt_tokens > pos:
+        add(_TEMPLATE, pos, prompt_tokens)
+    return reused_by, computed_by

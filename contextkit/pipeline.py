@@ -32,10 +32,34 @@ What it does with an engine attached:
   tenant's superseded pins; see :mod:`gpu_cache.pinning`), and reports per call what
   was reused, what was computed, which layer broke the prefix, whether the prefix is
   pinned, and the tenant's blocks per tier.
+
+Tenants
+-------
+A tenant owns blocks: its keys are salted with its name, so no other tenant can see,
+reuse or evict into them, and its pins count against its own quota. Every method that
+takes ``tenant=`` (:meth:`~CacheAwareContextPipeline.build`, ``generate``,
+``assemble``, ``last_report``, ``last_built``, ``pinned_blocks``, ``cached_blocks``,
+``blocks_by_layer``, ``volatility``) means the same tenant by one rule
+(:meth:`~CacheAwareContextPipeline.resolve_tenant`):
+
+1. the ``tenant`` argument, when given;
+2. else the innermost :meth:`~CacheAwareContextPipeline.tenant_scope` entered in this
+   thread or asyncio task;
+3. else the pipeline's default, :attr:`~CacheAwareContextPipeline.tenant`
+   (``[pipeline] tenant`` in the configuration, ``"default"`` unless set).
+
+Reads never fall back to another tenant. The integrations resolve a tenant of their
+own (LangChain: the middleware's ``tenant``, then ``tenant`` of the agent's runtime
+context; LlamaIndex: the call's ``tenant`` keyword, then the LLM's) and enter a
+``tenant_scope`` for the call, so the engine, the pipeline and the report agree. A
+call's report also travels with its reply (``response_metadata["contextkit"]`` in
+LangChain, ``raw["contextkit"]`` in LlamaIndex), which is the simplest way to read it
+for a tenant taken from a runtime context.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import hashlib
 import logging
@@ -45,7 +69,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from contextkit._chatml import _ChatML
-from contextkit._reports import BuiltPrompt, CallReport, PipelineResult
+from contextkit._reports import BuiltPrompt, CallReport, PipelineResult, _tokens_by_layer
+from contextkit._tenancy import _check_tenant, _TenantState, _TenantViews
 from contextkit.engine import Engine, TokenSpan
 from contextkit.layers import LayerConfig, LayerSpec
 from contextkit.metrics import ContextkitMetrics
@@ -58,8 +83,8 @@ from contextkit.prompt import (
     render_marked,
     synthesize_for_budget,
 )
-from gpu_cache import PinCapacityError, PrefixPinManager, Tier, validate_tenant
-from gpu_cache.metadata import PINNABLE_SOURCES, BlockMeta
+from gpu_cache import PinCapacityError, PrefixPinManager, Tier
+from gpu_cache.metadata import PINNABLE_SOURCES
 
 __all__ = [
     "BuiltPrompt",
@@ -80,25 +105,9 @@ VOLATILE_THRESHOLD = 0.5
 
 _ROLES = ("user", "assistant", "system", "tool")
 _BOUNDARY = "<trailing message>"
-#: Reports' and metrics' name for prompt tokens of the chat markup (in no layer's span).
-_TEMPLATE = "template"
 
 
-def _check_tenant(tenant: str) -> str:
-    return validate_tenant(tenant)  # InvalidNameError is a ValueError
-
-
-class _TenantState:
-    def __init__(self, config: LayerConfig) -> None:
-        self.calls = 0
-        self.rates = {s.name: (1.0 if s.volatile else 0.0) for s in config}
-        self.last_texts: dict[str, str] = {}
-        self.last_segments: list[tuple[str, tuple[int, ...]]] = []
-        self.stable_hash = ""
-        self.last: BuiltPrompt | None = None
-
-
-class CacheAwareContextPipeline:
+class CacheAwareContextPipeline(_TenantViews):
     """Layered prompts in, cache-aware prompts and cache control out.
 
     Args:
@@ -141,9 +150,47 @@ class CacheAwareContextPipeline:
         self._metrics_arg = metrics
         self._metrics: ContextkitMetrics | None = None
         self._spill_warned: set[str] = set()
+        self._scope: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+            f"contextkit_tenant_{id(self):x}", default=None)
+        self._hinted_readers = False
         if engine is not None:
             _ChatML.check(engine.tokenizer)
             self._pins = PrefixPinManager(engine.cache)
+
+    @classmethod
+    def from_config(cls, engine: Engine | dict[str, Any] | None = None, config: Any = None,
+                    *, layers: LayerConfig | None = None,
+                    spillover: SpilloverQueue | None = None,
+                    **overrides: Any) -> CacheAwareContextPipeline:
+        """A pipeline set up by a configuration's ``pipeline`` section (default tenant,
+        ordering, trailing message, pinning, volatility) and ``metrics.enabled``.
+
+        Args:
+            engine: the engine to steer; ``None`` builds one from the same configuration
+                (:meth:`Engine.from_config`); a ``dict`` is the ``engine`` section's
+                overrides for that. (Pass-through mode, no engine: the constructor.)
+            config: a :class:`contextkit.config.Config`, a TOML/YAML file, or ``None``:
+                :func:`contextkit.config.load_config`.
+            layers: as for the constructor.
+            spillover: as for the constructor.
+            **overrides: section tables set in code, which win over every other source,
+                e.g. ``pipeline={"tenant": "acme"}, cache={"num_device_blocks": 256}``.
+
+        Raises:
+            ConfigError: an unknown section or key, or a bad value (one line).
+        """
+        from contextkit.config import resolve_config
+
+        if isinstance(engine, dict):
+            overrides["engine"], engine = engine, None
+        cfg = resolve_config(config, overrides)
+        if engine is None:
+            engine = Engine.from_config(cfg)
+        s = cfg.pipeline
+        return cls(engine, layers=layers, spillover=spillover, tenant=s.tenant,
+                   reorder=s.reorder, trailing_message=s.trailing_message,
+                   pin_stable=s.pin_stable, volatility_alpha=s.volatility_alpha,
+                   metrics=None if cfg.metrics.enabled else False)
 
     # ------------------------------------------------------------------ wrapping
     @property
@@ -169,12 +216,6 @@ class CacheAwareContextPipeline:
         wrapper.__wrapped_pipeline__ = self  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
 
-    def _state(self, tenant: str) -> _TenantState:
-        state = self._states.get(tenant)
-        if state is None:
-            state = self._states[tenant] = _TenantState(self.config)
-        return state
-
     # ------------------------------------------------------------------ building
     def budget(self, spec: LayerSpec) -> int:
         """A layer's budget: expanded when a cache is attached."""
@@ -187,7 +228,7 @@ class CacheAwareContextPipeline:
             PromptFormatError: unknown or unbalanced layer markers, or an unsupported
                 return type (nothing is recorded).
         """
-        tenant = _check_tenant(self.tenant if tenant is None else tenant)
+        tenant = self.resolve_tenant(tenant)
         prompt = coerce_prompt(raw, self.config)
         count = self._count_tokens
         sections: list[PromptSection] = []
@@ -339,7 +380,7 @@ class CacheAwareContextPipeline:
         """
         if self.engine is None:
             return [], [], 0
-        tenant = _check_tenant(self.tenant if tenant is None else tenant)
+        tenant = self.resolve_tenant(tenant)
         if built is None:
             with self._lock:
                 built = self._state(tenant).last
@@ -422,7 +463,7 @@ class CacheAwareContextPipeline:
             raise RuntimeError("no engine attached: this pipeline only passes prompts "
                                "through; build it with CacheAwareContextPipeline(engine)")
         if tenant is None:
-            tenant = built.report.tenant if built is not None else self.tenant
+            tenant = built.report.tenant if built is not None else self.resolve_tenant()
         tenant = _check_tenant(tenant)
         if built is not None and built.report.tenant != tenant:
             raise ValueError(f"this prompt was built for tenant {built.report.tenant!r}, not "
@@ -516,79 +557,6 @@ class CacheAwareContextPipeline:
             logger.info("tenant %s: stable prefix served unpinned: %s", tenant, outcome.refused)
             return "unpinned", outcome.refused
         return "pinned", ""
-
-    # ------------------------------------------------------------------ cache views
-    def cached_blocks(self, tenant: str | None = None) -> list[BlockMeta]:
-        """Metadata of the tenant's blocks in the cache (empty without a cache)."""
-        if self.engine is None:
-            return []
-        tenant = _check_tenant(self.tenant if tenant is None else tenant)
-        return [m for m in self.engine.cache.metadata.all() if m.tenant_slug == tenant]
-
-    def pinned_blocks(self, tenant: str | None = None, *,
-                      all_tenants: bool = False) -> list[int]:
-        """Ids of the pinned blocks of ``tenant`` (default: the pipeline's own), or of
-        every tenant with ``all_tenants=True`` (empty without a cache)."""
-        if self.engine is None:
-            return []
-        if all_tenants:
-            return self._pins.pinned_ids()
-        return self._pins.pinned_ids(_check_tenant(self.tenant if tenant is None else tenant))
-
-    def blocks_by_layer(self, tenant: str | None = None) -> dict[str, int]:
-        """Cached blocks per source layer for a tenant (empty without a cache)."""
-        out: dict[str, int] = {}
-        for meta in self.cached_blocks(tenant):
-            out[meta.source_layer] = out.get(meta.source_layer, 0) + 1
-        return dict(sorted(out.items()))
-
-    def last_built(self, tenant: str | None = None) -> BuiltPrompt | None:
-        """The tenant's latest :meth:`build` result (``None`` without a cache or before any)."""
-        if self.engine is None:
-            return None
-        with self._lock:
-            return self._state(_check_tenant(self.tenant if tenant is None else tenant)).last
-
-    def last_report(self, tenant: str | None = None) -> CallReport | None:
-        """The latest call's report (``None`` without a cache or before any call)."""
-        if self.engine is None:
-            return None
-        with self._lock:
-            last = self._state(_check_tenant(self.tenant if tenant is None else tenant)).last
-        return last.report if last else None
-
-    def volatility(self, tenant: str | None = None) -> dict[str, float]:
-        """Learned change rate per layer (empty without a cache)."""
-        if self.engine is None:
-            return {}
-        with self._lock:
-            return dict(self._state(_check_tenant(self.tenant if tenant is None else tenant)).rates)
-
-
-def _tokens_by_layer(spans: Sequence[TokenSpan], prompt_tokens: int,
-                     reused: int) -> tuple[dict[str, int], dict[str, int]]:
-    """Split a prompt's reused (the first ``reused``) and computed tokens by the source
-    layer of their span; tokens in no span are the chat markup (``template``)."""
-    reused_by: dict[str, int] = {}
-    computed_by: dict[str, int] = {}
-
-    def add(layer: str, start: int, end: int) -> None:
-        hit = max(0, min(end, reused) - start)
-        if hit:
-            reused_by[layer] = reused_by.get(layer, 0) + hit
-        if end - start - hit:
-            computed_by[layer] = computed_by.get(layer, 0) + end - start - hit
-
-    pos = 0
-    for span in sorted(spans, key=lambda s: s.start):
-        if span.start > pos:
-            add(_TEMPLATE, pos, span.start)
-        add(span.source_layer, span.start, span.end)
-        pos = max(pos, span.end)
-    if prompt_tokens > pos:
-        add(_TEMPLATE, pos, prompt_tokens)
-    return reused_by, computed_by
-
 
 def cache_aware(pipeline: CacheAwareContextPipeline) -> Callable[[F], F]:
     """Decorator form of :meth:`CacheAwareContextPipeline.wrap`::

@@ -188,7 +188,9 @@ class EngineChat:
     Args:
         engine: the embedded engine.
         pipeline: the pipeline that builds the layered system prompt (optional).
-        tenant: default tenant (blocks are never shared across tenants).
+        tenant: default tenant (blocks are never shared across tenants); ``None``:
+            the pipeline's rule at each call (its innermost ``tenant_scope``, else its
+            default tenant), or ``"default"`` without a pipeline.
     """
 
     def __init__(self, engine: Engine, pipeline: CacheAwareContextPipeline | None = None,
@@ -198,7 +200,13 @@ class EngineChat:
                              "CacheAwareContextPipeline(engine) for the same engine")
         self.engine = engine
         self.pipeline = pipeline
-        self.tenant = tenant or (pipeline.tenant if pipeline is not None else "default")
+        self.tenant = tenant
+
+    def resolve_tenant(self, tenant: str | None = None) -> str:
+        """The tenant of a call: ``tenant``, else this runner's, else the pipeline's rule."""
+        if tenant or self.tenant:
+            return str(tenant or self.tenant)
+        return self.pipeline.resolve_tenant() if self.pipeline is not None else "default"
 
     @property
     def model_name(self) -> str:
@@ -245,7 +253,8 @@ class EngineChat:
         else:
             ids = self._template(messages)
             generation = self.engine.generate(ids, max_new_tokens=max_new_tokens,
-                                              tenant=tenant or self.tenant, on_token=on_token)
+                                              tenant=self.resolve_tenant(tenant),
+                                              on_token=on_token)
         tail = stream.rest()
         if tail and on_text is not None:
             on_text(tail)

@@ -127,7 +127,11 @@ class ContextKitMiddleware(AgentMiddleware):
             ``StructuredPrompt``. Default: the agent's own ``system_prompt`` when it
             carries layer markers (a plain system prompt is left untouched).
         tenant: a tenant id, or a function of the request; default: ``tenant`` of
-            the runtime context (mapping key or attribute), else the pipeline's.
+            the runtime context (mapping key or attribute), else the pipeline's rule
+            (its innermost ``tenant_scope``, else its default tenant). The model call
+            runs inside ``pipeline.tenant_scope(tenant)``, so the chat model and any
+            pipeline read inside it mean the same tenant (see *Tenants* in
+            :mod:`contextkit.pipeline`).
         cache_control: the breakpoint put on the stable block (Anthropic's format);
             ``None`` for providers that reject extra block keys (their automatic
             prefix caching still sees the stable prefix first).
@@ -157,9 +161,10 @@ class ContextKitMiddleware(AgentMiddleware):
         if self.tenant:
             return str(self.tenant)
         runtime = getattr(request, "runtime", None)
-        return _tenant_of(getattr(runtime, "context", None)) or self.pipeline.tenant
+        return _tenant_of(getattr(runtime, "context", None)) or self.pipeline.resolve_tenant()
 
-    def system_message(self, request: ModelRequest) -> SystemMessage | None:
+    def system_message(self, request: ModelRequest, tenant: str | None = None
+                       ) -> SystemMessage | None:
         """The system message this middleware puts on ``request`` (``None``: unchanged)."""
         if self.build_system_message is not None:
             raw = self.build_system_message(request)
@@ -167,7 +172,7 @@ class ContextKitMiddleware(AgentMiddleware):
             raw = request.system_prompt
             if raw is None or not has_markers(raw, self.pipeline.config):
                 return None
-        tenant = self._tenant(request)
+        tenant = tenant or self._tenant(request)
         parts = split_system_text(self.pipeline, raw, tenant)
         blocks: list[str | dict[str, Any]] = []
         for i, text in enumerate((parts.stable, parts.changing, parts.trailing)):
@@ -190,14 +195,19 @@ class ContextKitMiddleware(AgentMiddleware):
 
     def wrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], Any]
                         ) -> Any:
-        message = self.system_message(request)
-        return handler(request if message is None else request.override(system_message=message))
+        tenant = self._tenant(request)
+        with self.pipeline.tenant_scope(tenant):
+            message = self.system_message(request, tenant)
+            return handler(request if message is None
+                           else request.override(system_message=message))
 
     async def awrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], Any]
                                ) -> Any:
-        message = self.system_message(request)
-        return await handler(request if message is None
-                             else request.override(system_message=message))
+        tenant = self._tenant(request)
+        with self.pipeline.tenant_scope(tenant):
+            message = self.system_message(request, tenant)
+            return await handler(request if message is None
+                                 else request.override(system_message=message))
 
 
 def _pipeline_token(pipeline: CacheAwareContextPipeline) -> str:
@@ -330,7 +340,7 @@ class ContextKitChatModel(BaseChatModel):
                     kwargs: Mapping[str, Any]) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         conv, built, tenant = self._plan(messages)
         max_new = int(kwargs.get("max_tokens") or kwargs.get("max_new_tokens") or self.max_tokens)
-        return conv, {"built": built, "tenant": tenant or self.tenant,
+        return conv, {"built": built, "tenant": tenant or self.tenant,  # None: the rule
                       "max_new_tokens": max_new, "stop": list(stop or [])}
 
     def _message(self, run: ChatRun, chat: EngineChat) -> AIMessage:

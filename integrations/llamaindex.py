@@ -166,7 +166,7 @@ class ContextKitLLM(CustomLLM):
     def _prepare(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
                  ) -> tuple[list[tuple[str, str]], dict[str, Any]]:
         conv = _conversation(messages)
-        tenant = kwargs.get("tenant") or self.tenant
+        tenant = self._chat_runner.resolve_tenant(kwargs.get("tenant"))
         built = None
         pipeline = self._pipeline
         if pipeline is not None and pipeline.attached:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -280,3 +281,33 @@ def test_async_agent_goes_through_awrap_model_call(fresh: Callable[..., Any],
     assert messages[-1].usage_metadata["input_token_details"]["cache_read"] > 0
     last = pipeline.last_built()
     assert last is not None and recorder.systems[-1].text == last.text  # type: ignore[union-attr]
+
+
+def test_the_model_call_runs_in_the_middleware_tenants_scope(
+        fresh: Callable[..., Any], layered_prompt: Callable[[int], str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    eng = fresh(device=128, host=64)
+    pipeline = CacheAwareContextPipeline(eng)
+    seen: list[str] = []
+
+    class TenantProbe(GenericFakeChatModel):
+        """A chat model that records which tenant the pipeline means during its call."""
+
+        def _generate(self, *args: Any, **kwargs: Any) -> Any:
+            seen.append(pipeline.resolve_tenant())
+            return super()._generate(*args, **kwargs)
+
+    agent = create_agent(TenantProbe(messages=iter([AIMessage("a"), AIMessage("b")])),
+                         tools=[], context_schema=dict,
+                         middleware=[ContextKitMiddleware(pipeline,
+                                                          lambda request: layered_prompt(0))])
+    agent.invoke({"messages": [("user", "hi")]}, context={"tenant": "acme"})
+    with pipeline.tenant_scope("globex"):  # no runtime context: the caller's scope
+        agent.invoke({"messages": [("user", "hi")]})
+    assert seen == ["acme", "globex"]
+    assert pipeline.resolve_tenant() == "default"  # every scope was left
+    assert pipeline.last_report("acme").call == 1  # type: ignore[union-attr]
+    assert pipeline.last_report("globex").call == 1  # type: ignore[union-attr]
+    with caplog.at_level(logging.WARNING, logger="contextkit.pipeline"):
+        assert pipeline.last_report() is None
+    assert any("'acme'" in r.getMessage() for r in caplog.records)
