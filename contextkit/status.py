@@ -6,7 +6,9 @@ S3) and reports its blocks by tier at shadow time, pinned blocks, blocks per sou
 layer and tenant, bytes, cache identity and age, and whether manifests are
 authenticated (``$CONTEXTKIT_SHADOW_KEY``). Sessions whose manifest cannot be read are
 listed with the reason. With ``--tier-status PATH`` it also shows the last cycle of a
-tier manager, from the file that ``ContextTierManager.write_status`` writes.
+tier manager, from the file that ``ContextTierManager.write_status`` writes, and with
+``--metrics URL`` the contextkit figures of a running process's Prometheus page (a vLLM
+server's ``/metrics``, or a process with ``[metrics] port`` set).
 
 A store the user named (``--store`` or ``$CONTEXTKIT_SHADOW_URL``) that is a local
 directory which does not exist is an error, not an empty store: a typo must not read
@@ -93,6 +95,11 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tier-status", default=None, metavar="PATH",
                         help="also show the last tier-manager cycle from this file "
                              "(written by ContextTierManager.write_status)")
+    parser.add_argument("--metrics", default=None, metavar="URL",
+                        help="also show the contextkit figures of a running process from its "
+                             "Prometheus page: a vLLM server's http://HOST:PORT/metrics "
+                             "(connector) or one started with [metrics] port (pipeline, "
+                             "engine)")
 
 
 def _age(seconds: float) -> str:
@@ -109,7 +116,9 @@ def run_status(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         ShadowStoreError: a named store directory that does not exist.
         TierStatusError: ``--tier-status`` names a missing or malformed file.
+        MetricsScrapeError: ``--metrics`` names a page that cannot be read.
     """
+    from contextkit._scrape import format_metrics, scrape_metrics
     from gpu_cache.ids import validate_tenant
     from shadow.auth import KEY_ENV, describe_auth, resolve_key
     from shadow.cli import default_store_url
@@ -121,6 +130,8 @@ def run_status(args: argparse.Namespace) -> dict[str, Any]:
         validate_tenant(tenant)
     tier_path = getattr(args, "tier_status", None)
     tier_doc = _read_tier_status(Path(tier_path)) if tier_path is not None else None
+    metrics_url = getattr(args, "metrics", None)
+    metrics_doc = scrape_metrics(metrics_url) if metrics_url is not None else None
     named = require_store(args.store)
     url = args.store or default_store_url()
     local = local_store_path(url)
@@ -159,6 +170,9 @@ def run_status(args: argparse.Namespace) -> dict[str, Any]:
         out.write("  nothing shadowed yet; run `contextkit demo` or attach a CacheShadow\n")
     result: dict[str, Any] = {"store": store_url, "tenant": tenant, "auth": auth,
                               "sessions": sessions}
+    if metrics_doc is not None:
+        out.write(format_metrics(metrics_doc))
+        result["metrics"] = metrics_doc
     if tier_doc is not None:
         result["tier_manager"] = _tier_status(Path(str(tier_path)), tier_doc, now)
     out.flush()

@@ -3,15 +3,18 @@ equal the per-call reports after a real run of the embedded engine."""
 
 from __future__ import annotations
 
+import json
 import logging
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from contextkit.cli import main
 from contextkit.engine import Engine
 from contextkit.layers import LayerConfig, LayerSpec
 from contextkit.metrics import ContextkitMetrics, serve
@@ -68,7 +71,8 @@ def test_a_long_layer_spills_with_a_report_field_and_one_warning_per_layer(
         first.spilled_by_layer["axioms"] * 2
 
 
-def test_scraped_metrics_equal_the_per_call_reports(fresh: Callable[..., Engine]) -> None:
+def test_scraped_metrics_equal_the_per_call_reports(
+        fresh: Callable[..., Engine], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     registry = CollectorRegistry()
     metrics = ContextkitMetrics(registry=registry)
     engine = fresh("tq4", metrics=metrics)
@@ -125,3 +129,29 @@ def test_scraped_metrics_equal_the_per_call_reports(fresh: Callable[..., Engine]
     assert value("contextkit_engine_ttft_seconds_count") == len(gens)
     assert value("contextkit_engine_ttft_seconds_sum") == pytest.approx(
         sum(g.ttft_ms for g in gens) / 1000.0)
+    # `contextkit status --metrics URL` shows the same figures.
+    capsys.readouterr()
+    url = f"http://127.0.0.1:{port}/metrics"
+    assert main(["status", "--store", str(tmp_path), "--metrics", url, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline calls     acme 2, default 3" in out
+    doc = json.loads(out.strip().splitlines()[-1])["metrics"]
+    assert doc["pipeline"]["calls"] == {"acme": 2, "default": 3}
+    assert doc["pipeline"]["spilled_lines"] == {"neurons": spilled}
+    assert doc["pipeline"]["reused_tokens"] == {
+        layer: n for layer in layers
+        if (n := sum(r.reused_by_layer.get(layer, 0) for r in reports))}
+    assert doc["engine"]["requests"] == len(gens)
+    assert doc["engine"]["tokens"]["generated"] == sum(len(g.token_ids) for g in gens)
+    assert doc["has_connector"] is False
+
+
+def test_status_metrics_url_errors_are_one_line(capsys: pytest.CaptureFixture[str],
+                                                 tmp_path: Path) -> None:
+    for url, says in (("localhost:9/metrics", "must be an http(s) URL"),
+                      ("http://127.0.0.1:9/metrics", "could not read")):
+        assert main(["status", "--store", str(tmp_path), "--metrics", url]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""  # checked before anything is printed
+        err = captured.err.strip().splitlines()
+        assert len(err) == 1 and says in err[0] and "--metrics" in err[0], err
