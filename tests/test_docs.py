@@ -9,6 +9,7 @@ of the reference.
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -148,3 +149,31 @@ def test_every_api_page_is_in_the_nav() -> None:
     nav = (ROOT / "mkdocs.yml").read_text()
     for page in sorted(API_DIR.glob("*.md")):
         assert f"api/{page.name}" in nav, f"docs/api/{page.name} is not in mkdocs.yml's nav"
+
+
+def test_the_grafana_dashboard_queries_only_metrics_that_exist() -> None:
+    """Every metric a panel of docs/grafana/contextkit.json queries is exported by
+    contextkit.metrics or the vLLM connector (or is vLLM's own)."""
+    from prometheus_client import CollectorRegistry
+
+    from contextkit.metrics import ContextkitMetrics
+    from integrations.vllm import metrics as connector
+
+    registry = CollectorRegistry()
+    ContextkitMetrics(registry=registry)
+    suffixes = {"counter": ("_total",), "gauge": ("",),
+                "histogram": ("_bucket", "_sum", "_count")}
+    known = {f.name + s for f in registry.collect() for s in suffixes[f.type]}
+    known |= {connector.METRIC_NAMES[n] + "_total"
+              for n in (*connector.COUNTERS, *connector.BY_LAYER)}
+    known |= {connector.METRIC_NAMES[n] for n in connector.GAUGES}
+    vllm_own = {"vllm:prompt_tokens_total"}
+    dashboard = json.loads((ROOT / "docs" / "grafana" / "contextkit.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"(?:vllm:)?[a-z_]*contextkit_[a-z_]+|vllm:[a-z_]+",
+                                      target["expr"])}
+    assert len(queried) >= 12
+    assert queried <= known | vllm_own, sorted(queried - known - vllm_own)
+    # And every contextkit metric is on the dashboard somewhere.
+    shown = {re.sub(r"_(total|bucket|sum|count)$", "", q) for q in queried}
+    assert {re.sub(r"_(total|bucket|sum|count)$", "", k) for k in known} <= shown
