@@ -6,6 +6,10 @@ generates greedily for each prompt (token ids) one at a time, drains the connect
 saves and shadow, and writes per prompt: TTFT, generated token ids and the
 connector's stats for the request (``external_hit_tokens`` ...). A fresh process is
 a vLLM restart.
+
+With ``--openai`` it runs vLLM's OpenAI API server instead (a child process on a free
+local port), sends the same requests over HTTP and also writes the server's
+``/metrics`` text (scraped last, see :func:`run_openai`).
 """
 
 from __future__ import annotations
@@ -13,12 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
+import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "source_text"]
+__all__ = ["main", "metric_sum", "run_openai", "source_text"]
+
+#: ``--served-model-name`` of the ``--openai`` server (the ``model_name`` metric label).
+SERVED_MODEL_NAME = "contextkit-e2e"
 
 
 def _drain_worker(worker: Any) -> int:
@@ -29,8 +40,7 @@ def _drain_worker(worker: Any) -> int:
         return 0
     connector = get_kv_transfer_group()
     connector.flush()
-    if connector.store.shadow is not None:
-        connector.store.shadow.shadow_now()
+    connector.store.shadow_now()
     return len(connector.store.keys())
 
 
@@ -71,7 +81,18 @@ def main(argv: list[str] | None = None) -> int:
                              "teacher-forced top-1 agreement with it after the last round")
     parser.add_argument("--dtype", default="float32",
                         help="float32 on CPUs without native bf16 matmul (much faster there)")
+    parser.add_argument("--openai", action="store_true",
+                        help="serve through vLLM's OpenAI API server (one round) and "
+                             "record its /metrics")
+    parser.add_argument("--until-metric", default=None,
+                        help="with --openai: before the final scrape, pump one-token "
+                             "requests until this metric's samples sum above 0 (stats reach "
+                             "/metrics only on engine steps; saves finish in the background)")
     args = parser.parse_args(argv)
+    if args.openai:
+        if args.rounds != 1:
+            parser.error("--openai serves one round")
+        return run_openai(args)
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fn)
@@ -156,6 +177,134 @@ def main(argv: list[str] | None = None) -> int:
                                           "stored_blocks": stored[0],
                                           "teacher_forced_agreement": agreement}))
     return 0
+
+
+# ---------------------------------------------------------------------- --openai
+def _post(base: str, path: str, body: dict[str, Any], timeout: float = 900.0) -> Any:
+    request = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def _get(base: str, path: str, timeout: float = 30.0) -> str:
+    with urllib.request.urlopen(base + path, timeout=timeout) as response:
+        return str(response.read().decode())
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def metric_sum(text: str, name: str) -> float:
+    """Sum of a metric's samples in a Prometheus text exposition (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name == name)
+
+
+def run_openai(args: argparse.Namespace) -> int:
+    """One lifetime of vLLM's OpenAI API server with the connector, driven over HTTP."""
+    from integrations.vllm.config import ConnectorConfig, kv_transfer_config
+
+    if not args.connector_config:
+        raise SystemExit("--openai needs --connector-config")
+    config = ConnectorConfig.from_json(args.connector_config)
+    stats_path = Path(config.stats_path) if config.stats_path else None
+    prompts = json.loads(Path(args.prompts).read_text())
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+           "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1",
+           "--port", str(port), "--max-model-len", str(args.max_model_len),
+           "--enforce-eager", "--dtype", args.dtype, "--block-size", str(args.block_size),
+           "--seed", "0", "--shutdown-timeout", "60",  # drain, then stop the connector
+           "--kv-transfer-config", json.dumps(kv_transfer_config(config))]
+    log_path = Path(args.out).with_suffix(".server.log")
+    start = time.perf_counter()
+    with log_path.open("w") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            while True:
+                if server.poll() is not None:
+                    raise SystemExit(f"vLLM's OpenAI server exited ({server.returncode}); "
+                                     f"see {log_path}")
+                try:
+                    if _get(base, "/health", timeout=5.0) is not None:
+                        break
+                except (urllib.error.URLError, OSError):
+                    time.sleep(2.0)
+                if time.perf_counter() - start > 1200:
+                    raise SystemExit(f"vLLM's OpenAI server did not start; see {log_path}")
+            startup_s = time.perf_counter() - start
+            out = _serve_openai(base, args, prompts, stats_path)
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+    Path(args.out).write_text(json.dumps({"startup_s": startup_s, **out}))
+    return 0
+
+
+def _serve_openai(base: str, args: argparse.Namespace, prompts: list[list[int]],
+                  stats_path: Path | None) -> dict[str, Any]:
+    offset = stats_path.stat().st_size if stats_path and stats_path.is_file() else 0
+    request: dict[str, Any] = {"model": SERVED_MODEL_NAME, "temperature": 0.0,
+                               "return_token_ids": True}
+    if args.cache_salt:
+        request["cache_salt"] = args.cache_salt
+    results = []
+    for token_ids in prompts:
+        t0 = time.perf_counter()
+        reply = _post(base, "/v1/completions", {**request, "prompt": token_ids,
+                                                "max_tokens": args.max_tokens,
+                                                "ignore_eos": True})
+        wall = time.perf_counter() - t0
+        stats: list[dict[str, Any]] = []
+        deadline = time.perf_counter() + 30
+        while stats_path is not None and not stats and time.perf_counter() < deadline:
+            stats, offset = _read_stats(stats_path, offset)  # written as the request ends
+            if not stats:
+                time.sleep(0.2)
+        choice = reply["choices"][0]
+        details = (reply.get("usage") or {}).get("prompt_tokens_details") or {}
+        results.append({
+            "round": 0,
+            "prompt_tokens": len(token_ids),
+            "ttft_ms": 1000.0 * wall,  # not streamed: the whole request
+            "wall_ms": 1000.0 * wall,
+            "token_ids": list(choice["token_ids"]),
+            "text": choice["text"],
+            "num_cached_tokens": details.get("cached_tokens"),
+            "connector": stats[-1] if stats else None,
+        })
+    agreement = None
+    if args.reference:
+        agreement = []
+        references = json.loads(Path(args.reference).read_text())
+        for token_ids, ref in zip(prompts, references, strict=True):
+            batch = [list(token_ids) + list(ref[:j]) for j in range(len(ref))]
+            reply = _post(base, "/v1/completions", {**request, "prompt": batch,
+                                                    "max_tokens": 1})
+            got = {c["index"]: c["token_ids"][0] for c in reply["choices"]}
+            agreement.append(sum(got[j] == r for j, r in enumerate(ref)) / len(ref))
+    metrics = _get(base, "/metrics")
+    deadline = time.perf_counter() + 120
+    while args.until_metric and metric_sum(metrics, args.until_metric) <= 0 \
+            and time.perf_counter() < deadline:
+        _post(base, "/v1/completions", {**request, "prompt": [0], "max_tokens": 1})
+        time.sleep(1.0)
+        metrics = _get(base, "/metrics")
+    return {"results": results, "stored_blocks": None, "teacher_forced_agreement": agreement,
+            "metrics": metrics}
 
 
 if __name__ == "__main__":

@@ -41,11 +41,14 @@ def _config(work: Path, shadow: Path | None = None, **extra: Any) -> dict[str, A
 
 
 def serve(model: str, config: dict[str, Any], prompts: list[list[int]], out: Path,
-          rounds: int = 1, reference: list[list[int]] | None = None) -> dict[str, Any]:
+          rounds: int = 1, reference: list[list[int]] | None = None,
+          openai: bool = False) -> dict[str, Any]:
     """One vLLM process lifetime; returns the harness output.
 
     With ``reference`` (per prompt, the cold run's continuation) it also scores
-    teacher-forced top-1 agreement with it.
+    teacher-forced top-1 agreement with it. With ``openai`` it runs vLLM's OpenAI API
+    server and returns its ``/metrics`` text too (scraped once the connector's saves
+    show there).
     """
     (out.parent / "prompts.json").write_text(json.dumps(prompts))
     cmd = [sys.executable, "-m", "integrations.vllm.harness", "--model", model,
@@ -55,6 +58,8 @@ def serve(model: str, config: dict[str, Any], prompts: list[list[int]], out: Pat
     if reference is not None:
         (out.parent / "reference.json").write_text(json.dumps(reference))
         cmd += ["--reference", str(out.parent / "reference.json")]
+    if openai:
+        cmd += ["--openai", "--until-metric", "vllm:contextkit_saved_blocks_total"]
     log = out.with_suffix(".log")
     with log.open("w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT,
@@ -165,6 +170,16 @@ def test_native_codec_loads_exactly(model_dir: str, prompts: list[list[int]],
     assert second["token_ids"] == first["token_ids"]
 
 
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``, or -1 if none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = [sample.value for family in text_string_to_metric_families(text)
+              for sample in family.samples
+              if sample.name == name and labels.items() <= sample.labels.items()]
+    return sum(values) if values else -1.0
+
+
 def _copy_session(src: Path, dst: Path) -> Path:
     """A copy of the cold run's shadow session (same id: manifests name their blobs)."""
     shutil.copytree(src / "vllm", dst / "vllm")
@@ -220,10 +235,28 @@ def test_corrupt_block_is_skipped_and_recomputed(
     assert rc == 0, rec
     assert rec["skipped"] == 1 and "checksum" in rec["skipped_blocks"][0]["reason"]
 
+    from integrations.vllm.harness import SERVED_MODEL_NAME
+
+    # this lifetime is vLLM's OpenAI API server: the connector's metrics on its /metrics
     reference = [cold["run"]["results"][0]["token_ids"]]
     run = serve(model_dir, _config(work, shadow), prompts[:1], work / "run.json",
-                reference=reference)
+                reference=reference, openai=True)
     (after,) = run["results"]
     # the chain breaks at the corrupt block: blocks 0..9 load, the rest is recomputed
     assert after["connector"]["external_hit_tokens"] == bad * BLOCK
     assert run["teacher_forced_agreement"][0] >= MIN_AGREEMENT
+
+    text, model = run["metrics"], {"model_name": SERVED_MODEL_NAME, "engine": "0"}
+    hit = metric(text, "vllm:contextkit_hit_tokens_total", **model)
+    # the cached request's 320 tokens (the agreement requests hit vLLM's own cache)
+    assert hit >= bad * BLOCK > 0, hit
+    assert metric(text, "vllm:contextkit_loaded_blocks_total", **model) == hit / BLOCK
+    assert metric(text, "vllm:contextkit_load_errors_total", **model) == 0
+    # one lookup per request at least: the cached one and the 32 agreement prompts
+    assert metric(text, "vllm:contextkit_lookups_total", **model) >= 1 + MAX_TOKENS
+    # blocks 10.. were recomputed and saved, unlabelled requests: the default layer
+    assert metric(text, "vllm:contextkit_saved_blocks_total", **model,
+                  layer="user_turn") > 0
+    assert metric(text, "vllm:contextkit_evicted_blocks_total", **model) in (-1.0, 0.0)
+    assert metric(text, "vllm:contextkit_shadow_bytes_total", **model) > 0
+    assert metric(text, "vllm:contextkit_shadow_lag_seconds", **model) >= 0
