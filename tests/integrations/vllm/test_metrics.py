@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,6 +18,8 @@ from gpu_cache import hash_token_blocks
 from integrations.vllm.config import ConnectorConfig
 from integrations.vllm.identity import vllm_cache_identity
 from integrations.vllm.metrics import (
+    GAUGES,
+    METRIC_NAMES,
     OTHER,
     UNLABELLED,
     ContextKitConnectorStats,
@@ -180,6 +183,34 @@ def test_prometheus_metrics_from_two_steps() -> None:
                                                          e0[1]))] == 1
     layers = {dict(labels).get("layer") for name, labels in got if "layer" in dict(labels)}
     assert layers <= layer_names("chat") | {UNLABELLED, OTHER}
+
+    # `contextkit status --metrics URL` reads the same names: served over real HTTP
+    from prometheus_client import start_http_server
+
+    from contextkit._scrape import scrape_metrics
+
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        status = scrape_metrics(f"http://127.0.0.1:{server.server_port}/metrics")
+    finally:
+        server.shutdown()
+        thread.join()
+    connector = status["connector"]
+    assert connector["lookups"] == 10 and connector["hit_tokens"] == 64  # both engines
+    assert connector["loaded_blocks"] == 4 and connector["shadow_bytes"] == 4096
+    assert connector["saved_blocks"] == {"axioms": 2, UNLABELLED: 1}
+    assert connector["evicted_blocks"] == {"chat": 2, OTHER: 1}
+    assert connector["shadow_lag_seconds"] == 0.0
+
+
+def test_dashboard_queries_use_the_exported_names() -> None:
+    """The Grafana dashboard reads only names the connector exports."""
+    root = Path(__file__).resolve().parents[3]
+    text = (root / "docs" / "grafana" / "contextkit.json").read_text()
+    used = set(re.findall(r"vllm:contextkit_[a-z_]+", text))
+    exported = {name + "_total" for stat, name in METRIC_NAMES.items() if stat not in GAUGES}
+    exported |= {METRIC_NAMES[stat] for stat in GAUGES}
+    assert used and used <= exported, used - exported
 
 
 # ---------------------------------------------------------------------- real code paths
