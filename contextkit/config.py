@@ -42,8 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if typing.TYPE_CHECKING:
-    from gpu_cache.config import CacheConfig, PinConfig
+from contextkit._settings import (
+    CacheSettings,
+    EngineSettings,
+    MetricsSettings,
+    PipelineSettings,
+    ShadowSettings,
+)
 
 __all__ = [
     "CONFIG_ENV",
@@ -58,6 +63,7 @@ __all__ = [
     "ShadowSettings",
     "load_config",
     "register_section",
+    "resolve_config",
 ]
 
 #: Environment variable naming the configuration file.
@@ -70,172 +76,6 @@ SECRET_FIELDS = frozenset({"shadow.key"})
 
 class ConfigError(ValueError):
     """A configuration source holds an unknown key or a value of the wrong type or range."""
-
-
-def _default_cache_dir() -> str:
-    return str(Path.home() / ".cache" / "contextkit")
-
-
-@dataclass(frozen=True, slots=True)
-class CacheSettings:
-    """The block cache the engine builds, and where contextkit keeps converted models.
-
-    Args:
-        dir: directory of converted model weights and the connector's local store.
-        num_device_blocks: blocks of the device ("VRAM") tier.
-        num_host_blocks: blocks of the host ("DDR") tier.
-        device: device of the device tier; ``None`` picks CUDA when present.
-        eviction_policy: ``"semantic"`` (layer priority, importance, recency) or ``"lru"``.
-        block_size: tokens per block.
-    """
-
-    dir: str = dataclasses.field(default_factory=_default_cache_dir)
-    num_device_blocks: int = 1024
-    num_host_blocks: int = 2048
-    device: str | None = None
-    eviction_policy: str = "semantic"
-    block_size: int = 16
-
-    def __post_init__(self) -> None:
-        from gpu_cache.config import PinConfig
-
-        # CacheConfig owns the checks of what it shares with these settings.
-        self.cache_config(PinConfig())
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-
-    def cache_config(self, pins: PinConfig) -> CacheConfig:
-        """The :class:`gpu_cache.CacheConfig` of these settings and ``pins``."""
-        from gpu_cache.config import CacheConfig
-
-        return CacheConfig(num_device_blocks=self.num_device_blocks,
-                           num_host_blocks=self.num_host_blocks, device=self.device,
-                           eviction_policy=self.eviction_policy, pins=pins)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSettings:
-    """The embedded engine (:class:`contextkit.engine.Engine`).
-
-    Args:
-        model: a local transformers model directory; ``None``: the packaged SmolLM2.
-        kv_format: ``"tq4"`` (packed 4-bit) or ``"native"`` (float32, exact).
-        calibrate: per-head key offsets (tq4).
-        prefill_chunk: prompt tokens per forward step.
-        residual_tokens: float32 recent window over the TQ4 cache.
-        sink_tokens: float32 attention sink; ``None``: one block.
-    """
-
-    model: str | None = None
-    kv_format: str = "tq4"
-    calibrate: bool = True
-    prefill_chunk: int = 4096
-    residual_tokens: int = 128
-    sink_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.kv_format not in ("tq4", "native"):
-            raise ValueError(f"kv_format must be 'tq4' or 'native', got {self.kv_format!r}")
-        if self.prefill_chunk < 1 or self.residual_tokens < 0:
-            raise ValueError("prefill_chunk must be >= 1 and residual_tokens >= 0")
-
-
-@dataclass(frozen=True, slots=True)
-class PipelineSettings:
-    """The cache-aware pipeline (:class:`contextkit.pipeline.CacheAwareContextPipeline`).
-
-    Args:
-        tenant: the default tenant of calls that name none.
-        reorder: volatility-aware layer ordering.
-        trailing_message: volatile layers in a system message after the conversation.
-        pin_stable: pin the stable prefix (within the tenant's pin quota).
-        volatility_alpha: weight of the newest observation in a layer's change rate.
-    """
-
-    tenant: str = "default"
-    reorder: bool = True
-    trailing_message: bool = True
-    pin_stable: bool = True
-    volatility_alpha: float = 0.3
-
-    def __post_init__(self) -> None:
-        from gpu_cache import validate_tenant
-
-        validate_tenant(self.tenant)
-        if not 0.0 < self.volatility_alpha <= 1.0:
-            raise ValueError(f"volatility_alpha must be in (0, 1], got {self.volatility_alpha}")
-
-
-@dataclass(frozen=True, slots=True)
-class ShadowSettings:
-    """The cold-tier shadow (:mod:`shadow`).
-
-    Args:
-        url: ``file:///path`` or ``s3://bucket/prefix``; empty: no shadow.
-        key: MAC key of manifests and the index (secret; never printed).
-        session_id: the session this process shadows under.
-        interval_seconds: period of the background shadow.
-        allow_unauthenticated: restore unsigned sessions from an ``s3://`` store.
-        upload_abort_after_seconds: age past which incomplete S3 uploads are aborted.
-        endpoint_url: S3-compatible endpoint (MinIO, Ceph, moto); ``None``: boto3's.
-        region_name: S3 region; ``None``: boto3's.
-    """
-
-    url: str = ""
-    key: str | None = None
-    session_id: str = "default"
-    interval_seconds: float = 60.0
-    allow_unauthenticated: bool = False
-    upload_abort_after_seconds: float = 3600.0
-    endpoint_url: str | None = None
-    region_name: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.url and "://" not in self.url:
-            raise ValueError(f"url must be file:///path or s3://bucket/prefix, got {self.url!r}")
-        self.shadow_config()
-
-    def shadow_config(self, **kwargs: Any) -> Any:
-        """A :class:`shadow.ShadowConfig` of these settings (``kwargs`` override)."""
-        from shadow import ShadowConfig
-
-        values: dict[str, Any] = {
-            "interval_seconds": self.interval_seconds, "auth_key": self.key,
-            "allow_unauthenticated": self.allow_unauthenticated,
-            "upload_abort_after_seconds": self.upload_abort_after_seconds}
-        values.update(kwargs)
-        return ShadowConfig(**values)
-
-    def store_config(self) -> Any:
-        """A :class:`shadow.StoreConfig` of these settings."""
-        from shadow import StoreConfig
-
-        return StoreConfig(endpoint_url=self.endpoint_url, region_name=self.region_name)
-
-
-@dataclass(frozen=True, slots=True)
-class MetricsSettings:
-    """Prometheus export (:mod:`contextkit.metrics`).
-
-    Args:
-        enabled: record metrics at all.
-        port: serve ``/metrics`` on this port (127.0.0.1 unless ``addr`` says otherwise);
-            ``None``: do not serve (a host process such as vLLM exports them).
-        addr: address of that server.
-        max_tenant_labels: distinct tenants labelled by name; later ones share the label
-            ``"other"`` (keeps the series count bounded).
-    """
-
-    enabled: bool = True
-    port: int | None = None
-    addr: str = "127.0.0.1"
-    max_tenant_labels: int = 32
-
-    def __post_init__(self) -> None:
-        if self.port is not None and not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535] or None, got {self.port}")
-        if self.max_tenant_labels < 1:
-            raise ValueError(f"max_tenant_labels must be >= 1, got {self.max_tenant_labels}")
 
 
 #: Section name -> dataclass, or ``"module:Class"`` imported when a configuration is
@@ -393,6 +233,32 @@ class Config:
             out[key] = {"value": _plain(value), "source": source}
         return out
 
+    def with_overrides(self, overrides: Mapping[str, Mapping[str, Any]] | None) -> Config:
+        """This configuration with ``{section: {field: value}}`` set in code on top.
+
+        Checked exactly as :func:`load_config` checks its ``overrides`` (the same errors);
+        the values set here are sourced ``"code"``.
+        """
+        if not overrides:
+            return self
+        sources = dict(self.sources)
+        sections = dict(self.sections)
+        for section, values in overrides.items():
+            if section not in sections:
+                raise ConfigError(f"unknown configuration section {section!r} (code); "
+                                  f"sections: {sorted(sections)}")
+            obj = sections[section]
+            raw = _raw(obj)
+            _merge(raw, type(obj), values, section, "code", sources, False)
+            sections[section] = _build(type(obj), raw, section)
+        return Config(sections=sections, sources=sources)
+
+
+def _raw(obj: Any) -> dict[str, Any]:
+    """The init fields of a section as a mapping ``_merge`` and ``_build`` take."""
+    return {f.name: (_raw(v) if dataclasses.is_dataclass(v := getattr(obj, f.name)) else v)
+            for f in dataclasses.fields(obj) if f.init}
+
 
 def _plain(value: Any) -> Any:
     return value.name.lower() if isinstance(value, enum.Enum) else value
@@ -546,3 +412,24 @@ def load_config(path: str | os.PathLike[str] | None = None, *,
         merge_tables(overrides, "code", False)
     sections = {name: _build(cls, raw[name], name) for name, cls in classes.items()}
     return Config(sections=sections, sources=sources)
+
+
+def resolve_config(config: Config | str | os.PathLike[str] | None = None,
+                   overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Config:
+    """The configuration a ``from_config`` constructor was handed, as a :class:`Config`.
+
+    Args:
+        config: a loaded :class:`Config`; a TOML, YAML or JSON file (read with the
+            environment, as :func:`load_config` does); or ``None``:
+            :func:`load_config` (``$CONTEXTKIT_CONFIG``, then ``CONTEXTKIT_*``).
+        overrides: ``{section: {field: value}}`` set in code; they win over the rest.
+
+    Raises:
+        ConfigError: as :func:`load_config`, or ``config`` of another type.
+    """
+    if isinstance(config, Config):
+        return config.with_overrides(overrides)
+    if config is None or isinstance(config, (str, os.PathLike)):
+        return load_config(config, overrides=overrides)
+    raise ConfigError(f"config must be a contextkit.config.Config, a file path or None, got "
+                      f"{type(config).__name__}; build one with contextkit.config.load_config()")
