@@ -18,10 +18,11 @@ The forward pass is checked against transformers' own (``tests/contextkit/
 test_engine.py``). Weights are shared between engines built from one model
 (:meth:`Engine.sibling`), so a benchmark can compare cache formats in one process.
 
-The pieces live in private modules: ``_llama`` (weights and shapes), ``_attention``
-(flash passes and log-sum-exp merging), ``_kv`` (per-request K/V views over the
-cache), ``_inputs`` (checks of token ids) and ``_types`` (results and errors); their
-public names are re-exported here.
+The pieces live in private modules: ``_llama`` (weights and shapes), ``_loading``
+(loading a model), ``_attention`` (flash passes and log-sum-exp merging), ``_kv``
+(per-request K/V views over the cache), ``_sequence`` (a request's blocks: reuse,
+allocation, labels, registration), ``_inputs`` (checks of token ids) and ``_types``
+(results and errors); their public names are re-exported here.
 """
 
 from __future__ import annotations
@@ -37,17 +38,17 @@ import torch
 import torch.nn.functional as F
 
 from contextkit._attention import _rotate
-from contextkit._extras import require
 from contextkit._inputs import CALIBRATION_TEXT, check_token_ids
 from contextkit._kv import _check_overlay, _ContiguousKV, _PagedKV
 from contextkit._llama import UnsupportedModelError, _Model, tokenizer_fingerprint
+from contextkit._loading import load_pretrained
+from contextkit._sequence import close_sequence, open_sequence
 from contextkit._types import CacheFullError, GenerationResult, TokenIdError, TokenSpan
 from contextkit.metrics import ContextkitMetrics
 from contextkit.metrics import resolve as resolve_metrics
 from gpu_cache import (
     CacheConfig,
     CacheIdentity,
-    PrefixPinManager,
     Tier,
     TQGPUCache,
     validate_tenant,
@@ -198,18 +199,36 @@ class Engine:
             dtype: the dtype the model's weights are loaded in.
             **kwargs: the other keyword arguments of :class:`Engine`.
         """
-        from contextkit import models
-
-        if model is None:
-            hf = models.load_model(dtype=dtype)
-            tok = models.load_tokenizer()
-            kwargs.setdefault("model_id", models.DEFAULT_MODEL_ID)
-        else:
-            transformers = require("transformers", "model")
-            hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
-            tok = transformers.AutoTokenizer.from_pretrained(model)
-            kwargs.setdefault("model_id", str(model))
+        hf, tok, model_id = load_pretrained(model, dtype)
+        kwargs.setdefault("model_id", model_id)
         return cls(hf, tok, kv_format=kv_format, **kwargs)
+
+    @classmethod
+    def from_config(cls, config: Any = None, *, dtype: torch.dtype = torch.float32,
+                    **overrides: Any) -> Engine:
+        """Load the model a configuration names and build an engine with its own cache.
+
+        Reads the ``engine`` section (model, KV format, overlays), ``cache`` (tier
+        sizes, eviction policy, block size; ``device`` moves the model there), ``pins``
+        and ``metrics.enabled`` (see :mod:`contextkit.config`).
+
+        Args:
+            config: a :class:`contextkit.config.Config`, a TOML/YAML file, or ``None``:
+                :func:`contextkit.config.load_config` (``$CONTEXTKIT_CONFIG``, then the
+                ``CONTEXTKIT_*`` environment).
+            dtype: the dtype the model's weights are loaded in.
+            **overrides: section tables set in code, which win over every other source,
+                e.g. ``cache={"num_device_blocks": 256}``.
+
+        Raises:
+            ConfigError: an unknown section or key, or a bad value (one line).
+        """
+        from contextkit.config import resolve_config
+
+        cfg = resolve_config(config, overrides)
+        hf, tok, model_id = load_pretrained(cfg.engine.model, dtype, cfg.cache.device)
+        return cls(hf, tok, model_id=model_id, metrics=None if cfg.metrics.enabled else False,
+                   **cfg.engine.engine_kwargs(cfg.cache, cfg.pins))
 
     def sibling(self, kv_format: str | None = None, **kwargs: Any) -> Engine:
         """Another engine over the same weights with its own cache (and format)."""
@@ -321,109 +340,16 @@ class Engine:
                 "budgets) or max_new_tokens")
 
     def _open_sequence(self, ids: Sequence[int], extra: int, tenant: str,
-                       spans: Sequence[TokenSpan] | None,
-                       reuse: bool, max_reuse: int | None = None,
+                       spans: Sequence[TokenSpan] | None, reuse: bool,
+                       max_reuse: int | None = None,
                        ) -> tuple[list[int], list[int], list[BlockHash], int]:
-        """Find reusable blocks (at most ``max_reuse`` tokens' worth) and allocate the
-        rest; every block is acquired.
-
-        Returns:
-            ``(block_ids, new_ids, keys, cached_tokens)``.
-
-        Raises:
-            CacheFullError: the device tier cannot hold the sequence; nothing changed.
-        """
-        cache = self.cache
-        bs = cache.block_size
-        need = -(-(len(ids) + extra) // bs)
-        capacity = cache.capacity(Tier.DEVICE)
-        with cache.locked():
-            keys = cache.block_keys(ids, tenant)
-            hits = cache.lookup(keys, tenant) if reuse else []
-            if max_reuse is not None:
-                hits = hits[: max(0, max_reuse) // bs]
-            pins = PrefixPinManager(cache)
-            pins.release_idle(protect=hits)
-            if need > capacity:
-                raise CacheFullError(
-                    f"a request of {len(ids)} prompt + {extra} new tokens needs {need} blocks of "
-                    f"{bs} tokens, but the device tier holds {capacity}; raise "
-                    "num_device_blocks or shorten the prompt. Nothing cached was dropped")
-            room = capacity - self._pinned_outside(hits)
-            if need > room:
-                # Pins are a cache, not a reservation: demote other tenants' (idle and
-                # over-quota ones first) rather than fail this request.
-                pins.reclaim(need - room, for_tenant=tenant, protect=hits)
-                room = capacity - self._pinned_outside(hits)
-            if need > room:
-                raise CacheFullError(
-                    f"a request of {len(ids)} prompt + {extra} new tokens needs {need} blocks of "
-                    f"{bs} tokens, but only {room} of the device tier's {capacity} are not "
-                    "pinned; raise num_device_blocks or shorten the prompt. Nothing cached was "
-                    "dropped")
-            cache.acquire(hits)
-            host = [b for b in hits if cache.metadata.get(b).tier is Tier.HOST]
-            if host and cache.warm_blocks(host) is None:
-                # Could not bring them up: keep the device-resident run, recompute the rest.
-                first = hits.index(host[0])
-                cache.release(hits[first:])
-                hits = hits[:first]
-            new = cache.allocate(need - len(hits), Tier.DEVICE, tenant=tenant,
-                                 source_layer="user_turn")
-            if new is None:
-                cache.release(hits)
-                raise CacheFullError(
-                    f"could not free {need - len(hits)} device blocks for a {len(ids)}-token "
-                    "prompt (the rest are pinned or in use); raise num_device_blocks. Nothing "
-                    "cached was dropped")
-            cache.acquire(new)
-            block_ids = hits + new
-            self._annotate(block_ids, len(hits), len(ids), tenant, spans)
-            cache.metadata.touch(hits)
-        return block_ids, new, keys, len(hits) * bs
-
-    def _pinned_outside(self, hits: Sequence[int]) -> int:
-        """Pinned blocks other than ``hits`` (what a request cannot use)."""
-        mine = set(hits)
-        return sum(1 for m in self.cache.metadata.pinned() if m.block_id not in mine)
-
-    def _annotate(self, block_ids: Sequence[int], first: int, prompt_len: int, tenant: str,
-                  spans: Sequence[TokenSpan] | None) -> None:
-        bs = self.cache.block_size
-        ordered = sorted(spans or (), key=lambda s: s.start)
-        for j in range(first, len(block_ids)):
-            lo, hi = j * bs, (j + 1) * bs
-            layer, importance = "user_turn", 0.5
-            best = 0
-            for span in ordered:  # the span covering most of the block names it
-                overlap = min(hi, span.end) - max(lo, span.start)
-                if overlap > best:
-                    best, layer, importance = overlap, span.source_layer, span.importance
-            self.cache.metadata.annotate(
-                block_ids[j], source_layer=layer, importance=importance, token_range=(lo, hi),
-                tenant_slug=tenant, num_tokens=max(0, min(bs, prompt_len - lo)))
+        """:func:`contextkit._sequence.open_sequence` on this engine's cache."""
+        return open_sequence(self.cache, ids, extra, tenant, spans, reuse, max_reuse)
 
     def _close_sequence(self, block_ids: list[int], all_ids: Sequence[int], written: int,
                         tenant: str, keys: Sequence[BlockHash], first_new: int) -> None:
-        """Register the full written blocks by key, free the rest, drop references."""
-        cache = self.cache
-        bs = cache.block_size
-        full = written // bs
-        if full > len(keys):  # blocks the reply filled: extend the key chain
-            parent = keys[-1] if keys else None
-            keys = [*keys, *cache.block_keys(list(all_ids[len(keys) * bs : full * bs]), tenant,
-                                             parent=parent)]
-        with cache.locked():
-            cache.release(block_ids)
-            drop = []
-            for j in range(first_new, len(block_ids)):
-                if j < full and not cache.lookup([keys[j]], tenant):
-                    cache.set_key(block_ids[j], keys[j])
-                    cache.metadata.annotate(block_ids[j], num_tokens=bs)
-                else:  # a partial block, or an equal block already exists
-                    drop.append(block_ids[j])
-            if drop:
-                cache.remove_blocks(drop)
+        """:func:`contextkit._sequence.close_sequence` on this engine's cache."""
+        close_sequence(self.cache, block_ids, all_ids, written, tenant, keys, first_new)
 
     def _paged(self, block_ids: list[int], cached: int, prompt: Sequence[int],
                compute_start: int, tenant: str, residual: int | None = None,

