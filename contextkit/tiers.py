@@ -30,8 +30,10 @@ duration, thresholds before and after) in a bounded history, optionally exported
 as Prometheus metrics.
 
 The value types (tiers, items, decisions, :class:`TierManagerConfig`, reports) live
-in ``_tier_types``, the bridge in ``_tier_bridge`` and the columnar item table in
-``_tier_table``; every public name is re-exported here, its import path.
+in ``_tier_types``, the bridge in ``_tier_bridge``, the columnar item table in
+``_tier_table`` and the Prometheus export in ``_tier_prometheus``; every public name
+is re-exported here, its import path. :meth:`ContextTierManager.from_config` reads
+the ``tiers`` section of :mod:`contextkit.config`.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import numpy as np
 
 from contextkit._extras import require
 from contextkit._tier_bridge import TierCacheBridge
+from contextkit._tier_prometheus import _Prometheus
 from contextkit._tier_table import _ItemTable
 from contextkit._tier_types import (
     _KIND_CODE,
@@ -104,51 +107,6 @@ def spilled_line_id(line: SpilledLine) -> str:
     return f"line:{line.layer}:{digest}"
 
 
-class _Prometheus:
-    """Counters, gauges and a histogram of the cycles on one CollectorRegistry."""
-
-    def __init__(self, registry: Any | None) -> None:
-        pc = require("prometheus_client", "ooda")
-        self.registry = registry if registry is not None else pc.CollectorRegistry()
-        r = self.registry
-        self.cycles = pc.Counter("contextkit_tier_cycles", "OODA cycles run", registry=r)
-        self.actions = pc.Counter("contextkit_tier_actions", "tier changes decided",
-                                  ["action"], registry=r)
-        self.blocks = pc.Counter("contextkit_tier_blocks", "blocks warmed, spilled or removed",
-                                 ["move"], registry=r)
-        self.skips = pc.Counter("contextkit_tier_blocks_skipped", "blocks left alone",
-                                ["reason"], registry=r)
-        self.bytes = pc.Counter("contextkit_tier_bytes_moved", "bytes moved between tiers",
-                                registry=r)
-        self.duration = pc.Histogram(
-            "contextkit_tier_cycle_seconds", "OODA cycle duration", registry=r,
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
-        self.items = pc.Gauge("contextkit_tier_items", "items per context tier", ["tier"],
-                              registry=r)
-        self.thresholds = pc.Gauge("contextkit_tier_threshold", "score thresholds", ["name"],
-                                   registry=r)
-        self.occupancy = pc.Gauge("contextkit_tier_cache_occupancy",
-                                  "used fraction of a cache tier", ["tier"], registry=r)
-
-    def record(self, m: CycleMetrics) -> None:
-        self.cycles.inc()
-        self.duration.observe(m.duration_s)
-        self.bytes.inc(m.bytes_moved)
-        for action, n in m.actions.items():
-            self.actions.labels(action).inc(n)
-        for move, n in m.blocks_moved.items():
-            self.blocks.labels(move).inc(n)
-        for reason, n in m.blocks_skipped.items():
-            self.skips.labels(reason).inc(n)
-        for tier, n in m.items_by_tier.items():
-            self.items.labels(tier).set(n)
-        for name, value in asdict(m.thresholds_after).items():
-            self.thresholds.labels(name).set(value)
-        for tier, occ in (("device", m.device_occupancy), ("host", m.host_occupancy)):
-            if occ is not None:
-                self.occupancy.labels(tier).set(occ)
-
-
 class ContextTierManager:
     """Keeps items in context tiers by an OODA cycle; see the module docstring.
 
@@ -194,6 +152,36 @@ class ContextTierManager:
         self.last_error: BaseException | None = None
         self.last_report: CycleReport | None = None
         self._prom = _Prometheus(registry) if prometheus else None
+
+    @classmethod
+    def from_config(cls, cache: TQGPUCache | None = None, config: Any = None, *,
+                    spillover: SpilloverQueue | None = None,
+                    bridge: TierCacheBridge | None = None, prometheus: bool = False,
+                    registry: Any | None = None, clock: Callable[[], float] = time.time,
+                    **overrides: Any) -> ContextTierManager:
+        """A manager whose :class:`TierManagerConfig` is a configuration's ``tiers``
+        section (``[tiers]``, ``[tiers.thresholds]``, ``CONTEXTKIT_TIERS_*``).
+
+        Args:
+            cache: as for the constructor (``engine.cache``).
+            config: a :class:`contextkit.config.Config`, a TOML/YAML file, or ``None``:
+                :func:`contextkit.config.load_config`.
+            spillover: as for the constructor (``pipeline.spillover``).
+            bridge: as for the constructor.
+            prometheus: as for the constructor.
+            registry: as for the constructor.
+            clock: as for the constructor.
+            **overrides: section tables set in code, which win over every other source,
+                e.g. ``tiers={"interval_s": 30, "thresholds": {"promote": 0.7}}``.
+
+        Raises:
+            ConfigError: an unknown section or key, or a bad value (one line).
+        """
+        from contextkit.config import resolve_config
+
+        settings: TierManagerConfig = resolve_config(config, overrides).tiers
+        return cls(cache, config=settings, spillover=spillover, bridge=bridge,
+                   prometheus=prometheus, registry=registry, clock=clock)
 
     # ------------------------------------------------------------------ items
     def add_item(self, item_id: str, *, kind: ItemKind = ItemKind.MEMORY,
