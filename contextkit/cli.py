@@ -10,11 +10,12 @@ never mistaken for ``recover``'s 1 (a session refused). Ctrl-C exits 130 quietly
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 
 from contextkit._extras import MissingExtraError
@@ -71,16 +72,80 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser],
         p.set_defaults(func=_bench)
 
 
+#: The historical environment variables that the shadow and model loaders read
+#: themselves, and the configuration key each one is.
+_LEGACY_ENV = {"shadow.key": "CONTEXTKIT_SHADOW_KEY", "cache.dir": "CONTEXTKIT_CACHE_DIR"}
+
+
+@contextlib.contextmanager
+def _configured(args: argparse.Namespace, *, reader: bool) -> Iterator[None]:
+    """Fill the options a command was not given from :func:`load_config`.
+
+    ``--config`` (or ``$CONTEXTKIT_CONFIG``) and ``CONTEXTKIT_*`` give ``--store``
+    (``shadow.url``), ``--endpoint-url`` and ``--allow-unauthenticated``; an option on
+    the command line wins. ``shadow.key`` and ``cache.dir`` set in a file reach the
+    shadow and the model loader through their historical variables, for this command
+    only. ``reader``: a ``file://`` store from the file must already exist.
+
+    Raises:
+        ConfigError: the configuration does not load (one line).
+        ShadowStoreError: a reader's configured ``file://`` store does not exist.
+    """
+    from contextkit.config import load_config
+
+    config = load_config(getattr(args, "config", None))
+    shadow = config.shadow
+    url_source = config.sources.get("shadow.url", "default")
+    # From the environment, $CONTEXTKIT_SHADOW_URL is read where it always was.
+    if getattr(args, "store", "") is None and shadow.url and not url_source.startswith("env"):
+        if reader:
+            _require_configured_store(shadow.url, f"shadow.url ({url_source})")
+        args.store = shadow.url
+    if getattr(args, "endpoint_url", "") is None:
+        args.endpoint_url = shadow.endpoint_url
+    if getattr(args, "allow_unauthenticated", None) is False:
+        args.allow_unauthenticated = shadow.allow_unauthenticated
+    exported = {}
+    for key, var in _LEGACY_ENV.items():
+        section, _, name = key.partition(".")
+        value = getattr(config[section], name)
+        source = config.sources.get(key, "default")
+        if value and source != "default" and not source.startswith("env"):
+            exported[var] = str(value)
+    saved = {var: os.environ.get(var) for var in exported}
+    os.environ.update(exported)
+    try:
+        yield
+    finally:
+        for var, old in saved.items():
+            if old is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = old
+
+
+def _require_configured_store(url: str, named_by: str) -> None:
+    from contextkit.status import local_store_path
+    from shadow import ShadowStoreError
+
+    path = local_store_path(url)
+    if path is not None and not path.is_dir():
+        raise ShadowStoreError(f"no shadow store directory at {path}; check {named_by} (a "
+                               "directory written by `contextkit demo` or a CacheShadow)")
+
+
 def _demo(args: argparse.Namespace) -> int:
     from contextkit.demo import run_demo
 
-    return run_demo(args)
+    with _configured(args, reader=False):
+        return run_demo(args)
 
 
 def _status(args: argparse.Namespace) -> int:
     from contextkit.status import run_status
 
-    result = run_status(args)
+    with _configured(args, reader=True):
+        result = run_status(args)
     _emit_json(args, result)
     return 1 if any(s.get("error") for s in result["sessions"]) else 0
 
@@ -88,7 +153,8 @@ def _status(args: argparse.Namespace) -> int:
 def _recover(args: argparse.Namespace) -> int:
     if args.for_vllm:
         # The vLLM job lives with the connector in integrations (which depends on
-        # contextkit, not the other way round): bound by name at run time.
+        # contextkit, not the other way round): bound by name at run time. Its store
+        # and endpoint come from the connector's configuration.
         import importlib
 
         job = importlib.import_module("integrations.vllm.recovery")
@@ -98,10 +164,20 @@ def _recover(args: argparse.Namespace) -> int:
     from contextkit.status import require_store
     from shadow.cli import run_recover
 
-    require_store(args.store)
-    result = run_recover(args)
+    with _configured(args, reader=True):
+        require_store(args.store)
+        result = run_recover(args)
     _emit_json(args, result)
     return 1 if result.get("errors") else 0
+
+
+def _add_config_option(parser: argparse.ArgumentParser) -> None:
+    from contextkit.config import CONFIG_ENV
+
+    parser.add_argument("--config", default=None, metavar="PATH",
+                        help="a TOML or YAML configuration file whose [shadow] and [cache] "
+                             f"give this command's defaults (default: ${CONFIG_ENV}; see "
+                             "`contextkit config show`)")
 
 
 def _config_show(args: argparse.Namespace) -> int:
@@ -179,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "run starts warm.",
         parents=parents)
     add_demo_arguments(demo)
+    _add_config_option(demo)
     demo.set_defaults(func=_demo)
 
     status = sub.add_parser(
@@ -190,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "exist is an error.",
         parents=parents)
     add_status_arguments(status)
+    _add_config_option(status)
     status.set_defaults(func=_status)
 
     from shadow.cli import add_recover_arguments
@@ -211,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     recover.add_argument("--connector-config", default=None, metavar="JSON",
                          help="with --for-vllm: the connector's kv_connector_extra_config "
                               "(or the whole --kv-transfer-config) as JSON, or @FILE")
+    _add_config_option(recover)
     recover.set_defaults(func=_recover)
 
     _add_config(sub, parents)
