@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -70,3 +71,36 @@ def print_table(title: str, rows: Sequence[tuple[str, Any]]) -> None:
             text = str(value)
         out.write(f"{key.ljust(width)}  {text}\n")
     out.flush()
+
+
+def _number(kind: type, low: float, *, inclusive: bool = True,
+            high: float | None = None) -> Callable[[str], Any]:
+    """An argparse ``type`` that parses ``kind`` and refuses values out of range, so a
+    bad count is one usage line (``argument --blocks: must be >= 1, got 0``)."""
+    bound = f">= {low:g}" if inclusive else f"> {low:g}"
+    if high is not None:
+        bound = f"in {'[' if inclusive else '('}{low:g}, {high:g}]"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be {'an integer' if kind is int else 'a number'} {bound}, got "
+                f"{text!r}") from None
+        if (value < low if inclusive else value <= low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+#: ``type=`` for counts that must be at least 1 (blocks, turns, repeats, ...).
+positive_int = _number(int, 1)
+#: ``type=`` for counts that may be 0 (warm-up rounds, seeds).
+non_negative_int = _number(int, 0)
+#: ``type=`` for durations and scales that must be > 0.
+positive_float = _number(float, 0.0, inclusive=False)
+#: ``type=`` for fractions in (0, 1].
+fraction = _number(float, 0.0, inclusive=False, high=1.0)

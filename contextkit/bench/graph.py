@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from contextkit.bench._common import positive_int
+
 HELP = "memory graph: hybrid_query latency, reservation/warm latency, ingest rate"
 
 __all__ = [
@@ -153,15 +155,15 @@ def cached_embeddings(corpus: SyntheticCorpus, embedder: Any, *,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, default=100_000,
+    parser.add_argument("--nodes", type=positive_int, default=100_000,
                         help="corpus size (default 100000; the first run embeds it, minutes)")
-    parser.add_argument("--queries", type=int, default=200,
+    parser.add_argument("--queries", type=positive_int, default=200,
                         help="timed hybrid queries (k=10, hops=2, query embedding included)")
-    parser.add_argument("--ingest-nodes", type=int, default=2_000,
+    parser.add_argument("--ingest-nodes", type=positive_int, default=2_000,
                         help="fresh nodes embedded and added to measure ingest")
     parser.add_argument("--store", default=None,
                         help="SQLAlchemy URL or SQLite path (default: a temporary SQLite file)")
-    parser.add_argument("--query-threads", type=int, default=1,
+    parser.add_argument("--query-threads", type=positive_int, default=1,
                         help="torch threads while timing queries (one query is too small to "
                              "gain from more; extra threads only add contention)")
     parser.add_argument("--cache-dir", type=Path, default=CACHE_DIR,

@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from contextkit.bench._common import machine_info, median_seconds, print_table
+from contextkit.bench._common import (
+    machine_info,
+    median_seconds,
+    positive_float,
+    positive_int,
+    print_table,
+)
 
 if TYPE_CHECKING:
     from gpu_cache.kernels import Backend
@@ -62,9 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="TQ4 kernel backend (auto: Triton on CUDA, torch on CPU)")
     parser.add_argument("--device", default=None,
                         help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch CPU threads for the run (default: leave torch's setting)")
-    parser.add_argument("--seconds", type=float, default=None,
+    parser.add_argument("--seconds", type=positive_float, default=None,
                         help="timing budget per measurement (default 1.0 on CPU, 0.5 on CUDA)")
 
 

@@ -18,7 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from contextkit.bench._common import machine_info, print_table
+from contextkit.bench._common import (
+    fraction,
+    machine_info,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    print_table,
+)
 from contextkit.tiers import ContextTier, ContextTierManager, TierManagerConfig
 from gpu_cache import CacheConfig, CacheIdentity, Tier, TQGPUCache
 
@@ -28,18 +35,18 @@ HELP = "OODA tier-manager cycle time over N items and its overhead at the 60 s i
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--items", type=int, default=100_000,
+    parser.add_argument("--items", type=positive_int, default=100_000,
                         help="items managed (default 100000)")
-    parser.add_argument("--cycles", type=int, default=15, help="timed cycles (default 15)")
-    parser.add_argument("--warmup", type=int, default=3,
+    parser.add_argument("--cycles", type=positive_int, default=15, help="timed cycles (default 15)")
+    parser.add_argument("--warmup", type=non_negative_int, default=3,
                         help="untimed cycles first; the first settles the initial tiers")
-    parser.add_argument("--interval", type=float, default=60.0,
+    parser.add_argument("--interval", type=positive_float, default=60.0,
                         help="scheduled interval in seconds (default 60)")
-    parser.add_argument("--access-fraction", type=float, default=0.01,
+    parser.add_argument("--access-fraction", type=fraction, default=0.01,
                         help="fraction of items used per interval (default 0.01)")
-    parser.add_argument("--device-blocks", type=int, default=1024)
-    parser.add_argument("--host-blocks", type=int, default=4096)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device-blocks", type=positive_int, default=1024)
+    parser.add_argument("--host-blocks", type=positive_int, default=4096)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
 
 
 class _Clock:

@@ -8,7 +8,13 @@ from typing import Any
 
 import torch
 
-from contextkit.bench._common import machine_info, median_seconds, print_table
+from contextkit.bench._common import (
+    machine_info,
+    median_seconds,
+    non_negative_int,
+    positive_int,
+    print_table,
+)
 from gpu_cache import CacheConfig, CacheIdentity, Tier, TQ4Codec, TQGPUCache
 
 __all__ = ["HELP", "SHAPES", "add_arguments", "run"]
@@ -25,13 +31,13 @@ SHAPES = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--vectors", type=int, default=65536,
+    parser.add_argument("--vectors", type=positive_int, default=65536,
                         help="batch size for the encode/decode speed test (default 65536)")
     parser.add_argument("--no-real", action="store_true",
                         help="skip the real-model KV capture (attn_cosine_real)")
-    parser.add_argument("--real-tokens", type=int, default=1024,
+    parser.add_argument("--real-tokens", type=positive_int, default=1024,
                         help="length of the text the real KV is captured from (default 1024)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
 
 
 def _bytes_per_token(shape: tuple[int, int, int]) -> tuple[int, int]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from contextkit.bench._common import machine_info, print_table
+from contextkit.bench._common import fraction, machine_info, positive_int, print_table
 from gpu_cache import BlockHash, CacheConfig, CacheIdentity, Tier, TQGPUCache
 from shadow import CacheShadow, LocalStore, MeteredStore, ShadowConfig, recover_session
 from shadow.stores import fsync_dir
@@ -42,14 +42,14 @@ _CHUNK = 64 * 1024 * 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--blocks", type=int, default=DEFAULT_BLOCKS,
+    parser.add_argument("--blocks", type=positive_int, default=DEFAULT_BLOCKS,
                         help=f"blocks to shadow (default {DEFAULT_BLOCKS:,}, ~2.2 GB; "
                              f"{FULL_BLOCKS:,} is the full ~5.6 GB); scaled down automatically "
                              "when memory or disk is short")
     parser.add_argument("--dir", default=None,
                         help="directory to write to (default: a temp dir under "
                              "~/.cache/contextkit); it is removed afterwards")
-    parser.add_argument("--changed-fraction", type=float, default=0.01,
+    parser.add_argument("--changed-fraction", type=fraction, default=0.01,
                         help="share of blocks replaced before the incremental shadow")
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from contextkit.bench._common import machine_info, print_table, sync
+from contextkit.bench._common import machine_info, positive_int, print_table, sync
 from gpu_cache import CacheConfig, CacheIdentity, Tier, TQGPUCache
 
 __all__ = ["HELP", "add_arguments", "run"]
@@ -19,12 +19,12 @@ HELP = "warm (DDR->VRAM) and spill (VRAM->DDR) GB/s vs a plain torch copy of the
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--blocks", type=int, default=1024,
+    parser.add_argument("--blocks", type=positive_int, default=1024,
                         help="blocks moved per warm/spill (default 1024; Llama-3-8B shape, "
                              "557 KB each)")
-    parser.add_argument("--layers", type=int, nargs="+", default=[32, 4],
+    parser.add_argument("--layers", type=positive_int, nargs="+", default=[32, 4],
                         help="layer counts to measure copies_per_move at (default 32 4)")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=positive_int, default=7)
 
 
 def _measure(num_layers: int, num_blocks: int, repeats: int) -> dict[str, Any]:

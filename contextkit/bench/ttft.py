@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from contextkit.bench._common import machine_info, print_table
+from contextkit.bench._common import machine_info, positive_float, positive_int, print_table
 
 __all__ = ["HELD_OUT", "HELP", "add_arguments", "run", "run_replay"]
 
@@ -63,16 +63,16 @@ HELD_OUT = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--turns", type=int, default=20, help="replay turns (default 20)")
-    parser.add_argument("--max-new-tokens", type=int, default=32,
+    parser.add_argument("--turns", type=positive_int, default=20, help="replay turns (default 20)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32,
                         help="reply length limit per turn (default 32, greedy)")
-    parser.add_argument("--scale", type=float, default=1.0,
+    parser.add_argument("--scale", type=positive_float, default=1.0,
                         help="replay content scale (1.0: ~6K-token system prompt at default "
                              "budgets; 5.0: ~30K tokens of content, trimmed to the expanded "
                              "budgets: a ~20K-token prompt)")
-    parser.add_argument("--device-blocks", type=int, default=768,
+    parser.add_argument("--device-blocks", type=positive_int, default=768,
                         help="device-tier blocks of the TQ4 cache (default 768)")
-    parser.add_argument("--host-blocks", type=int, default=2048,
+    parser.add_argument("--host-blocks", type=positive_int, default=2048,
                         help="host-tier blocks of the TQ4 cache (default 2048)")
     parser.add_argument("--out", default="runs/bench-ttft",
                         help="directory for the TTFT-per-turn plot (default runs/bench-ttft)")

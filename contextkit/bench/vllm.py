@@ -35,20 +35,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from contextkit.bench._common import machine_info, print_table
+from contextkit.bench._common import machine_info, positive_int, print_table
 
 __all__ = ["HELP", "add_arguments", "run"]
 
 HELP = "TTFT of a ~2K-token prompt on vLLM (CPU): cold vs after a restart with recovery"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt-tokens", type=int, default=2048,
+    parser.add_argument("--prompt-tokens", type=positive_int, default=2048,
                         help="tokens per prompt (default 2048)")
-    parser.add_argument("--prompts", type=int, default=3,
+    parser.add_argument("--prompts", type=positive_int, default=3,
                         help="distinct prompts, each measured once per run (default 3)")
-    parser.add_argument("--max-tokens", type=int, default=32,
+    parser.add_argument("--max-tokens", type=positive_int, default=32,
                         help="greedy tokens generated per prompt (default 32)")
-    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--block-size", type=positive_int, default=32)
     parser.add_argument("--codec", default="tq4", choices=("tq4",))
     parser.add_argument("--model", default=None,
                         help="model directory (default: the packaged SmolLM2, converted)")

@@ -502,3 +502,23 @@ def test_bad_bench_values_are_one_line(argv: list[str],
     code, _, err = call(capsys, *argv)
     assert code != 0
     error_line(err)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["bench", "quant", "--vectors", "0"], "argument --vectors: must be >= 1, got 0"),
+    (["bench", "quant", "--vectors", "-3"], "argument --vectors: must be >= 1, got -3"),
+    (["bench", "tiers", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+    (["bench", "shadow", "--blocks", "0"], "argument --blocks: must be >= 1, got 0"),
+    (["bench", "ooda", "--access-fraction", "2"], "must be in (0, 1], got 2"),
+    (["bench", "kernel", "--seconds", "-1"], "argument --seconds: must be > 0, got -1"),
+    (["bench", "graph", "--nodes", "many"], "must be an integer >= 1, got 'many'"),
+])
+def test_bench_counts_out_of_range_are_usage_errors(
+        argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A zero or negative count used to run (and print zeros) or crash in a median."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert says in captured.err.strip().splitlines()[-1]
