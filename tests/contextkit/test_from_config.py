@@ -253,6 +253,12 @@ def test_the_shadow_section_opens_the_store_and_signs_with_its_key(
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert doc["sessions"] == 1 and doc["authenticated"] is True and not doc["errors"]
     assert "CONTEXTKIT_SHADOW_KEY" not in os.environ  # exported for the command only
+    # An option on the command line wins over the file.
+    other = tmp_path / "other"
+    other.mkdir()
+    assert main(["status", "--config", str(path), "--store", f"file://{other}", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["store"] == f"file://{other}" and doc["sessions"] == []
 
     # The historical variables still work without any file, and win over one.
     monkeypatch.setenv("CONTEXTKIT_SHADOW_URL", f"file://{store}")
@@ -322,7 +328,21 @@ def test_the_s3_endpoint_of_the_file_reaches_the_shadow_and_status(
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert doc["store"] == f"s3://{BUCKET}/prod"
     assert [(s["session_id"], s["authenticated"]) for s in doc["sessions"]] == [("on-s3", True)]
-    # `recover` refuses unsigned s3 sessions unless told; the file's key signs them.
+    # The file's key signs the session, so `recover` takes it from s3.
     assert main(["recover", "--config", str(path), "--json", "--no-progress"]) == 0
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert doc["sessions"] == 1 and not doc["errors"]
+
+    # Unsigned on s3: refused, unless the file allows it (recover --allow-unauthenticated).
+    unsigned = tmp_path / "unsigned.yaml"
+    unsigned.write_text(f"shadow:\n  url: s3://{BUCKET}/open\n  endpoint_url: {s3_endpoint}\n"
+                        "  session_id: unsigned\n")
+    assert _shadow_a_session(fresh, unsigned) == "unsigned"
+    assert main(["recover", "--config", str(unsigned), "--json", "--no-progress"]) == 1
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["sessions"] == 0 and "unsigned" in doc["errors"]
+    allowing = tmp_path / "allowing.yaml"
+    allowing.write_text(unsigned.read_text() + "  allow_unauthenticated: true\n")
+    assert main(["recover", "--config", str(allowing), "--json", "--no-progress"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["sessions"] == 1 and not doc["errors"] and doc["authenticated"] is False
