@@ -226,7 +226,8 @@ class Engine:
         from contextkit.config import resolve_config
 
         cfg = resolve_config(config, overrides)
-        hf, tok, model_id = load_pretrained(cfg.engine.model, dtype, cfg.cache.device)
+        hf, tok, model_id = load_pretrained(cfg.engine.model, dtype, cfg.cache.device,
+                                            cfg.cache.dir)
         return cls(hf, tok, model_id=model_id, metrics=None if cfg.metrics.enabled else False,
                    **cfg.engine.engine_kwargs(cfg.cache, cfg.pins))
 

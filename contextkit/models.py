@@ -74,22 +74,24 @@ def _offline() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def _converted_dir() -> Path:
-    """Where the float32 conversion of the packaged GGUF is kept (per GGUF version)."""
+def _converted_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where the float32 conversion of the packaged GGUF is kept (per GGUF version):
+    under ``cache_dir``, else ``$CONTEXTKIT_CACHE_DIR``, else ``~/.cache/contextkit``."""
     directory, name = smollm2_gguf()
     stat = (directory / name).stat()
     tag = hashlib.sha256(f"{name}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    root = Path(os.environ.get("CONTEXTKIT_CACHE_DIR", Path.home() / ".cache" / "contextkit"))
+    root = Path(cache_dir) if cache_dir is not None else Path(
+        os.environ.get("CONTEXTKIT_CACHE_DIR", Path.home() / ".cache" / "contextkit"))
     return root / "models" / f"{DEFAULT_MODEL_ID}-f32-{tag}"
 
 
-def _convert_once() -> Path | None:
+def _convert_once(cache_dir: str | os.PathLike[str] | None = None) -> Path | None:
     """Dequantize the GGUF once into safetensors (GGUF loading takes ~20 s, this ~1 s).
 
     Returns the converted directory, or ``None`` when it cannot be written (then the
     GGUF is read directly every time).
     """
-    target = _converted_dir()
+    target = _converted_dir(cache_dir).expanduser()
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
     transformers = require("transformers", "model")
@@ -122,30 +124,32 @@ def _convert_once() -> Path | None:
 
 
 @lru_cache(maxsize=2)
-def load_tokenizer() -> Any:
-    """The SmolLM2 tokenizer (transformers); cached per process."""
+def load_tokenizer(cache_dir: str | None = None) -> Any:
+    """The SmolLM2 tokenizer (transformers); cached per process. ``cache_dir``: see
+    :func:`load_model`."""
     _offline()
     AutoTokenizer = require("transformers", "model").AutoTokenizer
 
-    converted = _convert_once()
+    converted = _convert_once(cache_dir)
     if converted is not None:
         return AutoTokenizer.from_pretrained(str(converted))
     directory, name = smollm2_gguf()
     return AutoTokenizer.from_pretrained(str(directory), gguf_file=name)
 
 
-def load_model(dtype: Any = None) -> Any:
+def load_model(dtype: Any = None, cache_dir: str | None = None) -> Any:
     """SmolLM2 as a transformers causal LM (float32 by default), in eval mode.
 
     The first call converts the packaged GGUF (Q4_1, dequantized to float32) into
-    safetensors under ``$CONTEXTKIT_CACHE_DIR`` (default ``~/.cache/contextkit``);
-    later calls load that conversion. The weights are the same either way.
+    safetensors under ``cache_dir`` (default: ``[cache] dir`` of the configuration's
+    environment, ``$CONTEXTKIT_CACHE_DIR``, else ``~/.cache/contextkit``); later calls
+    load that conversion. The weights are the same either way.
     """
     _offline()
     import torch
 
     AutoModelForCausalLM = require("transformers", "model").AutoModelForCausalLM
-    converted = _convert_once()
+    converted = _convert_once(cache_dir)
     if converted is not None:
         model = AutoModelForCausalLM.from_pretrained(str(converted), dtype=dtype or torch.float32)
     else:

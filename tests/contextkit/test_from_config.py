@@ -346,3 +346,32 @@ def test_the_s3_endpoint_of_the_file_reaches_the_shadow_and_status(
     assert main(["recover", "--config", str(allowing), "--json", "--no-progress"]) == 0
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert doc["sessions"] == 1 and not doc["errors"] and doc["authenticated"] is False
+
+
+def test_cache_dir_from_a_file_is_where_the_packaged_model_is_read(tmp_path: Path) -> None:
+    """``[cache] dir`` reaches Engine.from_config (it used to be read only from
+    $CONTEXTKIT_CACHE_DIR): a damaged conversion under that directory is what fails."""
+    from contextkit import models
+
+    converted = models._converted_dir()  # the conversion the session already made
+    models._convert_once()
+    mine = models._converted_dir(tmp_path / "ck")
+    mine.mkdir(parents=True)
+    for item in converted.iterdir():
+        (mine / item.name).symlink_to(item)
+    (mine / "config.json").unlink()
+    (mine / "config.json").write_text("{ not json")
+    models.load_tokenizer.cache_clear()
+    config_file = tmp_path / "contextkit.toml"
+    config_file.write_text(f'[cache]\ndir = "{tmp_path / "ck"}"\n')
+    try:
+        with pytest.raises(OSError, match="not a valid JSON") as failure:
+            Engine.from_config(str(config_file))
+        assert str(mine) in str(failure.value)
+        (mine / "config.json").unlink()
+        (mine / "config.json").symlink_to(converted / "config.json")
+        engine = Engine.from_config(str(config_file), cache={"num_device_blocks": 32,
+                                                             "num_host_blocks": 16})
+        assert engine.generate(engine.encode("Hi"), max_new_tokens=1).token_ids
+    finally:
+        models.load_tokenizer.cache_clear()
