@@ -20,6 +20,7 @@ Metrics (counters are exposed with a ``_total`` suffix):
 ``vllm:contextkit_load_errors``       counter    blocks that failed to load (vLLM recomputes them)
 ``vllm:contextkit_shadow_bytes``      counter    bytes written to the shadow store
 ``vllm:contextkit_shadow_lag_seconds``  gauge    age of the oldest stored block not yet shadowed
+``vllm:contextkit_label_mismatches``  counter    requests whose labels fit another prompt (ignored)
 ====================================  =========  ============================================
 
 ``layer`` is the block's source layer, bounded to the known source layers (see
@@ -60,7 +61,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Plain counters (one value per interval).
-COUNTERS = ("lookups", "hit_tokens", "loaded_blocks", "load_errors", "shadow_bytes")
+COUNTERS = ("lookups", "hit_tokens", "loaded_blocks", "load_errors", "shadow_bytes",
+            "label_mismatches")
 #: Counters broken down by the block's source layer.
 BY_LAYER = ("saved_blocks", "evicted_blocks")
 #: Gauges (latest value; merged observations keep the largest).
@@ -80,6 +82,8 @@ _DOCS = {
     "evicted_blocks": "Blocks evicted from contextkit's cache, by source layer.",
     "load_errors": "Blocks that failed to load from contextkit's cache (vLLM recomputed them).",
     "shadow_bytes": "Bytes written to contextkit's shadow store (blocks and manifests).",
+    "label_mismatches": "Requests whose contextkit labels were computed for another prompt "
+                        "(ignored: their blocks got the default layer).",
     "shadow_lag_seconds": "Age of the oldest block in contextkit's cache not yet shadowed "
                           "(0 when none is pending or there is no shadow).",
 }

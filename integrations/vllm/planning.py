@@ -15,7 +15,9 @@ same tokens of another tenant or model never match.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +33,9 @@ __all__ = [
     "SaveSpec",
     "StepRequest",
     "WorkerReport",
+    "label_mismatch",
     "labels_from_params",
+    "prompt_fingerprint",
     "semantic_params",
 ]
 
@@ -111,28 +115,62 @@ class StepRequest:
     block_ids: Sequence[int]  # the request's vLLM blocks, in order
 
 
-def semantic_params(spans: Iterable[tuple[int, int, str] | tuple[int, int, str, float]],
-                    *, pin: bool = False) -> dict[str, Any]:
+def prompt_fingerprint(token_ids: Sequence[int]) -> tuple[int, str]:
+    """``(prompt_tokens, prompt_sha256)`` of prompt ids: their count and the SHA-256 hex
+    of the ids packed as little-endian int32 (what a labelled request carries so the
+    connector can tell its spans were computed for this very prompt)."""
+    ids = [int(t) for t in token_ids]
+    return len(ids), hashlib.sha256(struct.pack(f"<{len(ids)}i", *ids)).hexdigest()
+
+
+def semantic_params(spans: Iterable[tuple[Any, ...]], *, pin: bool = False,
+                    prompt_token_ids: Sequence[int] | None = None) -> dict[str, Any]:
     """``kv_transfer_params`` that label prompt token ranges with their prompt layer.
 
     Pass the result as ``SamplingParams(extra_args={"kv_transfer_params": ...})``
     (offline ``LLM``) or as the ``kv_transfer_params`` field of an OpenAI-API
-    request. Blocks get the source layer of the span holding their first token;
-    with ``pin=True`` blocks of pinnable layers (axioms, identity, rules,
-    capabilities, soul) are pinned in the store.
+    request. Blocks get the source layer of the span holding their first token.
+    A span's optional 5th element pins its blocks in the store; spans without it
+    are pinned when ``pin=True`` and their layer is pinnable (axioms, identity,
+    rules, capabilities, soul).
 
     Args:
-        spans: ``(start, end, source_layer[, importance])`` token ranges.
-        pin: pin blocks of pinnable layers.
+        spans: ``(start, end, source_layer[, importance[, pinned]])`` token ranges.
+        pin: pin blocks of pinnable layers (spans without their own flag).
+        prompt_token_ids: the prompt the ranges were computed on; when given, its
+            fingerprint travels along and the connector ignores the labels of a
+            request whose prompt differs (see :func:`label_mismatch`).
     """
-    out = []
+    out: list[list[Any]] = []
     for span in spans:
         start, end, layer = int(span[0]), int(span[1]), str(span[2])
         importance = float(span[3]) if len(span) > 3 else 0.5
         if not 0 <= start <= end or not 0.0 <= importance <= 1.0:
             raise ValueError(f"bad span {span!r}: need 0 <= start <= end, importance in [0, 1]")
-        out.append([start, end, layer, importance])
-    return {PARAMS_KEY: {"spans": out, "pin": bool(pin)}}
+        out.append([start, end, layer, importance, *([bool(span[4])] if len(span) > 4 else [])])
+    ours: dict[str, Any] = {"spans": out, "pin": bool(pin)}
+    if prompt_token_ids is not None:
+        ours["prompt_tokens"], ours["prompt_sha256"] = prompt_fingerprint(prompt_token_ids)
+    return {PARAMS_KEY: ours}
+
+
+def label_mismatch(params: Mapping[str, Any] | None, prompt_token_ids: Sequence[int]
+                   ) -> str | None:
+    """Why the labels in ``params`` do not belong to this prompt, or None when they do
+    (or carry no fingerprint: the old form is trusted as before)."""
+    ours = params.get(PARAMS_KEY) if isinstance(params, Mapping) else None
+    if not isinstance(ours, Mapping):
+        return None
+    expected_n, expected_sha = ours.get("prompt_tokens"), ours.get("prompt_sha256")
+    if expected_n is None and expected_sha is None:
+        return None
+    n, sha = prompt_fingerprint(prompt_token_ids)
+    if expected_n is not None and expected_n != n:
+        return (f"the labels were computed for {expected_n} prompt tokens, the server's "
+                f"prompt has {n}")
+    if expected_sha is not None and str(expected_sha).lower() != sha:
+        return f"prompt_sha256 differs from the server's prompt ids ({n} tokens each)"
+    return None
 
 
 def labels_from_params(params: Mapping[str, Any] | None, first_block: int, num_blocks: int,
@@ -146,8 +184,12 @@ def labels_from_params(params: Mapping[str, Any] | None, first_block: int, num_b
     if not ours:
         return [default] * num_blocks
     try:
-        spans = [(int(s[0]), int(s[1]), str(s[2]), float(s[3])) for s in ours.get("spans", [])]
         pin = bool(ours.get("pin", False))
+        spans = []
+        for s in ours.get("spans", []):
+            layer = str(s[2])
+            pinned = bool(s[4]) if len(s) > 4 else pin and layer in PINNABLE_SOURCES
+            spans.append((int(s[0]), int(s[1]), layer, float(s[3]), pinned))
     except (TypeError, ValueError, IndexError, AttributeError):
         logger.warning("ignoring malformed kv_transfer_params[%r]: %r", PARAMS_KEY, ours)
         return [default] * num_blocks
@@ -155,9 +197,9 @@ def labels_from_params(params: Mapping[str, Any] | None, first_block: int, num_b
     for b in range(first_block, first_block + num_blocks):
         pos = b * block_size
         label = default
-        for start, end, layer, importance in spans:
+        for start, end, layer, importance, pinned in spans:
             if start <= pos < end:
-                label = BlockLabel(layer, importance, pin and layer in PINNABLE_SOURCES)
+                label = BlockLabel(layer, importance, pinned)
                 break
         labels.append(label)
     return labels
@@ -217,9 +259,16 @@ class RequestPlanner:
         return state.keys[:num_blocks]
 
     def _state(self, req_id: str, tenant: str | None, params: Mapping[str, Any] | None,
-               num_prompt_tokens: int) -> _RequestState:
+               token_ids: Sequence[int], num_prompt_tokens: int) -> _RequestState:
         state = self._reqs.get(req_id)
         if state is None:
+            reason = label_mismatch(params, token_ids[:num_prompt_tokens])
+            if reason is not None:
+                logger.warning("request %s: ignoring its contextkit labels (%s; another "
+                               "model, tokenizer or chat template?); its blocks get the "
+                               "default layer %r", req_id, reason, self.default_layer)
+                self.stats.count("label_mismatches")
+                params = None
             state = _RequestState(tenant or DEFAULT_TENANT, params, num_prompt_tokens)
             self._reqs[req_id] = state
         return state
@@ -234,7 +283,7 @@ class RequestPlanner:
         Side-effect free apart from caching the request's keys.
         """
         self.stats.count("lookups")
-        state = self._state(req_id, tenant, params, num_prompt_tokens)
+        state = self._state(req_id, tenant, params, token_ids, num_prompt_tokens)
         state.last_num_computed = num_computed
         max_blocks = max(0, num_prompt_tokens - 1) // self.block_size
         matched = 0

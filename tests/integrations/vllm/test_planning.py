@@ -124,3 +124,62 @@ def test_importing_the_package_imports_neither_vllm_nor_numba() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def _fingerprinted(spans: list[list[object]], ids: list[int]) -> dict[str, object]:
+    """What the pipeline sends: spans with a pinned flag, and the prompt's fingerprint
+    (sha256 of the ids as little-endian int32)."""
+    import hashlib
+    import struct
+
+    return {"contextkit": {"spans": spans, "pin": True, "prompt_tokens": len(ids),
+                           "prompt_sha256": hashlib.sha256(
+                               struct.pack(f"<{len(ids)}i", *ids)).hexdigest()}}
+
+
+def test_span_pinned_flag_pins_per_span() -> None:
+    # the 5th element decides: a pinnable layer the client did not pin stays unpinned
+    params = {"contextkit": {"spans": [[0, 4, "axioms", 1.0, True], [4, 8, "rules", 0.9, False],
+                                       [8, 12, "memories", 0.4, False]], "pin": True}}
+    labels = labels_from_params(params, 0, 4, BS, "user_turn")
+    assert [(lab.source_layer, lab.pinned) for lab in labels] == [
+        ("axioms", True), ("rules", False), ("memories", False), ("user_turn", False)]
+    # the old 4-element form keeps the request-level pin
+    old = {"contextkit": {"spans": [[0, 4, "rules", 0.9]], "pin": True}}
+    assert labels_from_params(old, 0, 1, BS, "user_turn")[0].pinned is True
+
+
+def _saved_labels(p: RequestPlanner, req_id: str, tokens: list[int],
+                  params: dict[str, object]) -> list[tuple[str, bool]]:
+    p.matched_tokens(req_id, tokens, len(tokens), 0, params=params)
+    _, saves = p.plan([StepRequest(req_id, tokens, 0, len(tokens), list(range(5)))])
+    return [(lab.source_layer, lab.pinned) for s in saves for lab in s.labels]
+
+
+def test_labels_with_a_matching_fingerprint_are_used() -> None:
+    p = planner()
+    params = _fingerprinted([[0, 8, "axioms", 1.0, True], [8, 18, "memories", 0.4, False]],
+                            TOKENS)
+    assert _saved_labels(p, "r", TOKENS, params) == [
+        ("axioms", True), ("axioms", True), ("memories", False), ("memories", False)]
+    assert p.stats.take() == {"counters": {"lookups": 1}, "by_layer": {}, "gauges": {}}
+
+
+@pytest.mark.parametrize("client_ids, reason", [
+    (TOKENS[:-1], "17 prompt tokens"),           # another template: another length
+    ([*TOKENS[:-1], 999], "prompt_sha256"),      # same length, other ids
+])
+def test_labels_for_another_prompt_are_refused(client_ids: list[int], reason: str,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    p = planner()
+    params = _fingerprinted([[0, 8, "axioms", 1.0, True], [8, 18, "memories", 0.4, False]],
+                            client_ids)
+    with caplog.at_level("WARNING", logger="integrations.vllm.planning"):
+        labels = _saved_labels(p, "req-7", TOKENS, params)
+        p.matched_tokens("req-7", TOKENS, len(TOKENS), 0, params=params)  # once per request
+    assert labels == [("user_turn", False)] * 4  # default labels, nothing pinned
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "req-7" in warnings[0] and reason in warnings[0]
+    stats = p.stats.take()
+    assert stats is not None and stats["counters"]["label_mismatches"] == 1
