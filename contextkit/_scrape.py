@@ -14,7 +14,7 @@ __all__ = ["MetricsScrapeError", "format_metrics", "scrape_metrics"]
 
 #: Connector metric names (without ``vllm:contextkit_`` and ``_total``) shown by status.
 CONNECTOR_COUNTERS = ("lookups", "hit_tokens", "loaded_blocks", "saved_blocks",
-                      "evicted_blocks", "load_errors", "shadow_bytes")
+                      "evicted_blocks", "load_errors", "label_mismatches", "shadow_bytes")
 
 
 class MetricsScrapeError(ValueError):
@@ -138,6 +138,7 @@ def format_metrics(doc: dict[str, Any]) -> str:
                   f"    saved blocks     {_fmt(c['saved_blocks'])}",
                   f"    evicted blocks   {_fmt(c['evicted_blocks'])}",
                   f"    load errors      {c['load_errors']:,.0f}",
+                  f"    label mismatches {c['label_mismatches']:,.0f}",
                   f"    shadow           {c['shadow_bytes'] / 1e6:,.1f} MB written, lag "
                   f"{c['shadow_lag_seconds']:,.1f} s"]
     return "\n".join(lines) + "\n"

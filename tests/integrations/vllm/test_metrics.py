@@ -159,6 +159,7 @@ def test_prometheus_metrics_from_two_steps() -> None:
     rec = StatsRecorder(layer_names())
     rec.count("lookups")
     rec.count("shadow_bytes", 4096)
+    rec.count("label_mismatches")
     rec.set_gauge("shadow_lag_seconds", 0.0)
     prom.observe(rec.take() or {}, engine_idx=0)
     prom.observe(_scheduler_step(7).to_dict(), engine_idx=1)
@@ -171,6 +172,7 @@ def test_prometheus_metrics_from_two_steps() -> None:
     assert got[("vllm:contextkit_loaded_blocks_total", e0)] == 4
     assert got[("vllm:contextkit_load_errors_total", e0)] == 0
     assert got[("vllm:contextkit_shadow_bytes_total", e0)] == 4096
+    assert got[("vllm:contextkit_label_mismatches_total", e0)] == 1
     assert got[("vllm:contextkit_shadow_lag_seconds", e0)] == 0.0  # the latest value
     assert got[("vllm:contextkit_saved_blocks_total", (*e0[:1], ("layer", "axioms"),
                                                        e0[1]))] == 2
@@ -201,6 +203,10 @@ def test_prometheus_metrics_from_two_steps() -> None:
     assert connector["saved_blocks"] == {"axioms": 2, UNLABELLED: 1}
     assert connector["evicted_blocks"] == {"chat": 2, OTHER: 1}
     assert connector["shadow_lag_seconds"] == 0.0
+    assert connector["label_mismatches"] == 1
+    from contextkit._scrape import format_metrics
+
+    assert "label mismatches 1" in " ".join(format_metrics(status).split())
 
 
 def test_dashboard_queries_use_the_exported_names() -> None:
@@ -241,6 +247,19 @@ def _kv(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _keys(digest: bytes, n: int, offset: int = 0) -> list[bytes]:
     return [bytes(k) for k in hash_token_blocks(digest, "default",
                                                 list(range(offset, offset + n * BS)), BS)]
+
+
+def test_a_label_mismatch_feeds_the_scheduler_stats() -> None:
+    from integrations.vllm.planning import semantic_params
+
+    tokens = list(range(40))
+    planner = RequestPlanner(b"\0" * 32, BS)
+    params = semantic_params([(0, 40, "axioms", 1.0, True)], prompt_token_ids=tokens[:39])
+    planner.matched_tokens("r", tokens, len(tokens), 0, params=params)
+    planner.matched_tokens("s", tokens, len(tokens), 0,
+                           params=semantic_params([(0, 40, "axioms")], prompt_token_ids=tokens))
+    assert planner.stats.take() == {"counters": {"lookups": 2, "label_mismatches": 1},
+                                    "by_layer": {}, "gauges": {}}
 
 
 def test_planner_lookups_feed_the_scheduler_stats() -> None:
