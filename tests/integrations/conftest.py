@@ -1,10 +1,22 @@
-"""Fixtures of the integrations suite: a compact ten-layer agent prompt."""
+"""Fixtures of the integrations suite: a compact ten-layer agent prompt and a real
+OpenAI-compatible HTTP server (``openai_server.py``; this directory is put on
+``sys.path`` for it)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+if TYPE_CHECKING:
+    from openai_server import FakeOpenAIServer
 
 
 def agent_prompt(turn: int) -> str:
@@ -28,8 +40,23 @@ def agent_prompt(turn: int) -> str:
     )
 
 
-
-
 @pytest.fixture
 def layered_prompt() -> Callable[[int], str]:
     return agent_prompt
+
+
+@pytest.fixture(scope="session")
+def served_model_dir() -> Path:
+    """The packaged SmolLM2 as the directory a vLLM server would serve."""
+    from integrations.vllm.model import packaged_model_dir
+
+    return packaged_model_dir()
+
+
+@pytest.fixture
+def openai_server(served_model_dir: Path) -> Iterator[FakeOpenAIServer]:
+    """A real OpenAI-compatible server on 127.0.0.1 serving the packaged model."""
+    from openai_server import SERVED_NAME, FakeOpenAIServer
+
+    with FakeOpenAIServer(served_model_dir, model_name=SERVED_NAME) as server:
+        yield server
