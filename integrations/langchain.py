@@ -22,12 +22,33 @@ Adopting contextkit in a ``create_agent`` agent::
   with it: the stable prefix, the changing layers and the volatile layers are
   separate content blocks, the stable one with a ``cache_control`` breakpoint, so
   providers' prompt caches (Anthropic) benefit as well as contextkit's engine.
+  For an OpenAI-compatible chat model (``ChatOpenAI`` and its subclasses, or any
+  model with an ``extra_body`` field) the layout is the embedded engine's instead:
+  the volatile layers go in a trailing system message after the history, so the
+  server's prefix cache reuses the conversation too; with the pipeline attached to
+  a :class:`~contextkit.remote.ServedModel` (a vLLM server), every call also carries
+  the request fields of contextkit's vLLM connector in ``extra_body`` (layer,
+  importance and pin of every token range, ``cache_salt`` = the tenant) and the
+  server's reported usage goes into the call's report.
 - :class:`ContextKitCallbackHandler` only observes: prompt layers and content
   blocks at ``on_chat_model_start``, usage and cache read/creation tokens at
   ``on_llm_end`` (whatever the provider reports). Callbacks cannot change messages.
 - :class:`ContextKitChatModel` is a ``BaseChatModel`` (with streaming) backed by the
   embedded engine; with the middleware, it lays the prompt out the pipeline's way
   (pinned stable prefix, volatile layers after the history).
+
+LangChain over a vLLM server::
+
+    from langchain_openai import ChatOpenAI
+    from contextkit import CacheAwareContextPipeline
+    from contextkit.remote import ServedModel
+
+    served = ServedModel("/models/Qwen2.5-7B-Instruct", name="qwen")  # what vLLM serves
+    pipeline = CacheAwareContextPipeline(served=served)
+    model = ChatOpenAI(model="qwen", base_url="http://127.0.0.1:8000/v1", api_key="x",
+                       stream_usage=True)
+    agent = create_agent(model, tools=[...],
+                         middleware=[ContextKitMiddleware(pipeline, build_system_message)])
 
 Requires the ``langchain`` extra (``pip install 'contextkit[langchain]'``).
 """
@@ -61,16 +82,24 @@ from langchain_core.outputs import (  # noqa: E402
 from pydantic import ConfigDict, Field  # noqa: E402
 
 from contextkit.engine import Engine  # noqa: E402
-from contextkit.pipeline import BuiltPrompt, CacheAwareContextPipeline  # noqa: E402
+from contextkit.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport  # noqa: E402
 from contextkit.prompt import has_markers  # noqa: E402
+from contextkit.remote import LabelRangeError  # noqa: E402
 from integrations._common import (  # noqa: E402
     CallLog,
     ChatRun,
     EngineChat,
     LogView,
+    SystemParts,
     layers_in,
     split_system_text,
     usage_from,
+)
+from integrations._openai_compat import (  # noqa: E402
+    merge_extra_body,
+    record_served_usage,
+    system_texts,
+    trailing_index,
 )
 
 __all__ = [
@@ -79,6 +108,8 @@ __all__ = [
     "ContextKitCallbackHandler",
     "ContextKitChatModel",
     "ContextKitMiddleware",
+    "is_openai_compatible",
+    "openai_payload_messages",
     "to_conversation",
 ]
 
@@ -108,6 +139,45 @@ def to_conversation(messages: Sequence[BaseMessage]) -> list[tuple[str, str]]:
     return out
 
 
+def is_openai_compatible(model: Any) -> bool:
+    """Whether a chat model talks to an OpenAI-compatible ``/v1/chat/completions``
+    endpoint and takes ``extra_body``: ``langchain_openai``'s ``BaseChatOpenAI``
+    (``ChatOpenAI`` and its subclasses; detected without importing
+    ``langchain_openai``) or any model with an ``extra_body`` field."""
+    for cls in type(model).__mro__:
+        if cls.__name__ == "BaseChatOpenAI" and cls.__module__.startswith("langchain_openai"):
+            return True
+    fields = getattr(type(model), "model_fields", None)
+    return isinstance(fields, Mapping) and "extra_body" in fields
+
+
+def openai_payload_messages(model: Any, messages: Sequence[BaseMessage],
+                            tools: Sequence[Any] = ()) -> tuple[list[dict[str, Any]],
+                                                                list[dict[str, Any]] | None]:
+    """The message dicts (and tools) ``model`` sends for ``messages``: ``ChatOpenAI``'s
+    own conversion (``_get_request_payload``), else LangChain's generic one.
+
+    Raises:
+        LabelRangeError: the model would use OpenAI's Responses API (no ``messages``).
+    """
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+
+    formatted = [convert_to_openai_tool(t) for t in tools] or None
+    payload_fn = getattr(model, "_get_request_payload", None)
+    if callable(payload_fn):
+        payload = payload_fn(list(messages), **({"tools": formatted} if formatted else {}))
+        if "messages" not in payload:
+            raise LabelRangeError(
+                f"{type(model).__name__} sends this request through OpenAI's Responses API, "
+                "which a vLLM server's contextkit labels do not cover; set "
+                "use_responses_api=False")
+        return list(payload["messages"]), payload.get("tools") or formatted
+    from langchain_core.messages import convert_to_openai_messages
+
+    converted = convert_to_openai_messages(list(messages))
+    return list(converted), formatted
+
+
 def _tenant_of(context: Any) -> str | None:
     if isinstance(context, Mapping):
         value = context.get("tenant")
@@ -135,21 +205,41 @@ class ContextKitMiddleware(AgentMiddleware):
         cache_control: the breakpoint put on the stable block (Anthropic's format);
             ``None`` for providers that reject extra block keys (their automatic
             prefix caching still sees the stable prefix first).
+        trailing_system: for OpenAI-compatible models, put the volatile layers in a
+            second system message after the history (default). ``False`` keeps every
+            layer in the one leading system message, for providers (or chat
+            templates) that reject a second system message; the server's prefix
+            cache then stops at the first volatile layer.
 
     With a cache attached, the pipeline applies budgets and volatility ordering;
     without one, the text is exactly what ``build_system_message`` returned. Either
     way the model gets the same text whichever chat model runs it.
+
+    OpenAI-compatible models (see :func:`is_openai_compatible`) get the embedded
+    engine's layout: the main system message (stable and changing layers, as plain
+    text), the history, a trailing system message with the volatile layers, then the
+    current user turn and its tool rounds. With the pipeline attached to a
+    :class:`~contextkit.remote.ServedModel`, the call's ``extra_body`` also carries
+    :meth:`~contextkit.pipeline.CacheAwareContextPipeline.request_fields` computed
+    on exactly the messages the model sends (merged over the model's own
+    ``extra_body``; ``kv_transfer_params`` key by key), and the usage the server
+    reports (prompt and cached tokens) is recorded in the call's report
+    (``pipeline.last_report()``). A model whose name is not the served model's, or
+    messages the served model cannot render exactly, raise
+    :class:`~contextkit.remote.LabelRangeError` rather than send wrong labels.
     """
 
     def __init__(self, pipeline: CacheAwareContextPipeline,
                  build_system_message: Builder | None = None, *,
                  tenant: str | TenantFn | None = None,
-                 cache_control: Mapping[str, Any] | None = EPHEMERAL) -> None:
+                 cache_control: Mapping[str, Any] | None = EPHEMERAL,
+                 trailing_system: bool = True) -> None:
         super().__init__()
         self.pipeline = pipeline
         self.build_system_message = build_system_message
         self.tenant = tenant
         self.cache_control = dict(cache_control) if cache_control is not None else None
+        self.trailing_system = trailing_system
 
     @property
     def name(self) -> str:
@@ -163,25 +253,16 @@ class ContextKitMiddleware(AgentMiddleware):
         runtime = getattr(request, "runtime", None)
         return _tenant_of(getattr(runtime, "context", None)) or self.pipeline.resolve_tenant()
 
-    def system_message(self, request: ModelRequest, tenant: str | None = None
-                       ) -> SystemMessage | None:
-        """The system message this middleware puts on ``request`` (``None``: unchanged)."""
+    def _parts(self, request: ModelRequest, tenant: str) -> SystemParts | None:
         if self.build_system_message is not None:
             raw = self.build_system_message(request)
         else:
             raw = request.system_prompt
             if raw is None or not has_markers(raw, self.pipeline.config):
                 return None
-        tenant = tenant or self._tenant(request)
-        parts = split_system_text(self.pipeline, raw, tenant)
-        blocks: list[str | dict[str, Any]] = []
-        for i, text in enumerate((parts.stable, parts.changing, parts.trailing)):
-            if not text:
-                continue
-            block: dict[str, Any] = {"type": "text", "text": text}
-            if i == 0 and self.cache_control is not None:
-                block["cache_control"] = dict(self.cache_control)
-            blocks.append(block)
+        return split_system_text(self.pipeline, raw, tenant)
+
+    def _meta(self, parts: SystemParts, tenant: str) -> dict[str, Any]:
         meta: dict[str, Any] = {"tenant": tenant, "attached": self.pipeline.attached}
         if parts.built is not None:
             report = parts.built.report
@@ -191,23 +272,108 @@ class ContextKitMiddleware(AgentMiddleware):
                         layer_order=list(report.layer_order),
                         trailing_layers=list(report.trailing_layers),
                         layer_tokens=dict(report.layer_tokens))
-        return SystemMessage(content=blocks, additional_kwargs={METADATA_KEY: meta})
+        return meta
+
+    def _blocks_message(self, parts: SystemParts, tenant: str) -> SystemMessage:
+        blocks: list[str | dict[str, Any]] = []
+        for i, text in enumerate((parts.stable, parts.changing, parts.trailing)):
+            if not text:
+                continue
+            block: dict[str, Any] = {"type": "text", "text": text}
+            if i == 0 and self.cache_control is not None:
+                block["cache_control"] = dict(self.cache_control)
+            blocks.append(block)
+        return SystemMessage(content=blocks, additional_kwargs={
+            METADATA_KEY: self._meta(parts, tenant)})
+
+    def system_message(self, request: ModelRequest, tenant: str | None = None
+                       ) -> SystemMessage | None:
+        """The system message this middleware puts on ``request`` for a model that is not
+        OpenAI-compatible (``None``: unchanged); see :meth:`model_request`."""
+        tenant = tenant or self._tenant(request)
+        parts = self._parts(request, tenant)
+        return None if parts is None else self._blocks_message(parts, tenant)
+
+    def model_request(self, request: ModelRequest, tenant: str | None = None
+                      ) -> tuple[ModelRequest, CallReport | None]:
+        """The request this middleware hands on, and the call's report when the server's
+        usage is to be recorded (a pipeline attached to a served model).
+
+        Raises:
+            LabelRangeError: labels for a served model cannot be made exact.
+        """
+        tenant = tenant or self._tenant(request)
+        parts = self._parts(request, tenant)
+        if parts is None:
+            return request, None
+        built = parts.built
+        if built is None or not is_openai_compatible(request.model):
+            return request.override(system_message=self._blocks_message(parts, tenant)), None
+        main, trailing = system_texts(built, self.trailing_system)
+        meta = self._meta(parts, tenant)
+        system = SystemMessage(content=main, additional_kwargs={METADATA_KEY: meta}) \
+            if main else None
+        messages: list[Any] = list(request.messages)
+        if trailing:
+            at = trailing_index(["user" if m.type == "human" else m.type for m in messages])
+            messages.insert(at, SystemMessage(content=trailing, additional_kwargs={
+                METADATA_KEY: {**meta, "trailing": True}}))
+        if self.pipeline.served is None:
+            return request.override(system_message=system, messages=messages), None
+        fields = self.request_fields(request, [*([system] if system else []), *messages],
+                                     tenant, built)
+        extra = merge_extra_body(getattr(request.model, "extra_body", None),
+                                 request.model_settings.get("extra_body"))
+        settings = {**request.model_settings, "extra_body": merge_extra_body(extra, fields)}
+        return (request.override(system_message=system, messages=messages,
+                                 model_settings=settings), built.report)
+
+    def request_fields(self, request: ModelRequest, messages: Sequence[BaseMessage],
+                       tenant: str, built: BuiltPrompt) -> dict[str, Any]:
+        """The connector's fields for ``messages`` as ``request.model`` sends them."""
+        served = self.pipeline.served
+        assert served is not None
+        name = getattr(request.model, "model_name", None) or getattr(request.model, "model",
+                                                                     None)
+        if isinstance(name, str) and name != served.name:
+            raise LabelRangeError(
+                f"the chat model asks for model {name!r} but the pipeline's ServedModel is "
+                f"{served.name!r}; its token ranges would be another model's. Use "
+                f"ServedModel(model_dir, name={name!r}) for the directory that server serves")
+        sent, tools = openai_payload_messages(request.model, messages, request.tools)
+        return self.pipeline.request_fields(sent, tenant=tenant, built=built, tools=tools)
 
     def wrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], Any]
                         ) -> Any:
         tenant = self._tenant(request)
         with self.pipeline.tenant_scope(tenant):
-            message = self.system_message(request, tenant)
-            return handler(request if message is None
-                           else request.override(system_message=message))
+            request, report = self.model_request(request, tenant)
+            response = handler(request)
+            if report is not None:
+                record_served_usage(self.pipeline, report, _usage_of(response))
+            return response
 
     async def awrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], Any]
                                ) -> Any:
         tenant = self._tenant(request)
         with self.pipeline.tenant_scope(tenant):
-            message = self.system_message(request, tenant)
-            return await handler(request if message is None
-                                 else request.override(system_message=message))
+            request, report = self.model_request(request, tenant)
+            response = await handler(request)
+            if report is not None:
+                record_served_usage(self.pipeline, report, _usage_of(response))
+            return response
+
+
+def _usage_of(response: Any) -> Any:
+    """The usage metadata of a model call's reply (an AIMessage, a ModelResponse or an
+    ExtendedModelResponse)."""
+    response = getattr(response, "model_response", response)
+    messages = [response] if isinstance(response, AIMessage) else getattr(response, "result",
+                                                                           None) or []
+    for message in messages:
+        if isinstance(message, AIMessage):
+            return message.usage_metadata
+    return None
 
 
 def _pipeline_token(pipeline: CacheAwareContextPipeline) -> str:
@@ -237,7 +403,8 @@ class ContextKitCallbackHandler(LogView, BaseCallbackHandler):
     def on_chat_model_start(self, serialized: dict[str, Any], messages: list[list[BaseMessage]],
                             *, run_id: uuid.UUID, **kwargs: Any) -> None:
         msgs = messages[0] if messages else []
-        system = next((m for m in msgs if isinstance(m, SystemMessage)), None)
+        systems = [m for m in msgs if isinstance(m, SystemMessage)]
+        system = systems[0] if systems else None
         meta = (system.additional_kwargs.get(METADATA_KEY) or {}) if system is not None else {}
         blocks = []
         if system is not None and isinstance(system.content, list):
@@ -248,7 +415,8 @@ class ContextKitCallbackHandler(LogView, BaseCallbackHandler):
         params = kwargs.get("invocation_params") or {}
         model = (params.get("model") or params.get("model_name")
                  or (serialized or {}).get("name"))
-        text = system.text if system is not None else ""
+        # every system message: a trailing one carries the volatile layers
+        text = "\n".join(m.text for m in systems)
         self.log.start(str(run_id), "langchain", model=model, tenant=meta.get("tenant"),
                        messages=len(msgs), system_chars=len(text), layers=layers_in(text),
                        content_blocks=blocks, stable_hash=meta.get("stable_hash"),

@@ -117,6 +117,7 @@ class FakeOpenAIServer:
         self.block_size = block_size
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.requests: list[dict[str, Any]] = []
+        self._usages: list[dict[str, Any] | None] = []  # per chat request (None: refused)
         self._tool_calls: list[dict[str, Any]] = []
         self._prompts: dict[str | None, list[list[int]]] = {}
         self._lock = threading.Lock()
@@ -164,6 +165,17 @@ class FakeOpenAIServer:
         with self._lock:
             return [r for r in self.requests if r["path"] == "/v1/chat/completions"]
 
+    def usage_for(self, i: int) -> dict[str, Any] | None:
+        """The usage reported for the ``i``-th chat request (None: it was refused)."""
+        with self._lock:
+            return self._usages[i]
+
+    def cached_for(self, i: int) -> int:
+        """The ``cached_tokens`` reported for the ``i``-th chat request."""
+        usage = self.usage_for(i)
+        assert usage is not None, f"chat request {i} was refused"
+        return int(usage["prompt_tokens_details"]["cached_tokens"])
+
     def render(self, messages: Sequence[Mapping[str, Any]],
                tools: Sequence[Mapping[str, Any]] | None = None
                ) -> tuple[str, list[int], list[tuple[int, int]]]:
@@ -185,6 +197,17 @@ class FakeOpenAIServer:
         return max(0, best // self.block_size * self.block_size)
 
     def _chat(self, body: Mapping[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        try:
+            out, ids = self._answer(body)
+        except _Error:
+            with self._lock:
+                self._usages.append(None)
+            raise
+        with self._lock:
+            self._usages.append(out["usage"])
+        return out, ids
+
+    def _answer(self, body: Mapping[str, Any]) -> tuple[dict[str, Any], list[int]]:
         if body.get("model") != self.model_name:
             raise _Error(404, f"The model `{body.get('model')}` does not exist.", "model")
         messages = body.get("messages")

@@ -5,6 +5,11 @@ the plain ``openai`` client (no vLLM needed; ``make test-vllm`` runs the real se
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import re
+import struct
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -73,3 +78,176 @@ def test_the_fake_server_tokenizes_like_chat_completions(openai_server: FakeOpen
     got = httpx.post(openai_server.url + "/tokenize",
                      json={"model": SERVED_NAME, "messages": messages}).json()
     assert got["tokens"] == ids and got["count"] == len(ids)
+
+
+# ---------------------------------------------------------------------- helpers
+def served_pipeline() -> Any:
+    from contextkit import CacheAwareContextPipeline
+    from contextkit.remote import ServedModel
+
+    return CacheAwareContextPipeline(served=ServedModel.packaged(name=SERVED_NAME))
+
+
+def fingerprint(ids: list[int]) -> str:
+    return hashlib.sha256(struct.pack(f"<{len(ids)}i", *ids)).hexdigest()
+
+
+def prompt_layers(body: dict[str, Any], pipeline: Any) -> tuple[list[str], set[str]]:
+    """The layers in a request's system messages (in order) and its stable prefix: the
+    leading stable layers of the first system message."""
+    layers: list[str] = []
+    stable: set[str] = set()
+    for k, message in enumerate(body["messages"]):
+        if message["role"] != "system":
+            continue
+        names = re.findall(r"^\[([A-Z_]+)\]$", message["content"], flags=re.M)
+        layers += [name.lower() for name in names]
+        if k == 0:
+            for name in names:
+                if not pipeline.config.get(name.lower()).stable:
+                    break
+                stable.add(name.lower())
+    return layers, stable
+
+
+def check_labels(server: FakeOpenAIServer, body: dict[str, Any], pipeline: Any
+                 ) -> dict[str, Any]:
+    """Re-render what the server RECEIVED and check every span against it: the spans
+    tile the prompt, each layer's section lies inside the one span labelled with its
+    source layer (and no other section does), every conversation message's content is
+    in a user_turn span, only stable pinnable layers are pinned, and the fingerprint
+    is the received prompt's. Returns {source layer: pinned} seen."""
+    from gpu_cache import PINNABLE_SOURCES
+
+    text, ids, offsets = server.render(body["messages"], body.get("tools"))
+    ours = body["kv_transfer_params"]["contextkit"]
+    assert ours["prompt_tokens"] == len(ids)
+    assert ours["prompt_sha256"] == fingerprint(ids)
+    spans = ours["spans"]
+    assert spans[0][0] == 0
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)), spans  # contiguous
+    assert spans[-1][1] <= len(ids)
+
+    def chars(span: list[Any]) -> tuple[int, int]:
+        return offsets[span[0]][0], offsets[span[1] - 1][1]
+
+    def span_at(char: int) -> list[Any]:
+        (span,) = [s for s in spans if chars(s)[0] <= char < chars(s)[1]]
+        return span
+
+    layers, stable = prompt_layers(body, pipeline)
+    assert len(layers) == 10
+    seen: dict[str, bool] = {}
+    for layer in layers:
+        spec = pipeline.config.get(layer)
+        opening, closing = f"[{layer.upper()}]", f"[/{layer.upper()}]"
+        assert text.count(opening) == 1, layer
+        a, b = text.index(opening), text.index(closing) + len(closing)
+        span = span_at(a)
+        lo, hi = chars(span)
+        assert lo <= a and b <= hi, (layer, span, text[lo:hi])  # the whole section
+        inside = text[lo:hi]
+        assert [other for other in layers if f"[{other.upper()}]" in inside] == [layer]
+        assert span[2] == spec.source, (layer, span)
+        expect_pin = layer in stable and spec.source in PINNABLE_SOURCES
+        assert span[4] is expect_pin, (layer, span)
+        seen[spec.source] = span[4]
+    for message in body["messages"]:
+        content = message.get("content")
+        if message["role"] == "system" or not content:
+            continue
+        at = text.index(content)
+        span = span_at(at)
+        assert span[2] == "user_turn" and span[4] is False, (message, span)
+        assert at + len(content) <= chars(span)[1]
+        seen["user_turn"] = False
+    assert {s[2] for s in spans if s[4]} <= {pipeline.config.get(x).source for x in stable}
+    return seen
+
+
+# ---------------------------------------------------------------------- LangChain
+def test_langchain_agent_over_an_openai_server_sends_exact_labels(
+        openai_server: FakeOpenAIServer, layered_prompt: Callable[[int], str]) -> None:
+    from langchain.agents import create_agent
+    from langchain_core.messages import AIMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from pydantic import SecretStr
+
+    from integrations.langchain import ContextKitCallbackHandler, ContextKitMiddleware
+
+    @tool
+    def metrics_query(service: str) -> str:
+        """p95 latency and 5xx rate of a service."""
+        return f"{service}: p95 201 ms, 5xx 0.4%"
+
+    pipeline = served_pipeline()
+    box = {"turn": 0}
+    model = ChatOpenAI(model=SERVED_NAME, base_url=openai_server.base_url, api_key=SecretStr("x"),
+                       streaming=True, stream_usage=True, max_retries=0,
+                       extra_body={"top_k": 5, "kv_transfer_params": {"other": 1}})
+    agent: Any = create_agent(model, tools=[metrics_query], context_schema=dict, middleware=[
+        ContextKitMiddleware(pipeline, lambda request: layered_prompt(box["turn"]))])
+    handler = ContextKitCallbackHandler()
+    questions = ["Is checkout slow?", "What changed?", "Check pricing-service.", "Roll back?"]
+    history: list[Any] = []
+    for turn, question in enumerate(questions):
+        box["turn"] = turn
+        if turn == 2:
+            openai_server.queue_tool_call("metrics_query", {"service": "pricing-service"})
+        out = agent.invoke({"messages": [*history, ("user", question)]},
+                           config={"callbacks": [handler]}, context={"tenant": "acme"})
+        history = out["messages"]
+        assert isinstance(history[-1], AIMessage) and history[-1].text == openai_server.reply
+    assert any(isinstance(m, ToolMessage) for m in history)
+
+    bodies = openai_server.chat_requests()
+    assert len(bodies) == 5  # turn 3 is a tool round: two model calls
+    reused_calls = 0
+    for i, body in enumerate(bodies):
+        assert body["cache_salt"] == "acme"
+        assert body["stream"] is True and body["top_k"] == 5  # the model's own extra_body
+        assert body["kv_transfer_params"]["other"] == 1
+        messages = body["messages"]
+        roles = [m["role"] for m in messages]
+        # layout: main system message first, then the history, the trailing system
+        # message, the current user turn and its tool round
+        assert roles[0] == "system" and roles.count("system") == 2, roles
+        last_user = max(k for k, r in enumerate(roles) if r == "user")
+        assert roles[last_user - 1] == "system", roles
+        trailing = messages[last_user - 1]["content"]
+        assert "[CURRENT_TIME]" in trailing and "[AXIOMS]" in messages[0]["content"]
+        assert "[CURRENT_TIME]" not in messages[0]["content"]
+        assert all(set(m) <= {"role", "content", "tool_calls", "tool_call_id", "name"}
+                   for m in messages)
+        seen = check_labels(openai_server, body, pipeline)
+        assert seen["axioms"] is True and seen["identity"] is True
+        assert seen["memories"] is False and seen["user_turn"] is False
+        # the server's prefix cache reuses the system prompt and the history: what
+        # precedes the previous request's trailing message, whole blocks
+        cached = openai_server.cached_for(i)
+        if i and messages[0] == bodies[i - 1]["messages"][0]:
+            before = bodies[i - 1]["messages"]
+            at = max(k for k, m in enumerate(before) if m["role"] == "user") - 1
+            assert messages[:at] == before[:at]
+            shared = len(openai_server.render(before[:at])[1]) - 3  # minus the gen. prompt
+            assert cached >= shared // 16 * 16 > 0, (i, cached, shared)
+            reused_calls += 1
+    assert reused_calls >= 3  # the main message changes only while volatility is learned
+    # every call's report has the server's usage
+    report = pipeline.last_report("acme")
+    _, ids, _ = openai_server.render(bodies[-1]["messages"], bodies[-1].get("tools"))
+    assert report.prompt_tokens == len(ids)
+    assert report.reused_tokens == openai_server.cached_for(len(bodies) - 1) > 0
+    assert report.computed_tokens == len(ids) - report.reused_tokens
+    done = [r for r in handler.records if r.done]
+    assert len(done) == 5 and done[-1].cache_read_tokens == report.reused_tokens
+    assert "current_time" in done[-1].layers  # the trailing system message is seen too
+
+    # a second tenant: its own salt, so nothing of acme's prefix is reused
+    box["turn"] = 0
+    agent.invoke({"messages": [("user", questions[0])]}, context={"tenant": "globex"})
+    other = openai_server.chat_requests()[-1]
+    assert other["cache_salt"] == "globex"
+    assert openai_server.cached_for(len(bodies)) == 0
+    check_labels(openai_server, other, pipeline)

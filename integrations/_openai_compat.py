@@ -1,0 +1,86 @@
+"""What the integrations share for OpenAI-compatible servers (vLLM's ``/v1/chat/completions``).
+
+A pipeline attached to a :class:`~contextkit.remote.ServedModel` lays a chat request out
+as the embedded engine does (the stable and changing layers in the main system message,
+the volatile layers in a trailing system message after the history, before the current
+user turn), labels the request's token ranges (:meth:`~contextkit.pipeline.
+CacheAwareContextPipeline.request_fields`) and records the usage the server reports
+(:meth:`~contextkit.pipeline.CacheAwareContextPipeline.record_usage`). The frameworks
+differ only in their message types; the rules live here.
+
+Nothing here imports LangChain, LlamaIndex or openai.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from contextkit.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport
+from integrations._common import usage_from
+
+__all__ = ["merge_extra_body", "record_served_usage", "system_texts", "trailing_index"]
+
+logger = logging.getLogger(__name__)
+
+
+def system_texts(built: BuiltPrompt, trailing_system: bool = True) -> tuple[str, str]:
+    """``(main, trailing)`` system message texts of a built prompt.
+
+    ``main`` holds the stable and changing layers, ``trailing`` the volatile ones (the
+    same texts as :meth:`~contextkit.pipeline.CacheAwareContextPipeline.openai_messages`).
+    With ``trailing_system=False`` (providers that reject a second system message)
+    everything is in ``main`` (:attr:`BuiltPrompt.text`) and ``trailing`` is empty.
+    """
+    if not trailing_system or not built.trailing:
+        return built.text, ""
+    main = "".join(built.section_texts[s.layer] for s in built.main)[:-1]
+    trailing = "".join(built.section_texts[s.layer] for s in built.trailing)[:-1]
+    return main, trailing
+
+
+def trailing_index(roles: Sequence[str]) -> int:
+    """Where the trailing system message goes among the conversation's messages (their
+    roles, ``"user"`` for user turns): before the last user message, so that the
+    history before it stays a cacheable prefix and the current turn and its tool
+    rounds follow; at the end when there is no user message."""
+    users = [i for i, role in enumerate(roles) if role == "user"]
+    return users[-1] if users else len(roles)
+
+
+def merge_extra_body(base: Mapping[str, Any] | None, fields: Mapping[str, Any] | None
+                     ) -> dict[str, Any]:
+    """``base`` updated with ``fields`` (``fields`` win); ``kv_transfer_params`` objects
+    are merged key by key, so another connector's entry survives contextkit's."""
+    out = dict(base or {})
+    for key, value in (fields or {}).items():
+        mine = out.get(key)
+        if key == "kv_transfer_params" and isinstance(mine, Mapping) and isinstance(value,
+                                                                                     Mapping):
+            out[key] = {**mine, **value}
+        else:
+            out[key] = value
+    return out
+
+
+def record_served_usage(pipeline: CacheAwareContextPipeline, report: CallReport | None,
+                        usage: Any) -> bool:
+    """Put a reply's usage (OpenAI ``usage``, LangChain ``usage_metadata``, as a mapping
+    or object) into the call's report through ``pipeline.record_usage``.
+
+    Observing never fails the call: a reply without usage (a stream without
+    ``stream_options.include_usage``) records nothing, and counts the pipeline refuses
+    are logged. Returns whether the report was filled.
+    """
+    if report is None or pipeline.served is None:
+        return False
+    counts = usage_from(usage)
+    if "input_tokens" not in counts:
+        return False
+    try:
+        pipeline.record_usage(report, counts["input_tokens"], counts.get("cache_read_tokens", 0))
+    except (ValueError, RuntimeError) as exc:
+        logger.warning("not recording the server's usage %s: %s", counts, exc)
+        return False
+    return True
