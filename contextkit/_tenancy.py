@@ -17,7 +17,9 @@ from gpu_cache.metadata import BlockMeta
 
 if TYPE_CHECKING:
     from contextkit._reports import BuiltPrompt, CallReport
+    from contextkit._types import TokenSpan
     from contextkit.engine import Engine
+    from contextkit.remote import ServedModel
 
 logger = logging.getLogger("contextkit.pipeline")
 
@@ -34,12 +36,15 @@ class _TenantState:
         self.last_segments: list[tuple[str, tuple[int, ...]]] = []
         self.stable_hash = ""
         self.last: BuiltPrompt | None = None
+        # A served model's last request_fields: (report, prompt tokens, spans).
+        self.last_request: tuple[CallReport, int, list[TokenSpan]] | None = None
 
 
 class _TenantViews:
     """Tenant resolution and the per-tenant reads of a pipeline."""
 
     engine: Engine | None
+    served: ServedModel | None
     config: LayerConfig
     tenant: str
     _lock: threading.RLock
@@ -108,14 +113,15 @@ class _TenantViews:
         return dict(sorted(out.items()))
 
     def last_built(self, tenant: str | None = None) -> BuiltPrompt | None:
-        """The tenant's latest :meth:`build` result (``None`` without a cache or before any)."""
-        if self.engine is None:
+        """The tenant's latest :meth:`build` result (``None`` when not attached or before
+        any)."""
+        if self.engine is None and self.served is None:
             return None
         with self._lock:
             return self._state(self.resolve_tenant(tenant)).last
 
     def last_report(self, tenant: str | None = None) -> CallReport | None:
-        """The tenant's latest call's report (``None`` without a cache or before any).
+        """The tenant's latest call's report (``None`` when not attached or before any).
 
         The tenant is resolved as everywhere (:meth:`resolve_tenant`): a call an
         integration made for a tenant taken from its runtime context is read with
@@ -123,7 +129,7 @@ class _TenantViews:
         reply's metadata (``response_metadata["contextkit"]``). Reading a tenant with no
         call while other tenants have some logs a hint saying so, once.
         """
-        if self.engine is None:
+        if self.engine is None and self.served is None:
             return None
         named = tenant is not None or self._scope.get() is not None
         resolved = self.resolve_tenant(tenant)
@@ -143,8 +149,8 @@ class _TenantViews:
         return last.report if last else None
 
     def volatility(self, tenant: str | None = None) -> dict[str, float]:
-        """Learned change rate per layer (empty without a cache)."""
-        if self.engine is None:
+        """Learned change rate per layer (empty when not attached)."""
+        if self.engine is None and self.served is None:
             return {}
         with self._lock:
             return dict(self._state(self.resolve_tenant(tenant)).rates)

@@ -17,7 +17,15 @@ With no engine attached (a cloud API, Ollama) the wrapper returns exactly what t
 function returns and every cache method returns an empty result: contextkit is
 purely additive.
 
-What it does with an engine attached:
+Attached to a vLLM server instead (``CacheAwareContextPipeline(served=ServedModel(
+model_dir))``, see :mod:`contextkit.remote`), it builds prompts exactly as with an
+engine; :meth:`~CacheAwareContextPipeline.openai_messages` lays a chat request out as
+the engine would, :meth:`~CacheAwareContextPipeline.request_fields` labels its token
+ranges (layer, importance, pin) and tenant for contextkit's vLLM connector, and
+:meth:`~CacheAwareContextPipeline.record_usage` puts the server's usage into the report.
+There is no local cache then: the connector registers and pins the blocks.
+
+What it does with an engine (or a served model) attached:
 
 - applies the *expanded* layer budgets with :func:`synthesize_for_budget` (spilled
   lines go to :attr:`spillover`, which feeds the tier manager);
@@ -70,6 +78,7 @@ from typing import Any, TypeVar
 
 from contextkit._chatml import _ChatML
 from contextkit._reports import BuiltPrompt, CallReport, PipelineResult, _tokens_by_layer
+from contextkit._served import _ServedPipeline
 from contextkit._tenancy import _check_tenant, _TenantState, _TenantViews
 from contextkit.engine import Engine, TokenSpan
 from contextkit.layers import LayerConfig, LayerSpec
@@ -83,6 +92,7 @@ from contextkit.prompt import (
     render_marked,
     synthesize_for_budget,
 )
+from contextkit.remote import ServedModel
 from gpu_cache import PinCapacityError, PrefixPinManager, Tier
 from gpu_cache.metadata import PINNABLE_SOURCES
 
@@ -107,11 +117,14 @@ _ROLES = ("user", "assistant", "system", "tool")
 _BOUNDARY = "<trailing message>"
 
 
-class CacheAwareContextPipeline(_TenantViews):
+class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
     """Layered prompts in, cache-aware prompts and cache control out.
 
     Args:
         engine: the engine whose cache to steer; ``None`` for pass-through mode.
+        served: instead of an engine, the model a vLLM server serves (its tokenizer
+            and chat template): budgets, ordering and reports as with an engine, and
+            the request fields for the server (:meth:`request_fields`).
         layers: layer names and budgets (default: the ten SPEC layers plus partner).
         tenant: default tenant; blocks of one tenant are never visible to another.
         reorder: volatility-aware ordering (on by default).
@@ -126,6 +139,7 @@ class CacheAwareContextPipeline(_TenantViews):
         self,
         engine: Engine | None = None,
         *,
+        served: ServedModel | None = None,
         layers: LayerConfig | None = None,
         tenant: str = "default",
         reorder: bool = True,
@@ -135,9 +149,16 @@ class CacheAwareContextPipeline(_TenantViews):
         spillover: SpilloverQueue | None = None,
         metrics: ContextkitMetrics | bool | None = None,
     ) -> None:
+        if engine is not None and served is not None:
+            raise ValueError("pass either engine= (the embedded engine) or served= (a vLLM "
+                             "server's model), not both: a pipeline steers one cache")
+        if served is not None and not isinstance(served, ServedModel):
+            raise ValueError(f"served must be a contextkit.remote.ServedModel, got "
+                             f"{type(served).__name__}")
         if not 0.0 < volatility_alpha <= 1.0:
             raise ValueError(f"volatility_alpha must be in (0, 1], got {volatility_alpha}")
         self.engine = engine
+        self.served = served
         self.config = layers or LayerConfig()
         self.tenant = _check_tenant(tenant)
         self.reorder = reorder
@@ -195,8 +216,8 @@ class CacheAwareContextPipeline(_TenantViews):
     # ------------------------------------------------------------------ wrapping
     @property
     def attached(self) -> bool:
-        """Whether a cache (engine) is attached."""
-        return self.engine is not None
+        """Whether a cache is attached: an engine, or a served model (vLLM's)."""
+        return self.engine is not None or self.served is not None
 
     def wrap(self, fn: F) -> F:
         """Wrap a ``build_system_message`` function (also usable as a decorator).
@@ -209,7 +230,7 @@ class CacheAwareContextPipeline(_TenantViews):
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             raw = fn(*args, **kwargs)
-            if self.engine is None:
+            if not self.attached:
                 return raw
             return self.build(raw).text
 
@@ -318,8 +339,7 @@ class CacheAwareContextPipeline(_TenantViews):
         return self._metrics
 
     def _count_tokens(self, text: str) -> int:
-        assert self.engine is not None
-        return self.engine.count_tokens(text)
+        return len(self._encode(text))
 
     def _order(self, sections: list[PromptSection],
                state: _TenantState) -> tuple[list[PromptSection], list[PromptSection]]:
@@ -343,8 +363,9 @@ class CacheAwareContextPipeline(_TenantViews):
         return render_marked(StructuredPrompt((section,))) + "\n"
 
     def _encode(self, text: str) -> list[int]:
-        assert self.engine is not None
-        return self.engine.encode(text)
+        source = self.engine if self.engine is not None else self.served
+        assert source is not None
+        return source.encode(text)
 
     @staticmethod
     def _first_difference(old: Sequence[tuple[str, tuple[int, ...]]],
@@ -373,7 +394,9 @@ class CacheAwareContextPipeline(_TenantViews):
         message (volatile layers), then ``user_message``, the ``after`` turns (an
         agent's tool rounds within the current turn) and the assistant header.
         ``user_order=True`` lays the same layers out in the user's original order in
-        one system message (what an order-blind prefix cache would see).
+        one system message (what an order-blind prefix cache would see). Empty
+        without an engine (a served model's prompt is :meth:`openai_messages`, its
+        ranges :meth:`request_fields`).
 
         Raises:
             RuntimeError: no prompt built yet (call the wrapped function first).
@@ -460,6 +483,10 @@ class CacheAwareContextPipeline(_TenantViews):
                 than its pin quota (nothing computed).
         """
         if self.engine is None:
+            if self.served is not None:
+                raise RuntimeError("this pipeline is attached to a served model: send "
+                                   "openai_messages() with request_fields() through your "
+                                   "OpenAI client, then record_usage() the reply's usage")
             raise RuntimeError("no engine attached: this pipeline only passes prompts "
                                "through; build it with CacheAwareContextPipeline(engine)")
         if tenant is None:
