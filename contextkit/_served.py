@@ -96,7 +96,8 @@ class _ServedPipeline:
         system message with the volatile layers (none when there are none, or with
         ``trailing_message=False``), then the last user message and everything after
         it. A system message's content is its sections' ``[LAYER]...[/LAYER]`` texts, one
-        per line (the same text as :attr:`BuiltPrompt.text`'s parts). ``built`` picks a
+        per line (the same text as :attr:`BuiltPrompt.text`'s parts); the main one is
+        sent even when empty, so no template injects a default system prompt. ``built`` picks a
         :meth:`build` result (default: the tenant's last).
 
         Raises:
@@ -118,8 +119,7 @@ class _ServedPipeline:
             return {"role": "system",
                     "content": "".join(built.section_texts[s.layer] for s in sections)[:-1]}
 
-        out = [system(built.main)] if built.main or not built.trailing else []
-        out += turns[:cut]
+        out = [system(built.main), *turns[:cut]]
         if built.trailing:
             out.append(system(built.trailing))
         return out + turns[cut:]
