@@ -251,3 +251,131 @@ def test_langchain_agent_over_an_openai_server_sends_exact_labels(
     assert other["cache_salt"] == "globex"
     assert openai_server.cached_for(len(bodies)) == 0
     check_labels(openai_server, other, pipeline)
+
+
+# ---------------------------------------------------------------------- three clients
+CONVERSATION = [{"role": "user", "content": "Is checkout slow?"},
+                {"role": "assistant", "content": "All good."},
+                {"role": "user", "content": "What changed since the deploy?"}]
+
+
+def test_langchain_llamaindex_and_openai_send_identical_fields(
+        openai_server: FakeOpenAIServer, layered_prompt: Callable[[int], str]) -> None:
+    import openai
+    from langchain.agents import create_agent
+    from langchain_openai import ChatOpenAI
+    from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock
+    from llama_index.core.instrumentation import get_dispatcher
+    from llama_index.llms.openai_like import OpenAILike
+    from pydantic import SecretStr
+
+    from integrations.langchain import ContextKitMiddleware
+    from integrations.llamaindex import ContextKitEventHandler, ContextKitOpenAILike
+    from integrations.openai import record_usage, request_kwargs
+
+    system = layered_prompt(3)
+    # the plain openai client
+    plain = served_pipeline()
+    client = openai.OpenAI(base_url=openai_server.base_url, api_key="x", max_retries=0)
+    kwargs = request_kwargs(plain, CONVERSATION, tenant="acme", system=system)
+    reply = client.chat.completions.create(model=SERVED_NAME, **kwargs)
+    assert record_usage(plain, reply, tenant="acme")
+    # LlamaIndex: OpenAILike(is_chat_model=True) wrapped
+    llama = served_pipeline()
+    llm = ContextKitOpenAILike(
+        OpenAILike(model=SERVED_NAME, api_base=openai_server.base_url, api_key="x",
+                   is_chat_model=True, max_retries=0,
+                   additional_kwargs={"extra_body": {"top_k": 3}}), llama, tenant="acme")
+    messages = [ChatMessage(role=MessageRole.SYSTEM, content=system),
+                *(ChatMessage(role=m["role"], content=m["content"]) for m in CONVERSATION)]
+    handler = ContextKitEventHandler()
+    dispatcher = get_dispatcher()
+    dispatcher.add_event_handler(handler)
+    try:
+        response = llm.chat(messages)
+    finally:
+        dispatcher.event_handlers.remove(handler)
+    assert response.message.content == openai_server.reply
+    done = [r for r in handler.records if r.done]
+    assert done and all(r.cache_read_tokens == openai_server.cached_for(1) > 0 for r in done)
+    # LangChain: create_agent + ChatOpenAI
+    chain = served_pipeline()
+    agent: Any = create_agent(
+        ChatOpenAI(model=SERVED_NAME, base_url=openai_server.base_url, api_key=SecretStr("x"),
+                   max_retries=0), tools=[],
+        middleware=[ContextKitMiddleware(chain, lambda request: system, tenant="acme")])
+    agent.invoke({"messages": [(m["role"], m["content"]) for m in CONVERSATION]})
+
+    bodies = openai_server.chat_requests()
+    assert len(bodies) == 3
+    sent = [(b["messages"], b["kv_transfer_params"], b["cache_salt"]) for b in bodies]
+    assert sent[0] == sent[1] == sent[2]
+    assert bodies[1]["top_k"] == 3  # the LlamaIndex model's own extra_body is kept
+    assert [m["role"] for m in bodies[0]["messages"]] == [
+        "system", "user", "assistant", "system", "user"]
+    check_labels(openai_server, bodies[0], plain)
+    for pipeline, i in ((plain, 0), (llama, 1), (chain, 2)):
+        report = pipeline.last_report("acme")
+        assert report.prompt_tokens == kwargs["extra_body"]["kv_transfer_params"][
+            "contextkit"]["prompt_tokens"]
+        assert report.reused_tokens == openai_server.cached_for(i)
+    assert openai_server.cached_for(1) > 0  # same salt, same prompt: the server reused it
+
+    # LlamaIndex joins a message's text blocks with "": labels follow what it sends
+    split = ChatMessage(role=MessageRole.USER,
+                        blocks=[TextBlock(text="Is checkout "), TextBlock(text="slow?")])
+    llm.chat([messages[0], split])
+    body = openai_server.chat_requests()[-1]
+    assert body["messages"][-1]["content"] == "Is checkout slow?"
+    check_labels(openai_server, body, llama)
+    # streamed, with the final usage chunk: the report gets the server's figures
+    chunks = list(llm.stream_chat(messages, stream_options={"include_usage": True}))
+    assert chunks[-1].message.content == openai_server.reply
+    last = len(openai_server.chat_requests()) - 1
+    assert openai_server.chat_requests()[last]["stream"] is True
+    assert llama.last_report("acme").reused_tokens == openai_server.cached_for(last) > 0
+
+
+def test_one_system_message_for_providers_that_reject_a_second(
+        openai_server: FakeOpenAIServer, layered_prompt: Callable[[int], str]) -> None:
+    from langchain.agents import create_agent
+    from langchain_openai import ChatOpenAI
+    from pydantic import SecretStr
+
+    from integrations.langchain import ContextKitMiddleware
+
+    pipeline = served_pipeline()
+    agent: Any = create_agent(
+        ChatOpenAI(model=SERVED_NAME, base_url=openai_server.base_url, api_key=SecretStr("x"),
+                   max_retries=0), tools=[],
+        middleware=[ContextKitMiddleware(pipeline, lambda request: layered_prompt(1),
+                                         tenant="acme", trailing_system=False)])
+    agent.invoke({"messages": [(m["role"], m["content"]) for m in CONVERSATION]})
+    (body,) = openai_server.chat_requests()
+    assert [m["role"] for m in body["messages"]] == ["system", "user", "assistant", "user"]
+    assert "[CURRENT_TIME]" in body["messages"][0]["content"]
+    check_labels(openai_server, body, pipeline)
+
+
+def test_labels_for_another_model_are_refused_before_sending(
+        openai_server: FakeOpenAIServer, layered_prompt: Callable[[int], str]) -> None:
+    from langchain.agents import create_agent
+    from langchain_openai import ChatOpenAI
+    from llama_index.llms.openai_like import OpenAILike
+    from pydantic import SecretStr
+
+    from contextkit.remote import LabelRangeError
+    from integrations.langchain import ContextKitMiddleware
+    from integrations.llamaindex import ContextKitOpenAILike
+
+    pipeline = served_pipeline()
+    agent: Any = create_agent(
+        ChatOpenAI(model="qwen", base_url=openai_server.base_url, api_key=SecretStr("x"),
+                   max_retries=0), tools=[],
+        middleware=[ContextKitMiddleware(pipeline, lambda request: layered_prompt(1))])
+    with pytest.raises(LabelRangeError, match=r"'qwen'.*'smollm2'"):
+        agent.invoke({"messages": [("user", "hi")]})
+    assert openai_server.chat_requests() == []  # nothing was sent
+    with pytest.raises(ValueError, match="is_chat_model=True"):
+        ContextKitOpenAILike(OpenAILike(model=SERVED_NAME, api_base=openai_server.base_url,
+                                        api_key="x"), pipeline)

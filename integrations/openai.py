@@ -1,0 +1,88 @@
+"""The plain ``openai`` client against a vLLM server: the request a contextkit pipeline
+attached to the served model lays out and labels.
+
+::
+
+    import openai
+    from contextkit import CacheAwareContextPipeline
+    from contextkit.remote import ServedModel
+    from integrations.openai import record_usage, request_kwargs
+
+    served = ServedModel("/models/Qwen2.5-7B-Instruct", name="qwen")  # what vLLM serves
+    pipeline = CacheAwareContextPipeline(served=served)
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x")
+
+    pipeline.build(layered_system_prompt, tenant="acme")
+    kwargs = request_kwargs(pipeline, [{"role": "user", "content": "Is checkout slow?"}],
+                            tenant="acme")
+    reply = client.chat.completions.create(model=served.name, **kwargs)
+    record_usage(pipeline, reply, tenant="acme")
+
+``kwargs["messages"]`` is the embedded engine's layout (main system message, history,
+trailing system message with the volatile layers, current turn);
+``kwargs["extra_body"]`` carries ``kv_transfer_params`` (layer, importance and pin of
+every token range, with the prompt's fingerprint) and ``cache_salt`` (the tenant) for
+contextkit's vLLM connector. This module does not import ``openai``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from contextkit.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport
+from integrations._openai_compat import merge_extra_body, record_served_usage
+
+__all__ = ["record_usage", "request_kwargs"]
+
+
+def request_kwargs(pipeline: CacheAwareContextPipeline,
+                   conversation: Sequence[Mapping[str, Any]], *, tenant: str | None = None,
+                   system: Any = None, built: BuiltPrompt | None = None,
+                   tools: Sequence[Mapping[str, Any]] | None = None,
+                   extra_body: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``{"messages": [...], "extra_body": {...}}`` for ``client.chat.completions.create``.
+
+    Args:
+        pipeline: a pipeline attached to a :class:`~contextkit.remote.ServedModel`.
+        conversation: OpenAI-format messages without the system prompt (the history,
+            the current user turn, its tool rounds).
+        tenant: the call's tenant (default: the pipeline's rule); sent as ``cache_salt``.
+        system: a layered system prompt to build first (``[LAYER]`` text, a mapping or a
+            ``StructuredPrompt``); default: the tenant's last built prompt.
+        built: a :meth:`~contextkit.pipeline.CacheAwareContextPipeline.build` result to
+            use instead.
+        tools: the request's ``tools`` (passed to the chat template as vLLM does); send
+            the same list as ``tools=``.
+        extra_body: your own ``extra_body`` fields; contextkit's are merged over them
+            (``kv_transfer_params`` key by key).
+
+    Raises:
+        RuntimeError: the pipeline is not attached to a served model, or nothing is
+            built for the tenant.
+        LabelRangeError: the messages cannot be labelled exactly.
+    """
+    if system is not None:
+        built = pipeline.build(system, tenant=tenant)
+    messages = pipeline.openai_messages(conversation, tenant=tenant, built=built)
+    fields = pipeline.request_fields(messages, tenant=tenant, built=built, tools=tools)
+    return {"messages": messages, "extra_body": merge_extra_body(extra_body, fields)}
+
+
+def record_usage(pipeline: CacheAwareContextPipeline, response: Any, *,
+                 tenant: str | None = None, report: CallReport | None = None) -> bool:
+    """Record a reply's usage (``prompt_tokens``, ``prompt_tokens_details.cached_tokens``)
+    in the call's report: ``report``, else the tenant's last one.
+
+    ``response`` is a ``ChatCompletion``, the final usage chunk of a stream (with
+    ``stream_options={"include_usage": True}``), or its ``usage``. Returns whether
+    anything was recorded (nothing when the reply has no usage).
+    """
+    usage = getattr(response, "usage", None)
+    if usage is None and isinstance(response, Mapping):
+        usage = response.get("usage", response)
+    if usage is None:
+        usage = response
+    if report is None:
+        report = pipeline.last_report(tenant)
+    return record_served_usage(pipeline, report, usage)
