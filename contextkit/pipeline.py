@@ -180,7 +180,7 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
 
     @classmethod
     def from_config(cls, engine: Engine | dict[str, Any] | None = None, config: Any = None,
-                    *, layers: LayerConfig | None = None,
+                    *, served: ServedModel | None = None, layers: LayerConfig | None = None,
                     spillover: SpilloverQueue | None = None,
                     **overrides: Any) -> CacheAwareContextPipeline:
         """A pipeline set up by a configuration's ``pipeline`` section (default tenant,
@@ -190,6 +190,7 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
             engine: the engine to steer; ``None`` builds one from the same configuration
                 (:meth:`Engine.from_config`); a ``dict`` is the ``engine`` section's
                 overrides for that. (Pass-through mode, no engine: the constructor.)
+            served: a vLLM server's model to attach instead of an engine (none is built).
             config: a :class:`contextkit.config.Config`, a TOML/YAML file, or ``None``:
                 :func:`contextkit.config.load_config`.
             layers: as for the constructor.
@@ -205,10 +206,10 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
         if isinstance(engine, dict):
             overrides["engine"], engine = engine, None
         cfg = resolve_config(config, overrides)
-        if engine is None:
+        if engine is None and served is None:
             engine = Engine.from_config(cfg)
         s = cfg.pipeline
-        return cls(engine, layers=layers, spillover=spillover, tenant=s.tenant,
+        return cls(engine, served=served, layers=layers, spillover=spillover, tenant=s.tenant,
                    reorder=s.reorder, trailing_message=s.trailing_message,
                    pin_stable=s.pin_stable, volatility_alpha=s.volatility_alpha,
                    metrics=None if cfg.metrics.enabled else False)

@@ -163,6 +163,45 @@ class ServedModel:
                           "(default ~/.cache/contextkit); point it at a writable directory")
         return cls(converted, name=name, base_url=base_url)
 
+    @classmethod
+    def from_server(cls, base_url: str, *, name: str | None = None,
+                    model_dir: str | os.PathLike[str] | None = None,
+                    timeout: float = 30.0) -> ServedModel:
+        """The model a running server reports (``GET {base_url}/v1/models``): its name
+        (``id``) and directory (``root``, the path the server was started with).
+
+        Args:
+            base_url: ``http://host:port`` or its ``.../v1``.
+            name: which served model, when the server reports several (default: the
+                only one).
+            model_dir: a local copy of the served directory, when ``root`` is not a
+                directory on this machine.
+
+        Raises:
+            LabelRangeError: the server is unreachable, does not serve ``name``, serves
+                several models and none was named, or its directory is not here.
+        """
+        root = _server_root(base_url)
+        try:
+            with urllib.request.urlopen(root + "/v1/models", timeout=timeout) as response:
+                cards = json.loads(response.read())["data"]
+            found = {str(c["id"]): c.get("root") for c in cards}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise LabelRangeError(f"cannot list the models of {root}/v1/models "
+                                  f"({type(exc).__name__}: {exc}); is the server up?") from None
+        if name is None and len(found) != 1:
+            raise LabelRangeError(f"{root} serves {len(found)} models ({', '.join(found)}); "
+                                  "pass name= to pick one")
+        name = name if name is not None else next(iter(found))
+        if name not in found:
+            raise LabelRangeError(f"{root} does not serve {name!r} (it serves "
+                                  f"{', '.join(found) or 'nothing'}); pass the served name")
+        directory = model_dir if model_dir is not None else found[name]
+        if not directory or not Path(directory).expanduser().is_dir():
+            raise LabelRangeError(f"{root} serves {name!r} from {directory!r}, which is not a "
+                                  "directory here; pass model_dir= (a copy of that directory)")
+        return cls(directory, name=name, base_url=base_url)
+
     def __repr__(self) -> str:
         return f"ServedModel({str(self.model_dir)!r}, name={self.name!r})"
 
@@ -282,7 +321,7 @@ class ServedModel:
             raise LabelRangeError("ServedModel.verify needs the server's URL; build it with "
                                   "ServedModel(model_dir, base_url='http://host:port')")
         ids = self.render(messages, tools).token_ids
-        root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
+        root = _server_root(self.base_url)
         body: dict[str, Any] = {"model": self.name, "messages": [dict(m) for m in messages],
                                 "add_generation_prompt": True}
         if tools:
@@ -305,6 +344,12 @@ class ServedModel:
                 f"the server's prompt ids differ from {self!r}'s at token {at} ({len(served)} "
                 f"vs {len(ids)} tokens); serve the same model directory with its own chat "
                 "template, or build the ServedModel from the directory the server serves")
+
+
+def _server_root(base_url: str) -> str:
+    """A server's root URL from an OpenAI client's ``base_url`` (``.../v1`` or not)."""
+    root = base_url.rstrip("/")
+    return root[:-3] if root.endswith("/v1") else root
 
 
 def _flatten(i: int, role: str, content: Any) -> str:

@@ -19,7 +19,9 @@ import itertools
 import json
 import shutil
 import struct
+import threading
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -367,7 +369,8 @@ def test_served_pipeline_builds_as_the_engine_pipeline(
         assert built.stable_layers == a.stable_layers
         assert built.report.spilled_lines > 0  # expanded budgets, still over
     assert served_pipe.volatility() == engine_pipeline.volatility("acme")
-    assert built is not None and built.report.trailing_layers  # the learned order moved layers after the turns
+    # The learned order moved layers after the conversation.
+    assert built is not None and built.report.trailing_layers
 
 
 def test_engine_and_served_are_exclusive(served: ServedModel,
@@ -428,3 +431,74 @@ def test_rendered_prompt_ranges() -> None:
     assert rendered.token_range(1, 3) == (0, 3)
     assert rendered.token_range(3, 5) == (1, 3)
     assert rendered.first_token_at(1) == 1 and rendered.first_token_at(2) == 1
+
+
+class ModelsServer:
+    """A real HTTP server answering ``GET /v1/models`` as vLLM's OpenAI server does."""
+
+    def __init__(self, cards: list[dict[str, Any]]) -> None:
+        cards_json = json.dumps({"object": "list", "data": cards}).encode()
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                found = self.path.rstrip("/") == "/v1/models"
+                self.send_response(200 if found else 404)
+                self.send_header("Content-Type", "application/json")
+                body = cards_json if found else b"{}"
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def card(name: str, root: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "vllm", "root": root,
+            "parent": None, "max_model_len": 8192}
+
+
+def test_from_server_reads_the_served_name_and_directory(served: ServedModel,
+                                                         tmp_path: Path) -> None:
+    one = ModelsServer([card("smol", str(served.model_dir))])
+    two = ModelsServer([card("a", str(served.model_dir)), card("b", "/nowhere/model")])
+    try:
+        model = ServedModel.from_server(one.url + "/v1")
+        assert (model.name, model.model_dir, model.base_url) == (
+            "smol", served.model_dir, one.url + "/v1")
+        messages = [{"role": "user", "content": "hi"}]
+        assert model.render(messages) == served.render(messages)
+        with pytest.raises(LabelRangeError, match="serves 2 models"):
+            ServedModel.from_server(two.url)
+        assert ServedModel.from_server(two.url, name="a").name == "a"
+        with pytest.raises(LabelRangeError, match="not a directory here; pass model_dir="):
+            ServedModel.from_server(two.url, name="b")
+        assert ServedModel.from_server(two.url, name="b",
+                                       model_dir=served.model_dir).name == "b"
+        with pytest.raises(LabelRangeError, match="does not serve 'c'"):
+            ServedModel.from_server(two.url, name="c")
+    finally:
+        one.close()
+        two.close()
+    with pytest.raises(LabelRangeError, match="is the server up") as info:
+        ServedModel.from_server(one.url, timeout=2)
+    assert "\n" not in str(info.value)
+
+
+def test_from_config_attaches_a_served_model(served: ServedModel) -> None:
+    pipeline = CacheAwareContextPipeline.from_config(served=served, pipeline={"tenant": "acme"},
+                                                     metrics={"enabled": False})
+    assert pipeline.engine is None and pipeline.served is served and pipeline.tenant == "acme"
+    built = pipeline.build(layered(0))
+    assert built.report.tenant == "acme"
+    fields = pipeline.request_fields(pipeline.openai_messages([{"role": "user", "content": "x"}]))
+    assert fields["cache_salt"] == "acme"
