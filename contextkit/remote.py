@@ -25,6 +25,7 @@ and the request sets none of ``chat_template``, ``chat_template_kwargs``,
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import logging
 import os
@@ -47,9 +48,10 @@ logger = logging.getLogger(__name__)
 _TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal", "thinking"})
 _BILLING_HEADER = "x-anthropic-billing-header"
 #: A template that loops over a message's content gets vLLM's "openai" content format
-#: (parts stay dicts), which this renderer does not reproduce.
+#: (parts stay dicts), which this renderer does not reproduce. (vLLM walks the Jinja
+#: AST; this catches the usual spellings, and ServedModel.verify the rest.)
 _LOOPS_OVER_CONTENT = re.compile(
-    r"for\s+\w+\s+in\s+\w+\s*(\[\s*['\"]content['\"]\s*\]|\.content\b)")
+    r"for\s+\w+\s+in\s+(\w+\s*(\[\s*['\"]content['\"]\s*\]|\.content\b)|content\b)")
 
 
 class LabelRangeError(ValueError):
@@ -97,7 +99,11 @@ class RenderedPrompt:
     def first_token_at(self, char: int) -> int:
         """Index of the first token whose span starts at or after ``char``
         (``len(token_ids)`` when none does)."""
-        return bisect.bisect_left([a for a, _ in self.offsets], char)
+        return bisect.bisect_left(self._starts, char)
+
+    @functools.cached_property
+    def _starts(self) -> list[int]:
+        return [a for a, _ in self.offsets]
 
 
 class ServedModel:
@@ -419,18 +425,22 @@ def _tool_call(i: int, call: Any) -> dict[str, Any]:
     return {**call, "function": {**function, "arguments": parsed}}
 
 
-_TOKENIZERS: dict[str, Any] = {}
+_TOKENIZERS: dict[tuple[str, tuple[tuple[str, int, int], ...]], Any] = {}
 _TOKENIZERS_LOCK = threading.Lock()
+_TOKENIZER_FILES = (".json", ".jinja", ".model", ".txt", ".tiktoken")
 
 
 def _load_tokenizer(model_dir: str) -> Any:
-    """The directory's tokenizer, loaded once per process (offline)."""
+    """The directory's tokenizer (offline), loaded again only when its files change."""
+    files = tuple(sorted((f.name, st.st_size, st.st_mtime_ns) for f in Path(model_dir).iterdir()
+                         if f.suffix in _TOKENIZER_FILES and (st := f.stat())))
+    key = (model_dir, files)
     with _TOKENIZERS_LOCK:
-        tok = _TOKENIZERS.get(model_dir)
+        tok = _TOKENIZERS.get(key)
         if tok is None:
             from contextkit import models
 
             models._offline()
             auto = require("transformers", "model").AutoTokenizer
-            tok = _TOKENIZERS[model_dir] = auto.from_pretrained(model_dir)
+            tok = _TOKENIZERS[key] = auto.from_pretrained(model_dir)
         return tok

@@ -193,6 +193,12 @@ def test_a_model_directory_without_a_chat_template_is_refused(
         shutil.copy(served.model_dir / name, tmp_path / name)
     with pytest.raises(ValueError, match="no chat template"):
         ServedModel(tmp_path)
+    # vLLM gives a template that loops over content parts its "openai" content format.
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}"
+        "{% endfor %}")
+    with pytest.raises(ValueError, match="'openai' content format"):
+        ServedModel(tmp_path)
     with pytest.raises(FileNotFoundError, match="no model directory"):
         ServedModel(tmp_path / "missing")
     with pytest.raises(LabelRangeError, match="needs the server's URL"):
