@@ -308,8 +308,9 @@ class ServedModel:
                 out["reasoning"] = out["reasoning_content"] = str(reasoning)
         elif role == "tool" and "tool_call_id" in m:
             out["tool_call_id"] = m["tool_call_id"]
-        if isinstance(m.get("name"), str):
-            out["name"] = m["name"]
+        for key in ("name", "task"):
+            if isinstance(m.get(key), str):
+                out[key] = m[key]
         return out
 
     # ------------------------------------------------------------------ server check
@@ -363,7 +364,9 @@ def _flatten(i: int, role: str, content: Any) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        if role != "system" or not content.startswith(_BILLING_HEADER):
+            return content
+        content = [content]
     if not isinstance(content, list):
         raise LabelRangeError(f"message {i} has content of type {type(content).__name__}; "
                               "use a string or a list of text parts")

@@ -166,6 +166,16 @@ def test_content_spans_and_token_ranges(served: ServedModel) -> None:
     assert [rendered.text[a:b] for a, b in spans] == [flat(m.get("content")) for m in messages]
     a, b = spans[0]
     start, end = rendered.token_range(a, b)
+    # vLLM drops a system text's Claude Code billing header line (it changes per call).
+    header = "x-anthropic-billing-header"
+    billed: list[dict[str, Any]] = [
+        {"role": "system", "content": f"{header}: cch=1\nStable."},
+        {"role": "system", "content": [{"type": "text", "text": f"{header}: cch=2"},
+                                       {"type": "text", "text": "B"}]},
+        {"role": "user", "content": f"{header}: kept"}]
+    assert served.render(billed).text.startswith(
+        f"{START}system\nStable.{END}\n{START}system\nB{END}\n{START}user\n"
+        "x-anthropic-billing-header: kept")
     assert decode(served, ids[start:end]) == "A — é\nB 🎉"
     assert rendered.token_range(a, a) == (start, start)
     assert rendered.first_token_at(len(rendered.text)) == len(ids)
