@@ -37,17 +37,22 @@ class CallReport:
             a warning, and every spilled line is counted in the metric
             ``contextkit_pipeline_spilled_lines_total{layer}``.
         reused_tokens, computed_tokens, kv_reuse_ratio, ttft_ms, total_ms: from the
-            engine (zero until :meth:`CacheAwareContextPipeline.generate` runs).
+            engine (zero until :meth:`CacheAwareContextPipeline.generate` runs); on a
+            served model the first three (and ``prompt_tokens``) come from the server's
+            usage through :meth:`CacheAwareContextPipeline.record_usage`, and the timings
+            stay zero.
         blocks_per_tier: this tenant's blocks per cache tier; pinned_blocks: this
             tenant's pinned blocks; blocks_by_layer: this tenant's cached blocks per
-            source layer (other tenants' blocks are never counted).
+            source layer (other tenants' blocks are never counted); all three stay
+            empty on a served model, whose blocks are the vLLM connector's.
         reused_by_layer, computed_by_layer: the prompt's reused and computed tokens per
             source layer (``user_turn`` for the conversation, ``template`` for the chat
             markup); each sums to ``reused_tokens`` and ``computed_tokens``.
         pin_state: what happened to the stable prefix's pins: ``"pinned"``,
             ``"unpinned"`` (served without pins: the cap of all tenants' pins was
             reached, or the prefix fills no whole block; ``pin_reason`` says which)
-            or ``"off"`` (``pin_stable=False``, or before ``generate``).
+            or ``"off"`` (``pin_stable=False``, before ``generate``, or on a served
+            model, where the connector pins the spans flagged by ``request_fields``).
     """
 
     call: int

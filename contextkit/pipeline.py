@@ -46,8 +46,9 @@ Tenants
 A tenant owns blocks: its keys are salted with its name, so no other tenant can see,
 reuse or evict into them, and its pins count against its own quota. Every method that
 takes ``tenant=`` (:meth:`~CacheAwareContextPipeline.build`, ``generate``,
-``assemble``, ``last_report``, ``last_built``, ``pinned_blocks``, ``cached_blocks``,
-``blocks_by_layer``, ``volatility``) means the same tenant by one rule
+``assemble``, ``openai_messages``, ``request_fields``, ``record_usage``, ``last_report``,
+``last_built``, ``pinned_blocks``, ``cached_blocks``, ``blocks_by_layer``,
+``volatility``) means the same tenant by one rule
 (:meth:`~CacheAwareContextPipeline.resolve_tenant`):
 
 1. the ``tenant`` argument, when given;
