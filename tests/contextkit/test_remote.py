@@ -355,6 +355,7 @@ def test_sections_found_anywhere_verbatim(served: ServedModel) -> None:
 
 
 # ---------------------------------------------------------------------- the pipeline
+@pytest.mark.slow  # loads the engine
 def test_served_pipeline_builds_as_the_engine_pipeline(
         served: ServedModel, fresh: Callable[..., Engine]) -> None:
     config = LayerConfig([LayerSpec("axioms", 20, 60, stable=True),
@@ -389,6 +390,7 @@ def test_served_pipeline_builds_as_the_engine_pipeline(
     assert built is not None and built.report.trailing_layers
 
 
+@pytest.mark.slow  # loads the engine
 def test_engine_and_served_are_exclusive(served: ServedModel,
                                          fresh: Callable[..., Engine]) -> None:
     with pytest.raises(ValueError, match="not both"):
