@@ -234,9 +234,17 @@ class ServedModel:
 
     def _apply_template(self, conversation: list[dict[str, Any]],
                         tools: Sequence[Mapping[str, Any]] | None) -> str:
-        return str(self.tokenizer.apply_chat_template(
-            conversation, tools=[dict(t) for t in tools] if tools else None, tokenize=False,
-            add_generation_prompt=True, continue_final_message=False))
+        try:
+            return str(self.tokenizer.apply_chat_template(
+                conversation, tools=[dict(t) for t in tools] if tools else None,
+                tokenize=False, add_generation_prompt=True, continue_final_message=False))
+        except Exception as exc:  # the template's own check (roles, order): vLLM says 400
+            reason = " ".join(str(exc).split())[:200]
+            raise LabelRangeError(
+                f"the chat template of {self.name} refuses these messages ({reason}); the "
+                "server would refuse them too. A template that allows one system message "
+                "only needs the volatile layers in the main one (trailing_message=False)"
+            ) from None
 
     def content_spans(self, messages: Sequence[Mapping[str, Any]],
                       tools: Sequence[Mapping[str, Any]] | None = None,

@@ -209,6 +209,19 @@ def test_a_model_directory_without_a_chat_template_is_refused(
         "{% endfor %}")
     with pytest.raises(ValueError, match="'openai' content format"):
         ServedModel(tmp_path)
+    # A template that allows one leading system message only refuses the trailing one.
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+        "{{ raise_exception('System message must be first') }}{% endif %}"
+        "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}")
+    strict = ServedModel(tmp_path)
+    two = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+           {"role": "system", "content": "T"}]
+    with pytest.raises(LabelRangeError, match=r"System message must be first.*"
+                                              r"trailing_message=False") as info:
+        strict.render(two)
+    assert "\n" not in str(info.value)
+    assert strict.render(two[:2]).text == "system: S\nuser: U\n"
     with pytest.raises(FileNotFoundError, match="no model directory"):
         ServedModel(tmp_path / "missing")
     with pytest.raises(LabelRangeError, match="needs the server's URL"):
