@@ -311,8 +311,8 @@ class ContextKitMiddleware(AgentMiddleware):
             return request.override(system_message=self._blocks_message(parts, tenant)), None
         main, trailing = system_texts(built, self.trailing_system)
         meta = self._meta(parts, tenant)
-        system = SystemMessage(content=main, additional_kwargs={METADATA_KEY: meta}) \
-            if main else None
+        # sent even when empty, so no chat template injects its default system prompt
+        system = SystemMessage(content=main, additional_kwargs={METADATA_KEY: meta})
         messages: list[Any] = list(request.messages)
         if trailing:
             at = trailing_index(["user" if m.type == "human" else m.type for m in messages])
@@ -320,8 +320,7 @@ class ContextKitMiddleware(AgentMiddleware):
                 METADATA_KEY: {**meta, "trailing": True}}))
         if self.pipeline.served is None:
             return request.override(system_message=system, messages=messages), None
-        fields = self.request_fields(request, [*([system] if system else []), *messages],
-                                     tenant, built)
+        fields = self.request_fields(request, [system, *messages], tenant, built)
         extra = merge_extra_body(getattr(request.model, "extra_body", None),
                                  request.model_settings.get("extra_body"))
         settings = {**request.model_settings, "extra_body": merge_extra_body(extra, fields)}

@@ -361,7 +361,9 @@ class ContextKitOpenAILike(CustomLLM):
         if trailing:
             out.insert(trailing_index([_role(m) for m in out]),
                        ChatMessage(role=MessageRole.SYSTEM, content=trailing))
-        return [ChatMessage(role=MessageRole.SYSTEM, content=main), *out] if main else out
+        # the main message is sent even when empty, so no chat template injects its
+        # default system prompt
+        return [ChatMessage(role=MessageRole.SYSTEM, content=main), *out]
 
     def _fields(self, messages: list[ChatMessage], tenant: str, built: BuiltPrompt,
                 tools: Sequence[Any] | None) -> dict[str, Any]:

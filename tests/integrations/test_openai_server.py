@@ -136,7 +136,7 @@ def check_labels(server: FakeOpenAIServer, body: dict[str, Any], pipeline: Any
         return span
 
     layers, stable = prompt_layers(body, pipeline)
-    assert len(layers) == 10
+    assert layers
     seen: dict[str, bool] = {}
     for layer in layers:
         spec = pipeline.config.get(layer)
@@ -334,6 +334,43 @@ def test_langchain_llamaindex_and_openai_send_identical_fields(
     last = len(openai_server.chat_requests()) - 1
     assert openai_server.chat_requests()[last]["stream"] is True
     assert llama.last_report("acme").reused_tokens == openai_server.cached_for(last) > 0
+
+
+def test_a_prompt_of_volatile_layers_only_keeps_an_empty_main_system_message(
+        openai_server: FakeOpenAIServer) -> None:
+    """Without a leading system message the template would inject its default one
+    ("You are a helpful AI assistant named SmolLM..."), which no layer owns."""
+    from langchain.agents import create_agent
+    from langchain_openai import ChatOpenAI
+    from llama_index.core.base.llms.types import ChatMessage, MessageRole
+    from llama_index.llms.openai_like import OpenAILike
+    from pydantic import SecretStr
+
+    from integrations.langchain import ContextKitMiddleware
+    from integrations.llamaindex import ContextKitOpenAILike
+    from integrations.openai import request_kwargs
+
+    system = "[CURRENT_TIME]\n2025-03-11 17:02 CET\n[/CURRENT_TIME]"
+    plain = served_pipeline()
+    expected = request_kwargs(plain, CONVERSATION, tenant="acme", system=system)["messages"]
+    assert expected[0] == {"role": "system", "content": ""}
+    chain = served_pipeline()
+    agent: Any = create_agent(
+        ChatOpenAI(model=SERVED_NAME, base_url=openai_server.base_url, api_key=SecretStr("x"),
+                   max_retries=0), tools=[],
+        middleware=[ContextKitMiddleware(chain, lambda request: system, tenant="acme")])
+    agent.invoke({"messages": [(m["role"], m["content"]) for m in CONVERSATION]})
+    llama = served_pipeline()
+    ContextKitOpenAILike(OpenAILike(model=SERVED_NAME, api_base=openai_server.base_url,
+                                    api_key="x", is_chat_model=True, max_retries=0),
+                         llama, tenant="acme").chat(
+        [ChatMessage(role=MessageRole.SYSTEM, content=system),
+         *(ChatMessage(role=m["role"], content=m["content"]) for m in CONVERSATION)])
+    for body, pipeline in zip(openai_server.chat_requests(), (chain, llama), strict=True):
+        assert body["messages"] == expected
+        text, _, _ = openai_server.render(body["messages"])
+        assert "SmolLM" not in text  # no default system prompt
+        check_labels(openai_server, body, pipeline)
 
 
 def test_one_system_message_for_providers_that_reject_a_second(
