@@ -58,3 +58,16 @@ def test_integration_without_its_extra_names_the_extra(module: str, extra: str) 
     """)
     assert proc.returncode == 0, proc.stderr
     assert f"pip install 'contextkit[{extra}]'" in proc.stdout
+
+
+def test_the_openai_helper_needs_neither_framework_nor_openai() -> None:
+    proc = run("""
+        import sys
+        import integrations.openai
+        from integrations.openai import record_usage, request_kwargs
+        assert not any(m.split(".")[0] in {"langchain", "langchain_core", "llama_index",
+                                            "openai"} for m in sys.modules)
+        print("ok")
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"

@@ -416,3 +416,31 @@ def test_labels_for_another_model_are_refused_before_sending(
     with pytest.raises(ValueError, match="is_chat_model=True"):
         ContextKitOpenAILike(OpenAILike(model=SERVED_NAME, api_base=openai_server.base_url,
                                         api_key="x"), pipeline)
+
+
+def test_async_agent_sends_the_same_fields_and_records_usage(
+        openai_server: FakeOpenAIServer, layered_prompt: Callable[[int], str]) -> None:
+    import asyncio
+
+    from langchain.agents import create_agent
+    from langchain_openai import ChatOpenAI
+    from pydantic import SecretStr
+
+    from integrations.langchain import ContextKitMiddleware
+
+    pipeline = served_pipeline()
+    agent: Any = create_agent(
+        ChatOpenAI(model=SERVED_NAME, base_url=openai_server.base_url, api_key=SecretStr("x"),
+                   max_retries=0), tools=[], context_schema=dict,
+        middleware=[ContextKitMiddleware(pipeline, lambda request: layered_prompt(1))])
+    async def twice() -> None:  # one event loop: the client's connections live in it
+        for _ in range(2):
+            await agent.ainvoke({"messages": [(m["role"], m["content"]) for m in CONVERSATION]},
+                                context={"tenant": "globex"})
+
+    asyncio.run(twice())
+    first, second = openai_server.chat_requests()
+    assert first["cache_salt"] == second["cache_salt"] == "globex"
+    check_labels(openai_server, second, pipeline)
+    report = pipeline.last_report("globex")
+    assert report.reused_tokens == openai_server.cached_for(1) > 0
