@@ -38,6 +38,7 @@ from integrations.vllm.metrics import StatsRecorder, layer_names
 from integrations.vllm.planning import BlockLabel
 from shadow import (
     CacheShadow,
+    Manifest,
     RecoveryReport,
     ShadowConfig,
     ShadowError,
@@ -47,7 +48,7 @@ from shadow import (
     recover_session,
 )
 
-__all__ = ["ConnectorStore", "SaveResult", "local_session_keys", "tenant_slug"]
+__all__ = ["ConnectorStore", "SaveResult", "local_session_keys", "shadow_manifest", "tenant_slug"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,37 @@ def local_session_keys(local_store: str, identity: CacheIdentity) -> list[bytes]
     if manifest.identity != identity:
         return []  # the worker refuses it too (and says why)
     return [bytes.fromhex(b.key) for b in manifest.blocks if b.key is not None]
+
+
+def shadow_manifest(config: ConnectorConfig) -> Manifest | None:
+    """The connector's last committed shadow of its store, read-only (another process
+    may be serving): one record per stored block with its key, source layer,
+    importance, tenant and pin flag. None when the config has no shadow or nothing
+    has been shadowed yet.
+
+    With ``shadow_on_save`` (the default) the connector shadows after every save, so
+    this is its store as of the last save: what an operator or a test can inspect
+    while vLLM runs. Block keys are :func:`gpu_cache.hash_token_blocks` of the
+    request's tokens, salted with its ``cache_salt``.
+
+    Raises:
+        shadow.ShadowError: the manifest exists but cannot be read or trusted.
+    """
+    from shadow import BlobNotFoundError, ShadowStoreError, load_manifest
+
+    if not config.shadow_url:
+        return None
+    try:
+        store = open_store(config.shadow_url, StoreConfig(endpoint_url=config.endpoint_url),
+                           create=False)
+    except ShadowStoreError:
+        return None  # a file:// shadow not created yet
+    try:
+        return load_manifest(store, config.session_id)
+    except BlobNotFoundError:
+        return None
+    finally:
+        store.close()
 
 
 class ConnectorStore:

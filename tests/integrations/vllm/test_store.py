@@ -148,3 +148,30 @@ def test_recovery_job_refuses_foreign_sessions_and_skips_corrupt_blocks(
     other = ConnectorStore(vllm_cache_identity(str(model), BS, "tq4", model_id="other"), config)
     assert other.restore_local() is None and len(other.cache.metadata) == 0
     assert local_session_keys(config.local_store, other.identity) == []
+
+
+def test_shadow_manifest_lists_the_stored_blocks_read_only(model: Path, tmp_path: Path) -> None:
+    from integrations.vllm.store import shadow_manifest
+
+    ident = vllm_cache_identity(str(model), BS)
+    config = _config(tmp_path, device_blocks=8)
+    assert shadow_manifest(config) is None  # nothing shadowed yet (no directory either)
+    assert shadow_manifest(ConnectorConfig(block_size=BS, shadow_url="")) is None
+    store = ConnectorStore(ident, config)
+    store.open_shadow(restored=False)
+    assert shadow_manifest(config) is None  # a shadow store, no committed manifest
+    k, v = _kv(3)
+    keys = _keys(ident.digest(), 3, tenant="acme")
+    labels = [BlockLabel("axioms", 1.0, True), BlockLabel("memories", 0.4),
+              BlockLabel("user_turn", 0.3)]
+    store.save(k, v, keys, "acme", labels)
+    store.shadow_now()
+    manifest = shadow_manifest(config)
+    assert manifest is not None
+    got = {bytes.fromhex(r.key): (r.source_layer, r.importance, r.tenant, r.pinned)
+           for r in manifest.blocks if r.key is not None}
+    assert got == {keys[0]: ("axioms", 1.0, "acme", True),
+                   keys[1]: ("memories", 0.4, "acme", False),
+                   keys[2]: ("user_turn", 0.3, "acme", False)}
+    assert shadow_manifest(config) == manifest  # reading changed nothing
+    store.close()
