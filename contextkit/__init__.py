@@ -16,6 +16,7 @@ _EXPORTS = {
     "Engine": "contextkit.engine",
     "GenerationResult": "contextkit.engine",
     "CacheFullError": "contextkit.engine",
+    "TokenIdError": "contextkit.engine",
     "TokenSpan": "contextkit.engine",
     "CacheAwareContextPipeline": "contextkit.pipeline",
     "CallReport": "contextkit.pipeline",
@@ -38,6 +39,9 @@ _EXPORTS = {
     "ThresholdPolicy": "contextkit.tiers",
     "ContextTier": "contextkit.tiers",
     "CycleMetrics": "contextkit.tiers",
+    "ServedModel": "contextkit.remote",
+    "RenderedPrompt": "contextkit.remote",
+    "LabelRangeError": "contextkit.remote",
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]
