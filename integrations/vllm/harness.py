@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "metric_sum", "run_openai", "source_text"]
+__all__ = ["OpenAIServer", "main", "metric_sum", "read_stats", "run_openai", "source_text"]
 
 #: ``--served-model-name`` of the ``--openai`` server (the ``model_name`` metric label).
 SERVED_MODEL_NAME = "contextkit-e2e"
@@ -206,51 +206,124 @@ def metric_sum(text: str, name: str) -> float:
                for sample in family.samples if sample.name == name)
 
 
+class OpenAIServer:
+    """vLLM's OpenAI API server with the connector: a child process on a free port of
+    127.0.0.1, started by :meth:`start` (or ``with``), stopped by :meth:`stop`.
+
+    Args:
+        model: the model directory to serve.
+        config: the connector's configuration (``--kv-transfer-config``).
+        log_path: the server's stdout and stderr.
+        served_name: ``--served-model-name`` (the requests' ``model``).
+        block_size, max_model_len, dtype: vLLM's flags of the same names.
+        extra_args: more server flags (e.g. ``--enable-prompt-tokens-details``).
+        env: extra environment (e.g. ``VLLM_SERVER_DEV_MODE=1`` for
+            ``/reset_prefix_cache``).
+    """
+
+    def __init__(self, model: str, config: Any, log_path: str | os.PathLike[str], *,
+                 served_name: str = SERVED_MODEL_NAME, block_size: int = 32,
+                 max_model_len: int = 4096, dtype: str = "float32",
+                 extra_args: list[str] | tuple[str, ...] = (),
+                 env: dict[str, str] | None = None, startup_timeout: float = 1200.0) -> None:
+        from integrations.vllm.config import kv_transfer_config
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.served_name = served_name
+        self.log_path = Path(log_path)
+        self.startup_timeout = startup_timeout
+        self.startup_s: float | None = None
+        self.env = {**os.environ, **(env or {})}
+        self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        self.cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--served-model-name", served_name, "--host", "127.0.0.1",
+            "--port", str(self.port), "--max-model-len", str(max_model_len),
+            "--enforce-eager", "--dtype", dtype, "--block-size", str(block_size),
+            "--seed", "0", "--shutdown-timeout", "60",  # drain, then stop the connector
+            "--kv-transfer-config", json.dumps(kv_transfer_config(config)), *extra_args]
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI API root (``.../v1``), for ``ChatOpenAI(base_url=...)``."""
+        return self.url + "/v1"
+
+    def start(self) -> OpenAIServer:
+        """Start the server and wait until ``/health`` answers.
+
+        Raises:
+            SystemExit: the server exited or did not start in time (see the log).
+        """
+        start = time.perf_counter()
+        with self.log_path.open("w") as log:
+            self._proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                          env=self.env)
+        try:
+            while True:
+                if self._proc.poll() is not None:
+                    raise SystemExit(f"vLLM's OpenAI server exited ({self._proc.returncode});"
+                                     f" see {self.log_path}")
+                try:
+                    _get(self.url, "/health", timeout=5.0)
+                    break
+                except (urllib.error.URLError, OSError):
+                    time.sleep(2.0)
+                if time.perf_counter() - start > self.startup_timeout:
+                    raise SystemExit(f"vLLM's OpenAI server did not start; see {self.log_path}")
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.perf_counter() - start
+        return self
+
+    def stop(self) -> int | None:
+        """Stop the server (it drains, then the connector's final shadow); its exit code."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        proc.terminate()
+        try:
+            return proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def __enter__(self) -> OpenAIServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 900.0) -> Any:
+        return _post(self.url, path, body, timeout)
+
+    def get(self, path: str, timeout: float = 30.0) -> str:
+        return _get(self.url, path, timeout)
+
+
+def read_stats(path: Path, start: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """The connector's per-request records (``stats_path`` JSONL) from byte ``start``,
+    and the offset to read on from."""
+    return _read_stats(path, start)
+
+
 def run_openai(args: argparse.Namespace) -> int:
     """One lifetime of vLLM's OpenAI API server with the connector, driven over HTTP."""
-    from integrations.vllm.config import ConnectorConfig, kv_transfer_config
+    from integrations.vllm.config import ConnectorConfig
 
     if not args.connector_config:
         raise SystemExit("--openai needs --connector-config")
     config = ConnectorConfig.from_json(args.connector_config)
     stats_path = Path(config.stats_path) if config.stats_path else None
     prompts = json.loads(Path(args.prompts).read_text())
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
-           "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", str(args.max_model_len),
-           "--enforce-eager", "--dtype", args.dtype, "--block-size", str(args.block_size),
-           "--seed", "0", "--shutdown-timeout", "60",  # drain, then stop the connector
-           "--kv-transfer-config", json.dumps(kv_transfer_config(config))]
-    log_path = Path(args.out).with_suffix(".server.log")
-    start = time.perf_counter()
-    with log_path.open("w") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            while True:
-                if server.poll() is not None:
-                    raise SystemExit(f"vLLM's OpenAI server exited ({server.returncode}); "
-                                     f"see {log_path}")
-                try:
-                    if _get(base, "/health", timeout=5.0) is not None:
-                        break
-                except (urllib.error.URLError, OSError):
-                    time.sleep(2.0)
-                if time.perf_counter() - start > 1200:
-                    raise SystemExit(f"vLLM's OpenAI server did not start; see {log_path}")
-            startup_s = time.perf_counter() - start
-            out = _serve_openai(base, args, prompts, stats_path)
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
-    Path(args.out).write_text(json.dumps({"startup_s": startup_s, **out}))
+    server = OpenAIServer(args.model, config, Path(args.out).with_suffix(".server.log"),
+                          block_size=args.block_size, max_model_len=args.max_model_len,
+                          dtype=args.dtype)
+    with server:
+        out = _serve_openai(server.url, args, prompts, stats_path)
+    Path(args.out).write_text(json.dumps({"startup_s": server.startup_s, **out}))
     return 0
 
 
