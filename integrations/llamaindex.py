@@ -400,14 +400,14 @@ class ContextKitOpenAILike(CustomLLM):
         if usage is not None:
             record_served_usage(self._pipeline, report, usage)
 
-    @llm_chat_callback()
+    # Not instrumented itself: the wrapped LLM's own chat emits the events (one per
+    # model call, with the messages actually sent).
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         msgs, call_kw, report = self._call(messages, kwargs)
         response = self._llm.chat(msgs, **call_kw)
         self._record(report, response)
         return response
 
-    @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         msgs, call_kw, report = self._call(messages, kwargs)
 
@@ -418,13 +418,11 @@ class ContextKitOpenAILike(CustomLLM):
 
         return gen()
 
-    @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         response = self.chat([ChatMessage(role=MessageRole.USER, content=prompt)], **kwargs)
         return CompletionResponse(text=response.message.content or "", raw=response.raw,
                                   additional_kwargs=response.additional_kwargs)
 
-    @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False,
                         **kwargs: Any) -> CompletionResponseGen:
         def gen() -> CompletionResponseGen:
@@ -457,8 +455,9 @@ def _response_fields(response: Any) -> dict[str, Any]:
 
 
 def _start_fields(messages: Sequence[ChatMessage], model: dict[str, Any] | None) -> dict[str, Any]:
-    system = next((m.content or "" for m in messages
-                   if str(getattr(m.role, "value", m.role)) == "system"), "")
+    # every system message: a trailing one carries the volatile layers
+    system = "\n".join(m.content or "" for m in messages
+                       if str(getattr(m.role, "value", m.role)) == "system")
     model = model or {}
     return {"model": model.get("model_name") or model.get("model") or model.get("class_name"),
             "tenant": model.get("tenant"), "messages": len(messages),
