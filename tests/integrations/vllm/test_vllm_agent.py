@@ -24,6 +24,7 @@ Run by ``make test-vllm`` inside ``.venv-vllm``.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -38,11 +40,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 BLOCK = 32
 SERVED = "contextkit-agent"
 MAX_TOKENS = 16
-#: Store sizes. Device tier: pins only on CPU; each agent's stable prefix (~14 blocks)
-#: is within a tenant's quota (a quarter of it). DDR tier: one agent's five turns fit,
-#: the two agents' do not.
+#: Store sizes. Device tier: pins only on CPU; each agent's stable prefix (12 blocks)
+#: is within a tenant's quota (a quarter of it). DDR tier: the unpinned blocks of one
+#: agent's five turns and test 1's probes (~53) about fit; the two agents' (~88) do not.
 DEVICE_BLOCKS = 64
-HOST_BLOCKS = 56
+HOST_BLOCKS = 48
 ROOT = Path(__file__).resolve().parents[3]
 
 QUESTIONS = [
@@ -130,10 +132,11 @@ class Connector:
         if self.stats_path.is_file():
             self.offset = self.stats_path.stat().st_size
 
-    def blocks(self, expect: set[bytes] = frozenset(), quiet: float = 2.0,  # type: ignore[assignment]
-               timeout: float = 60.0) -> dict[bytes, Any]:
-        """The stored blocks by key once the store has settled: the shadow (written after
-        every save) holds ``expect`` and has not changed for ``quiet`` seconds."""
+    def snapshot(self, expect: set[bytes] | frozenset[bytes] = frozenset(), after: int = 0,
+                 quiet: float = 2.0, timeout: float = 90.0) -> tuple[int, dict[bytes, Any]]:
+        """The stored blocks by key once the store has settled: a shadow newer than
+        generation ``after`` (written after every save) that holds ``expect`` and has
+        not changed for ``quiet`` seconds. Returns its generation and blocks."""
         from integrations.vllm.store import shadow_manifest
 
         deadline = time.monotonic() + timeout
@@ -141,17 +144,21 @@ class Connector:
         since = time.monotonic()
         while True:
             manifest = shadow_manifest(self.config)
-            generation = None if manifest is None else manifest.generation
+            generation = 0 if manifest is None else manifest.generation
             if generation != last:
                 last, since = generation, time.monotonic()
             held = {} if manifest is None else {bytes.fromhex(r.key): r
                                                 for r in manifest.blocks if r.key}
-            if expect <= held.keys() and time.monotonic() - since >= quiet:
-                return held
+            if (generation > after and expect <= held.keys()
+                    and time.monotonic() - since >= quiet):
+                return generation, held
             assert time.monotonic() < deadline, (
-                f"the store did not settle: {len(expect - held.keys())} expected blocks "
-                "missing")
+                f"the store did not settle (generation {generation}, after {after}; "
+                f"{len(expect - held.keys())} expected blocks missing)")
             time.sleep(0.25)
+
+    def blocks(self, expect: set[bytes] | frozenset[bytes] = frozenset()) -> dict[bytes, Any]:
+        return self.snapshot(expect)[1]
 
 
 @pytest.fixture(scope="module")
@@ -257,3 +264,248 @@ def test_handmade_spans_reach_the_connector_through_the_openai_server(
         client.completions.create(model=SERVED, prompt=[0], max_tokens=1)  # one engine step
         metrics = srv.get("/metrics")
     assert _metric(metrics, "vllm:contextkit_label_mismatches_total") == 1
+
+
+# ---------------------------------------------------------------------- 2. the agent
+class Wire(httpx.BaseTransport):
+    """An httpx transport that records each chat request's body and the server's reply
+    (what the middleware sent, exactly, and what vLLM answered)."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.calls: list[tuple[dict[str, Any], dict[str, Any]]] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.inner.handle_request(request)
+        if request.url.path.endswith("/chat/completions"):
+            response.read()
+            self.calls.append((json.loads(request.content), json.loads(response.content)))
+        return response
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def owners(text: str, messages: list[dict[str, Any]], config: Any) -> list[tuple[int, str]]:
+    """The labelled texts of a rendered prompt, in order, as ``(end char, source layer)``.
+
+    Found in the text the server tokenized, independently of the pipeline: each
+    ``[LAYER]...[/LAYER]`` section (with its newline) owns the chat markup before it
+    (the contract's tiling rule); so does the content of each message that holds no
+    section (``user_turn``). A token belongs to the first labelled text ending after
+    its first character; past the last one, to no span (the connector's default).
+    """
+    import re
+
+    out: list[tuple[int, int, str]] = []
+    at = 0
+    for message in messages:
+        content = message.get("content") or ""
+        if not content:
+            continue
+        start = text.index(content, at)
+        sections = list(re.finditer(r"\[([A-Z_]+)\]\n.*?\n\[/\1\]\n?", content, flags=re.S))
+        if sections:
+            for m in sections:
+                out.append((start + m.start(), start + m.end(),
+                            config.get(m.group(1).lower()).source))
+        else:
+            out.append((start, start + len(content), "user_turn"))
+        at = start + len(content)
+    return [(end, layer) for _, end, layer in out]
+
+
+def owner_of(labelled: list[tuple[int, str]], char: int, default: str = "user_turn") -> str:
+    return next((layer for end, layer in labelled if char < end), default)
+
+
+@dataclass
+class Call:
+    tenant: str
+    turn: int
+    body: dict[str, Any]
+    reply: dict[str, Any]
+    record: dict[str, Any]
+    generation: int
+    held: dict[bytes, Any]
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return list(self.reply["prompt_token_ids"])
+
+    @property
+    def cached(self) -> int:
+        return int(self.reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_langchain_agent_drives_the_connector_by_layer(
+        server: tuple[Any, Connector], identity_digest: bytes) -> None:
+    from langchain.agents import create_agent
+    from langchain_core.messages import AIMessage
+    from langchain_openai import ChatOpenAI
+    from pydantic import SecretStr
+
+    from contextkit import CacheAwareContextPipeline
+    from contextkit.remote import ServedModel
+    from gpu_cache import DEFAULT_SOURCE_PRIORITY, PINNABLE_SOURCES
+    from integrations.langchain import ContextKitMiddleware
+
+    srv, connector = server
+    connector.skip()
+    served = ServedModel.packaged(name=SERVED)
+    pipeline = CacheAwareContextPipeline(served=served)
+    wire = Wire()
+    model = ChatOpenAI(model=SERVED, base_url=srv.base_url, api_key=SecretStr("x"),
+                       use_responses_api=False, temperature=0, max_completion_tokens=MAX_TOKENS,
+                       max_retries=0, extra_body={"return_token_ids": True},
+                       http_client=httpx.Client(transport=wire, timeout=600))
+    box = {"turn": 0}
+    agent: Any = create_agent(model, tools=[], context_schema=dict, middleware=[
+        ContextKitMiddleware(pipeline, lambda request: agent_prompt(box["turn"]))])
+    calls: list[Call] = []
+    generation = shadow_manifest_generation(connector)
+    timings: list[float] = []
+
+    def run(tenant: str, turns: int) -> None:
+        nonlocal generation
+        history: list[Any] = []
+        for turn in range(turns):
+            box["turn"] = turn
+            t0 = time.perf_counter()
+            out = agent.invoke({"messages": [*history, ("user", QUESTIONS[turn])]},
+                               context={"tenant": tenant})
+            timings.append(time.perf_counter() - t0)
+            history = out["messages"]
+            assert isinstance(history[-1], AIMessage)
+            body, reply = wire.calls[-1]
+            (record,) = connector.records(1)
+            # a request that saved blocks shadows them: wait for a newer manifest
+            saved = record["planned_save_blocks"] > 0
+            generation, held = connector.snapshot(after=generation if saved else 0)
+            calls.append(Call(tenant, turn, body, reply, record, generation, held))
+            report = pipeline.last_report(tenant)  # the server's usage, recorded
+            assert report is not None
+            assert report.prompt_tokens == reply["usage"]["prompt_tokens"]
+            assert report.reused_tokens == calls[-1].cached
+
+    run("acme", 5)
+
+    # vLLM's own prefix cache emptied: acme's first prompt again is served by the
+    # connector from its store; globex's identical prompt gets nothing of it
+    assert srv.post("/reset_prefix_cache", {})["success"] is True
+    first = calls[0]
+    again = srv.post("/v1/chat/completions", first.body)
+    (record,) = connector.records(1)
+    assert again["prompt_token_ids"] == first.prompt_ids
+    pinned_prefix = sum(1 for r in first.held.values() if r.tenant == "acme" and r.pinned)
+    assert pinned_prefix >= 10
+    assert record["tenant"] == "acme"
+    assert record["external_hit_tokens"] >= pinned_prefix * BLOCK, record
+    assert record["external_hit_tokens"] == record["planned_hit_tokens"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+        record["external_hit_tokens"]
+    generation = connector.snapshot(after=0)[0]
+
+    run("globex", 4)
+    globex = calls[5]
+    assert globex.body["messages"] == first.body["messages"]  # the identical prompt
+    assert globex.prompt_ids == first.prompt_ids
+    assert globex.body["cache_salt"] == "globex" and first.body["cache_salt"] == "acme"
+    assert globex.record["external_hit_tokens"] == 0 and globex.cached == 0
+    assert globex.record["planned_hit_tokens"] == 0
+
+    # ---- what was sent: layout, exact ids, the time and a state line changing
+    layers = pipeline.config
+    reused = 0
+    for call in calls:
+        messages = call.body["messages"]
+        roles = [m["role"] for m in messages]
+        assert roles[0] == "system" and roles[-1] == "user" and roles[-2] == "system", roles
+        assert roles.count("system") == 2 and len(roles) == 3 + 2 * call.turn
+        trailing = messages[-2]["content"]
+        assert "[CURRENT_TIME]" in trailing and "[SYSTEM_STATE]" in trailing
+        assert "[AXIOMS]" in messages[0]["content"]
+        assert call.body["cache_salt"] == call.tenant
+        rendered = served.render(messages)
+        assert rendered.token_ids == call.prompt_ids  # the server's own tokenization
+        ours = call.body["kv_transfer_params"]["contextkit"]
+        assert ours["prompt_tokens"] == len(call.prompt_ids)
+        assert call.record["prompt_tokens"] == len(call.prompt_ids)
+        if call.turn:
+            before = calls[calls.index(call) - 1].body["messages"][-2]["content"]
+            time_now = trailing.split("[CURRENT_TIME]")[1]
+            assert time_now != before.split("[CURRENT_TIME]")[1]
+            assert trailing.split("[SYSTEM_STATE]")[1].split("[/SYSTEM_STATE]")[0] != \
+                before.split("[SYSTEM_STATE]")[1].split("[/SYSTEM_STATE]")[0]
+            # the server's prefix cache reuses the system prompt and the history (the
+            # main message changes only while the pipeline learns the volatility order)
+            assert call.cached > 0
+            if messages[0] == calls[calls.index(call) - 1].body["messages"][0]:
+                main = len(served.render(messages[:1]).token_ids) - 3  # minus gen. prompt
+                assert call.cached >= main // BLOCK * BLOCK > 0, (call.cached, main)
+                reused += 1
+    assert reused >= 5
+
+    # ---- every stored block carries the layer owning its first token
+    expected: dict[bytes, tuple[str, str]] = {}  # key -> (tenant, source layer)
+    for call in calls:
+        rendered = served.render(call.body["messages"])
+        labelled = owners(rendered.text, call.body["messages"], layers)
+        tokens = call.prompt_ids + list(call.reply["choices"][0]["token_ids"])
+        for b, key in enumerate(_keys(identity_digest, call.tenant, tokens)):
+            pos = b * BLOCK
+            char = rendered.offsets[pos][0] if pos < len(rendered.offsets) else len(rendered.text)
+            expected.setdefault(key, (call.tenant, owner_of(labelled, char)))
+    seen: dict[bytes, Any] = {}
+    for call in calls:
+        for key, rec in call.held.items():
+            if rec.tenant in ("acme", "globex"):
+                seen[key] = rec
+    assert seen and seen.keys() <= expected.keys()
+    wrong = [(expected[k], r.source_layer, r.pinned) for k, r in seen.items()
+             if (r.tenant, r.source_layer) != expected[k]
+             or r.pinned != (r.source_layer in PINNABLE_SOURCES)]
+    assert not wrong, wrong[:10]
+    stored_layers = {r.source_layer for r in seen.values()}
+    assert {"axioms", "identity", "rules", "capabilities", "memories", "system_state",
+            "current_time", "user_turn"} <= stored_layers, stored_layers
+    # pinnable layers: all of both tenants' blocks stored and pinned at the end
+    final = calls[-1].held
+    for tenant in ("acme", "globex"):
+        stable = {k for k, (t, layer) in expected.items()
+                  if t == tenant and layer in PINNABLE_SOURCES}
+        assert len(stable) >= 10
+        assert all(k in final and final[k].pinned for k in stable), tenant
+
+    # ---- the DDR tier is too small for both agents: evictions by layer priority
+    left: list[tuple[str, int]] = []  # (layer, interval) of every block that left
+    for k in range(1, len(calls)):
+        before, after = calls[k - 1].held, calls[k].held
+        gone = [before[key] for key in before.keys() - after.keys()]
+        stayed = [after[key] for key in before.keys() & after.keys() if not after[key].pinned]
+        assert not [r for r in gone if r.pinned], "a pinned block was evicted"
+        if gone and stayed:
+            # every block that left ranked at most as high as every unpinned one kept
+            worst = max(DEFAULT_SOURCE_PRIORITY.get(r.source_layer, 50) for r in gone)
+            best = min(DEFAULT_SOURCE_PRIORITY.get(r.source_layer, 50) for r in stayed)
+            assert worst <= best, (k, sorted({r.source_layer for r in gone}),
+                                   sorted({r.source_layer for r in stayed}))
+        left += [(r.source_layer, k) for r in gone]
+    gone_layers = {layer for layer, _ in left}
+    assert {"user_turn", "memories"} <= gone_layers, left
+    assert not gone_layers & {"axioms", "identity", "rules", "capabilities"}, left
+    first_memory = min(k for layer, k in left if layer == "memories")
+    assert min(k for layer, k in left if layer == "user_turn") <= first_memory
+    by_layer = {layer: sum(1 for x, _ in left if x == layer) for layer in gone_layers}
+    print(f"\nagent calls: {[round(t, 1) for t in timings]} s; prompt tokens "
+          f"{[len(c.prompt_ids) for c in calls]}; cached {[c.cached for c in calls]}; "
+          f"blocks left by layer {by_layer}; acme replay hit "
+          f"{record['external_hit_tokens']} tokens")
+    wire.close()
+
+
+def shadow_manifest_generation(connector: Connector) -> int:
+    from integrations.vllm.store import shadow_manifest
+
+    manifest = shadow_manifest(connector.config)
+    return 0 if manifest is None else manifest.generation
