@@ -68,11 +68,14 @@ def _conversation(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
 
 
 def vllm_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
-                    tools: Sequence[Mapping[str, Any]] | None = None
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    chat_template: str | None = None
                     ) -> tuple[str, list[int], list[tuple[int, int]]]:
-    """``(text, ids, offsets)``: the prompt vLLM builds for these chat messages."""
+    """``(text, ids, offsets)``: the prompt vLLM builds for these chat messages
+    (``chat_template``: the server's ``--chat-template``, default the tokenizer's)."""
     text = tokenizer.apply_chat_template(_conversation(messages), tools=list(tools or []) or None,
-                                         tokenize=False, add_generation_prompt=True,
+                                         chat_template=chat_template, tokenize=False,
+                                         add_generation_prompt=True,
                                          continue_final_message=False)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return text, list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
@@ -101,13 +104,18 @@ class FakeOpenAIServer:
         reply: the assistant's text for every call.
         completion_tokens: the reported completion tokens.
         block_size: the prefix cache's block size (``cached_tokens`` granularity).
+        chat_template: the server's ``--chat-template`` (default: the tokenizer's).
 
     Attributes:
         requests: every request body received, in order (``{"path": ..., **body}``).
+        label_mismatches: why the contextkit labels of a chat request did not belong to
+            the prompt the server rendered, per such request: the check contextkit's
+            vLLM connector makes (:func:`integrations.vllm.planning.label_mismatch`).
     """
 
     def __init__(self, model_dir: str | Path, *, model_name: str, reply: str = "All good.",
-                 completion_tokens: int = 4, block_size: int = 16) -> None:
+                 completion_tokens: int = 4, block_size: int = 16,
+                 chat_template: str | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.model_dir = str(model_dir)
@@ -115,6 +123,8 @@ class FakeOpenAIServer:
         self.reply = reply
         self.completion_tokens = completion_tokens
         self.block_size = block_size
+        self.chat_template = chat_template
+        self.label_mismatches: list[str] = []
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.requests: list[dict[str, Any]] = []
         self._usages: list[dict[str, Any] | None] = []  # per chat request (None: refused)
@@ -181,7 +191,7 @@ class FakeOpenAIServer:
                ) -> tuple[str, list[int], list[tuple[int, int]]]:
         """The prompt text, ids and char offsets vLLM would build for these messages."""
         with self._lock:
-            return vllm_prompt_ids(self.tokenizer, messages, tools)
+            return vllm_prompt_ids(self.tokenizer, messages, tools, self.chat_template)
 
     # ------------------------------------------------------------------ API
     def _cached_tokens(self, salt: str | None, ids: list[int]) -> int:
@@ -221,7 +231,12 @@ class FakeOpenAIServer:
                          "kv_transfer_params")
         _, ids, _ = self.render(messages, body.get("tools"))
         salt = body.get("cache_salt")
+        from integrations.vllm.planning import label_mismatch
+
+        reason = label_mismatch(body.get("kv_transfer_params"), ids)
         with self._lock:
+            if reason is not None:
+                self.label_mismatches.append(reason)
             cached = self._cached_tokens(salt, ids)
             self._prompts.setdefault(salt, []).append(ids)
             tool_call = self._tool_calls.pop(0) if self._tool_calls else None

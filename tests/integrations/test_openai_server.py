@@ -78,6 +78,12 @@ def test_the_fake_server_tokenizes_like_chat_completions(openai_server: FakeOpen
     got = httpx.post(openai_server.url + "/tokenize",
                      json={"model": SERVED_NAME, "messages": messages}).json()
     assert got["tokens"] == ids and got["count"] == len(ids)
+    # contextkit's renderer agrees with this independent one, checked over HTTP
+    from contextkit.remote import ServedModel
+
+    served = ServedModel.packaged(name=SERVED_NAME, base_url=openai_server.base_url)
+    assert served.render(messages).token_ids == ids
+    served.verify(messages)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -203,6 +209,7 @@ def test_langchain_agent_over_an_openai_server_sends_exact_labels(
 
     bodies = openai_server.chat_requests()
     assert len(bodies) == 5  # turn 3 is a tool round: two model calls
+    assert openai_server.label_mismatches == []  # the connector's check accepts every one
     reused_calls = 0
     for i, body in enumerate(bodies):
         assert body["cache_salt"] == "acme"
@@ -309,7 +316,7 @@ def test_langchain_llamaindex_and_openai_send_identical_fields(
     agent.invoke({"messages": [(m["role"], m["content"]) for m in CONVERSATION]})
 
     bodies = openai_server.chat_requests()
-    assert len(bodies) == 3
+    assert len(bodies) == 3 and openai_server.label_mismatches == []
     sent = [(b["messages"], b["kv_transfer_params"], b["cache_salt"]) for b in bodies]
     assert sent[0] == sent[1] == sent[2]
     assert bodies[1]["top_k"] == 3  # the LlamaIndex model's own extra_body is kept
@@ -394,6 +401,37 @@ def test_one_system_message_for_providers_that_reject_a_second(
     assert [m["role"] for m in body["messages"]] == ["system", "user", "assistant", "user"]
     assert "[CURRENT_TIME]" in body["messages"][0]["content"]
     check_labels(openai_server, body, pipeline)
+
+
+def test_a_server_with_another_chat_template_ignores_the_labels(
+        served_model_dir: Any, layered_prompt: Callable[[int], str]) -> None:
+    """vLLM started with its own --chat-template: /tokenize shows ids that differ (verify
+    refuses), and the connector's check (the fingerprint) refuses the labels."""
+    from langchain.agents import create_agent
+    from langchain_openai import ChatOpenAI
+    from pydantic import SecretStr
+
+    from contextkit.remote import LabelRangeError, ServedModel
+    from integrations.langchain import ContextKitMiddleware
+
+    other = ServedModel.packaged(name=SERVED_NAME).chat_template.replace(
+        "'<|im_end|>' + '\n'", "'<|im_end|>' + '\n\n'")
+    assert other != ServedModel.packaged(name=SERVED_NAME).chat_template
+    with FakeOpenAIServer(served_model_dir, model_name=SERVED_NAME,
+                          chat_template=other) as server:
+        pipeline = served_pipeline()
+        agent: Any = create_agent(
+            ChatOpenAI(model=SERVED_NAME, base_url=server.base_url, api_key=SecretStr("x"),
+                       max_retries=0), tools=[],
+            middleware=[ContextKitMiddleware(pipeline, lambda request: layered_prompt(1),
+                                             tenant="acme")])
+        agent.invoke({"messages": [("user", "Is checkout slow?")]})
+        (body,) = server.chat_requests()
+        (reason,) = server.label_mismatches  # the connector would store default labels
+        assert "differs from the server's prompt ids" in reason
+        with pytest.raises(LabelRangeError, match="differ"):
+            ServedModel.packaged(name=SERVED_NAME, base_url=server.url).verify(
+                body["messages"])
 
 
 def test_labels_for_another_model_are_refused_before_sending(
