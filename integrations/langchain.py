@@ -209,7 +209,8 @@ class ContextKitMiddleware(AgentMiddleware):
             second system message after the history (default). ``False`` keeps every
             layer in the one leading system message, for providers (or chat
             templates) that reject a second system message; the server's prefix
-            cache then stops at the first volatile layer.
+            cache then stops at the first volatile layer. A pipeline built with
+            ``trailing_message=False`` gives the same single message.
 
     With a cache attached, the pipeline applies budgets and volatility ordering;
     without one, the text is exactly what ``build_system_message`` returned. Either
