@@ -33,7 +33,9 @@ __all__ = [
 
 PINNED_PRIORITY = 999
 
-#: Eviction priority by source layer; lower is evicted first.
+#: Eviction priority by source layer; lower is evicted first. Stable layers are reused
+#: on every call; the conversation (``user_turn``) on the next; the volatile layers
+#: (affect, awareness, system state, time) change on most calls, so their blocks go first.
 DEFAULT_SOURCE_PRIORITY: Mapping[str, int] = {
     "axioms": 100,
     "identity": 90,
@@ -43,8 +45,11 @@ DEFAULT_SOURCE_PRIORITY: Mapping[str, int] = {
     "partner": 55,
     "neurons": 40,
     "memories": 35,
-    "affect": 20,
     "user_turn": 15,
+    "affect": 14,
+    "awareness": 13,
+    "system_state": 12,
+    "current_time": 10,
 }
 
 PINNABLE_SOURCES = frozenset({"axioms", "identity", "rules", "capabilities", "soul"})

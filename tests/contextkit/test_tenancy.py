@@ -77,3 +77,4 @@ def test_calls_and_reads_in_a_scope_mean_its_tenant(
     assert len(hints) == 1 and "'acme'" in hints[0] and "tenant_scope" in hints[0], hints
     assert pipeline.pinned_blocks() == [] and pipeline.cached_blocks() == []
     assert pipeline.last_report("acme") is result.report
+
