@@ -28,6 +28,7 @@ SURFACES = [
     "shadow",
     "integrations.langchain",
     "integrations.llamaindex",
+    "integrations.openai",
     "integrations.vllm",
     "integrations.vllm.connector",
 ]
