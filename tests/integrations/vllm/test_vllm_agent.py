@@ -41,10 +41,12 @@ BLOCK = 32
 SERVED = "contextkit-agent"
 MAX_TOKENS = 16
 #: Store sizes. Device tier: pins only on CPU; each agent's stable prefix (12 blocks)
-#: is within a tenant's quota (a quarter of it). DDR tier: the unpinned blocks of one
-#: agent's five turns and test 1's probes (~53) about fit; the two agents' (~88) do not.
+#: is within a tenant's quota (a quarter of it). DDR tier: room for a first turn's save
+#: (24 blocks, the stable ones before they move to the device tier) and little more;
+#: the two agents' unpinned blocks are ~75, so the volatile layers' blocks, then the
+#: user turns', then the memories' are evicted (gpu_cache's layer priorities).
 DEVICE_BLOCKS = 64
-HOST_BLOCKS = 48
+HOST_BLOCKS = 26
 ROOT = Path(__file__).resolve().parents[3]
 
 QUESTIONS = [
@@ -407,6 +409,13 @@ def test_langchain_agent_drives_the_connector_by_layer(
     generation = connector.snapshot(after=0)[0]
 
     run("globex", 4)
+    dump = Path(connector.stats_path).with_name("calls.json")  # for a failure's post-mortem
+    dump.write_text(json.dumps([{
+        "tenant": c.tenant, "turn": c.turn, "body": c.body, "reply": c.reply,
+        "record": c.record, "generation": c.generation,
+        "held": {k.hex(): [r.tenant, r.source_layer, r.importance, r.pinned]
+                 for k, r in c.held.items()}} for c in calls]))
+    print(f"\nrequests, replies and store snapshots: {dump}")
     globex = calls[5]
     assert globex.body["messages"] == first.body["messages"]  # the identical prompt
     assert globex.prompt_ids == first.prompt_ids
@@ -497,6 +506,21 @@ def test_langchain_agent_drives_the_connector_by_layer(
     first_memory = min(k for layer, k in left if layer == "memories")
     assert min(k for layer, k in left if layer == "user_turn") <= first_memory
     by_layer = {layer: sum(1 for x, _ in left if x == layer) for layer in gone_layers}
+
+    # the same story on the server's /metrics (worker stats arrive with engine steps)
+    def evicted(layer: str) -> float:
+        return _metric(metrics, "vllm:contextkit_evicted_blocks_total", layer=layer)
+
+    metrics = srv.get("/metrics")
+    deadline = time.monotonic() + 60
+    while evicted("user_turn") < by_layer["user_turn"]:
+        assert time.monotonic() < deadline, "evictions never reached /metrics"
+        srv.post("/v1/completions", {"model": SERVED, "prompt": [0], "max_tokens": 1})
+        metrics = srv.get("/metrics")
+    assert evicted("memories") >= by_layer["memories"]
+    assert sum(evicted(layer) for layer in ("axioms", "identity", "rules", "capabilities")) == 0
+    assert _metric(metrics, "vllm:contextkit_saved_blocks_total", layer="axioms") >= 6
+    assert _metric(metrics, "vllm:contextkit_hit_tokens_total") >= record["external_hit_tokens"]
     print(f"\nagent calls: {[round(t, 1) for t in timings]} s; prompt tokens "
           f"{[len(c.prompt_ids) for c in calls]}; cached {[c.cached for c in calls]}; "
           f"blocks left by layer {by_layer}; acme replay hit "
