@@ -14,8 +14,9 @@ the packaged SmolLM2, ``ContextKitConnector`` via ``--kv-transfer-config``) on
    shadow_manifest`, read after every call) against the requests the middleware sent
    (recorded on the wire): every stored block carries the layer that owns its first
    token, stable pinnable layers are pinned, the second tenant's identical prompt
-   gets no external hit, and when the store is too small for both agents the
-   user-turn and memory blocks leave first while pinned blocks never do.
+   gets no external hit (acme's own replay is served from the store), and when the
+   store is too small for both agents blocks leave by layer priority (volatile
+   layers, then user turns, then memories) while the pinned stable layers never do.
 
 On CPU the connector saves into its DDR tier (``host_blocks``; the device tier holds
 the pinned prefixes), so that is the tier sized too small for two agents here.
