@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft docs lint typecheck clean
+.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft bench-agent-vllm docs lint typecheck clean
 
 help:
 	@echo "make demo       set up, then replay a ten-layer agent on SmolLM2: TTFT with vs"
@@ -16,6 +16,7 @@ help:
 	@echo "                virtualenv .venv-vllm (~4 min to create, then ~6-8 min)"
 	@echo "make bench      run the quick CPU benchmarks with --json into bench/results/"
 	@echo "make bench-ttft the 20-turn TTFT benchmark (~35 min on 2 cores)"
+	@echo "make bench-agent-vllm  a LangChain agent on vLLM, 4 cache configurations (~15 min)"
 	@echo "make docs       set up, then build the API reference into site/ (mkdocs --strict:"
 	@echo "                any broken reference or docstring warning fails; CI runs it)"
 	@echo "make lint       ruff; make typecheck: mypy"
@@ -51,6 +52,14 @@ bench: setup
 bench-ttft: setup
 	@mkdir -p bench/results
 	$(PY) -m contextkit.cli bench ttft --json --out bench/results | tee bench/results/ttft-cpu.log | tail -n 1 > bench/results/ttft-cpu.json
+
+# The agent on vLLM's OpenAI server, four configurations (~15 min on 2 cores; .venv-vllm).
+bench-agent-vllm:
+	@bash scripts/vllm_venv.sh
+	@mkdir -p bench/results
+	.venv-vllm/bin/python -m contextkit.cli bench agent-vllm --json \
+		--out bench/results/agent-vllm-cpu.json --plot bench/results/agent-vllm-cpu.png \
+		| tee bench/results/agent-vllm-cpu.log
 
 # Strict: a broken cross-reference, a docstring that does not match its signature or a
 # missing page is an error. Static analysis only: nothing is imported (see mkdocs.yml).

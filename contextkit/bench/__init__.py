@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "ttft": "contextkit.bench.ttft",
     "ooda": "contextkit.bench.ooda",
     "vllm": "contextkit.bench.vllm",
+    "agent-vllm": "contextkit.bench.agent_vllm",
 }
 
 
