@@ -59,7 +59,7 @@ bench-agent-vllm:
 	@mkdir -p bench/results
 	.venv-vllm/bin/python -m contextkit.cli bench agent-vllm --json \
 		--out bench/results/agent-vllm-cpu.json --plot bench/results/agent-vllm-cpu.png \
-		| tee bench/results/agent-vllm-cpu.log
+		2>&1 | tee bench/results/agent-vllm-cpu.log
 
 # Strict: a broken cross-reference, a docstring that does not match its signature or a
 # missing page is an error. Static analysis only: nothing is imported (see mkdocs.yml).

@@ -21,8 +21,8 @@ configurations:
   restores the connector's shadow and a new server takes the remaining turns.
 
 TTFT is measured on the client: from the agent's ``invoke`` (so the middleware's own
-work counts) to the first streamed chunk. Each server first serves two short
-unrelated requests (vLLM's first request pays one-time set-up costs in every process).
+work counts) to the first streamed chunk. Each server first serves three
+unrelated requests (vLLM's first requests pay one-time set-up costs in every process).
 Replies are ``--max-tokens`` long (``ignore_eos``), so every configuration's history
 grows alike.
 """
@@ -289,10 +289,12 @@ def _server(model_dir: str, work: Path, name: str, config: Any, args: argparse.N
         at = srv.cmd.index("--kv-transfer-config")
         del srv.cmd[at:at + 2]
     srv.start()
-    for _ in range(2):  # one-time costs of the first requests, on an unrelated prompt
+    # one-time costs of the first requests (a short and a long prefill, then the
+    # prefix-cached path), on unrelated prompts with their own cache salt
+    for words in (60, 1500, 1500):
         srv.post("/v1/chat/completions", {
             "model": SERVED, "max_tokens": 2, "cache_salt": "warmup",
-            "messages": [{"role": "user", "content": f"warm up {_}: " + "tick " * 60}]})
+            "messages": [{"role": "user", "content": "warm up: " + "tick " * words}]})
     return srv
 
 
@@ -342,6 +344,7 @@ def _plot(path: Path, ttft: Mapping[str, Sequence[float]], restart: int, title: 
     ax.axvline(restart + 0.5, color="grey", linestyle="--", linewidth=1)
     ax.text(restart + 0.55, ax.get_ylim()[1] * 0.6, "(d) restart +\nrecover --for-vllm",
             fontsize=8, color="grey")
+    ax.set_xticks(range(1, len(ttft["apc"]) + 1))
     ax.set_yscale("log")
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT (ms, log)")
