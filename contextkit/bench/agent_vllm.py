@@ -23,7 +23,10 @@ configurations:
 TTFT is measured on the client: from the agent's ``invoke`` (so the middleware's own
 work counts) to the first streamed chunk. Each server first serves three
 unrelated requests (vLLM's first requests pay one-time set-up costs in every process).
-Replies are ``--max-tokens`` long (``ignore_eos``), so every configuration's history
+The replay's memories change with
+the topic (0-based turns 4 and 7); with the default 10 turns the connector's server
+restarts after turn 5, so its first turn measures recovery rather than a memories
+change (every turn's ratio is in ``ratio_per_turn``). Replies are ``--max-tokens`` long (``ignore_eos``), so every configuration's history
 grows alike.
 """
 
@@ -60,8 +63,9 @@ DEFAULT_IMPORTANCE = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--turns", type=positive_int, default=8,
-                        help=f"agent turns, >= {MIN_TURNS} (default 8)")
+    parser.add_argument("--turns", type=positive_int, default=10,
+                        help=f"agent turns, >= {MIN_TURNS} (default 10: the restart comes "
+                             "after turn 5, within a topic)")
     parser.add_argument("--scale", type=positive_float, default=1.0,
                         help="replay prompt scale (default 1.0: about 6K tokens; 0.1: 3K)")
     parser.add_argument("--max-tokens", type=positive_int, default=16,
@@ -472,6 +476,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model_ttft_ms": {n: [r["model_ttft_ms"] for r in agents[n].rows] for n in CONFIGS},
         "client_ms": {n: [r["client_ms"] for r in agents[n].rows] for n in CONFIGS},
         "recomputed_tokens": recomputed,
+        "ratio_per_turn": {f"{base}_over_connector": [
+            _ratio(x, y) for x, y in zip(ttft[base], ttft["contextkit_connector"], strict=True)]
+            for base in ("nocache", "apc", "contextkit_apc")},
         # what the workload allows if TTFT were proportional to the tokens computed
         "token_bounds": token_bounds(recomputed, {n: [r["prompt_tokens"] or 0 for r in
                                                      agents[n].rows] for n in CONFIGS},

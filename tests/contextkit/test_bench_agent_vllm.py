@@ -91,7 +91,7 @@ def test_label_coverage_counts_blocks_without_a_span_as_default() -> None:
 
 def test_arguments_defaults_and_checks() -> None:
     args = _args()
-    assert (args.turns, args.scale, args.max_tokens) == (8, 1.0, 16)
+    assert (args.turns, args.scale, args.max_tokens) == (10, 1.0, 16)
     check_args(args)
     assert restart_turn(8) == 4 and restart_turn(9) == 4
     with pytest.raises(SystemExit, match="--turns must be >= 4"):
