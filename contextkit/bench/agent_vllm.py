@@ -21,12 +21,12 @@ configurations:
   restores the connector's shadow and a new server takes the remaining turns.
 
 TTFT is measured on the client: from the agent's ``invoke`` (so the middleware's own
-work counts) to the first streamed chunk. Each server first serves three
-unrelated requests (vLLM's first requests pay one-time set-up costs in every process).
-The replay's memories change with
-the topic (0-based turns 4 and 7); with the default 10 turns the connector's server
-restarts after turn 5, so its first turn measures recovery rather than a memories
-change (every turn's ratio is in ``ratio_per_turn``). Replies are ``--max-tokens`` long (``ignore_eos``), so every configuration's history
+work counts) to the first streamed chunk. Each server first serves three unrelated
+requests (vLLM's first requests pay one-time set-up costs in every process). The
+replay's memories change with the topic (0-based turns 4 and 7); with the default 10
+turns the connector's server restarts after turn 5, so its first turn measures
+recovery rather than a memories change (every turn's ratio is in ``ratio_per_turn``).
+Replies are ``--max-tokens`` long (``ignore_eos``), so every configuration's history
 grows alike.
 """
 
