@@ -399,6 +399,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     turns = replay.turns()
     restart = restart_turn(args.turns)
     seconds: dict[str, float] = {}
+    # the 1-minute load average as each phase starts and ends: other work on the
+    # machine slows the phase it overlaps (2 cores; vLLM runs 2 OpenMP threads)
+    loadavg: dict[str, float] = {"start": round(os.getloadavg()[0], 2)}
     t_start = time.perf_counter()
 
     # 1. one server, no connector: nocache, apc, contextkit_apc interleaved per turn
@@ -421,6 +424,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         srv.stop()
     seconds["apc_server_total"] = round(time.perf_counter() - t0, 1)
+    loadavg["after_apc_server"] = round(os.getloadavg()[0], 2)
 
     # 2. the connector: a server for the first half, recovery, a new one for the rest
     t0 = time.perf_counter()
@@ -447,6 +451,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             srv.stop()
     seconds["connector_total"] = round(time.perf_counter() - t0, 1)
+    loadavg["after_connector_servers"] = round(os.getloadavg()[0], 2)
     assert ck is not None
     manifest = shadow_manifest(config)
     labels = label_coverage(manifest.blocks if manifest else [], "acme",
@@ -491,6 +496,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": {**seconds, "total": round(time.perf_counter() - t_start, 1)},
         "model": "packaged SmolLM2-135M-Instruct (float32)" if not args.model else args.model,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "loadavg_1min": loadavg,
         "machine": machine_info(),
         "method": "client-side TTFT: agent.invoke -> first streamed chunk (ChatOpenAI "
                   "streaming); nocache = a fresh cache_salt per request on the APC server",
