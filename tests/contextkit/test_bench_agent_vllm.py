@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +110,37 @@ def test_outside_the_vllm_venv_the_bench_says_where_it_runs() -> None:
     with pytest.raises(SystemExit, match=r"\.venv-vllm/bin/python -m contextkit.cli bench "
                                          r"agent-vllm"):
         load("agent-vllm").run(_args())
+
+
+def test_the_result_from_the_drivers_raw_rows(tmp_path: Path) -> None:
+    from contextkit.bench.agent_vllm import _result
+
+    def rows(ttft: list[float], cached: list[int]) -> list[dict[str, object]]:
+        return [{"turn": i + 1, "ttft_ms": t, "model_ttft_ms": t - 1, "client_ms": 1.0,
+                 "total_ms": t + 5, "prompt_tokens": 1000 + 10 * i, "cached_tokens": c}
+                for i, (t, c) in enumerate(zip(ttft, cached, strict=True))]
+
+    raw = {"rows": {"nocache": rows([900, 1000, 1000, 1000], [0, 0, 0, 0]),
+                    "apc": rows([900, 400, 400, 400], [0, 500, 500, 500]),
+                    "contextkit_apc": rows([900, 100, 100, 100], [0, 900, 900, 900]),
+                    "contextkit_connector": rows([900, 100, 200, 100], [0, 900, 900, 900])},
+           "restart": 2, "seconds": {"total": 1.0}, "loadavg_1min": {"start": 0.1},
+           "recovery": {"seconds": 1.0, "skipped": 0, "other": 1}, "default_layer": "user_turn",
+           "blocks": [{"source_layer": "axioms", "importance": 1.0, "tenant": "acme",
+                       "pinned": True},
+                      {"source_layer": "user_turn", "importance": 0.5, "tenant": "acme",
+                       "pinned": False}],
+           "changed_layers": [["axioms"], ["current_time"], ["current_time"], ["current_time"]],
+           "topics": ["a"] * 4, "apc_recompute_share": [1.0, 0.5, 0.5, 0.5],
+           "vllm_cpu_num_of_reserved_cpu": "0", "omp_num_threads": "2"}
+    args = _args("--turns", "4", "--plot", str(tmp_path / "p.png"), "--out",
+                 str(tmp_path / "r.json"))
+    out = _result(args, raw)
+    assert out["speedup_vs_apc_p50"] == 4.0  # 400/100, 400/200, 400/100
+    assert out["restart_turn_speedup"] == 5.0  # 1000/200 on turn 3
+    assert out["label_coverage"] == 0.5
+    assert out["restart_before_turn"] == 3
+    assert out["recovery"] == {"seconds": 1.0, "skipped": 0}
+    assert out["recomputed_tokens"]["apc"] == [1000, 510, 520, 530]
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "r.json").read_text())["turns"] == 4
