@@ -220,24 +220,6 @@ def test_dashboard_queries_use_the_exported_names() -> None:
 
 
 # ---------------------------------------------------------------------- real code paths
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Hugging Face directory: Llama config.json and a word-level tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("models") / "tiny"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "num_hidden_layers": LAYERS, "num_attention_heads": 4,
-        "num_key_value_heads": HEADS, "head_dim": DIM, "hidden_size": 256}))
-    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
-    return path
-
-
 def _kv(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(n)
     shape = (LAYERS, n, BS, HEADS, DIM)

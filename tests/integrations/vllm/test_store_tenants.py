@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
-import pytest
 import torch
 
 from gpu_cache import hash_token_blocks
@@ -17,24 +15,6 @@ from integrations.vllm.planning import BlockLabel
 from integrations.vllm.store import ConnectorStore
 
 BS, LAYERS, HEADS, DIM = 16, 2, 2, 64
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Hugging Face directory: Llama config.json and a word-level tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("models") / "tiny"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "num_hidden_layers": LAYERS, "num_attention_heads": 4,
-        "num_key_value_heads": HEADS, "head_dim": DIM, "hidden_size": 256}))
-    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
-    return path
 
 
 def _kv(n: int) -> tuple[torch.Tensor, torch.Tensor]:
