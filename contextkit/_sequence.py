@@ -19,12 +19,13 @@ __all__ = ["close_sequence", "open_sequence"]
 def open_sequence(cache: TQGPUCache, ids: Sequence[int], extra: int, tenant: str,
                   spans: Sequence[TokenSpan] | None, reuse: bool,
                   max_reuse: int | None = None,
-                  ) -> tuple[list[int], list[int], list[BlockHash], int]:
+                  ) -> tuple[list[int], list[int], list[BlockHash], int, int]:
     """Find reusable blocks (at most ``max_reuse`` tokens' worth) and allocate the
     rest; every block is acquired.
 
     Returns:
-        ``(block_ids, new_ids, keys, cached_tokens)``.
+        ``(block_ids, new_ids, keys, cached_tokens, warmed_tokens)``: ``warmed_tokens``
+        of the cached tokens were on the host tier and brought up by this call.
 
     Raises:
         CacheFullError: the device tier cannot hold the sequence; nothing changed.
@@ -63,6 +64,7 @@ def open_sequence(cache: TQGPUCache, ids: Sequence[int], extra: int, tenant: str
             first = hits.index(host[0])
             cache.release(hits[first:])
             hits = hits[:first]
+            host = []
         new = cache.allocate(need - len(hits), Tier.DEVICE, tenant=tenant,
                              source_layer="user_turn")
         if new is None:
@@ -75,7 +77,7 @@ def open_sequence(cache: TQGPUCache, ids: Sequence[int], extra: int, tenant: str
         block_ids = hits + new
         _annotate(cache, block_ids, len(hits), len(ids), tenant, spans)
         cache.metadata.touch(hits)
-    return block_ids, new, keys, len(hits) * bs
+    return block_ids, new, keys, len(hits) * bs, len(host) * bs
 
 
 def _pinned_outside(cache: TQGPUCache, hits: Sequence[int]) -> int:

@@ -37,6 +37,8 @@ class GenerationResult:
         token_ids: reply token ids (EOS included when generated).
         prompt_tokens: tokens in the prompt.
         reused_tokens: prompt tokens whose K/V came from the cache.
+        warmed_tokens: of those, the tokens whose blocks this request brought up from
+            the host tier (the rest were already on the device).
         computed_tokens: prompt tokens run through the model.
         ttft_ms: request start to first token.
         total_ms: request start to last token.
@@ -57,6 +59,7 @@ class GenerationResult:
     kv_format: str
     block_ids: list[int] = field(default_factory=list)
     first_logits: torch.Tensor | None = field(default=None, repr=False)
+    warmed_tokens: int = 0
 
     @property
     def kv_reuse_ratio(self) -> float:
@@ -71,6 +74,7 @@ class GenerationResult:
             "prompt_tokens": self.prompt_tokens,
             "reused_tokens": self.reused_tokens,
             "computed_tokens": self.computed_tokens,
+            "warmed_tokens": self.warmed_tokens,
             "kv_reuse_ratio": round(self.kv_reuse_ratio, 4),
             "generated_tokens": len(self.token_ids),
             "blocks_per_tier": dict(self.blocks_per_tier),

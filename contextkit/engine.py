@@ -343,7 +343,7 @@ class Engine:
     def _open_sequence(self, ids: Sequence[int], extra: int, tenant: str,
                        spans: Sequence[TokenSpan] | None, reuse: bool,
                        max_reuse: int | None = None,
-                       ) -> tuple[list[int], list[int], list[BlockHash], int]:
+                       ) -> tuple[list[int], list[int], list[BlockHash], int, int]:
         """:func:`contextkit._sequence.open_sequence` on this engine's cache."""
         return open_sequence(self.cache, ids, extra, tenant, spans, reuse, max_reuse)
 
@@ -434,12 +434,12 @@ class Engine:
             t0 = time.perf_counter()
             if not use_cache:
                 kv: _ContiguousKV | _PagedKV = _ContiguousKV(self.model.num_layers)
-                cached = 0
+                cached = warmed = 0
                 block_ids: list[int] = []
                 new_ids: list[int] = []
                 keys: list[BlockHash] = []
             else:
-                block_ids, new_ids, keys, cached = self._open_sequence(
+                block_ids, new_ids, keys, cached, warmed = self._open_sequence(
                     ids, max_new_tokens, tenant, spans, reuse)
                 kv = self._paged(block_ids, cached, ids, min(cached, len(ids) - 1), tenant)
             written = len(ids)
@@ -470,7 +470,8 @@ class Engine:
             ttft_ms=ttft * 1000, total_ms=total * 1000,
             blocks_per_tier=self._blocks_per_tier(tenant) if use_cache else {},
             kv_format=self.kv_format if use_cache else "native",
-            block_ids=block_ids, first_logits=first_logits)
+            block_ids=block_ids, first_logits=first_logits,
+            warmed_tokens=min(warmed, start) if use_cache else 0)
         if (metrics := resolve_metrics(self.metrics)) is not None:
             metrics.record_generation(result)
         return result
@@ -517,7 +518,7 @@ class Engine:
                 logits = self._prefill(ids, 0, _ContiguousKV(self.model.num_layers),
                                        all_logits=True)
                 return logits[len(prompt) - 1 : len(ids) - 1]
-            block_ids, new_ids, keys, cached = self._open_sequence(
+            block_ids, new_ids, keys, cached, _ = self._open_sequence(
                 ids, 0, tenant, None, True, max_reuse=max_reuse_tokens)
             try:
                 start = min(cached, len(prompt) - 1)
