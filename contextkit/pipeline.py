@@ -36,8 +36,9 @@ What it does with an engine (or a served model) attached:
   themselves;
 - tokenizes segment by segment, labels every token range with its layer and
   importance, and lets the engine register each block with that metadata;
-- pins the stable prefix's blocks within the tenant's pin quota (releasing the
-  tenant's superseded pins; see :mod:`gpu_cache.pinning`), and reports per call what
+- pins the stable prefix's blocks within the tenant's pin quota, held per agent
+  (releasing this agent's superseded pins and the tenant's pins no live agent holds;
+  see :mod:`contextkit._pins` and :mod:`gpu_cache.pinning`), and reports per call what
   was reused, what was computed, which layer broke the prefix, whether the prefix is
   pinned, and the tenant's blocks per tier.
 
@@ -64,6 +65,17 @@ context; LlamaIndex: the call's ``tenant`` keyword, then the LLM's) and enter a
 call's report also travels with its reply (``response_metadata["contextkit"]`` in
 LangChain, ``raw["contextkit"]`` in LlamaIndex), which is the simplest way to read it
 for a tenant taken from a runtime context.
+
+Agents
+------
+Many agents may share one engine (and one :class:`~contextkit.tiers.ContextTierManager`):
+one pipeline per agent, ``CacheAwareContextPipeline(engine, tenant=org, agent=name,
+tiers=manager)``. Agents of one tenant share their organisation's cached blocks; pins
+are held per agent: a block stays pinned while the latest stable prefix of any live
+agent of its tenant holds it, and an agent's call releases only pins no live agent
+holds (its own superseded prefix among them; the exact rule is in
+:mod:`contextkit._pins`). With ``tiers=``, every call registers its blocks with the
+manager as per-layer segments of that agent (:mod:`contextkit._registration`).
 """
 
 from __future__ import annotations
@@ -75,9 +87,11 @@ import logging
 import struct
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from contextkit._chatml import _ChatML
+from contextkit._pins import check_pin_quota, pin_stable
+from contextkit._registration import register_call
 from contextkit._reports import BuiltPrompt, CallReport, PipelineResult, _tokens_by_layer
 from contextkit._served import _ServedPipeline
 from contextkit._tenancy import _check_tenant, _TenantState, _TenantViews
@@ -94,8 +108,10 @@ from contextkit.prompt import (
     synthesize_for_budget,
 )
 from contextkit.remote import ServedModel
-from gpu_cache import PinCapacityError, PrefixPinManager, Tier
-from gpu_cache.metadata import PINNABLE_SOURCES
+from gpu_cache import PrefixPinManager, validate_name
+
+if TYPE_CHECKING:
+    from contextkit.tiers import ContextTierManager
 
 __all__ = [
     "BuiltPrompt",
@@ -134,6 +150,12 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
         pin_stable: pin the stable prefix's blocks in the device tier.
         volatility_alpha: weight of the newest observation in each layer's change rate.
         spillover: where over-budget lines go (a new queue by default).
+        tiers: a tier manager to register every call's blocks with (see
+            :mod:`contextkit._registration`); ``CallReport.tier_items`` counts the items
+            each call touched.
+        agent: this pipeline's agent name (default: the tenant of each call). One
+            pipeline per agent over one shared engine (and tier manager) is the
+            multi-agent setup: pins are held per agent (see :mod:`contextkit._pins`).
     """
 
     def __init__(
@@ -149,6 +171,8 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
         volatility_alpha: float = 0.3,
         spillover: SpilloverQueue | None = None,
         metrics: ContextkitMetrics | bool | None = None,
+        tiers: ContextTierManager | None = None,
+        agent: str | None = None,
     ) -> None:
         if engine is not None and served is not None:
             raise ValueError("pass either engine= (the embedded engine) or served= (a vLLM "
@@ -162,6 +186,8 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
         self.served = served
         self.config = layers or LayerConfig()
         self.tenant = _check_tenant(tenant)
+        self.agent = validate_name(agent, "agent") if agent is not None else None
+        self.tiers = tiers
         self.reorder = reorder
         self.trailing_message = trailing_message
         self.pin_stable = pin_stable
@@ -497,6 +523,7 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
         if built is not None and built.report.tenant != tenant:
             raise ValueError(f"this prompt was built for tenant {built.report.tenant!r}, not "
                              f"{tenant!r}; tenants never share blocks")
+        agent = self.agent if self.agent is not None else tenant
         with self._lock:
             state = self._state(tenant)
             built = built if built is not None else state.last
@@ -504,13 +531,13 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
                                                    built=built, after=after)
             assert built is not None
             if self.pin_stable:
-                self._check_pin_quota(tenant, spans, stable_end)
+                check_pin_quota(self._pins, tenant, spans, stable_end)
             result = self.engine.generate(ids, max_new_tokens=max_new_tokens, tenant=tenant,
                                           spans=spans, on_token=on_token)
             report = built.report
             if self.pin_stable:
-                report.pin_state, report.pin_reason = self._pin_stable(
-                    tenant, result.block_ids, stable_end)
+                report.pin_state, report.pin_reason = pin_stable(
+                    self._pins, self, tenant, agent, result.block_ids, stable_end)
             else:
                 report.pin_state, report.pin_reason = "off", ""
             report.prompt_tokens = result.prompt_tokens
@@ -524,68 +551,13 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
             report.blocks_by_layer = self.blocks_by_layer(tenant)
             report.reused_by_layer, report.computed_by_layer = _tokens_by_layer(
                 spans, result.prompt_tokens, result.reused_tokens)
+            report.tier_items = 0 if self.tiers is None else register_call(
+                self.tiers, self.engine.cache, agent, tenant, result.block_ids)
         metrics = self.metrics
         if metrics is not None:
             metrics.record_generate(report)
         return PipelineResult(result.text, result, report)
 
-    def _check_pin_quota(self, tenant: str, spans: Sequence[TokenSpan], stable_end: int) -> None:
-        """Refuse, before any work, a stable prefix longer than the tenant's pin quota.
-
-        Raises:
-            PinCapacityError: the prefix's full blocks exceed the quota.
-        """
-        assert self.engine is not None
-        pinnable_end = 0
-        for span in spans:  # the leading run of pinnable layers, within the stable prefix
-            if span.start >= stable_end or span.source_layer not in PINNABLE_SOURCES:
-                break
-            pinnable_end = span.end
-        num_blocks = min(pinnable_end, stable_end) // self.engine.cache.block_size
-        quota = self._pins.tenant_quota
-        if num_blocks > quota:
-            pins = self._pins.config
-            raise PinCapacityError(
-                f"tenant {tenant!r}'s stable prefix is {num_blocks} blocks, over its pin quota "
-                f"of {quota} (PinConfig.tenant_share={pins.tenant_share} of "
-                f"{self._pins.cache.capacity(Tier.DEVICE)} device blocks); shorten the stable "
-                "layers, give the engine more num_device_blocks or a larger tenant_share, or "
-                "build the pipeline with pin_stable=False. Nothing was computed")
-
-    def _pin_stable(self, tenant: str, block_ids: Sequence[int],
-                    stable_end: int) -> tuple[str, str]:
-        """Pin this call's stable prefix and release the tenant's superseded pins.
-
-        Returns:
-            ``(pin_state, reason)``: ``("pinned", "")`` or ``("unpinned", why)``.
-        """
-        assert self.engine is not None
-        cache = self.engine.cache
-        full = stable_end // cache.block_size
-        wanted = []
-        with cache.locked():
-            for bid in block_ids[:full]:
-                if bid not in cache.metadata:
-                    break
-                meta = cache.metadata.get(bid)
-                if meta.source_layer not in PINNABLE_SOURCES or meta.key is None:
-                    break
-                wanted.append(bid)
-            # A tenant's pins are its latest stable prefix: whatever else it holds pinned
-            # (an older version, or a prefix pinned by another process) is superseded.
-            self._pins.unpin_tenant(tenant, keep=wanted)
-            if not wanted:
-                return "unpinned", ("the stable prefix fills no whole block of a pinnable "
-                                    "layer; nothing to pin")
-            try:
-                outcome = self._pins.try_pin(wanted)
-            except PinCapacityError as exc:  # checked before the call; keep the reply
-                logger.warning("tenant %s: stable prefix served unpinned: %s", tenant, exc)
-                return "unpinned", str(exc)
-        if outcome.refused is not None:
-            logger.info("tenant %s: stable prefix served unpinned: %s", tenant, outcome.refused)
-            return "unpinned", outcome.refused
-        return "pinned", ""
 
 def cache_aware(pipeline: CacheAwareContextPipeline) -> Callable[[F], F]:
     """Decorator form of :meth:`CacheAwareContextPipeline.wrap`::
