@@ -53,6 +53,8 @@ class CallReport:
             reached, or the prefix fills no whole block; ``pin_reason`` says which)
             or ``"off"`` (``pin_stable=False``, before ``generate``, or on a served
             model, where the connector pins the spans flagged by ``request_fields``).
+        tier_items: tier-manager items this call's blocks registered or touched (0
+            when the pipeline has no ``tiers=``).
     """
 
     call: int
@@ -79,6 +81,7 @@ class CallReport:
     computed_by_layer: dict[str, int] = field(default_factory=dict)
     pin_state: str = "off"
     pin_reason: str = ""
+    tier_items: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -6,13 +6,16 @@ prompts are small and the device tier small, so every test runs in seconds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import gc
+import itertools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 
 from contextkit.engine import Engine
 from contextkit.pipeline import CacheAwareContextPipeline, PipelineResult
+from gpu_cache import InvalidNameError
 
 pytestmark = pytest.mark.slow
 
@@ -85,3 +88,83 @@ def test_another_agents_call_keeps_this_agents_pins(fresh: Callable[..., Engine]
     # B's next call with the same prefix keeps A's new prefix pinned too.
     run(b, agent_prompt("org-a", "agent-b"))
     assert pinned(engine) == new | theirs
+
+
+def test_pins_no_live_agent_holds_are_released_by_the_tenants_next_call(
+        fresh: Callable[..., Engine]) -> None:
+    engine = fresh("tq4", device=128, host=128)
+    b = CacheAwareContextPipeline(engine, tenant="org-a", agent="agent-b")
+    theirs = pinned_of(engine, run(b, agent_prompt("org-a", "agent-b")))
+    gone = CacheAwareContextPipeline(engine, tenant="org-a", agent="agent-gone")
+    its = pinned_of(engine, run(gone, agent_prompt("org-a", "agent-gone", version=3)))
+    other = CacheAwareContextPipeline(engine, tenant="org-b", agent="agent-x")
+    foreign = pinned_of(engine, run(other, agent_prompt("org-b", "agent-x")))
+    assert its - theirs and its - theirs <= pinned(engine)
+    del gone
+    gc.collect()
+    # Still pinned until the tenant's next call: nothing runs when a pipeline goes away.
+    assert its - theirs <= pinned(engine)
+    run(b, agent_prompt("org-a", "agent-b"))
+    assert pinned(engine) == theirs | foreign  # the dead agent's own blocks released
+    # The same agent name on a new pipeline is the same agent (a restarted process):
+    # its call supersedes the old pipeline's prefix, although that one is alive.
+    b2 = CacheAwareContextPipeline(engine, tenant="org-a", agent="agent-b")
+    now = pinned_of(engine, run(b2, agent_prompt("org-a", "agent-b", version=2)))
+    assert pinned(engine) == now | foreign and theirs - now
+
+
+def test_the_agent_name_is_checked_and_defaults_to_the_tenant(
+        fresh: Callable[..., Engine]) -> None:
+    engine = fresh("tq4", device=64, host=64)
+    with pytest.raises(InvalidNameError, match="agent") as err:
+        CacheAwareContextPipeline(engine, tenant="org-a", agent="agent a/../b")
+    assert "\n" not in str(err.value)
+    registry = RecordingRegistry()
+    pipeline = CacheAwareContextPipeline(engine, tiers=registry)  # type: ignore[arg-type]
+    assert pipeline.agent is None
+    pipeline.build(agent_prompt("org-b", "agent-y"), tenant="org-b")
+    pipeline.generate("Status?", max_new_tokens=1, tenant="org-b")
+    assert [(agent, tenant) for agent, tenant, _ in registry.calls] == [("org-b", "org-b")]
+
+
+class RecordingRegistry:
+    """A tier manager's ``register_segments`` that records its calls (one item per
+    segment, ids as the contract's: one per distinct block run)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, list[tuple[str, float, list[int]]]]] = []
+
+    def register_segments(self, agent: str, tenant: str,
+                          segments: Sequence[tuple[str, float, Sequence[int]]]) -> list[str]:
+        self.calls.append((agent, tenant, [(layer, imp, list(ids))
+                                           for layer, imp, ids in segments]))
+        return [f"seg:{tenant}:{ids[0]}" for _, _, ids in segments]
+
+
+def test_each_call_registers_its_blocks_as_layer_runs(fresh: Callable[..., Engine]) -> None:
+    engine = fresh("tq4", device=128, host=128)
+    registry = RecordingRegistry()
+    a = CacheAwareContextPipeline(engine, tenant="org-a", agent="agent-a",
+                                  tiers=registry)  # type: ignore[arg-type]
+    untiered = CacheAwareContextPipeline(engine, tenant="org-a", agent="agent-b")
+    result = run(a, agent_prompt("org-a", "agent-a", caps=6),
+                 "Which services breached their p95 target this morning, and why?")
+    assert len(registry.calls) == 1
+    agent, tenant, segments = registry.calls[0]
+    assert (agent, tenant) == ("agent-a", "org-a")
+    cache = engine.cache
+    kept = [b for b in result.generation.block_ids
+            if b in cache.metadata and cache.metadata.get(b).key is not None]
+    # Every kept block once, in prompt order; each run one layer, runs alternate.
+    assert [b for _, _, ids in segments for b in ids] == kept
+    layers = [layer for layer, _, _ in segments]
+    assert all(x != y for x, y in itertools.pairwise(layers))
+    for layer, importance, ids in segments:
+        metas = [cache.metadata.get(b) for b in ids]
+        assert {m.source_layer for m in metas} == {layer}
+        assert importance == max(m.importance for m in metas)
+    assert layers[0] == "axioms" and "capabilities" in layers and "identity" in layers
+    assert result.report.tier_items == len(segments)
+    # A pipeline without tiers= registers nothing and reports 0.
+    assert run(untiered, agent_prompt("org-a", "agent-b")).report.tier_items == 0
+    assert len(registry.calls) == 1
