@@ -21,6 +21,8 @@ __all__ = [
     "CycleReport",
     "Decision",
     "ItemKind",
+    "PrefetchReport",
+    "SegmentInfo",
     "ThresholdPolicy",
     "ThresholdSuggestion",
     "Thresholds",
@@ -150,6 +152,10 @@ class TierManagerConfig:
         max_spill_drain: most spilled lines taken per cycle.
         spilled_line_tier: tier of newly spilled lines.
         history: cycles kept by :meth:`ContextTierManager.metrics`.
+        protect_horizon: :meth:`ContextTierManager.prefetch` never archives blocks of
+            agents due within this many steps (0: only the prefetched agent's).
+        lookahead_weight: weight of the due term Orient adds with a look-ahead set:
+            ``lookahead_weight / steps`` for an item of an agent due in ``steps``.
     """
 
     interval_s: float = 60.0
@@ -166,6 +172,8 @@ class TierManagerConfig:
     max_spill_drain: int = 10_000
     spilled_line_tier: ContextTier = ContextTier.WORKING
     history: int = 256
+    protect_horizon: int = 2
+    lookahead_weight: float = 0.5
 
     def __post_init__(self) -> None:
         weights = (self.frequency_weight, self.recency_weight, self.relevance_weight)
@@ -176,6 +184,9 @@ class TierManagerConfig:
             raise ValueError("interval_s, half-lives and frequency_scale must be > 0")
         if self.history < 1 or self.max_spill_drain < 0:
             raise ValueError("history must be >= 1 and max_spill_drain >= 0")
+        if self.protect_horizon < 0 or self.lookahead_weight < 0:
+            raise ValueError(f"protect_horizon and lookahead_weight must be >= 0, got "
+                             f"{self.protect_horizon} and {self.lookahead_weight}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +238,44 @@ class BlockSkip:
     detail: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class SegmentInfo:
+    """Payload of a :attr:`ItemKind.SEGMENT` item: its prompt layer and its agents.
+
+    ``agents`` are the agents whose latest registered call holds the segment's blocks
+    (replaced, never mutated, when that changes); an empty set means no agent's
+    current prompt uses it any more.
+    """
+
+    layer: str
+    agents: frozenset[str] = frozenset()
+
+
+@dataclass(slots=True)
+class PrefetchReport:
+    """What :meth:`ContextTierManager.prefetch` did before an agent's turn.
+
+    ``warmed``, ``spilled`` and ``removed`` are block ids moved host -> device, device
+    -> host, and freed from the host tier; ``bytes_moved`` counts every block the
+    cache copied meanwhile (evictions the warm caused included). ``started_at`` and
+    ``finished_at`` are :func:`time.perf_counter` stamps.
+    """
+
+    agent: str
+    warmed: list[int] = field(default_factory=list)
+    spilled: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    bytes_moved: int = 0
+    duration_s: float = 0.0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    skipped: list[BlockSkip] = field(default_factory=list)  # pinned, in_use, tier_full
+
+    @property
+    def num_blocks_moved(self) -> int:
+        return len(self.warmed) + len(self.spilled)
+
+
 @dataclass(slots=True)
 class ActReport:
     """What the bridge did with one cycle's decisions."""
@@ -263,6 +312,9 @@ class CycleMetrics:
     thresholds_before: Thresholds
     thresholds_after: Thresholds
     threshold_reason: str = ""
+    #: Prefetches since the previous cycle: ``calls``, ``warmed``, ``spilled``,
+    #: ``removed`` (blocks); empty when none ran.
+    prefetch: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_blocks_moved(self) -> int:

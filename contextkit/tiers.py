@@ -29,11 +29,18 @@ Every cycle records a :class:`CycleMetrics` (actions, blocks and bytes moved,
 duration, thresholds before and after) in a bounded history, optionally exported
 as Prometheus metrics.
 
+With many agents sharing one cache, the pipeline registers each call's blocks as
+prompt segments (:meth:`ContextTierManager.register_segments`), the schedule says
+who is due next (:meth:`ContextTierManager.set_lookahead`), Orient adds a due term,
+and :meth:`ContextTierManager.prefetch` spills the blocks of the agents due
+furthest and warms the next agent's before its turn (``_tier_lookahead``).
+
 The value types (tiers, items, decisions, :class:`TierManagerConfig`, reports) live
 in ``_tier_types``, the bridge in ``_tier_bridge``, the columnar item table in
-``_tier_table`` and the Prometheus export in ``_tier_prometheus``; every public name
-is re-exported here, its import path. :meth:`ContextTierManager.from_config` reads
-the ``tiers`` section of :mod:`contextkit.config`.
+``_tier_table``, the look-ahead in ``_tier_lookahead`` and the Prometheus export in
+``_tier_prometheus``; every public name is re-exported here, its import path.
+:meth:`ContextTierManager.from_config` reads the ``tiers`` section of
+:mod:`contextkit.config`.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ import numpy as np
 
 from contextkit._extras import require
 from contextkit._tier_bridge import TierCacheBridge
+from contextkit._tier_lookahead import _LookaheadMixin
 from contextkit._tier_prometheus import _Prometheus
 from contextkit._tier_table import _ItemTable
 from contextkit._tier_types import (
@@ -68,6 +76,8 @@ from contextkit._tier_types import (
     CycleReport,
     Decision,
     ItemKind,
+    PrefetchReport,
+    SegmentInfo,
     ThresholdPolicy,
     Thresholds,
     ThresholdSuggestion,
@@ -90,6 +100,8 @@ __all__ = [
     "CycleReport",
     "Decision",
     "ItemKind",
+    "PrefetchReport",
+    "SegmentInfo",
     "ThresholdPolicy",
     "ThresholdSuggestion",
     "Thresholds",
@@ -107,7 +119,7 @@ def spilled_line_id(line: SpilledLine) -> str:
     return f"line:{line.layer}:{digest}"
 
 
-class ContextTierManager:
+class ContextTierManager(_LookaheadMixin):
     """Keeps items in context tiers by an OODA cycle; see the module docstring.
 
     Args:
@@ -120,7 +132,8 @@ class ContextTierManager:
         clock: wall-clock seconds, comparable with blocks' ``last_attended``.
 
     Use :meth:`start` for the scheduled cycle, :meth:`run_once` for one cycle now,
-    and :meth:`close` (or ``with``) to stop. Thread-safe.
+    and :meth:`close` (or ``with``) to stop. Many agents: :meth:`register_segments`,
+    :meth:`set_lookahead`, :meth:`prefetch`. Thread-safe.
     """
 
     def __init__(self, cache: TQGPUCache | None = None, *,
@@ -152,6 +165,7 @@ class ContextTierManager:
         self.last_error: BaseException | None = None
         self.last_report: CycleReport | None = None
         self._prom = _Prometheus(registry) if prometheus else None
+        self._init_lookahead()
 
     @classmethod
     def from_config(cls, cache: TQGPUCache | None = None, config: Any = None, *,
@@ -237,15 +251,9 @@ class ContextTierManager:
     def remove_item(self, item_id: str) -> TierItem:
         """Stop tracking an item (its blocks stay in the cache); returns its last state."""
         with self._lock:
-            t = self._table
             row = self._row(item_id)
-            item = t.snapshot(row)
-            for bid in t.blocks[row]:
-                self._owner.pop(bid, None)
-            del t.row_of[item_id]
-            t.ids[row], t.blocks[row], t.payload[row] = None, (), None
-            t.alive[row] = False
-            t.free_rows.append(row)
+            item = self._table.snapshot(row)
+            self._drop_row_locked(row)
             return item
 
     def record_access(self, item_id: str, count: int = 1) -> None:
@@ -328,6 +336,7 @@ class ContextTierManager:
             decisions = self._decide()
             items_by_tier = self._tier_counts_locked()
             num_items = len(self._table.row_of)
+            prefetch = self._take_prefetch_counts_locked()
         t3 = time.perf_counter()
         act = self.bridge.act(decisions)
         if act.removed or act.gone:
@@ -355,6 +364,7 @@ class ContextTierManager:
             thresholds_before=before, thresholds_after=self._thresholds,
             threshold_reason="" if suggestion is None else
             suggestion.reason + ("" if suggestion.applied else " (suggested, not applied)"),
+            prefetch=prefetch,
         )
         report = CycleReport(metrics, tuple(decisions), act, suggestion)
         self._history.append(metrics)
@@ -418,15 +428,8 @@ class ContextTierManager:
             self._forget_blocks(gone)
         return accesses
 
-    def _forget_blocks(self, block_ids: Iterable[int]) -> None:
-        t = self._table
-        for bid in block_ids:
-            row = self._owner.pop(bid, None)
-            if row is not None:
-                t.blocks[row] = tuple(b for b in t.blocks[row] if b != bid)
-
     def _orient(self, now: float) -> None:
-        """Score every row: weighted frequency, recency and relevance."""
+        """Score every row: weighted frequency, recency, relevance (and the due term)."""
         cfg, t, n = self.config, self._table, self._table.size
         elapsed = 0.0 if self._last_cycle_at is None else max(0.0, now - self._last_cycle_at)
         self._last_cycle_at = now
@@ -440,6 +443,9 @@ class ContextTierManager:
         score *= cfg.recency_weight
         score += cfg.frequency_weight * -np.expm1(freq * (-1.0 / cfg.frequency_scale))
         score += cfg.relevance_weight * t.relevance[:n]
+        due = self._due_term_locked(n)
+        if due is not None:  # the agents due next keep their items up
+            score += due
 
     def _decide(self) -> list[Decision]:
         """Promote / demote / archive lists; applies the tier changes to the table."""
