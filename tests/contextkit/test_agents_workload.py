@@ -7,8 +7,10 @@ from collections.abc import Callable
 import pytest
 
 from contextkit.agents import AgentSpec, AgentStep, MultiAgentWorkload
+from contextkit.engine import Engine
 from contextkit.layers import LayerConfig
 from contextkit.models import load_tokenizer
+from contextkit.pipeline import CacheAwareContextPipeline
 from contextkit.prompt import (
     StructuredPrompt,
     coerce_prompt,
@@ -358,6 +360,28 @@ def test_org_layers_are_the_leading_shared_tokens(count_tokens: Callable[[str], 
     shared = StructuredPrompt(a.sections[:3])
     assert shared == StructuredPrompt(b.sections[:3])
     assert 1000 <= pipeline_tokens(shared, count_tokens) <= 1500
+
+
+def test_pipelines_of_one_tenant_reuse_the_org_blocks_on_the_real_model(
+        fresh: Callable[..., Engine], workload: MultiAgentWorkload) -> None:
+    """Driven as the bench drives it: one pipeline per agent over one engine."""
+    engine = fresh(device=640, host=64)
+    pipelines: dict[str, CacheAwareContextPipeline] = {}
+    reused: dict[str, int] = {}
+    for i in (0, 3, 1):  # agent-0 and agent-3 of org-a, then agent-1 of org-b
+        st = workload.step(i)
+        pipeline = pipelines.setdefault(st.agent, CacheAwareContextPipeline(
+            engine, tenant=st.tenant, agent=st.agent))
+        built = pipeline.build(workload.system_prompt(i))
+        assert built.stable_layers == ORDER[:4]
+        assert built.report.spilled_lines == 0
+        result = pipeline.generate(st.user_message, max_new_tokens=1)
+        assert 1500 <= result.generation.prompt_tokens <= 3100
+        reused[st.agent] = result.generation.reused_tokens
+    assert reused["agent-0"] == 0
+    # the org layers (~1.25K tokens) come from agent-0's blocks; identity differs
+    assert 1000 <= reused["agent-3"] <= 1500, reused
+    assert reused["agent-1"] < 16, reused  # another tenant shares nothing past the header
 
 
 # ---------------------------------------------------------------------------- errors
