@@ -24,10 +24,14 @@ room (``steps >= 3 * num_agents + returners``), one agent (two from 4 agents on)
 pauses after the opening for at least ``2 * num_agents`` steps and returns at about
 two thirds of the run, while the others alternate round-robin passes (a seeded
 order) and bursts (one agent 2-3 steps in a row); after the return everyone takes
-part. With the defaults: steps 0-5 round-robin, 6-23 passes over 4 agents with
-bursts, two returns at steps 24-25 after pauses of 18 steps and more, then 10 mixed
-steps. Every agent has at least 2 turns. Everything derives from string-seeded
-``random.Random`` instances; nothing reads the clock.
+part. With the defaults (seed 0): steps 0-5 a round-robin, 6-23 passes over the 4
+other agents with two 3-step bursts, then agent-0 and agent-3 (both of org-a) return
+at steps 24-25 after pauses of 23 and 21 steps, then 10 mixed steps with one more
+burst (``rrrrrrrrrrBBBrrrrBBBrrrrRRrrrrrrBBBr``); the agents take 3-9 turns each.
+Every agent has at least 2 turns. :meth:`MultiAgentWorkload.lookahead` gives each
+agent's steps until its next turn (KVFlow's steps-to-execution), for a tier manager
+to spill the agents due furthest and warm the next one. Everything derives from
+string-seeded ``random.Random`` instances; nothing reads the clock.
 """
 
 from __future__ import annotations
