@@ -419,6 +419,18 @@ class _LookaheadMixin:
         return out
 
     # ------------------------------------------------------------------ rows and blocks
+    def _follow_blocks_locked(self, rows: np.ndarray, on_device: np.ndarray) -> None:
+        """A prompt segment whose blocks the cache evicted (spilled) on its own, none
+        left on the device, is in working memory, so a promotion warms it back.
+        ``rows[i]`` owns a block that is on the device when ``on_device[i]``."""
+        t = self._table
+        total = np.bincount(rows, minlength=t.size)[: t.size]
+        up = np.bincount(rows, weights=on_device, minlength=t.size)[: t.size]
+        tier = t.tier[: t.size]
+        down = ((t.kind[: t.size] == _KINDS.index(ItemKind.SEGMENT)) & (total > 0)
+                & (up == 0) & (tier == int(ContextTier.PROMPT)))
+        tier[down] = int(ContextTier.WORKING)
+
     def _reconcile_locked(self) -> None:
         """Forget owned blocks the cache no longer holds (evicted or freed by others)."""
         if self.cache is None or not self._owner:

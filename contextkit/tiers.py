@@ -339,9 +339,9 @@ class ContextTierManager(_LookaheadMixin):
             prefetch = self._take_prefetch_counts_locked()
         t3 = time.perf_counter()
         act = self.bridge.act(decisions)
-        if act.removed or act.gone:
-            with self._lock:
-                self._forget_blocks(act.removed + act.gone)
+        with self._lock:  # and what the cache evicted to make room for the warms
+            self._forget_blocks(act.removed + act.gone)
+            self._reconcile_locked()
         before = self._thresholds
         suggestion = self.bridge.suggest_thresholds(before, self.config.thresholds)
         if suggestion is not None and suggestion.applied:
@@ -376,11 +376,12 @@ class ContextTierManager(_LookaheadMixin):
             callback(report)
         return report
 
-    def _observe(self) -> tuple[list[SpilledLine], tuple[np.ndarray, np.ndarray]]:
-        """Spilled lines and ``(block ids, last_attended)`` of every cached block."""
+    def _observe(self) -> tuple[list[SpilledLine], tuple[np.ndarray, ...]]:
+        """Spilled lines and ``(block ids, last_attended, on the device)`` of every
+        cached block."""
         lines = (self.spillover.drain(self.config.max_spill_drain)
                  if self.spillover is not None else [])
-        empty = (np.zeros(0, dtype=np.int64), np.zeros(0))
+        empty = (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0, dtype=bool))
         if self.cache is None:
             return lines, empty
         with self.cache.locked():
@@ -388,9 +389,11 @@ class ContextTierManager(_LookaheadMixin):
             ids = np.fromiter((m.block_id for m in metas), dtype=np.int64, count=len(metas))
             attended = np.fromiter((m.last_attended for m in metas), dtype=np.float64,
                                    count=len(metas))
-        return lines, (ids, attended)
+            on_device = np.fromiter((m.tier is Tier.DEVICE for m in metas), dtype=bool,
+                                    count=len(metas))
+        return lines, (ids, attended, on_device)
 
-    def _ingest(self, lines: list[SpilledLine], blocks: tuple[np.ndarray, np.ndarray]) -> int:
+    def _ingest(self, lines: list[SpilledLine], blocks: tuple[np.ndarray, ...]) -> int:
         """Fold observations into the table; returns the accesses observed."""
         t = self._table
         accesses = 0
@@ -406,7 +409,7 @@ class ContextTierManager(_LookaheadMixin):
                 t.last_access[row] = max(t.last_access[row], line.spilled_at)
                 t.relevance[row] = max(t.relevance[row], min(1.0, line.importance))
                 accesses += 1
-        ids, attended = blocks
+        ids, attended, on_device = blocks
         if not self._owner:
             return accesses
         owner = self._owner
@@ -420,6 +423,7 @@ class ContextTierManager(_LookaheadMixin):
             t.hits[: t.size][seen] += 1
             t.last_access[: t.size][seen] = latest[seen]
             accesses += int(np.count_nonzero(seen))
+            self._follow_blocks_locked(rows[mine], on_device[mine])
         if int(np.count_nonzero(mine)) < len(owner) and self.cache is not None:
             # Owned blocks missing from the snapshot: freed by someone else, or added
             # after it; only the ones gone from the cache now are forgotten.
