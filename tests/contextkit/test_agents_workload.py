@@ -214,6 +214,11 @@ def test_the_default_schedule_has_the_documented_shape(workload: MultiAgentWorkl
     assert not returners & set(workload.schedule[6:24])
     assert returners <= set(workload.schedule[26:])
     assert kinds[6:24].count("burst") >= 4
+    # exactly as the module docstring tells it
+    letter = {"round_robin": "r", "burst": "B", "return": "R"}
+    assert "".join(letter[k] for k in kinds) == "rrrrrrrrrrBBBrrrrBBBrrrrRRrrrrrrBBBr"
+    assert workload.returners == ("agent-0", "agent-3")
+    assert sorted(len(workload.turns_of(a.name)) for a in workload.agents)[::5] == [3, 9]
 
 
 # ---------------------------------------------------------------------------- look-ahead
