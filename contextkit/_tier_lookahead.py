@@ -330,7 +330,11 @@ class _LookaheadMixin:
         Warms and spills alternate into free slots, so the host blocks archived are
         the net room the spills need beyond what the warms give back, and the cache
         never evicts anything on prefetch's behalf. Pinned and in-use blocks never
-        move; they are reported as skipped. Runs one at a time with the OODA cycle.
+        move; they are reported as skipped. Prefetch moves bytes, not items: an
+        item's context tier (where it stands in the context) changes only by a
+        cycle's decisions, so a cycle does not warm back what prefetch spilled; a
+        segment whose every block was archived is dropped. Runs one at a time with
+        the OODA cycle.
 
         Raises:
             InvalidNameError: ``agent`` breaks the naming rule.
@@ -354,14 +358,8 @@ class _LookaheadMixin:
                     _plan_and_move(cache, mine, others, need_blocks,
                                    self.config.protect_horizon, report)
                     report.bytes_moved = cache.stats.bytes_moved - before
-                    tiers = self._resulting_tiers(cache, [*mine, *others], report)
                 with self._lock:
                     self._forget_blocks(report.removed)
-                    t = self._table
-                    for item_id, tier in tiers.items():
-                        row = t.row_of.get(item_id)
-                        if row is not None:
-                            t.tier[row] = int(tier)
                     self._prefetch_counts.update(
                         calls=1, warmed=len(report.warmed), spilled=len(report.spilled),
                         removed=len(report.removed))
@@ -395,42 +393,7 @@ class _LookaheadMixin:
                   if row not in mine_rows and agent not in self._row_agents.get(row, ())]
         return mine, others
 
-    @staticmethod
-    def _resulting_tiers(cache: TQGPUCache, items: Sequence[_Candidate],
-                         report: PrefetchReport) -> dict[str, ContextTier]:
-        """Context tiers of the items whose blocks moved: all on the device -> prompt,
-        none -> working memory (archive when every block was freed)."""
-        moved = {*report.warmed, *report.spilled, *report.removed}
-        out: dict[str, ContextTier] = {}
-        for c in items:
-            if moved.isdisjoint(c.blocks):
-                continue
-            on_device = kept = 0
-            for bid in c.blocks:
-                if bid in cache.metadata:
-                    kept += 1
-                    on_device += cache.metadata.get(bid).tier is Tier.DEVICE
-            if not kept:
-                out[c.item_id] = ContextTier.ARCHIVE
-            elif on_device == kept:
-                out[c.item_id] = ContextTier.PROMPT
-            elif not on_device:
-                out[c.item_id] = ContextTier.WORKING
-        return out
-
     # ------------------------------------------------------------------ rows and blocks
-    def _follow_blocks_locked(self, rows: np.ndarray, on_device: np.ndarray) -> None:
-        """A prompt segment whose blocks the cache evicted (spilled) on its own, none
-        left on the device, is in working memory, so a promotion warms it back.
-        ``rows[i]`` owns a block that is on the device when ``on_device[i]``."""
-        t = self._table
-        total = np.bincount(rows, minlength=t.size)[: t.size]
-        up = np.bincount(rows, weights=on_device, minlength=t.size)[: t.size]
-        tier = t.tier[: t.size]
-        down = ((t.kind[: t.size] == _KINDS.index(ItemKind.SEGMENT)) & (total > 0)
-                & (up == 0) & (tier == int(ContextTier.PROMPT)))
-        tier[down] = int(ContextTier.WORKING)
-
     def _reconcile_locked(self) -> None:
         """Forget owned blocks the cache no longer holds (evicted or freed by others)."""
         if self.cache is None or not self._owner:

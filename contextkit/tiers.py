@@ -376,12 +376,11 @@ class ContextTierManager(_LookaheadMixin):
             callback(report)
         return report
 
-    def _observe(self) -> tuple[list[SpilledLine], tuple[np.ndarray, ...]]:
-        """Spilled lines and ``(block ids, last_attended, on the device)`` of every
-        cached block."""
+    def _observe(self) -> tuple[list[SpilledLine], tuple[np.ndarray, np.ndarray]]:
+        """Spilled lines and ``(block ids, last_attended)`` of every cached block."""
         lines = (self.spillover.drain(self.config.max_spill_drain)
                  if self.spillover is not None else [])
-        empty = (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0, dtype=bool))
+        empty = (np.zeros(0, dtype=np.int64), np.zeros(0))
         if self.cache is None:
             return lines, empty
         with self.cache.locked():
@@ -389,11 +388,9 @@ class ContextTierManager(_LookaheadMixin):
             ids = np.fromiter((m.block_id for m in metas), dtype=np.int64, count=len(metas))
             attended = np.fromiter((m.last_attended for m in metas), dtype=np.float64,
                                    count=len(metas))
-            on_device = np.fromiter((m.tier is Tier.DEVICE for m in metas), dtype=bool,
-                                    count=len(metas))
-        return lines, (ids, attended, on_device)
+        return lines, (ids, attended)
 
-    def _ingest(self, lines: list[SpilledLine], blocks: tuple[np.ndarray, ...]) -> int:
+    def _ingest(self, lines: list[SpilledLine], blocks: tuple[np.ndarray, np.ndarray]) -> int:
         """Fold observations into the table; returns the accesses observed."""
         t = self._table
         accesses = 0
@@ -409,7 +406,7 @@ class ContextTierManager(_LookaheadMixin):
                 t.last_access[row] = max(t.last_access[row], line.spilled_at)
                 t.relevance[row] = max(t.relevance[row], min(1.0, line.importance))
                 accesses += 1
-        ids, attended, on_device = blocks
+        ids, attended = blocks
         if not self._owner:
             return accesses
         owner = self._owner
@@ -423,7 +420,6 @@ class ContextTierManager(_LookaheadMixin):
             t.hits[: t.size][seen] += 1
             t.last_access[: t.size][seen] = latest[seen]
             accesses += int(np.count_nonzero(seen))
-            self._follow_blocks_locked(rows[mine], on_device[mine])
         if int(np.count_nonzero(mine)) < len(owner) and self.cache is not None:
             # Owned blocks missing from the snapshot: freed by someone else, or added
             # after it; only the ones gone from the cache now are forgotten.

@@ -209,10 +209,8 @@ def test_prefetch_spills_the_never_due_first_and_warms_the_due_agent() -> None:
     assert report.bytes_moved == 6 * cache.bytes_per_block
     assert report.started_at <= report.finished_at
     assert report.duration_s == pytest.approx(report.finished_at - report.started_at)
-    [a_item] = manager.agent_items("agent-a")
-    [d_item] = manager.agent_items("agent-d")
-    assert manager.get(a_item).tier is ContextTier.PROMPT
-    assert manager.get(d_item).tier is ContextTier.WORKING
+    # Bytes moved, not items: both still stand in the prompt tier (a cycle decides).
+    assert {i.tier for i in manager.items()} == {ContextTier.PROMPT}
 
     # Six more free blocks for a's turn: e (never due), then c (due furthest); b stays.
     report = manager.prefetch("agent-a", need_blocks=6)
@@ -380,26 +378,34 @@ def test_lru_and_semantic_pick_different_victims_on_one_cache_state() -> None:
 # ---------------------------------------------------------------------- orient
 def test_orient_due_term_keeps_the_next_agents_items_up() -> None:
     cache = make_cache(device=16, host=16)
-    config = TierManagerConfig(lookahead_weight=0.5)
-    manager = ContextTierManager(cache, config=config)
-    due = alloc(cache, 2, Tier.HOST, "memories")
-    never = alloc(cache, 2, Tier.HOST, "memories")
-    manager.register_segments("agent-0", "org-a", [("memories", 0.2, due)])
-    manager.register_segments("agent-1", "org-a", [("memories", 0.2, never)])
+    due = alloc(cache, 2, Tier.DEVICE, "memories")
+    never = alloc(cache, 2, Tier.DEVICE, "memories")
+    now = [time.time()]
+    manager = ContextTierManager(cache, config=TierManagerConfig(lookahead_weight=0.5),
+                                 clock=lambda: now[0])
+    [due_item] = manager.register_segments("agent-0", "org-a", [("memories", 0.2, due)])
+    [never_item] = manager.register_segments("agent-1", "org-a", [("memories", 0.2, never)])
+    now[0] += 1e5  # both idle for a day: recency ~0
     manager.set_lookahead({"agent-0": 1, "agent-1": None})
-    report = manager.run_once()
-    [due_item], [never_item] = manager.agent_items("agent-0"), manager.agent_items("agent-1")
-    assert manager.get(due_item).score - manager.get(never_item).score == pytest.approx(0.5)
-    promoted = {d.item_id for d in report.decisions if d.action.value == "promote"}
-    assert due_item in promoted and never_item not in promoted
-    assert tier_of(cache, due) == {Tier.DEVICE} and tier_of(cache, never) == {Tier.HOST}
 
-    manager.set_lookahead({"agent-0": 2})
-    manager.run_once()
-    assert manager.get(due_item).score - manager.get(never_item).score == pytest.approx(0.25)
-    manager.set_lookahead({})
-    manager.run_once()
-    assert manager.get(due_item).score == pytest.approx(manager.get(never_item).score)
+    first = manager.run_once()
+    # Scores 0.05 (relevance only) + 0.5 for the agent due next: it stays in the
+    # prompt; the never-due one is demoted (spilled), then archived (freed).
+    assert manager.get(due_item).score - manager.get(never_item).score == pytest.approx(0.5)
+    assert {(d.item_id, d.action.value) for d in first.decisions} == {(never_item, "demote")}
+    assert tier_of(cache, never) == {Tier.HOST} and tier_of(cache, due) == {Tier.DEVICE}
+    second = manager.run_once()
+    assert {(d.item_id, d.action.value) for d in second.decisions} == {(never_item, "archive")}
+    assert never_item not in manager and all(b not in cache.metadata for b in never)
+    assert manager.get(due_item).tier is ContextTier.PROMPT
+
+    manager.set_lookahead({"agent-0": 4})  # 0.5 / 4 = 0.125: not enough to stay
+    assert manager.run_once().decisions[0].action.value == "demote"
+    assert tier_of(cache, due) == {Tier.HOST}
+    manager.set_lookahead({"agent-0": 1})  # due again: promoted and warmed
+    promoted = manager.run_once()
+    assert [(d.item_id, d.action.value) for d in promoted.decisions] == [(due_item, "promote")]
+    assert sorted(promoted.act.warmed) == sorted(due)
 
 
 def test_rows_of_segments_whose_blocks_are_gone_are_dropped() -> None:
