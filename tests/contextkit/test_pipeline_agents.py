@@ -15,7 +15,7 @@ import pytest
 
 from contextkit.engine import Engine
 from contextkit.pipeline import CacheAwareContextPipeline, PipelineResult
-from gpu_cache import InvalidNameError
+from gpu_cache import InvalidNameError, Tier
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +64,7 @@ def test_another_agents_call_keeps_this_agents_pins(fresh: Callable[..., Engine]
     engine = fresh("tq4", device=128, host=128)
     a = CacheAwareContextPipeline(engine, tenant="org-a", agent="agent-a")
     b = CacheAwareContextPipeline(engine, tenant="org-a", agent="agent-b")
-    first = run(a, agent_prompt("org-a", "agent-a"))
+    first = run(a, agent_prompt("org-a", "agent-a", caps=0))
     mine = pinned_of(engine, first)
     assert first.report.pin_state == "pinned" and mine
     other = run(b, agent_prompt("org-a", "agent-b"))
@@ -168,3 +168,50 @@ def test_each_call_registers_its_blocks_as_layer_runs(fresh: Callable[..., Engin
     # A pipeline without tiers= registers nothing and reports 0.
     assert run(untiered, agent_prompt("org-a", "agent-b")).report.tier_items == 0
     assert len(registry.calls) == 1
+
+
+def pressure_prompt(i: int, rnd: int) -> dict[str, Any]:
+    """Another agent's prompt made of high-priority layers only (axioms, identity):
+    once the conversation blocks are gone, semantic eviction has to choose among
+    stable-layer blocks, and the older ones go first."""
+    return {
+        "axioms": [f"Organisation org-{i}, rule {k}: check the runbook of service {k} "
+                   f"before acting (round {rnd})." for k in range(4)],
+        "identity": [f"You are agent-{i}, reviewer {k} of the deployment queue "
+                     f"(round {rnd})." for k in range(3)],
+    }
+
+
+def fill_device(engine: Engine, watch: set[int], *, pin_a: bool) -> list[tuple[bool, str]]:
+    """Agent A (org-a) calls once, then other agents' calls overfill the device tier;
+    returns (pinned, tier) of A's prefix blocks after each of their calls."""
+    cache = engine.cache
+    a = CacheAwareContextPipeline(engine, tenant="org-a", agent="agent-a", pin_stable=pin_a)
+    first = run(a, agent_prompt("org-a", "agent-a", caps=0))
+    full = first.report.pinned_blocks if pin_a else 0
+    watch.update(first.generation.block_ids[:max(full, 6)])
+    others = [CacheAwareContextPipeline(engine, tenant=f"org-{i}", agent=f"agent-{i}",
+                                        pin_stable=False) for i in range(3)]
+    states: list[tuple[bool, str]] = []
+    for rnd in range(2):
+        for i, pipeline in enumerate(others):
+            run(pipeline, pressure_prompt(i, rnd))
+            for bid in sorted(watch):
+                meta = cache.metadata.get(bid) if bid in cache.metadata else None
+                states.append((False, "gone") if meta is None else (meta.pinned, meta.tier.name))
+    return states
+
+
+def test_pins_survive_pressure_from_other_agents(fresh: Callable[..., Engine]) -> None:
+    engine = fresh("tq4", device=32, host=128, eviction_policy="semantic")
+    mine: set[int] = set()
+    states = fill_device(engine, mine, pin_a=True)
+    assert mine and engine.cache.num_used(Tier.HOST) > 0  # the tier was overfilled
+    assert set(states) == {(True, "DEVICE")}  # pinned, on the device, after every call
+    again = run(CacheAwareContextPipeline(engine, tenant="org-a", agent="agent-a"),
+                agent_prompt("org-a", "agent-a", caps=0))
+    assert again.report.reused_tokens >= len(mine) * engine.cache.block_size
+    # The same traffic without A's pins spills or evicts A's prefix.
+    control = fresh("tq4", device=32, host=128, eviction_policy="semantic")
+    states = fill_device(control, set(), pin_a=False)
+    assert any(tier != "DEVICE" for _, tier in states)
