@@ -15,6 +15,7 @@ import pytest
 
 from contextkit.engine import Engine
 from contextkit.pipeline import CacheAwareContextPipeline, PipelineResult
+from contextkit.tiers import ContextTierManager, ItemKind, SegmentInfo
 from gpu_cache import InvalidNameError, Tier
 
 pytestmark = pytest.mark.slow
@@ -215,3 +216,43 @@ def test_pins_survive_pressure_from_other_agents(fresh: Callable[..., Engine]) -
     control = fresh("tq4", device=32, host=128, eviction_policy="semantic")
     states = fill_device(control, set(), pin_a=False)
     assert any(tier != "DEVICE" for _, tier in states)
+
+
+def test_agents_register_with_the_real_tier_manager(fresh: Callable[..., Engine]) -> None:
+    engine = fresh("tq4", device=32, host=128, eviction_policy="semantic")
+    cache = engine.cache
+    tiers = ContextTierManager(cache)
+    names = [("org-a", "agent-a"), ("org-a", "agent-b"), ("org-b", "agent-c")]
+    pipes = {agent: CacheAwareContextPipeline(engine, tenant=tenant, agent=agent, tiers=tiers,
+                                              pin_stable=False) for tenant, agent in names}
+    results = {agent: run(pipes[agent], agent_prompt(tenant, agent, caps=0))
+               for tenant, agent in names}
+    items = [i for i in tiers.items() if i.kind is ItemKind.SEGMENT]
+    owned = [b for i in items for b in i.block_ids]
+    assert len(owned) == len(set(owned))  # a block shared by two agents is owned once
+    for tenant, agent in names:
+        ids = tiers.agent_items(agent)
+        assert ids and results[agent].report.tier_items == len(ids)
+        blocks = {b for i in ids for b in tiers.get(i).block_ids}
+        kept = {b for b in results[agent].generation.block_ids if b in cache.metadata}
+        assert kept <= blocks  # every block of the call is in one of its items
+        assert all(tiers.get(i).tenant == tenant for i in ids)
+    shared = set(tiers.agent_items("agent-a")) & set(tiers.agent_items("agent-b"))
+    assert shared and not shared & set(tiers.agent_items("agent-c"))
+    for item_id in shared:  # the org's leading blocks: one item, both agents
+        info = tiers.get(item_id).payload
+        assert isinstance(info, SegmentInfo) and info.agents == {"agent-a", "agent-b"}
+    # Other agents' traffic spills agent-a's blocks; the manager warms them before its turn.
+    for rnd in range(2):
+        run(pipes["agent-c"], agent_prompt("org-b", "agent-c", version=rnd + 1, caps=4),
+            "List every incident of this week, service by service. " * 3)
+    mine = [b for i in tiers.agent_items("agent-a") for b in tiers.get(i).block_ids]
+    assert any(cache.metadata.get(b).tier is Tier.HOST for b in mine if b in cache.metadata)
+    tiers.set_lookahead({"agent-a": 1, "agent-b": 2, "agent-c": None})
+    report = tiers.prefetch("agent-a")
+    assert report.warmed and all(cache.metadata.get(b).tier is Tier.DEVICE
+                                 for b in mine if b in cache.metadata)
+    again = run(pipes["agent-a"], agent_prompt("org-a", "agent-a", caps=0))
+    assert again.generation.warmed_tokens == 0 and again.report.reused_tokens > 0
+    for tier in (Tier.DEVICE, Tier.HOST):  # no block leaked
+        assert cache.num_free(tier) + cache.num_used(tier) == cache.capacity(tier)
