@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "ooda": "contextkit.bench.ooda",
     "vllm": "contextkit.bench.vllm",
     "agent-vllm": "contextkit.bench.agent_vllm",
+    "agents": "contextkit.bench.agents",
 }
 
 

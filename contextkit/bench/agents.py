@@ -1,0 +1,591 @@
+"""``contextkit bench agents``: many agents sharing a cache too small for all of them.
+
+The workload is :class:`contextkit.agents.MultiAgentWorkload` (6 agents of 3 tenants
+by default, ten-layer prompts of 1.5K-3K tokens, a seeded schedule of round-robin
+passes, bursts and agents that return after long pauses). One engine is loaded; each
+policy runs the whole schedule on its own fresh cache of identical sizes
+(:meth:`~contextkit.engine.Engine.sibling`), one pipeline per agent, in one process:
+
+- ``lru``: eviction by recency only (``eviction_policy="lru"``), no pins, no tier
+  manager;
+- ``semantic``: eviction by layer priority and importance, each agent's stable prefix
+  pinned, no tier manager;
+- ``semantic+ooda``: the same plus a :class:`~contextkit.tiers.ContextTierManager`
+  that knows every agent's blocks (the pipelines register them) and the schedule's
+  look-ahead: between turns it runs one OODA cycle, then
+  :meth:`~contextkit.tiers.ContextTierManager.prefetch` spills the blocks of the
+  agents due furthest and warms the next agent's blocks from the host tier. That time
+  is reported as ``ooda_cycle_ms``, never inside a TTFT, and every prefetch finishes
+  before its turn's generate starts (``prefetch_before_generate``).
+
+Sizes come from a dry build of every step's prompt (no model run): the device tier
+holds ``--device-agents`` times the largest agent's prompt plus reply headroom, the
+host tier ``--host-agents`` times the mean agent's. Pins may take what the largest
+request leaves free, so a request never has to reclaim a pin; at a size where that
+room is smaller than an agent's stable prefix, the pinning policies run unpinned
+(``pins`` in the sizes says so). The sweep reruns the first ``--sweep-steps`` steps at
+each device size (the main size's rows are a prefix of the main run).
+
+Figures (all computed from the per-step rows by :func:`policy_figures` and
+:func:`speedups`): TTFT per step, ``ttft_p50``/``ttft_p95`` and the speedups over the
+*warm* steps (the agent's second turn on: a first turn is the same cold prefill under
+every policy); hit rates over all steps: ``device_hit_rate`` is reused tokens already
+on the device over prompt tokens, ``host_hit_rate`` reused tokens the request brought
+up from the host tier (:attr:`~contextkit.engine.GenerationResult.warmed_tokens`) over
+prompt tokens; blocks and bytes moved between tiers; ``pinned_blocks_evicted`` counts
+blocks pinned when a step began that were off the device when it ended (must be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from tqdm import tqdm
+
+from contextkit.bench._common import (
+    machine_info,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    print_table,
+)
+
+if TYPE_CHECKING:
+    from contextkit.agents import MultiAgentWorkload
+    from contextkit.engine import Engine
+
+__all__ = ["HELP", "POLICIES", "Sizes", "add_arguments", "check_args", "dry_build",
+           "parse_sweep", "percentile", "plan_sizes", "policy_figures", "run",
+           "run_policy", "speedups"]
+
+HELP = ("many agents sharing a cache too small for all of them: TTFT per step under lru, "
+        "semantic and semantic+ooda (look-ahead prefetch), and a device-size sweep")
+
+#: the policies, in the order they run and are reported
+POLICIES = ("lru", "semantic", "semantic+ooda")
+#: messages of the agent's own conversation each turn carries
+HISTORY_MESSAGES = 4
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--agents", type=positive_int, default=6, help="agents (default 6)")
+    parser.add_argument("--tenants", type=positive_int, default=3,
+                        help="tenants; agents of one share its organisation layers (default 3)")
+    parser.add_argument("--steps", type=positive_int, default=36,
+                        help="steps of the schedule, >= 2 x agents (default 36)")
+    parser.add_argument("--scale", type=positive_float, default=1.0,
+                        help="workload scale (default 1.0: 1.5K-3K-token prompts)")
+    parser.add_argument("--device-agents", type=positive_int, default=2,
+                        help="device tier: this many of the largest agent's prompts plus reply "
+                             "headroom (default 2)")
+    parser.add_argument("--host-agents", type=non_negative_int, default=4,
+                        help="host tier: this many mean agent prompts (default 4)")
+    parser.add_argument("--sweep", default="1,2,4,all",
+                        help="device sizes in agents for the sweep, comma-separated; 'all': "
+                             "every agent fits; '' skips it (default 1,2,4,all)")
+    parser.add_argument("--sweep-steps", type=positive_int, default=18,
+                        help="steps of the schedule each sweep size runs (default 18)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=1,
+                        help="reply length per turn (default 1: TTFT is the figure)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="workload seed")
+    parser.add_argument("--out", default=None, help="also write the JSON result here")
+    parser.add_argument("--plot", default=None,
+                        help="write the TTFT-per-step and sweep plot (PNG) here")
+
+
+def parse_sweep(text: str, num_agents: int) -> list[int]:
+    """Device sizes in agents from ``--sweep`` (``all`` is ``num_agents``), sorted.
+
+    Raises:
+        ValueError: a size that is not a positive integer or ``all`` (one line).
+    """
+    sizes: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if part == "all":
+            sizes.add(num_agents)
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"--sweep takes device sizes in agents (integers >= 1) or 'all', "
+                             f"comma-separated, e.g. 1,2,4,all; got {part!r}")
+        sizes.add(min(value, num_agents))
+    return sorted(sizes)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse arguments the bench cannot run, in one line.
+
+    Raises:
+        SystemExit: tenants over agents, too few steps, a bad sweep or plot path.
+    """
+    if args.agents < 2:
+        raise SystemExit(f"--agents must be >= 2 (agents share the cache), got {args.agents}")
+    if args.tenants > args.agents:
+        raise SystemExit(f"--tenants must be at most --agents ({args.agents}), got "
+                         f"{args.tenants}")
+    if args.steps < 2 * args.agents:
+        raise SystemExit(f"--steps must be >= 2 x --agents = {2 * args.agents} (every agent "
+                         f"takes 2 turns), got {args.steps}")
+    try:
+        parse_sweep(args.sweep, args.agents)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if args.plot and not str(args.plot).endswith(".png"):
+        raise SystemExit(f"--plot writes a PNG: give a path ending in .png, got {args.plot}")
+
+
+# ---------------------------------------------------------------------- sizes
+@dataclass(frozen=True)
+class Sizes:
+    """Tier sizes of one run, in blocks, and the pin budget that goes with them."""
+
+    block_size: int
+    device_agents: int
+    host_agents: int
+    largest_prompt_blocks: int
+    mean_prompt_blocks: int
+    headroom_blocks: int
+    largest_stable_blocks: int
+
+    @property
+    def request_blocks(self) -> int:
+        """Blocks the largest request needs (prompt + reply headroom)."""
+        return self.largest_prompt_blocks + self.headroom_blocks
+
+    @property
+    def device_blocks(self) -> int:
+        return self.device_agents * self.request_blocks
+
+    @property
+    def host_blocks(self) -> int:
+        return max(1, self.host_agents * self.mean_prompt_blocks)
+
+    @property
+    def pin_budget(self) -> int:
+        """Device blocks pins may hold: what the largest request leaves free."""
+        return self.device_blocks - self.request_blocks
+
+    @property
+    def pins(self) -> bool:
+        """Whether every agent's stable prefix fits the pin budget (else no pins)."""
+        return self.largest_stable_blocks <= self.pin_budget and self.pin_budget > 0
+
+    def describe(self) -> dict[str, Any]:
+        bs = self.block_size
+        return {
+            "block_size": bs,
+            "device_agents": self.device_agents, "device_blocks": self.device_blocks,
+            "device_tokens": self.device_blocks * bs,
+            "host_agents": self.host_agents, "host_blocks": self.host_blocks,
+            "host_tokens": self.host_blocks * bs,
+            "largest_prompt_blocks": self.largest_prompt_blocks,
+            "mean_prompt_blocks": self.mean_prompt_blocks,
+            "headroom_blocks": self.headroom_blocks,
+            "largest_stable_prefix_blocks": self.largest_stable_blocks,
+            "pin_budget_blocks": max(0, self.pin_budget),
+            "pins": ("on: stable prefixes pinned within the pin budget" if self.pins else
+                     "off: the room the largest request leaves cannot hold a stable prefix"),
+        }
+
+
+def plan_sizes(prompt_blocks: Mapping[str, int], stable_blocks: Mapping[str, int], *,
+               block_size: int, device_agents: int, host_agents: int,
+               max_new_tokens: int) -> Sizes:
+    """Tier sizes from each agent's largest prompt (blocks) and stable prefix (blocks).
+
+    Reply headroom covers the reply and the two earlier replies in the history.
+
+    Raises:
+        ValueError: no agents, or a size below 1 agent on the device.
+    """
+    if not prompt_blocks:
+        raise ValueError("no agents to size the tiers for")
+    if device_agents < 1:
+        raise ValueError(f"device_agents must be >= 1, got {device_agents}")
+    headroom = -(-(3 * max_new_tokens + block_size) // block_size)
+    return Sizes(block_size=block_size, device_agents=device_agents, host_agents=host_agents,
+                 largest_prompt_blocks=max(prompt_blocks.values()),
+                 mean_prompt_blocks=round(statistics.mean(prompt_blocks.values())),
+                 headroom_blocks=headroom,
+                 largest_stable_blocks=max(stable_blocks.values(), default=0))
+
+
+def dry_build(engine: Engine, workload: MultiAgentWorkload, steps: int
+              ) -> tuple[list[int], dict[str, int], dict[str, int]]:
+    """Every step's prompt tokens, laid out as the run will (no model run), and per
+    agent its largest prompt and stable prefix in blocks."""
+    from contextkit.pipeline import CacheAwareContextPipeline
+
+    bs = engine.cache.block_size
+    pipes = {a.name: CacheAwareContextPipeline(engine, tenant=a.tenant, agent=a.name,
+                                               pin_stable=False, metrics=False)
+             for a in workload.agents}
+    history: dict[str, list[tuple[str, str]]] = {a.name: [] for a in workload.agents}
+    tokens: list[int] = []
+    prompt: dict[str, int] = {}
+    stable: dict[str, int] = {}
+    for i in range(steps):
+        step = workload.step(i)
+        pipe = pipes[step.agent]
+        pipe.build(workload.system_prompt(i))
+        ids, _, stable_end = pipe.assemble(step.user_message,
+                                           history[step.agent][-HISTORY_MESSAGES:])
+        tokens.append(len(ids))
+        prompt[step.agent] = max(prompt.get(step.agent, 0), -(-len(ids) // bs))
+        stable[step.agent] = max(stable.get(step.agent, 0), stable_end // bs)
+        history[step.agent] += [("user", step.user_message), ("assistant", "ok")]
+    return tokens, prompt, stable
+
+
+# ---------------------------------------------------------------------- one policy
+def _pinned_on_device(cache: Any) -> set[int]:
+    return {m.block_id for m in cache.metadata.pinned()}
+
+
+def _off_device(cache: Any, block_ids: set[int]) -> int:
+    from gpu_cache import Tier
+
+    return sum(1 for b in block_ids
+               if b not in cache.metadata or cache.metadata.get(b).tier is not Tier.DEVICE)
+
+
+def run_policy(engine: Engine, workload: MultiAgentWorkload, policy: str, sizes: Sizes, *,
+               steps: int, max_new_tokens: int, prompt_tokens: Sequence[int],
+               progress: bool = True,
+               on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run the first ``steps`` steps of ``workload`` under ``policy`` on a fresh cache.
+
+    Returns:
+        ``rows`` (one per step: TTFT, tokens, moves, prefetch stamps), the cache's
+        ``tiers`` (capacity, used, free) at the end and ``leak_free`` (free + used ==
+        capacity in every tier, every tracked block in the metadata).
+    """
+    from contextkit.pipeline import CacheAwareContextPipeline
+    from contextkit.tiers import ContextTierManager
+    from gpu_cache import Tier
+    from gpu_cache.config import PinConfig
+
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    pinning = policy != "lru" and sizes.pins
+    share = max(sizes.pin_budget, 1) / sizes.device_blocks
+    eng = engine.sibling(num_device_blocks=sizes.device_blocks,
+                         num_host_blocks=sizes.host_blocks,
+                         eviction_policy="lru" if policy == "lru" else "semantic",
+                         pins=PinConfig(tenant_share=share, total_share=share, idle_ttl_s=None),
+                         metrics=False)
+    cache = eng.cache
+    manager = ContextTierManager(cache) if policy == "semantic+ooda" else None
+    pipes = {a.name: CacheAwareContextPipeline(eng, tenant=a.tenant, agent=a.name,
+                                               pin_stable=pinning, tiers=manager,
+                                               metrics=False)
+             for a in workload.agents}
+    history: dict[str, list[tuple[str, str]]] = {a.name: [] for a in workload.agents}
+    last: dict[str, tuple[int, int]] = {}  # agent -> (prompt tokens, computed tokens)
+    rows: list[dict[str, Any]] = []
+    bs = cache.block_size
+    bar = tqdm(total=steps, desc=f"{policy} @{sizes.device_agents}", unit="step",
+               file=sys.stderr, disable=not progress)
+    try:
+        for i in range(steps):
+            step = workload.step(i)
+            pipe = pipes[step.agent]
+            pipe.build(workload.system_prompt(i))
+            pinned = _pinned_on_device(cache)
+            moved0 = cache.stats.blocks_warmed + cache.stats.blocks_spilled
+            bytes0 = cache.stats.bytes_moved
+            row: dict[str, Any] = {"step": i, "agent": step.agent, "tenant": step.tenant,
+                                   "kind": step.kind, "agent_turn": step.agent_turn}
+            if manager is not None:
+                t0 = time.perf_counter()
+                manager.set_lookahead(workload.lookahead(i - 1))
+                cycle = manager.run_once()
+                cycle_ms = (time.perf_counter() - t0) * 1e3
+                # new blocks the turn will allocate: what the agent computed last time
+                # (its changing layers) plus the prompt's growth and the reply
+                if step.agent in last:
+                    prev_prompt, prev_computed = last[step.agent]
+                    need_tokens = prev_computed + max(0, prompt_tokens[i] - prev_prompt)
+                else:
+                    need_tokens = prompt_tokens[i]
+                need = -(-(need_tokens + max_new_tokens) // bs)
+                pre = manager.prefetch(step.agent, need_blocks=need)
+                row.update(ooda_ms=cycle_ms + pre.duration_s * 1e3, cycle_ms=cycle_ms,
+                           prefetch_ms=pre.duration_s * 1e3, prefetch_need_blocks=need,
+                           prefetch_warmed=len(pre.warmed), prefetch_spilled=len(pre.spilled),
+                           prefetch_removed=len(pre.removed),
+                           prefetch_bytes=pre.bytes_moved,
+                           cycle_blocks_moved=cycle.metrics.num_blocks_moved,
+                           prefetch_finished_at=pre.finished_at)
+            row["generate_started_at"] = time.perf_counter()
+            res = pipe.generate(step.user_message, history=history[step.agent][-HISTORY_MESSAGES:],
+                                max_new_tokens=max_new_tokens)
+            g = res.generation
+            row.update(prompt_tokens=g.prompt_tokens, reused_tokens=g.reused_tokens,
+                       warmed_tokens=g.warmed_tokens, computed_tokens=g.computed_tokens,
+                       ttft_ms=g.ttft_ms, prefix_broken_by=res.report.prefix_broken_by,
+                       pin_state=res.report.pin_state,
+                       blocks_moved=(cache.stats.blocks_warmed + cache.stats.blocks_spilled
+                                     - moved0),
+                       bytes_moved=cache.stats.bytes_moved - bytes0,
+                       pinned_blocks=len(_pinned_on_device(cache)),
+                       pinned_blocks_evicted=_off_device(cache, pinned),
+                       device_used=cache.num_used(Tier.DEVICE),
+                       host_used=cache.num_used(Tier.HOST))
+            rows.append(row)
+            if on_step is not None:
+                on_step(row)
+            last[step.agent] = (g.prompt_tokens, g.computed_tokens)
+            history[step.agent] += [("user", step.user_message), ("assistant", res.text)]
+            bar.set_postfix(ttft=f"{g.ttft_ms / 1000:.1f}s", reused=g.reused_tokens)
+            bar.update(1)
+    finally:
+        bar.close()
+        if manager is not None:
+            manager.close()
+    tiers = {t.value: {"capacity": cache.capacity(t), "used": cache.num_used(t),
+                       "free": cache.num_free(t)} for t in Tier}
+    leak_free = all(v["free"] + v["used"] == v["capacity"] for v in tiers.values())
+    return {"rows": rows, "tiers": tiers, "leak_free": leak_free,
+            "pinned_blocks": len(_pinned_on_device(cache))}
+
+
+# ---------------------------------------------------------------------- figures
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (linear interpolation between closest ranks)."""
+    if not values:
+        raise ValueError("no values")
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def _warm(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Rows of an agent's second turn on (first turns are cold under every policy)."""
+    return [r for r in rows if r["agent_turn"] >= 1]
+
+
+def policy_figures(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One policy's figures from its per-step rows (see the module docstring).
+
+    Raises:
+        ValueError: no rows, or no warm step (every agent's first turn only).
+    """
+    if not rows:
+        raise ValueError("no steps to summarise")
+    warm = _warm(rows)
+    if not warm:
+        raise ValueError("no step of an agent's second turn; run at least 2 x agents steps")
+    ttft = [r["ttft_ms"] for r in warm]
+    prompt = sum(r["prompt_tokens"] for r in rows)
+    warmed = sum(r["warmed_tokens"] for r in rows)
+    reused = sum(r["reused_tokens"] for r in rows)
+    out: dict[str, Any] = {
+        "ttft_ms": [round(r["ttft_ms"], 1) for r in rows],
+        "ttft_p50": round(statistics.median(ttft), 1),
+        "ttft_p95": round(percentile(ttft, 95), 1),
+        "device_hit_rate": round((reused - warmed) / prompt, 4) if prompt else 0.0,
+        "host_hit_rate": round(warmed / prompt, 4) if prompt else 0.0,
+        "reused_tokens": reused,
+        "computed_tokens": sum(r["computed_tokens"] for r in rows),
+        "blocks_moved": sum(r["blocks_moved"] for r in rows),
+        "bytes_moved": sum(r["bytes_moved"] for r in rows),
+        "pinned_blocks_evicted": sum(r["pinned_blocks_evicted"] for r in rows),
+        "ooda_cycle_ms_p50": None,
+    }
+    ooda = [r["ooda_ms"] for r in rows if "ooda_ms" in r]
+    if ooda:
+        out["ooda_cycle_ms_p50"] = round(statistics.median(ooda), 2)
+        out["ooda_cycle_ms_p95"] = round(percentile(ooda, 95), 2)
+        out["prefetch"] = {
+            "calls": len(ooda),
+            "warmed_blocks": sum(r["prefetch_warmed"] for r in rows),
+            "spilled_blocks": sum(r["prefetch_spilled"] for r in rows),
+            "removed_blocks": sum(r["prefetch_removed"] for r in rows),
+            "bytes": sum(r["prefetch_bytes"] for r in rows),
+            "before_generate": all(r["prefetch_finished_at"] <= r["generate_started_at"]
+                                   for r in rows),
+        }
+    return out
+
+
+def speedups(ttft: Mapping[str, Sequence[float]], rows: Sequence[Mapping[str, Any]]
+             ) -> dict[str, dict[str, float]]:
+    """``speedup_vs_lru_p50`` (median over the warm steps of the per-step ratio
+    ``lru / policy``) and ``speedup_vs_lru_of_medians`` for every policy but lru.
+
+    ``rows`` are any policy's rows (the schedule is the same): they say which steps
+    are warm.
+
+    Raises:
+        ValueError: policies with different step counts, or no warm step.
+    """
+    lengths = {len(v) for v in ttft.values()}
+    if len(lengths) != 1 or len(rows) not in lengths:
+        raise ValueError(f"every policy needs the same steps, got {sorted(lengths)} and "
+                         f"{len(rows)} rows")
+    warm = [i for i, r in enumerate(rows) if r["agent_turn"] >= 1]
+    if not warm:
+        raise ValueError("no warm step (an agent's second turn); run more steps")
+    lru = [ttft["lru"][i] for i in warm]
+    p50: dict[str, float] = {}
+    of_medians: dict[str, float] = {}
+    for name, values in ttft.items():
+        if name == "lru":
+            continue
+        mine = [values[i] for i in warm]
+        p50[name] = round(statistics.median(a / b for a, b in zip(lru, mine, strict=True)), 3)
+        of_medians[name] = round(statistics.median(lru) / statistics.median(mine), 3)
+    return {"speedup_vs_lru_p50": p50, "speedup_vs_lru_of_medians": of_medians}
+
+
+# ---------------------------------------------------------------------- plot
+def _plot(path: Path, ttft: Mapping[str, Sequence[float]], sweep: Sequence[Mapping[str, Any]],
+          title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 2 if sweep else 1
+    fig, axes = plt.subplots(1, panels, figsize=(12 if sweep else 8, 4.5), squeeze=False,
+                             gridspec_kw={"width_ratios": [2, 1] if sweep else [1]})
+    ax = axes[0][0]
+    for name, marker in zip(POLICIES, ("s", "o", "^"), strict=True):
+        values = [v / 1000 for v in ttft[name]]
+        ax.plot(range(1, len(values) + 1), values, marker=marker, markersize=4, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    if sweep:
+        ax2 = axes[0][1]
+        x = [s["device_agents"] for s in sweep]
+        for name, marker in (("semantic", "o"), ("semantic+ooda", "^")):
+            ax2.plot(x, [s["speedup_vs_lru_p50"][name] for s in sweep], marker=marker,
+                     label=name)
+        ax2.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax2.set_xticks(x)
+        ax2.set_xlabel("device tier (agents' prompts)")
+        ax2.set_ylabel("speedup vs lru (p50 of per-step ratios)")
+        ax2.grid(alpha=0.3)
+        ax2.legend(fontsize=8)
+        ax2.set_title("device-size sweep", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------- run
+def run_policies(engine: Engine, workload: MultiAgentWorkload, sizes: Sizes, *, steps: int,
+                 max_new_tokens: int, prompt_tokens: Sequence[int],
+                 policies: Sequence[str] = POLICIES, progress: bool = True
+                 ) -> dict[str, dict[str, Any]]:
+    """:func:`run_policy` for each policy, in order, on identical fresh caches."""
+    return {p: run_policy(engine, workload, p, sizes, steps=steps,
+                          max_new_tokens=max_new_tokens, prompt_tokens=prompt_tokens,
+                          progress=progress) for p in policies}
+
+
+def summarize(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Per-policy figures and the speedups from :func:`run_policies`' output."""
+    rows = runs["lru"]["rows"]
+    figures = {p: {**policy_figures(r["rows"]), "leak_free": r["leak_free"],
+                   "tiers_at_end": r["tiers"]} for p, r in runs.items()}
+    ttft = {p: [row["ttft_ms"] for row in r["rows"]] for p, r in runs.items()}
+    return {"policies": figures, **speedups(ttft, rows)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    check_args(args)
+    from contextkit.agents import MultiAgentWorkload
+    from contextkit.engine import Engine
+
+    started = time.perf_counter()
+    workload = MultiAgentWorkload(args.agents, num_tenants=args.tenants, steps=args.steps,
+                                  seed=args.seed, scale=args.scale)
+    engine = Engine.from_pretrained(num_device_blocks=16, num_host_blocks=16, metrics=False)
+    tokens, prompt_blocks, stable_blocks = dry_build(engine, workload, args.steps)
+
+    def size(device_agents: int) -> Sizes:
+        return plan_sizes(prompt_blocks, stable_blocks, block_size=engine.cache.block_size,
+                          device_agents=device_agents, host_agents=args.host_agents,
+                          max_new_tokens=args.max_new_tokens)
+
+    main = size(min(args.device_agents, args.agents))
+    runs = run_policies(engine, workload, main, steps=args.steps,
+                        max_new_tokens=args.max_new_tokens, prompt_tokens=tokens)
+    result: dict[str, Any] = {"bench": "agents", **summarize(runs)}
+    sweep_steps = min(args.sweep_steps, args.steps)
+    sweep: list[dict[str, Any]] = []
+    for device_agents in parse_sweep(args.sweep, args.agents):
+        s = size(device_agents)
+        if device_agents == main.device_agents:
+            part = {p: {**r, "rows": r["rows"][:sweep_steps]} for p, r in runs.items()}
+        else:
+            part = run_policies(engine, workload, s, steps=sweep_steps,
+                                max_new_tokens=args.max_new_tokens, prompt_tokens=tokens)
+        summary = summarize(part)
+        sweep.append({"device_agents": device_agents, "device_blocks": s.device_blocks,
+                      "device_tokens": s.device_blocks * s.block_size,
+                      "pins": s.pins, "steps": sweep_steps,
+                      "speedup_vs_lru_p50": summary["speedup_vs_lru_p50"],
+                      "ttft_p50": {p: f["ttft_p50"] for p, f in summary["policies"].items()},
+                      "device_hit_rate": {p: f["device_hit_rate"]
+                                          for p, f in summary["policies"].items()},
+                      "pinned_blocks_evicted": sum(f["pinned_blocks_evicted"]
+                                                   for f in summary["policies"].values())})
+    result.update({
+        "sweep": sweep,
+        "sizes": main.describe(),
+        "workload": {**workload.describe(), "prompt_tokens": tokens,
+                     "history_messages": HISTORY_MESSAGES,
+                     "max_new_tokens": args.max_new_tokens},
+        "rows": {p: r["rows"] for p, r in runs.items()},
+        "measured_steps": "ttft_p50/p95 and speedups: steps of an agent's second turn on; "
+                          "hit rates, moves and evictions: every step",
+        "model": "packaged SmolLM2-135M-Instruct (float32), TQ4 cache",
+        "seconds": round(time.perf_counter() - started, 1),
+        "machine": machine_info(),
+    })
+    pol = result["policies"]
+    table: list[tuple[str, Any]] = [
+        ("sizes", f"device {main.device_blocks} blocks ({main.device_agents} agents), host "
+                  f"{main.host_blocks} blocks ({main.host_agents} agents), "
+                  f"{main.block_size} tokens/block"),
+        *[(f"ttft p50 | p95 {p} (ms)", f"{pol[p]['ttft_p50']:,.0f} | {pol[p]['ttft_p95']:,.0f}")
+          for p in POLICIES],
+        *[(f"speedup_vs_lru_p50 {p}", result["speedup_vs_lru_p50"][p]) for p in POLICIES[1:]],
+        *[(f"hit rate device | host {p}", f"{pol[p]['device_hit_rate']:.2f} | "
+                                          f"{pol[p]['host_hit_rate']:.2f}") for p in POLICIES],
+        ("pinned_blocks_evicted", {p: pol[p]["pinned_blocks_evicted"] for p in POLICIES}),
+        ("ooda_cycle_ms_p50", pol["semantic+ooda"]["ooda_cycle_ms_p50"]),
+        *[(f"sweep {s['device_agents']} agents: speedup", s["speedup_vs_lru_p50"])
+          for s in sweep],
+    ]
+    print_table(f"bench agents ({args.agents} agents, {args.steps} steps)", table)
+    if args.plot:
+        _plot(Path(args.plot), {p: [r["ttft_ms"] for r in runs[p]["rows"]] for p in POLICIES},
+              sweep,
+              f"{args.agents} agents sharing a {main.device_agents}-agent device tier "
+              f"({machine_info()['device_name']})")
+        result["plot"] = str(args.plot)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    return result
