@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft bench-agent-vllm docs lint typecheck clean
+.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft bench-agents bench-agent-vllm docs lint typecheck clean
 
 help:
 	@echo "make demo       set up, then replay a ten-layer agent on SmolLM2: TTFT with vs"
@@ -16,6 +16,8 @@ help:
 	@echo "                virtualenv .venv-vllm (~4 min to create, then ~6-8 min)"
 	@echo "make bench      run the quick CPU benchmarks with --json into bench/results/"
 	@echo "make bench-ttft the 20-turn TTFT benchmark (~35 min on 2 cores)"
+	@echo "make bench-agents  6 agents sharing a too-small cache: lru vs semantic vs"
+	@echo "                semantic+ooda, and a device-size sweep (~12 min on 2 cores)"
 	@echo "make bench-agent-vllm  a LangChain agent on vLLM, 4 cache configurations (~15 min)"
 	@echo "make docs       set up, then build the API reference into site/ (mkdocs --strict:"
 	@echo "                any broken reference or docstring warning fails; CI runs it)"
@@ -52,6 +54,12 @@ bench: setup
 bench-ttft: setup
 	@mkdir -p bench/results
 	$(PY) -m contextkit.cli bench ttft --json --out bench/results | tee bench/results/ttft-cpu.log | tail -n 1 > bench/results/ttft-cpu.json
+
+# Many agents sharing one cache too small for all of them: three policies, one process.
+bench-agents: setup
+	@mkdir -p bench/results
+	$(PY) -m contextkit.cli bench agents --json --out bench/results/agents-cpu.json \
+		--plot bench/results/agents-cpu.png 2>&1 | tee bench/results/agents-cpu.log
 
 # The agent on vLLM's OpenAI server, four configurations (~15 min on 2 cores; .venv-vllm).
 bench-agent-vllm:
