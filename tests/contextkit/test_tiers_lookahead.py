@@ -294,6 +294,30 @@ def test_prefetch_with_both_tiers_full_of_protected_blocks_moves_nothing() -> No
     assert_no_leak(cache, manager)
 
 
+def test_items_of_no_agent_go_first_and_reservations_are_left_to_the_reserver() -> None:
+    cache = make_cache(device=6, host=12)
+    manager = ContextTierManager(cache)
+    mine = alloc(cache, 2, Tier.HOST, "identity")
+    due_later = alloc(cache, 2, Tier.DEVICE, "current_time")
+    memory = alloc(cache, 2, Tier.DEVICE, "axioms")
+    reserved = alloc(cache, 2, Tier.DEVICE, "memories")
+    manager.register_segments("agent-a", "org-a", [("identity", 0.5, mine)])
+    manager.register_segments("agent-b", "org-a", [("current_time", 0.5, due_later)])
+    manager.add_item("memory", block_ids=memory)  # no agent: never due, whatever its layer
+    manager.add_item("reservation", kind=ItemKind.RESERVATION, block_ids=reserved)
+    manager.set_lookahead({"agent-a": 1, "agent-b": 9})
+
+    report = manager.prefetch("agent-a", need_blocks=2)
+    assert sorted(report.spilled) == sorted(memory + due_later)
+    assert tier_of(cache, reserved) == {Tier.DEVICE} and sorted(report.warmed) == mine
+    assert cache.num_free(Tier.DEVICE) == 2
+
+    idle = ContextTierManager(None)  # no cache: nothing to move, nothing fails
+    assert idle.register_segments("agent-a", "org-a", [("identity", 0.5, [1, 2])])
+    empty = idle.prefetch("agent-a", need_blocks=4)
+    assert empty.warmed == empty.spilled == empty.removed == [] and empty.bytes_moved == 0
+
+
 def test_prefetch_never_moves_pinned_or_in_use_blocks() -> None:
     cache = make_cache(device=12, host=12)
     manager = ContextTierManager(cache)
