@@ -129,7 +129,7 @@ def _plan_and_move(cache: TQGPUCache, mine: Sequence[_Candidate],
                               report.skipped)[:deficit]
     if spill:
         short = len(spill) - len(warm) - host_free
-        if warm:  # no free slot in either tier: nothing could move without a buffer
+        if warm:  # swaps alternate through the free slots of both tiers: keep a chunk
             short = max(short, min(_SWAP_BUFFER, len(spill), len(warm))
                         - host_free - device_free)
         if short > 0:
