@@ -8,8 +8,16 @@ cache is shadowed to a local directory, so a second run starts warm. Every turn 
 also served by a full prefill without any cache, and the demo prints and plots both
 TTFTs.
 
-Outputs under ``--out``: ``demo.json`` (per-turn records and summary), ``ttft.png``
-(TTFT per turn) and ``memory.db`` (the graph). The shadow goes to ``--store``
+Then a short multi-agent run (:class:`contextkit.agents.MultiAgentWorkload`: 3 agents
+of 2 tenants taking turns on one engine whose device tier holds 2 of their prompts and
+whose host tier holds 1): a :class:`~contextkit.tiers.ContextTierManager` knows every
+agent's blocks and who is due next, and before each turn prefetches that agent's blocks
+from the host tier and spills those of the agents due furthest (``contextkit bench
+agents`` measures this against LRU at scale).
+
+Outputs under ``--out``: ``demo.json`` (per-turn records and summary, the multi-agent
+steps under ``agents``), ``ttft.png`` (TTFT per turn), ``agents.png`` (TTFT and tier
+occupancy per multi-agent step) and ``memory.db`` (the graph). The shadow goes to ``--store``
 (default: the same store ``contextkit status`` and ``contextkit recover`` read).
 """
 
@@ -28,6 +36,8 @@ from tqdm import tqdm
 __all__ = ["SESSION_ID", "add_demo_arguments", "run_demo"]
 
 SESSION_ID = "contextkit-demo"
+#: agents and tenants of the demo's multi-agent run
+AGENTS, TENANTS = 3, 2
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +54,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                              "file://~/.cache/contextkit/shadow)")
     parser.add_argument("--cold", action="store_true",
                         help="do not restore the previous run's shadow first")
+    parser.add_argument("--agent-steps", type=int, default=6,
+                        help="steps of the multi-agent run (3 agents; default 6, about a "
+                             "minute on 2 CPU cores; 0 skips it)")
 
 
 def _say(message: str) -> None:
@@ -61,6 +74,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
     if args.turns < 1:
         raise SystemExit("contextkit demo: --turns must be >= 1")
+    if args.agent_steps and args.agent_steps < 2 * AGENTS:
+        raise SystemExit(f"contextkit demo: --agent-steps must be 0 (skip) or >= {2 * AGENTS} "
+                         f"(each of the {AGENTS} agents takes 2 turns)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     store_url = args.store or default_store_url()
@@ -107,6 +123,8 @@ def run_demo(args: argparse.Namespace) -> int:
     shadow.close()
     store.close()
     graph.close()
+    agents = _agents_run(engine, args.agent_steps, args.max_new_tokens, out) \
+        if args.agent_steps else None
 
     records = result["records"]
     summary = {
@@ -121,8 +139,11 @@ def run_demo(args: argparse.Namespace) -> int:
         "shadow": {"store": store_url, "session": SESSION_ID,
                    "blocks": written.num_blocks, "bytes_written": written.bytes_written},
     }
+    if agents is not None:
+        summary["agents"] = agents["summary"]
     (out / "demo.json").write_text(json.dumps({"summary": summary, "records": records,
-                                               "volatility": result["volatility"]},
+                                               "volatility": result["volatility"],
+                                               "agents": agents["rows"] if agents else []},
                                               indent=2, sort_keys=True))
     png = plot_ttft(records, out / "ttft.png",
                     f"contextkit demo: SmolLM2-135M, {records[-1]['prompt_tokens']:,}-token prompt")
@@ -139,4 +160,106 @@ def run_demo(args: argparse.Namespace) -> int:
         f"Shadowed {written.num_blocks} blocks to {store_url} (session {SESSION_ID}); "
         "see `contextkit status`.\n"
         f"Wrote {out / 'demo.json'} and {png}.\n")
+    if agents is not None:
+        a = agents["summary"]
+        occupancy = ", ".join(f"{t} {v['used']}/{v['capacity']}" for t, v in a["tiers"].items())
+        sys.stdout.write(
+            f"\nMulti-agent: {a['agents']} agents of {a['tenants']} tenants, {a['steps']} steps "
+            f"on one cache (device tier {a['device_agents']} agents' prompts, host tier "
+            f"{a['host_agents']}).\n"
+            f"TTFT median {a['ttft_ms_p50'] / 1000:.2f} s; prompt tokens served from the device "
+            f"{a['device_hit_rate']:.0%}, brought up from the host {a['host_hit_rate']:.0%}.\n"
+            f"Prefetches: {a['prefetches']} (one before each turn, all finished before it "
+            f"began: {a['prefetch_before_generate']}), {a['prefetch_warmed_blocks']} blocks "
+            f"warmed, {a['prefetch_spilled_blocks']} spilled, {a['prefetch_removed_blocks']} "
+            f"archived; OODA median {a['ooda_ms_p50']:.1f} ms.\n"
+            f"Tier occupancy (blocks used/capacity): {occupancy}; pinned "
+            f"{a['pinned_blocks']}, pinned blocks evicted {a['pinned_blocks_evicted']}.\n"
+            f"Wrote {agents['plot']}.\n")
     return 0
+
+
+def _agents_run(engine: Any, steps: int, max_new_tokens: int, out: Path) -> dict[str, Any]:
+    """A short multi-agent run with the tier manager's look-ahead prefetch."""
+    from contextkit.agents import MultiAgentWorkload
+    from contextkit.bench.agents import dry_build, plan_sizes, policy_figures, run_policy
+
+    workload = MultiAgentWorkload(AGENTS, num_tenants=TENANTS, steps=steps, scale=0.2)
+    tokens, prompt_blocks, stable_blocks = dry_build(engine, workload, steps)
+    sizes = plan_sizes(prompt_blocks, stable_blocks, block_size=engine.cache.block_size,
+                       device_agents=2, host_agents=1, max_new_tokens=max_new_tokens)
+    _say(f"multi-agent run: {AGENTS} agents of {TENANTS} tenants, {steps} steps; device tier "
+         f"{sizes.device_blocks} blocks (2 agents' prompts), host tier {sizes.host_blocks} "
+         "(1); the tier manager prefetches each agent's blocks before its turn ...")
+    _say(f"{'step':>4}  {'agent':<8} {'prompt':>6}  {'reused':>6}  {'prefetch':>15}  "
+         f"{'ttft':>7}  {'device':>9}  {'host':>9}")
+
+    def show(r: dict[str, Any]) -> None:
+        _say(f"{r['step'] + 1:>4}  {r['agent']:<8} {r['prompt_tokens']:>6}  "
+             f"{r['reused_tokens']:>6}  +{r['prefetch_warmed']:>3} -{r['prefetch_spilled']:>3} "
+             f"x{r['prefetch_removed']:>3}  {r['ttft_ms'] / 1000:>6.2f}s  "
+             f"{r['device_used']:>4}/{sizes.device_blocks:<4}  "
+             f"{r['host_used']:>4}/{sizes.host_blocks:<4}")
+
+    run = run_policy(engine, workload, "semantic+ooda", sizes, steps=steps,
+                     max_new_tokens=max_new_tokens, prompt_tokens=tokens, progress=False,
+                     on_step=show)
+    rows = run["rows"]
+    figures = policy_figures(rows)
+    prefetch = figures["prefetch"]
+    summary = {
+        "agents": AGENTS, "tenants": TENANTS, "steps": steps,
+        "device_agents": sizes.device_agents, "host_agents": sizes.host_agents,
+        "sizes": sizes.describe(), "tiers": run["tiers"],
+        "ttft_ms_p50": statistics.median(r["ttft_ms"] for r in rows),
+        "device_hit_rate": figures["device_hit_rate"], "host_hit_rate": figures["host_hit_rate"],
+        "prefetches": prefetch["calls"], "prefetch_before_generate": prefetch["before_generate"],
+        "prefetch_warmed_blocks": prefetch["warmed_blocks"],
+        "prefetch_spilled_blocks": prefetch["spilled_blocks"],
+        "prefetch_removed_blocks": prefetch["removed_blocks"],
+        "ooda_ms_p50": figures["ooda_cycle_ms_p50"],
+        "pinned_blocks": run["pinned_blocks"],
+        "pinned_blocks_evicted": figures["pinned_blocks_evicted"],
+        "leak_free": run["leak_free"],
+    }
+    plot = _plot_agents(rows, sizes.device_blocks, sizes.host_blocks, out / "agents.png")
+    return {"summary": summary, "rows": rows, "plot": str(plot)}
+
+
+def _plot_agents(rows: list[dict[str, Any]], device_blocks: int, host_blocks: int,
+                 path: Path) -> Path:
+    """TTFT per step (bars, by agent) over the tiers' occupancy and the prefetched blocks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    steps = [r["step"] + 1 for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    names = sorted({r["agent"] for r in rows})
+    colors = {name: f"C{i}" for i, name in enumerate(names)}
+    top.bar(steps, [r["ttft_ms"] / 1000 for r in rows],
+            color=[colors[r["agent"]] for r in rows])
+    top.set_ylabel("time to first token (s)")
+    top.legend(handles=[Patch(color=colors[n], label=n) for n in names], fontsize=8,
+               ncol=len(names))
+    top.set_title("contextkit demo: agents sharing one cache (semantic + OODA prefetch)",
+                  fontsize=10)
+    top.grid(axis="y", alpha=0.3)
+    bottom.plot(steps, [100 * r["device_used"] / device_blocks for r in rows], "o-",
+                label="device tier used (%)")
+    bottom.plot(steps, [100 * r["host_used"] / host_blocks for r in rows], "s-",
+                label="host tier used (%)")
+    bottom.bar(steps, [r["prefetch_warmed"] for r in rows], alpha=0.4, color="C2",
+               label="blocks prefetched (warmed)")
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("% of the tier / blocks")
+    bottom.set_xticks(steps)
+    bottom.grid(alpha=0.3)
+    bottom.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
