@@ -53,6 +53,7 @@ class _PinLedger:
 
     def __init__(self) -> None:
         self._holdings: dict[tuple[str, str], _Holding] = {}
+        self._warned: set[tuple[str, str]] = set()
 
     def hold(self, tenant: str, agent: str, holder: object,
              blocks: dict[int, BlockHash]) -> None:
@@ -73,6 +74,13 @@ class _PinLedger:
                     if meta.key == key and meta.tenant_slug == tenant:
                         out.add(bid)
         return out
+
+    def warned(self, tenant: str, agent: str) -> bool:
+        """Whether the agent's over-quota warning was given (then it is given once)."""
+        if (tenant, agent) in self._warned:
+            return True
+        self._warned.add((tenant, agent))
+        return False
 
     def agents(self, tenant: str) -> list[str]:
         """Names of the tenant's live agents holding a prefix."""
@@ -144,10 +152,16 @@ def pin_stable(pins: PrefixPinManager, holder: object, tenant: str, agent: str,
                                 "layer; nothing to pin")
         try:
             outcome = pins.try_pin(list(wanted))
-        except PinCapacityError as exc:  # checked before the call; keep the reply
-            logger.warning("tenant %s, agent %s: stable prefix served unpinned: %s",
-                           tenant, agent, exc)
-            return "unpinned", str(exc)
+        except PinCapacityError as exc:  # the tenant's agents together are over its quota
+            agents = ledger.agents(tenant)
+            reason = str(exc)
+            if len(agents) > 1:
+                reason += (f" (the quota is shared by the tenant's agents "
+                           f"{', '.join(agents)}; their prefixes hold the pins)")
+            level = logging.INFO if ledger.warned(tenant, agent) else logging.WARNING
+            logger.log(level, "tenant %s, agent %s: stable prefix served unpinned: %s",
+                       tenant, agent, reason)
+            return "unpinned", reason
     if outcome.refused is not None:
         logger.info("tenant %s, agent %s: stable prefix served unpinned: %s", tenant, agent,
                     outcome.refused)

@@ -256,3 +256,24 @@ def test_agents_register_with_the_real_tier_manager(fresh: Callable[..., Engine]
     assert again.generation.warmed_tokens == 0 and again.report.reused_tokens > 0
     for tier in (Tier.DEVICE, Tier.HOST):  # no block leaked
         assert cache.num_free(tier) + cache.num_used(tier) == cache.capacity(tier)
+
+
+def test_agents_of_one_tenant_share_its_pin_quota(fresh: Callable[..., Engine],
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    engine = fresh("tq4", device=32, host=128)  # quota: 8 blocks per tenant
+    a = CacheAwareContextPipeline(engine, tenant="org-a", agent="agent-a")
+    b = CacheAwareContextPipeline(engine, tenant="org-a", agent="agent-b")
+    mine = pinned_of(engine, run(a, agent_prompt("org-a", "agent-a", caps=0)))
+    assert mine and len(mine) <= 8
+    with caplog.at_level("INFO", logger="contextkit.pipeline"):
+        first = run(b, agent_prompt("org-a", "agent-b", caps=0))
+        second = run(b, agent_prompt("org-a", "agent-b", caps=0))
+    # B's own blocks would take the tenant past its quota: B is served, unpinned, and
+    # A keeps its pins; the reason names the agents sharing the quota.
+    for result in (first, second):
+        assert result.report.pin_state == "unpinned"
+        assert "shared by the tenant's agents agent-a, agent-b" in result.report.pin_reason
+        assert "\n" not in result.report.pin_reason
+    assert pinned(engine) == mine
+    warnings = [r for r in caplog.records if "served unpinned" in r.getMessage()]
+    assert [r.levelname for r in warnings] == ["WARNING", "INFO"]  # warned once
