@@ -92,8 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", default="1,2,4,all",
                         help="device sizes in agents for the sweep, comma-separated; 'all': "
                              "every agent fits; '' skips it (default 1,2,4,all)")
-    parser.add_argument("--sweep-steps", type=positive_int, default=18,
-                        help="steps of the schedule each sweep size runs (default 18)")
+    parser.add_argument("--sweep-steps", type=positive_int, default=12,
+                        help="steps of the schedule each sweep size runs: the first N of the "
+                             "main run's (default 12; the defaults take ~12 min on 2 cores)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=1,
                         help="reply length per turn (default 1: TTFT is the figure)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="workload seed")
