@@ -209,6 +209,7 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
     def from_config(cls, engine: Engine | dict[str, Any] | None = None, config: Any = None,
                     *, served: ServedModel | None = None, layers: LayerConfig | None = None,
                     spillover: SpilloverQueue | None = None,
+                    tiers: ContextTierManager | None = None, agent: str | None = None,
                     **overrides: Any) -> CacheAwareContextPipeline:
         """A pipeline set up by a configuration's ``pipeline`` section (default tenant,
         ordering, trailing message, pinning, volatility) and ``metrics.enabled``.
@@ -222,6 +223,8 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
                 :func:`contextkit.config.load_config`.
             layers: as for the constructor.
             spillover: as for the constructor.
+            tiers: as for the constructor.
+            agent: as for the constructor.
             **overrides: section tables set in code, which win over every other source,
                 e.g. ``pipeline={"tenant": "acme"}, cache={"num_device_blocks": 256}``.
 
@@ -239,7 +242,7 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
         return cls(engine, served=served, layers=layers, spillover=spillover, tenant=s.tenant,
                    reorder=s.reorder, trailing_message=s.trailing_message,
                    pin_stable=s.pin_stable, volatility_alpha=s.volatility_alpha,
-                   metrics=None if cfg.metrics.enabled else False)
+                   metrics=None if cfg.metrics.enabled else False, tiers=tiers, agent=agent)
 
     # ------------------------------------------------------------------ wrapping
     @property

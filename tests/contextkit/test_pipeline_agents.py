@@ -277,3 +277,14 @@ def test_agents_of_one_tenant_share_its_pin_quota(fresh: Callable[..., Engine],
     assert pinned(engine) == mine
     warnings = [r for r in caplog.records if "served unpinned" in r.getMessage()]
     assert [r.levelname for r in warnings] == ["WARNING", "INFO"]  # warned once
+
+
+def test_from_config_takes_the_agent_and_the_tier_manager(fresh: Callable[..., Engine]) -> None:
+    engine = fresh("tq4", device=64, host=64)
+    registry = RecordingRegistry()
+    pipeline = CacheAwareContextPipeline.from_config(
+        engine, pipeline={"tenant": "org-a"}, agent="agent-a",
+        tiers=registry)  # type: ignore[arg-type]
+    assert (pipeline.tenant, pipeline.agent, pipeline.tiers) == ("org-a", "agent-a", registry)
+    result = run(pipeline, agent_prompt("org-a", "agent-a", caps=0))
+    assert registry.calls[0][:2] == ("agent-a", "org-a") and result.report.tier_items > 0
