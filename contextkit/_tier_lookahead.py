@@ -66,18 +66,22 @@ class _Candidate(NamedTuple):
 
 
 def _victim_order(cache: TQGPUCache, items: Sequence[_Candidate], tier: Tier,
-                  action: Action, skipped: list[BlockSkip]) -> list[int]:
+                  action: Action, skipped: list[BlockSkip],
+                  keep: frozenset[int] = frozenset()) -> list[int]:
     """Movable blocks of ``items`` in ``tier``, first to go first.
 
     Never-due items first, then the largest steps to their turn; ties: lower layer
     priority, then lower importance, then the later block of an item (so what stays
-    is a prefix). Pinned and in-use blocks are recorded in ``skipped``.
+    is a prefix). Pinned and in-use blocks are recorded in ``skipped``; blocks in
+    ``keep`` (the ones the coming turn reuses) are never victims.
     """
     metadata = cache.metadata
     keyed: list[tuple[tuple[float, ...], int]] = []
     for c in items:
         due = 0.0 if c.due is None else 1.0 / (1.0 + c.due)  # never-due: 0, sorts first
         for pos, bid in enumerate(c.blocks):
+            if bid in keep:
+                continue
             try:
                 meta = metadata.get(bid)
             except UnknownBlockError:
@@ -97,7 +101,7 @@ def _victim_order(cache: TQGPUCache, items: Sequence[_Candidate], tier: Tier,
 
 def _plan_and_move(cache: TQGPUCache, mine: Sequence[_Candidate],
                    others: Sequence[_Candidate], need_blocks: int, horizon: int,
-                   report: PrefetchReport) -> None:
+                   report: PrefetchReport, reuse: Sequence[int] = ()) -> None:
     """Spill, archive and warm for :meth:`_LookaheadMixin.prefetch`; hold the cache lock.
 
     Every move goes into free slots, so the cache itself never evicts anything here:
@@ -107,9 +111,14 @@ def _plan_and_move(cache: TQGPUCache, mine: Sequence[_Candidate],
     both tiers are full).
     """
     metadata = cache.metadata
+    keep = frozenset(reuse)
     warm: list[tuple[str, int]] = []  # (item id, block) of the agent's host blocks, prompt order
-    for c in mine:
+    listed: set[int] = set()
+    for c in [_Candidate("reuse", tuple(reuse), None, 1.0, 0), *mine]:
         for bid in c.blocks:
+            if bid in listed:
+                continue
+            listed.add(bid)
             try:
                 meta = metadata.get(bid)
             except UnknownBlockError:
@@ -126,7 +135,7 @@ def _plan_and_move(cache: TQGPUCache, mine: Sequence[_Candidate],
     spill: list[int] = []
     if deficit > 0:
         spill = _victim_order(cache, others, Tier.DEVICE, Action.DEMOTE,
-                              report.skipped)[:deficit]
+                              report.skipped, keep)[:deficit]
     if spill:
         short = len(spill) - len(warm) - host_free
         if warm:  # swaps alternate through the free slots of both tiers: keep a chunk
@@ -134,7 +143,8 @@ def _plan_and_move(cache: TQGPUCache, mine: Sequence[_Candidate],
                         - host_free - device_free)
         if short > 0:
             archivable = [c for c in others if c.due is None or c.due > horizon]
-            free = _victim_order(cache, archivable, Tier.HOST, Action.ARCHIVE, [])[:short]
+            free = _victim_order(cache, archivable, Tier.HOST, Action.ARCHIVE, [],
+                                 keep)[:short]
             if free:
                 cache.remove_blocks(free)
                 report.removed.extend(free)
@@ -313,7 +323,8 @@ class _LookaheadMixin:
         return inverse * weight
 
     # ------------------------------------------------------------------ prefetch
-    def prefetch(self, agent: str, *, need_blocks: int = 0) -> PrefetchReport:
+    def prefetch(self, agent: str, *, need_blocks: int = 0,
+                 blocks: Sequence[int] = ()) -> PrefetchReport:
         """Get the cache ready for ``agent``'s turn, now (between turns).
 
         1. Make ``need_blocks`` device blocks free *beyond* the room the warm in
@@ -326,6 +337,13 @@ class _LookaheadMixin:
            ``config.protect_horizon`` steps; spill only what then fits.
         3. Warm every host-tier block of ``agent``'s items (its latest call) to the
            device, in prompt order; what finds no room stays (skipped, ``tier_full``).
+
+        ``blocks`` are the cached blocks the turn will reuse, when the caller knows them
+        (:meth:`CacheAwareContextPipeline.plan_turn
+        <contextkit.pipeline.CacheAwareContextPipeline.plan_turn>` looks the assembled
+        prompt up; with ``need_blocks=plan.need_blocks``): they are warmed first and
+        are never spilled or archived, whoever owns them (an agent's first turn reuses
+        its organisation's blocks, registered by another agent).
 
         Warms and spills alternate into free slots, so the host blocks archived are
         the net room the spills need beyond what the warms give back, and the cache
@@ -356,7 +374,7 @@ class _LookaheadMixin:
                 with cache.locked():
                     before = cache.stats.bytes_moved
                     _plan_and_move(cache, mine, others, need_blocks,
-                                   self.config.protect_horizon, report)
+                                   self.config.protect_horizon, report, blocks)
                     report.bytes_moved = cache.stats.bytes_moved - before
                 with self._lock:
                     self._forget_blocks(report.removed)

@@ -263,6 +263,40 @@ def test_prefetch_archives_far_agents_only_and_never_the_protected() -> None:
     assert_no_leak(cache, manager)
 
 
+def _org_reuse_case(blocks_known: bool) -> tuple[TQGPUCache, PrefetchReport, dict[str, list[int]]]:
+    """Both tiers full; a new agent of org-a (no items yet) is due and will reuse the
+    organisation's blocks, which agent-c (due furthest) registered."""
+    cache = make_cache(device=4, host=4)
+    manager = ContextTierManager(cache)
+    blocks = {
+        "agent-c": alloc(cache, 2, Tier.HOST, "axioms"),  # the org blocks; c due in 7
+        "agent-d": alloc(cache, 2, Tier.HOST, "identity"),  # due in 5
+        "agent-e": alloc(cache, 4, Tier.DEVICE, "identity"),  # due in 4
+    }
+    for agent, ids in blocks.items():
+        layer = cache.metadata.get(ids[0]).source_layer
+        manager.register_segments(agent, "org-a", [(layer, 0.5, ids)])
+    manager.set_lookahead({"agent-new": 1, "agent-c": 7, "agent-d": 5, "agent-e": 4})
+    reuse = blocks["agent-c"] if blocks_known else []
+    report = manager.prefetch("agent-new", need_blocks=2, blocks=reuse)
+    assert_no_leak(cache, manager)
+    return cache, report, blocks
+
+
+def test_prefetch_keeps_and_warms_the_blocks_the_turn_will_reuse() -> None:
+    # Told what the turn reuses (plan_turn's lookup), prefetch warms the org blocks and
+    # archives the next-furthest agent's instead.
+    cache, report, blocks = _org_reuse_case(blocks_known=True)
+    assert sorted(report.warmed) == sorted(blocks["agent-c"])
+    assert tier_of(cache, blocks["agent-c"]) == {Tier.DEVICE}
+    assert set(report.removed) == set(blocks["agent-d"])
+    assert cache.num_free(Tier.DEVICE) >= 2
+    # Not told, it archives them: the agent due furthest owns them.
+    cache, report, blocks = _org_reuse_case(blocks_known=False)
+    assert set(report.removed) & set(blocks["agent-c"])
+    assert not all(b in cache.metadata for b in blocks["agent-c"])
+
+
 def test_prefetch_with_both_tiers_full_of_protected_blocks_moves_nothing() -> None:
     cache = make_cache(device=3, host=6)
     manager = ContextTierManager(cache)
