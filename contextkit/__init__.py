@@ -21,6 +21,8 @@ _EXPORTS = {
     "CacheAwareContextPipeline": "contextkit.pipeline",
     "CallReport": "contextkit.pipeline",
     "PipelineResult": "contextkit.pipeline",
+    "TurnPlan": "contextkit.pipeline",
+    "MultiAgentWorkload": "contextkit.agents",
     "cache_aware": "contextkit.pipeline",
     "LayerConfig": "contextkit.layers",
     "LayerSpec": "contextkit.layers",

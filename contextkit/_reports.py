@@ -129,6 +129,28 @@ class BuiltPrompt:
         return pieces[0], pieces[1], pieces[2]
 
 
+@dataclass(frozen=True)
+class TurnPlan:
+    """What a turn would reuse and allocate, known before it runs
+    (:meth:`~contextkit.pipeline.CacheAwareContextPipeline.plan_turn`).
+
+    Attributes:
+        agent: the pipeline's agent (the tenant when it names none).
+        tenant: whose blocks the turn reads.
+        prompt_tokens: tokens of the assembled prompt.
+        reuse_block_ids: cached blocks (either tier) holding the prompt's longest
+            cached prefix, in prompt order: what a prefetch should bring to the device.
+        need_blocks: blocks the turn will newly allocate (prompt and reply beyond
+            that prefix): the device room a prefetch should make.
+    """
+
+    agent: str
+    tenant: str
+    prompt_tokens: int
+    reuse_block_ids: tuple[int, ...]
+    need_blocks: int
+
+
 @dataclass
 class PipelineResult:
     """A reply with the engine's telemetry and the call report."""

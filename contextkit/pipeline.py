@@ -92,7 +92,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from contextkit._chatml import _ChatML
 from contextkit._pins import check_pin_quota, pin_stable
 from contextkit._registration import register_call
-from contextkit._reports import BuiltPrompt, CallReport, PipelineResult, _tokens_by_layer
+from contextkit._reports import (
+    BuiltPrompt,
+    CallReport,
+    PipelineResult,
+    TurnPlan,
+    _tokens_by_layer,
+)
 from contextkit._served import _ServedPipeline
 from contextkit._tenancy import _check_tenant, _TenantState, _TenantViews
 from contextkit.engine import Engine, TokenSpan
@@ -118,6 +124,7 @@ __all__ = [
     "CacheAwareContextPipeline",
     "CallReport",
     "PipelineResult",
+    "TurnPlan",
     "cache_aware",
 ]
 
@@ -490,6 +497,27 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
         return ids, spans, stable_end
 
     # ------------------------------------------------------------------ generation
+    def plan_turn(self, user_message: str | None = None, *,
+                  history: Sequence[tuple[str, str]] = (), max_new_tokens: int = 32,
+                  tenant: str | None = None, built: BuiltPrompt | None = None) -> TurnPlan:
+        """What :meth:`generate` with these arguments would reuse and allocate, without
+        running it: the input of :meth:`ContextTierManager.prefetch
+        <contextkit.tiers.ContextTierManager.prefetch>` before the agent's turn.
+
+        Raises:
+            RuntimeError: no engine attached, or nothing built yet.
+        """
+        if self.engine is None:
+            raise RuntimeError("plan_turn needs the embedded engine: build the pipeline "
+                               "with CacheAwareContextPipeline(engine)")
+        tenant = _check_tenant(tenant if tenant is not None else self.resolve_tenant())
+        ids, _, _ = self.assemble(user_message, history, tenant=tenant, built=built)
+        cache = self.engine.cache
+        hits = cache.lookup(cache.block_keys(ids, tenant), tenant)
+        total = -(-(len(ids) + max_new_tokens) // cache.block_size)
+        agent = self.agent if self.agent is not None else tenant
+        return TurnPlan(agent, tenant, len(ids), tuple(hits), max(0, total - len(hits)))
+
     def generate(
         self,
         user_message: str | None = None,

@@ -288,3 +288,25 @@ def test_from_config_takes_the_agent_and_the_tier_manager(fresh: Callable[..., E
     assert (pipeline.tenant, pipeline.agent, pipeline.tiers) == ("org-a", "agent-a", registry)
     result = run(pipeline, agent_prompt("org-a", "agent-a", caps=0))
     assert registry.calls[0][:2] == ("agent-a", "org-a") and result.report.tier_items > 0
+
+
+def test_plan_turn_predicts_what_generate_reuses_and_allocates(
+        fresh: Callable[..., Engine]) -> None:
+    engine = fresh("tq4", device=128, host=128)
+    a = CacheAwareContextPipeline(engine, tenant="org-a", agent="agent-a")
+    b = CacheAwareContextPipeline(engine, tenant="org-a", agent="agent-b")
+    run(a, agent_prompt("org-a", "agent-a"))
+    b.build(agent_prompt("org-a", "agent-b"))
+    plan = b.plan_turn("Status?", max_new_tokens=1)
+    assert (plan.agent, plan.tenant) == ("agent-b", "org-a")
+    bs = engine.cache.block_size
+    # B's first turn: the org's leading blocks that A registered, nothing of its own.
+    assert plan.reuse_block_ids and len(plan.reuse_block_ids) * bs < plan.prompt_tokens
+    assert plan.need_blocks == -(-(plan.prompt_tokens + 1) // bs) - len(plan.reuse_block_ids)
+    result = b.generate("Status?", max_new_tokens=1)
+    g = result.generation
+    assert g.prompt_tokens == plan.prompt_tokens
+    assert g.reused_tokens == len(plan.reuse_block_ids) * bs
+    assert tuple(g.block_ids[: len(plan.reuse_block_ids)]) == plan.reuse_block_ids
+    with pytest.raises(RuntimeError, match="embedded engine"):
+        CacheAwareContextPipeline().plan_turn("Status?")
