@@ -296,9 +296,7 @@ def run_policy(engine: Engine, workload: MultiAgentWorkload, policy: str, sizes:
                                                metrics=False)
              for a in workload.agents}
     history: dict[str, list[tuple[str, str]]] = {a.name: [] for a in workload.agents}
-    last: dict[str, tuple[int, int]] = {}  # agent -> (prompt tokens, computed tokens)
     rows: list[dict[str, Any]] = []
-    bs = cache.block_size
     bar = tqdm(total=steps, desc=f"{policy} @{sizes.device_agents}", unit="step",
                file=sys.stderr, disable=not progress)
     try:
@@ -316,16 +314,17 @@ def run_policy(engine: Engine, workload: MultiAgentWorkload, policy: str, sizes:
                 manager.set_lookahead(workload.lookahead(i - 1))
                 cycle = manager.run_once()
                 cycle_ms = (time.perf_counter() - t0) * 1e3
-                # new blocks the turn will allocate: what the agent computed last time
-                # (its changing layers) plus the prompt's growth and the reply
-                if step.agent in last:
-                    prev_prompt, prev_computed = last[step.agent]
-                    need_tokens = prev_computed + max(0, prompt_tokens[i] - prev_prompt)
-                else:
-                    need_tokens = prompt_tokens[i]
-                need = -(-(need_tokens + max_new_tokens) // bs)
-                pre = manager.prefetch(step.agent, need_blocks=need)
-                row.update(ooda_ms=cycle_ms + pre.duration_s * 1e3, cycle_ms=cycle_ms,
+                # what the turn will reuse and allocate: its assembled prompt looked up
+                t1 = time.perf_counter()
+                plan = pipe.plan_turn(step.user_message,
+                                      history=history[step.agent][-HISTORY_MESSAGES:],
+                                      max_new_tokens=max_new_tokens)
+                need = plan.need_blocks
+                plan_ms = (time.perf_counter() - t1) * 1e3
+                pre = manager.prefetch(step.agent, need_blocks=need,
+                                       blocks=plan.reuse_block_ids)
+                row.update(ooda_ms=cycle_ms + plan_ms + pre.duration_s * 1e3, cycle_ms=cycle_ms,
+                           plan_ms=plan_ms,
                            prefetch_ms=pre.duration_s * 1e3, prefetch_need_blocks=need,
                            prefetch_warmed=len(pre.warmed), prefetch_spilled=len(pre.spilled),
                            prefetch_removed=len(pre.removed),
@@ -350,7 +349,6 @@ def run_policy(engine: Engine, workload: MultiAgentWorkload, policy: str, sizes:
             rows.append(row)
             if on_step is not None:
                 on_step(row)
-            last[step.agent] = (g.prompt_tokens, g.computed_tokens)
             history[step.agent] += [("user", step.user_message), ("assistant", res.text)]
             bar.set_postfix(ttft=f"{g.ttft_ms / 1000:.1f}s", reused=g.reused_tokens)
             bar.update(1)

@@ -26,6 +26,11 @@ def test_demo_runs_shadows_and_restarts_warm(tmp_path: Path, capsys: pytest.Capt
     assert 5_500 < rec["prompt_tokens"] < 7_000  # the ~6K-token ten-layer prompt
     assert first["summary"]["pinned_blocks"] > 0
     assert first["summary"]["shadow"]["blocks"] > 0
+    agents = first["summary"]["agents"]  # the short multi-agent run after the replay
+    assert agents["prefetches"] == agents["steps"] > 0
+    assert agents["prefetch_before_generate"] is True
+    assert agents["pinned_blocks_evicted"] == 0 and agents["leak_free"]
+    assert (out / "agents.png").stat().st_size > 10_000
     capsys.readouterr()
 
     assert main(["status", "--store", store, "--json"]) == 0
@@ -38,7 +43,7 @@ def test_demo_runs_shadows_and_restarts_warm(tmp_path: Path, capsys: pytest.Capt
 
     # A second run restores the shadow: turn 1 reuses the whole prompt but a token.
     assert main(["demo", "--turns", "1", "--max-new-tokens", "4", "--out", str(out),
-                 "--store", store]) == 0
+                 "--store", store, "--agent-steps", "0"]) == 0
     second = json.loads((out / "demo.json").read_text())
     assert second["summary"]["recovered_blocks"] == first["summary"]["shadow"]["blocks"]
     rec2 = second["records"][0]
