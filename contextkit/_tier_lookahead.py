@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import operator
 import threading
 import time
@@ -70,16 +71,20 @@ def _victim_order(cache: TQGPUCache, items: Sequence[_Candidate], tier: Tier,
                   keep: frozenset[int] = frozenset()) -> list[int]:
     """Movable blocks of ``items`` in ``tier``, first to go first.
 
-    Never-due items first, then the largest steps to their turn; ties: lower layer
-    priority, then lower importance, then the later block of an item (so what stays
-    is a prefix). Pinned and in-use blocks are recorded in ``skipped``; blocks in
-    ``keep`` (the ones the coming turn reuses) are never victims.
+    Never-due items first, then the largest steps to their turn. Among blocks due
+    alike (one agent's), a block is worth no more than the blocks before it, since a
+    cached block is reusable only behind its whole cached prefix: each block's
+    *effective* priority is the lowest layer priority of the blocks allocated before
+    it (block ids grow along a prompt), so a low-priority layer in the middle takes
+    the blocks after it along, tail first, and what stays is a prefix. Then lower
+    importance. Never-due blocks go by their own layer priority, tail first. Pinned
+    and in-use blocks are recorded in ``skipped``; blocks in ``keep`` (the ones the
+    coming turn reuses) are never victims.
     """
     metadata = cache.metadata
-    keyed: list[tuple[tuple[float, ...], int]] = []
+    groups: dict[int | None, list[tuple[int, int, float]]] = {}
     for c in items:
-        due = 0.0 if c.due is None else 1.0 / (1.0 + c.due)  # never-due: 0, sorts first
-        for pos, bid in enumerate(c.blocks):
+        for bid in c.blocks:
             if bid in keep:
                 continue
             try:
@@ -94,7 +99,16 @@ def _victim_order(cache: TQGPUCache, items: Sequence[_Candidate], tier: Tier,
                 continue
             priority = metadata.priority_for(c.layer if c.layer is not None
                                              else meta.source_layer)
-            keyed.append(((due, priority, c.importance, -pos), bid))
+            groups.setdefault(c.due, []).append((bid, priority, c.importance))
+    keyed: list[tuple[tuple[float, ...], int]] = []
+    for due_steps, blocks in groups.items():
+        due = 0.0 if due_steps is None else 1.0 / (1.0 + due_steps)  # never-due sorts first
+        lowest = math.inf
+        for bid, priority, importance in sorted(blocks):
+            if due_steps is not None:
+                lowest = min(lowest, priority)
+                priority = int(lowest)
+            keyed.append(((due, priority, -bid, importance), bid))
     keyed.sort(key=operator.itemgetter(0))
     return [bid for _, bid in keyed]
 
@@ -186,6 +200,7 @@ class _LookaheadMixin:
         self._lookahead: dict[str, int | None] = {}
         self._row_agents: dict[int, frozenset[str]] = {}  # rows with agents only
         self._agent_items: dict[str, list[str]] = {}  # item ids of an agent's latest call
+        self._agent_tenant: dict[str, str] = {}  # from set_lookahead(tenants=)
         self._prefetch_counts: Counter[str] = Counter()  # since the last cycle
 
     # ------------------------------------------------------------------ segments
@@ -274,9 +289,15 @@ class _LookaheadMixin:
             return [i for i in self._agent_items.get(agent, ()) if i in self._table.row_of]
 
     # ------------------------------------------------------------------ look-ahead
-    def set_lookahead(self, due: Mapping[str, int | None]) -> None:
+    def set_lookahead(self, due: Mapping[str, int | None], *,
+                      tenants: Mapping[str, str] | None = None) -> None:
         """Replace the look-ahead: agent -> steps until its next turn (1 = the next
         step; ``None`` or absent: not expected again).
+
+        ``tenants`` (agent -> tenant) lets an agent that has not run yet protect its
+        tenant's blocks: its first turn reuses the organisation's layers other agents
+        of the tenant registered, so every item of that tenant counts as due no later
+        than that agent.
 
         Raises:
             InvalidNameError: an agent name that breaks the naming rule.
@@ -297,8 +318,10 @@ class _LookaheadMixin:
                 if steps < 0:
                     raise ValueError(f"steps of agent {agent!r} must be >= 0, got {steps}")
             clean[agent] = steps
+        homes = {a: validate_tenant(t) for a, t in (tenants or {}).items()}
         with self._lock:
             self._lookahead = clean
+            self._agent_tenant.update(homes)
 
     def lookahead(self) -> dict[str, int | None]:
         """The look-ahead set by :meth:`set_lookahead` (a copy)."""
@@ -394,6 +417,12 @@ class _LookaheadMixin:
         reservation = _KINDS.index(ItemKind.RESERVATION)
         mine_ids = self._agent_items.get(agent, [])
         mine_rows = {t.row_of[i] for i in mine_ids if i in t.row_of}
+        # agents not seen yet may reuse any block of their tenant (its shared layers)
+        unseen: dict[str, int] = {}
+        for name, due in lookahead.items():
+            home = self._agent_tenant.get(name)
+            if due is not None and home is not None and name not in self._agent_items:
+                unseen[home] = min(due, unseen.get(home, due))
         by_row: dict[int, _Candidate] = {}
         for row in np.flatnonzero(t.alive[: t.size]).tolist():
             blocks = t.blocks[row]
@@ -401,6 +430,8 @@ class _LookaheadMixin:
                 continue
             agents = self._row_agents.get(row, frozenset())
             steps = [s for a in agents if (s := lookahead.get(a)) is not None]
+            if t.tenant[row] in unseen:
+                steps.append(unseen[t.tenant[row]])
             info = t.payload[row]
             by_row[row] = _Candidate(
                 t.ids[row] or "", blocks, info.layer if isinstance(info, SegmentInfo) else None,

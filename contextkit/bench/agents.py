@@ -296,6 +296,8 @@ def run_policy(engine: Engine, workload: MultiAgentWorkload, policy: str, sizes:
                                                metrics=False)
              for a in workload.agents}
     history: dict[str, list[tuple[str, str]]] = {a.name: [] for a in workload.agents}
+    homes = {a.name: a.tenant for a in workload.agents}
+    homes = {a.name: a.tenant for a in workload.agents}
     rows: list[dict[str, Any]] = []
     bar = tqdm(total=steps, desc=f"{policy} @{sizes.device_agents}", unit="step",
                file=sys.stderr, disable=not progress)
@@ -311,7 +313,7 @@ def run_policy(engine: Engine, workload: MultiAgentWorkload, policy: str, sizes:
                                    "kind": step.kind, "agent_turn": step.agent_turn}
             if manager is not None:
                 t0 = time.perf_counter()
-                manager.set_lookahead(workload.lookahead(i - 1))
+                manager.set_lookahead(workload.lookahead(i - 1), tenants=homes)
                 cycle = manager.run_once()
                 cycle_ms = (time.perf_counter() - t0) * 1e3
                 # what the turn will reuse and allocate: its assembled prompt looked up

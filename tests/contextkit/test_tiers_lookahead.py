@@ -516,3 +516,42 @@ def test_no_block_leaks_after_a_random_many_agent_workload() -> None:
         assert tier_of(cache, pinned) <= {Tier.DEVICE}
     assert min(moved.values()) > 0, moved  # the workload made prefetch do all three
     assert cache.stats.evictions > 0  # and the cache evicted on its own in between
+
+
+def test_an_agents_blocks_go_tail_first_even_past_a_low_priority_middle_layer() -> None:
+    # agent-b's prompt: axioms, affect (priority 14) in the middle, then memories (35).
+    # Spilling the affect block would void the memories after it: the tail goes first.
+    cache = make_cache(device=5, host=5)
+    manager = ContextTierManager(cache)
+    chain = [alloc(cache, 1, Tier.DEVICE, layer)[0]
+             for layer in ("axioms", "affect", "memories", "memories")]
+    manager.register_segments("agent-b", "org-a", [
+        ("axioms", 0.5, chain[:1]), ("affect", 0.5, chain[1:2]), ("memories", 0.5, chain[2:])])
+    manager.set_lookahead({"agent-a": 1, "agent-b": 3})
+    report = manager.prefetch("agent-a", need_blocks=3)
+    assert sorted(report.spilled) == chain[2:] and report.removed == []
+    assert tier_of(cache, chain[:2]) == {Tier.DEVICE}
+    assert_no_leak(cache, manager)
+
+
+def test_an_agent_not_seen_yet_protects_its_tenants_blocks() -> None:
+    # agent-new of org-a has not run; its first turn will reuse org-a's blocks, which
+    # only agent-c (due furthest) registered. Told the tenant, prefetch for agent-x
+    # spills org-b's blocks instead.
+    def case(tenants: dict[str, str] | None) -> tuple[TQGPUCache, list[int], list[int]]:
+        cache = make_cache(device=4, host=2)
+        manager = ContextTierManager(cache)
+        org_a = alloc(cache, 2, Tier.DEVICE, "axioms", tenant="org-a")
+        org_b = alloc(cache, 2, Tier.DEVICE, "axioms", tenant="org-b")
+        manager.register_segments("agent-c", "org-a", [("axioms", 0.5, org_a)])
+        manager.register_segments("agent-d", "org-b", [("axioms", 0.5, org_b)])
+        manager.set_lookahead({"agent-x": 1, "agent-new": 2, "agent-c": 9, "agent-d": 5},
+                              tenants=tenants)
+        manager.prefetch("agent-x", need_blocks=2)
+        assert_no_leak(cache, manager)
+        return cache, org_a, org_b
+
+    cache, org_a, org_b = case({"agent-new": "org-a"})
+    assert tier_of(cache, org_a) == {Tier.DEVICE} and tier_of(cache, org_b) == {Tier.HOST}
+    cache, org_a, org_b = case(None)  # not told: agent-c's blocks are the furthest due
+    assert tier_of(cache, org_a) == {Tier.HOST} and tier_of(cache, org_b) == {Tier.DEVICE}
