@@ -267,8 +267,10 @@ def _off_device(cache: Any, block_ids: set[int]) -> int:
 def run_policy(engine: Engine, workload: MultiAgentWorkload, policy: str, sizes: Sizes, *,
                steps: int, max_new_tokens: int, prompt_tokens: Sequence[int],
                progress: bool = True,
-               on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run the first ``steps`` steps of ``workload`` under ``policy`` on a fresh cache.
+               on_step: Callable[[dict[str, Any]], None] | None = None,
+               cycle: bool = True) -> dict[str, Any]:
+    """Run the first ``steps`` steps of ``workload`` under ``policy`` on a fresh cache
+    (``cycle=False``: semantic+ooda prefetches without an OODA cycle before each step).
 
     Returns:
         ``rows`` (one per step: TTFT, tokens, moves, prefetch stamps), the cache's
@@ -297,7 +299,6 @@ def run_policy(engine: Engine, workload: MultiAgentWorkload, policy: str, sizes:
              for a in workload.agents}
     history: dict[str, list[tuple[str, str]]] = {a.name: [] for a in workload.agents}
     homes = {a.name: a.tenant for a in workload.agents}
-    homes = {a.name: a.tenant for a in workload.agents}
     rows: list[dict[str, Any]] = []
     bar = tqdm(total=steps, desc=f"{policy} @{sizes.device_agents}", unit="step",
                file=sys.stderr, disable=not progress)
@@ -314,7 +315,7 @@ def run_policy(engine: Engine, workload: MultiAgentWorkload, policy: str, sizes:
             if manager is not None:
                 t0 = time.perf_counter()
                 manager.set_lookahead(workload.lookahead(i - 1), tenants=homes)
-                cycle = manager.run_once()
+                cycle_moved = manager.run_once().metrics.num_blocks_moved if cycle else 0
                 cycle_ms = (time.perf_counter() - t0) * 1e3
                 # what the turn will reuse and allocate: its assembled prompt looked up
                 t1 = time.perf_counter()
@@ -331,7 +332,7 @@ def run_policy(engine: Engine, workload: MultiAgentWorkload, policy: str, sizes:
                            prefetch_warmed=len(pre.warmed), prefetch_spilled=len(pre.spilled),
                            prefetch_removed=len(pre.removed),
                            prefetch_bytes=pre.bytes_moved,
-                           cycle_blocks_moved=cycle.metrics.num_blocks_moved,
+                           cycle_blocks_moved=cycle_moved,
                            prefetch_finished_at=pre.finished_at)
             row["generate_started_at"] = time.perf_counter()
             res = pipe.generate(step.user_message, history=history[step.agent][-HISTORY_MESSAGES:],
