@@ -87,8 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-agents", type=positive_int, default=2,
                         help="device tier: this many of the largest agent's prompts plus reply "
                              "headroom (default 2)")
-    parser.add_argument("--host-agents", type=non_negative_int, default=4,
-                        help="host tier: this many mean agent prompts (default 4)")
+    parser.add_argument("--host-agents", type=non_negative_int, default=1,
+                        help="host tier: this many mean agent prompts (default 1: with the "
+                             "device tier of 2 the six agents do not fit; 4 holds them all)")
     parser.add_argument("--sweep", default="1,2,4,all",
                         help="device sizes in agents for the sweep, comma-separated; 'all': "
                              "every agent fits; '' skips it (default 1,2,4,all)")
