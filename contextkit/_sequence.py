@@ -76,6 +76,7 @@ def open_sequence(cache: TQGPUCache, ids: Sequence[int], extra: int, tenant: str
         cache.acquire(new)
         block_ids = hits + new
         _annotate(cache, block_ids, len(hits), len(ids), tenant, spans)
+        cache.metadata.chain(block_ids)  # what stays cached is a prefix
         cache.metadata.touch(hits)
     return block_ids, new, keys, len(hits) * bs, len(host) * bs
 

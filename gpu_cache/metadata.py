@@ -3,12 +3,21 @@
 Every allocated block carries where its tokens came from (prompt layer), how
 important they are, who owns them, and where the bytes live. Eviction sorts by a
 policy's ``priority(meta)`` tuple, lowest first; the semantic policy orders by the
-source layer's priority, then importance, then last attention, then age.
+block's *effective* layer priority and importance, then last attention, then the
+newest block first.
+
+A block is worth no more than the blocks before it in its prompt, since a cached
+block is reusable only behind its whole cached prefix. :meth:`BlockMetadataTable.chain`
+records a prompt's blocks in order; a block's effective priority (importance) is then
+the lowest layer priority (importance) of itself and every block before it, so a
+low-priority layer in the middle of a prompt is kept as long as the blocks after it,
+the tail goes first, and what stays cached is always a prefix.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -81,6 +90,9 @@ class BlockMeta:
     ref_count: int = 0
     num_tokens: int = 0
     pinned_at: float = 0.0
+    # lowest layer priority / importance of the blocks before this one in its prompt
+    prefix_priority: float = math.inf
+    prefix_importance: float = 1.0
 
     @property
     def evictable(self) -> bool:
@@ -101,12 +113,16 @@ class EvictionPolicy(Protocol):
 
 
 class SemanticEvictionPolicy:
-    """Source-layer priority, then importance, then last attention, then age."""
+    """Effective source-layer priority, then effective importance (the lowest of the
+    block and the blocks before it in its prompt), then last attention, then the
+    newest block first (within one request: the tail of the prompt first)."""
 
     name = "semantic"
 
     def priority(self, meta: BlockMeta) -> tuple[float, ...]:
-        return (meta.eviction_priority, meta.importance, meta.last_attended, meta.created_at)
+        return (min(meta.eviction_priority, meta.prefix_priority),
+                min(meta.importance, meta.prefix_importance), meta.last_attended,
+                -meta.block_id)
 
 
 class LRUEvictionPolicy:
@@ -195,6 +211,30 @@ class BlockMetadataTable:
             if num_tokens is not None:
                 meta.num_tokens = int(num_tokens)
             return meta
+
+    def chain(self, block_ids: Iterable[int]) -> None:
+        """Record ``block_ids`` as one prompt's blocks, in prompt order: each block's
+        effective priority and importance become at most those of the blocks before it.
+
+        Pinned blocks count with their layer's priority (what they fall back to when
+        unpinned). A block shared by several prompts has the same blocks before it in
+        each (block keys chain the whole prefix), so the order agrees.
+        """
+        with self._lock:
+            priority, importance = math.inf, 1.0
+            for bid in block_ids:
+                meta = self.get(bid)
+                meta.prefix_priority, meta.prefix_importance = priority, importance
+                priority = min(priority, self.priority_for(meta.source_layer))
+                importance = min(importance, meta.importance)
+
+    def effective(self, block_id: int) -> tuple[float, float]:
+        """``(priority, importance)`` the semantic policy evicts ``block_id`` by (its
+        pin aside)."""
+        with self._lock:
+            meta = self.get(block_id)
+            return (min(self.priority_for(meta.source_layer), meta.prefix_priority),
+                    min(meta.importance, meta.prefix_importance))
 
     def touch(self, block_ids: Iterable[int], now: float | None = None) -> None:
         """Record that attention read these blocks."""

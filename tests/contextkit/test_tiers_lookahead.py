@@ -555,3 +555,16 @@ def test_an_agent_not_seen_yet_protects_its_tenants_blocks() -> None:
     assert tier_of(cache, org_a) == {Tier.DEVICE} and tier_of(cache, org_b) == {Tier.HOST}
     cache, org_a, org_b = case(None)  # not told: agent-c's blocks are the furthest due
     assert tier_of(cache, org_a) == {Tier.HOST} and tier_of(cache, org_b) == {Tier.DEVICE}
+
+
+def test_a_served_prompt_is_evicted_tail_first_under_semantic_priority() -> None:
+    # The engine chains every request's blocks (open_sequence): the affect block in the
+    # middle (priority 14) stays as long as the memories after it, which go first.
+    cache = make_cache(device=5, host=0)
+    layers = [("axioms", [7 + i for i in range(2 * BS)]),
+              ("affect", [900 + i for i in range(BS)]),
+              ("memories", [1900 + i for i in range(2 * BS)])]
+    _, chain, _ = run_call(cache, None, "agent-a", "org-a", layers)
+    assert len(chain) == 5
+    assert cache.allocate(2, Tier.DEVICE, source_layer="user_turn") is not None
+    assert [b in cache.metadata for b in chain] == [True, True, True, False, False]

@@ -149,6 +149,28 @@ def test_eviction_breaks_ties_by_importance_then_last_attended() -> None:
     assert stale[0] not in cache.metadata and high[0] in cache.metadata
 
 
+def test_semantic_eviction_keeps_a_prompts_blocks_a_prefix() -> None:
+    # A cached block is reusable only behind its whole cached prefix: once chained as
+    # one prompt, a low-priority layer in the middle (affect, 14) is worth keeping as
+    # long as what follows it, so the tail goes first and what stays is a prefix.
+    cache = make_cache(device_blocks=4, host_blocks=0)
+    chain = []
+    for layer in ("axioms", "affect", "memories", "neurons"):
+        got = cache.allocate(1, source_layer=layer, importance=0.5)
+        assert got is not None
+        chain += got
+    cache.metadata.touch(chain, now=1_000.0)  # one request attended them together
+    cache.metadata.chain(chain)
+    assert [cache.metadata.effective(b) for b in chain] == [(100, 0.5), (14, 0.5),
+                                                            (14, 0.5), (14, 0.5)]
+    evicted = []
+    for _ in range(3):
+        assert cache.allocate(1, source_layer="user_turn") is not None
+        evicted += [b for b in chain if b not in cache.metadata and b not in evicted]
+    assert evicted == [chain[3], chain[2], chain[1]]  # tail first; axioms stay
+    assert chain[0] in cache.metadata
+
+
 def test_lru_policy_ignores_semantics() -> None:
     cache = make_cache(device_blocks=2, host_blocks=0, policy="lru")
     axioms = cache.allocate(1, source_layer="axioms")
