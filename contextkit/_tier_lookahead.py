@@ -201,6 +201,7 @@ class _LookaheadMixin:
         self._row_agents: dict[int, frozenset[str]] = {}  # rows with agents only
         self._agent_items: dict[str, list[str]] = {}  # item ids of an agent's latest call
         self._agent_tenant: dict[str, str] = {}  # from set_lookahead(tenants=)
+        self._volatile: set[str] = set()  # segments that replaced the agent's previous ones
         self._prefetch_counts: Counter[str] = Counter()  # since the last cycle
 
     # ------------------------------------------------------------------ segments
@@ -216,6 +217,11 @@ class _LookaheadMixin:
         ``agent``. A segment without unowned blocks creates no item. Items of the
         agent's previous call that this call does not touch lose ``agent``. Block ids
         no longer in the cache are ignored.
+
+        A new segment of a layer the agent's previous call also had (its text changed
+        since: the system state, the time, the conversation) is *volatile*: it will
+        most likely change again before it is reused, so prefetch moves it away as if
+        no agent were due, before the stable blocks of agents that are.
 
         Returns:
             The ids of the items touched (new or existing), in prompt order.
@@ -266,6 +272,13 @@ class _LookaheadMixin:
                     t.hits[row] += 1
                     t.last_access[row] = max(t.last_access[row], now)
                 self._set_agents_locked(row, self._row_agents.get(row, frozenset()) | {agent})
+            before = [t.payload[t.row_of[i]] for i in self._agent_items.get(agent, ())
+                      if i in t.row_of]
+            seen = {info.layer for info in before if isinstance(info, SegmentInfo)}
+            self._volatile.update(i for i in new if getattr(t.payload[t.row_of[i]], "layer",
+                                                            None) in seen)
+            if len(self._volatile) > 2 * len(t.row_of) + 64:
+                self._volatile.intersection_update(t.row_of)
             for item_id in self._agent_items.get(agent, ()):
                 row = t.row_of.get(item_id)
                 if item_id not in touched and row is not None:
@@ -432,6 +445,8 @@ class _LookaheadMixin:
             steps = [s for a in agents if (s := lookahead.get(a)) is not None]
             if t.tenant[row] in unseen:
                 steps.append(unseen[t.tenant[row]])
+            if t.ids[row] in self._volatile:
+                steps = []  # changes before it is read again: as good as never due
             info = t.payload[row]
             by_row[row] = _Candidate(
                 t.ids[row] or "", blocks, info.layer if isinstance(info, SegmentInfo) else None,

@@ -568,3 +568,26 @@ def test_a_served_prompt_is_evicted_tail_first_under_semantic_priority() -> None
     assert len(chain) == 5
     assert cache.allocate(2, Tier.DEVICE, source_layer="user_turn") is not None
     assert [b in cache.metadata for b in chain] == [True, True, True, False, False]
+
+
+def test_a_segment_that_replaced_the_agents_previous_one_goes_before_stable_blocks() -> None:
+    # agent-b's system_state changed between its calls: its new state block will most
+    # likely change again before agent-b reads it, so it goes before agent-c's stable
+    # identity although agent-b is due sooner.
+    cache = make_cache(device=5, host=5)
+    manager = ContextTierManager(cache)
+    axioms = alloc(cache, 1, Tier.DEVICE, "axioms")
+    state_1, state_2 = alloc(cache, 1, Tier.DEVICE, "system_state"), \
+        alloc(cache, 1, Tier.DEVICE, "system_state")
+    identity_c = alloc(cache, 2, Tier.DEVICE, "identity")
+    manager.register_segments("agent-b", "org-a", [("axioms", 0.5, axioms),
+                                                   ("system_state", 0.5, state_1)])
+    manager.register_segments("agent-b", "org-a", [("axioms", 0.5, axioms),
+                                                   ("system_state", 0.5, state_2)])
+    manager.register_segments("agent-c", "org-a", [("identity", 0.5, identity_c)])
+    manager.set_lookahead({"agent-a": 1, "agent-b": 2, "agent-c": 6})
+    report = manager.prefetch("agent-a", need_blocks=2)
+    # state_1 no agent holds any more, state_2 is volatile: both before c's identity.
+    assert sorted(report.spilled) == sorted(state_1 + state_2)
+    assert tier_of(cache, identity_c + axioms) == {Tier.DEVICE}
+    assert_no_leak(cache, manager)
