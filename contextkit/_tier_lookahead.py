@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import operator
 import threading
 import time
@@ -71,18 +70,18 @@ def _victim_order(cache: TQGPUCache, items: Sequence[_Candidate], tier: Tier,
                   keep: frozenset[int] = frozenset()) -> list[int]:
     """Movable blocks of ``items`` in ``tier``, first to go first.
 
-    Never-due items first, then the largest steps to their turn. Among blocks due
-    alike (one agent's), a block is worth no more than the blocks before it, since a
-    cached block is reusable only behind its whole cached prefix: each block's
-    *effective* priority is the lowest layer priority of the blocks allocated before
-    it (block ids grow along a prompt), so a low-priority layer in the middle takes
-    the blocks after it along, tail first, and what stays is a prefix. Then lower
-    importance. Never-due blocks go by their own layer priority, tail first. Pinned
-    and in-use blocks are recorded in ``skipped``; blocks in ``keep`` (the ones the
-    coming turn reuses) are never victims.
+    Blocks no agent is due to read go first: those no agent's latest call holds, those
+    of agents the look-ahead does not expect, and volatile segments (replaced since the
+    agent's previous call: they change before they are read again). Then, as the
+    cache's own semantic eviction, the lowest *effective* layer priority (at most that
+    of the blocks before it in its prompt, :meth:`gpu_cache.BlockMetadataTable.chain`:
+    a prompt goes tail first and what stays is a prefix); among equals the agent due
+    furthest, then the newest block, then the lowest importance. Pinned and in-use
+    blocks are recorded in ``skipped``; blocks in ``keep`` (the ones the coming turn
+    reuses) are never victims.
     """
     metadata = cache.metadata
-    groups: dict[int | None, list[tuple[int, int, float]]] = {}
+    keyed: list[tuple[tuple[float, ...], int]] = []
     for c in items:
         for bid in c.blocks:
             if bid in keep:
@@ -97,18 +96,11 @@ def _victim_order(cache: TQGPUCache, items: Sequence[_Candidate], tier: Tier,
                 reason = "pinned" if meta.pinned else "in_use"
                 skipped.append(BlockSkip(bid, c.item_id, action, reason))
                 continue
-            priority = metadata.priority_for(c.layer if c.layer is not None
-                                             else meta.source_layer)
-            groups.setdefault(c.due, []).append((bid, priority, c.importance))
-    keyed: list[tuple[tuple[float, ...], int]] = []
-    for due_steps, blocks in groups.items():
-        due = 0.0 if due_steps is None else 1.0 / (1.0 + due_steps)  # never-due sorts first
-        lowest = math.inf
-        for bid, priority, importance in sorted(blocks):
-            if due_steps is not None:
-                lowest = min(lowest, priority)
-                priority = int(lowest)
-            keyed.append(((due, priority, -bid, importance), bid))
+            priority, importance = metadata.effective(bid)
+            if c.due is None:
+                keyed.append(((0.0, priority, 0.0, -bid, importance), bid))
+            else:
+                keyed.append(((1.0, priority, 1.0 / (1.0 + c.due), -bid, importance), bid))
     keyed.sort(key=operator.itemgetter(0))
     return [bid for _, bid in keyed]
 
@@ -379,7 +371,9 @@ class _LookaheadMixin:
         <contextkit.pipeline.CacheAwareContextPipeline.plan_turn>` looks the assembled
         prompt up; with ``need_blocks=plan.need_blocks``): they are warmed first and
         are never spilled or archived, whoever owns them (an agent's first turn reuses
-        its organisation's blocks, registered by another agent).
+        its organisation's blocks, registered by another agent), and they replace step
+        3: the agent's other blocks (its last call's volatile tail) are not warmed and
+        count as blocks no agent is due to read.
 
         Warms and spills alternate into free slots, so the host blocks archived are
         the net room the spills need beyond what the warms give back, and the cache
@@ -407,6 +401,10 @@ class _LookaheadMixin:
                 with self._lock:
                     self._reconcile_locked()
                     mine, others = self._candidates_locked(agent)
+                    if blocks:  # exactly what the turn reuses: the rest of the agent's
+                        # last call (its volatile tail) will not be read again
+                        others += [c._replace(due=None) for c in mine]
+                        mine = []
                 with cache.locked():
                     before = cache.stats.bytes_moved
                     _plan_and_move(cache, mine, others, need_blocks,

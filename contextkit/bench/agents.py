@@ -279,7 +279,7 @@ def run_policy(engine: Engine, workload: MultiAgentWorkload, policy: str, sizes:
         capacity in every tier, every tracked block in the metadata).
     """
     from contextkit.pipeline import CacheAwareContextPipeline
-    from contextkit.tiers import ContextTierManager
+    from contextkit.tiers import ContextTierManager, TierManagerConfig
     from gpu_cache import Tier
     from gpu_cache.config import PinConfig
 
@@ -293,7 +293,12 @@ def run_policy(engine: Engine, workload: MultiAgentWorkload, policy: str, sizes:
                          pins=PinConfig(tenant_share=share, total_share=share, idle_ttl_s=None),
                          metrics=False)
     cache = eng.cache
-    manager = ContextTierManager(cache) if policy == "semantic+ooda" else None
+    # The prefetch is told exactly what each turn reuses (plan_turn), which protects the
+    # due agent; protecting the agents due after it too (protect_horizon > 0) kept their
+    # volatile tails at the cost of other agents' stable blocks: +1.3% tokens computed
+    # at horizon 2 on the default workload (measured).
+    manager = (ContextTierManager(cache, config=TierManagerConfig(protect_horizon=0))
+               if policy == "semantic+ooda" else None)
     pipes = {a.name: CacheAwareContextPipeline(eng, tenant=a.tenant, agent=a.name,
                                                pin_stable=pinning, tiers=manager,
                                                metrics=False)

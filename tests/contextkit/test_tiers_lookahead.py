@@ -269,8 +269,8 @@ def _org_reuse_case(blocks_known: bool) -> tuple[TQGPUCache, PrefetchReport, dic
     cache = make_cache(device=4, host=4)
     manager = ContextTierManager(cache)
     blocks = {
-        "agent-c": alloc(cache, 2, Tier.HOST, "axioms"),  # the org blocks; c due in 7
-        "agent-d": alloc(cache, 2, Tier.HOST, "identity"),  # due in 5
+        "agent-c": alloc(cache, 2, Tier.HOST, "capabilities"),  # the org blocks; due in 7
+        "agent-d": alloc(cache, 2, Tier.HOST, "axioms"),  # due in 5
         "agent-e": alloc(cache, 4, Tier.DEVICE, "identity"),  # due in 4
     }
     for agent, ids in blocks.items():
@@ -291,7 +291,7 @@ def test_prefetch_keeps_and_warms_the_blocks_the_turn_will_reuse() -> None:
     assert tier_of(cache, blocks["agent-c"]) == {Tier.DEVICE}
     assert set(report.removed) == set(blocks["agent-d"])
     assert cache.num_free(Tier.DEVICE) >= 2
-    # Not told, it archives them: the agent due furthest owns them.
+    # Not told, it archives them: the lower layer priority (capabilities 80 < axioms 100).
     cache, report, blocks = _org_reuse_case(blocks_known=False)
     assert set(report.removed) & set(blocks["agent-c"])
     assert not all(b in cache.metadata for b in blocks["agent-c"])
@@ -401,9 +401,14 @@ def test_prefetch_before_the_turn_serves_the_whole_prompt_from_the_device() -> N
     report, turn_started, cached, warmed_by_open, on_host = results[True]
     assert report is not None and report.finished_at < turn_started
     assert sorted(report.warmed) == sorted(on_host)
-    # The room came from agent-2, due furthest; agent-1 (next but one) kept its blocks.
-    agent_2 = {b for i in manager.agent_items("agent-2") for b in manager.get(i).block_ids}
-    assert report.spilled and set(report.spilled) <= agent_2
+    # The room came from the other agents' lowest effective priorities (their prompts'
+    # tails), the agent due furthest first among equals.
+    agent_1, agent_2 = ({b for i in manager.agent_items(a) for b in manager.get(i).block_ids}
+                        for a in ("agent-1", "agent-2"))
+    assert report.spilled and set(report.spilled) <= agent_1 | agent_2
+    assert report.spilled[0] in agent_2
+    effective = [cache.metadata.effective(b)[0] for b in report.spilled]
+    assert effective == sorted(effective)
     assert cached == prompt_blocks * BS and warmed_by_open == 0  # all found on the device
 
 
@@ -525,6 +530,7 @@ def test_an_agents_blocks_go_tail_first_even_past_a_low_priority_middle_layer() 
     manager = ContextTierManager(cache)
     chain = [alloc(cache, 1, Tier.DEVICE, layer)[0]
              for layer in ("axioms", "affect", "memories", "memories")]
+    cache.metadata.chain(chain)  # one prompt, as the engine records every request
     manager.register_segments("agent-b", "org-a", [
         ("axioms", 0.5, chain[:1]), ("affect", 0.5, chain[1:2]), ("memories", 0.5, chain[2:])])
     manager.set_lookahead({"agent-a": 1, "agent-b": 3})
