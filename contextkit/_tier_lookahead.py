@@ -4,7 +4,8 @@ Many agents share one cache too small for all of them. The pipeline registers ea
 call's blocks as prompt *segments* (:meth:`register_segments`), the scheduler says
 how many steps each agent is from its next turn (:meth:`set_lookahead`, KVFlow's
 steps-to-execution), and between turns :meth:`prefetch` makes room on the device
-tier by spilling the blocks of the agents due furthest, archives host blocks the
+tier by spilling first the blocks no agent is due to read, then the lowest
+effective priority (the agent due furthest among equals), archives host blocks the
 same way when the host tier must make room for those spills, and warms the due
 agent's host blocks so its turn finds them on the device. Orient adds a due term
 to the score (:meth:`_due_term_locked`), so scheduled cycles keep the next agents'
@@ -357,9 +358,10 @@ class _LookaheadMixin:
 
         1. Make ``need_blocks`` device blocks free *beyond* the room the warm in
            step 3 takes, by spilling the unpinned, unused blocks of other agents'
-           items: never-due first (items no agent's latest call holds, or of agents
-           the look-ahead does not expect), then the largest steps; ties: lower
-           layer priority, then lower importance.
+           items: first those no agent is due to read (items no agent's latest call
+           holds, of agents the look-ahead does not expect, volatile segments), then
+           the lowest effective layer priority, the agent due furthest among equals
+           (see ``_victim_order``).
         2. When the host tier must make room for those spills, free host blocks the
            same way, never those of ``agent`` or of agents due within
            ``config.protect_horizon`` steps; spill only what then fits.

@@ -11,9 +11,10 @@ TTFTs.
 Then a short multi-agent run (:class:`contextkit.agents.MultiAgentWorkload`: 3 agents
 of 2 tenants taking turns on one engine whose device tier holds 2 of their prompts and
 whose host tier holds 1): a :class:`~contextkit.tiers.ContextTierManager` knows every
-agent's blocks and who is due next, and before each turn prefetches that agent's blocks
-from the host tier and spills those of the agents due furthest (``contextkit bench
-agents`` measures this against LRU at scale).
+agent's blocks and who is due next, and before each turn prefetches the blocks that
+turn reuses from the host tier and makes its room from the blocks nobody is due to read
+and the lowest priorities (``contextkit bench agents`` measures this against LRU at
+scale).
 
 Outputs under ``--out``: ``demo.json`` (per-turn records and summary, the multi-agent
 steps under ``agents``), ``ttft.png`` (TTFT per turn), ``agents.png`` (TTFT and tier

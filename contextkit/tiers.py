@@ -32,8 +32,9 @@ as Prometheus metrics.
 With many agents sharing one cache, the pipeline registers each call's blocks as
 prompt segments (:meth:`ContextTierManager.register_segments`), the schedule says
 who is due next (:meth:`ContextTierManager.set_lookahead`), Orient adds a due term,
-and :meth:`ContextTierManager.prefetch` spills the blocks of the agents due
-furthest and warms the next agent's before its turn (``_tier_lookahead``).
+and :meth:`ContextTierManager.prefetch` makes room from the blocks nobody is due to
+read and the lowest effective priorities, and warms the next agent's blocks before
+its turn (``_tier_lookahead``).
 
 The value types (tiers, items, decisions, :class:`TierManagerConfig`, reports) live
 in ``_tier_types``, the bridge in ``_tier_bridge``, the columnar item table in

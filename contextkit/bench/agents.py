@@ -13,8 +13,9 @@ policy runs the whole schedule on its own fresh cache of identical sizes
 - ``semantic+ooda``: the same plus a :class:`~contextkit.tiers.ContextTierManager`
   that knows every agent's blocks (the pipelines register them) and the schedule's
   look-ahead: between turns it runs one OODA cycle, then
-  :meth:`~contextkit.tiers.ContextTierManager.prefetch` spills the blocks of the
-  agents due furthest and warms the next agent's blocks from the host tier. That time
+  :meth:`~contextkit.tiers.ContextTierManager.prefetch` makes the room the turn needs
+  (blocks no agent is due to read first, then the lowest effective priority, the agent
+  due furthest among equals) and warms the blocks the turn reuses. That time
   is reported as ``ooda_cycle_ms``, never inside a TTFT, and every prefetch finishes
   before its turn's generate starts (``prefetch_before_generate``).
 
