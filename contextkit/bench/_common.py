@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,6 +59,13 @@ def machine_info() -> dict[str, Any]:
     else:
         info["device_name"] = "cpu"
     return info
+
+
+def write_result(path: str | os.PathLike[str], result: dict[str, Any]) -> None:
+    """Write a benchmark's JSON result (``--out``), creating the folder."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
 
 
 def print_table(title: str, rows: Sequence[tuple[str, Any]]) -> None:

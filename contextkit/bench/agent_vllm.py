@@ -44,7 +44,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from contextkit.bench._common import machine_info, positive_float, positive_int, print_table
+from contextkit.bench._common import (
+    machine_info,
+    positive_float,
+    positive_int,
+    print_table,
+    write_result,
+)
 
 __all__ = ["CONFIGS", "HELP", "add_arguments", "check_args", "label_coverage", "run",
            "speedups", "token_bounds"]
@@ -298,6 +304,5 @@ def _result(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
               f"~{result['prompt_tokens_first_turn']['apc']} prompt tokens")
         result["plot"] = str(args.plot)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        write_result(args.out, result)
     return result

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from contextkit.bench._common import machine_info, positive_int, print_table
+from contextkit.bench._common import machine_info, positive_int, print_table, write_result
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ("teacher-forced top-1 agreement", result["teacher_forced_agreement"]),
     ])
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        write_result(args.out, result)
     if not args.dir:
         shutil.rmtree(work, ignore_errors=True)
     return result

@@ -196,6 +196,13 @@ def _share_changed(replay: Any, served: Any) -> list[float]:
 
 
 # ---------------------------------------------------------------------- measure
+def _say_turn(name: str, row: dict[str, Any]) -> None:
+    """One progress line per served turn (stderr; stdout carries the JSON)."""
+    print(f"{name:>21} turn {row['turn']:>2}: ttft {row['ttft_ms']:>8.1f} ms"
+          f"  prompt {row['prompt_tokens']}  cached {row['cached_tokens']}",
+          file=sys.stderr, flush=True)
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run the four configurations; the raw rows, stored blocks and timings."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -243,10 +250,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                      tenant="ck-apc")}
         for turn in turns:
             for agent in agents.values():
-                row = agent.turn(turn.index, turn.user_message)
-                print(f"{agent.name:>21} turn {row['turn']:>2}: ttft {row['ttft_ms']:>8.1f} ms"
-                      f"  prompt {row['prompt_tokens']}  cached {row['cached_tokens']}",
-                      file=sys.stderr, flush=True)
+                _say_turn(agent.name, agent.turn(turn.index, turn.user_message))
     finally:
         srv.stop()
     seconds["apc_server_total"] = round(time.perf_counter() - t0, 1)
@@ -270,10 +274,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 ck.connect(srv.base_url)  # same agent, history and pipeline; new server
             for turn in span:
-                row = ck.turn(turn.index, turn.user_message)
-                print(f"{ck.name:>21} turn {row['turn']:>2}: ttft {row['ttft_ms']:>8.1f} ms"
-                      f"  prompt {row['prompt_tokens']}  cached {row['cached_tokens']}",
-                      file=sys.stderr, flush=True)
+                _say_turn(ck.name, ck.turn(turn.index, turn.user_message))
         finally:
             srv.stop()
     seconds["connector_total"] = round(time.perf_counter() - t0, 1)
