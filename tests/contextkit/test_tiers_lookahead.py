@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from contextkit._registration import register_call
 from contextkit._sequence import close_sequence, open_sequence
 from contextkit._types import TokenSpan
 from contextkit.config import ConfigError
@@ -45,6 +46,14 @@ def alloc(cache: TQGPUCache, n: int, tier: Tier, layer: str, importance: float =
     ids = cache.allocate(n, tier, tenant=tenant, source_layer=layer, importance=importance)
     assert ids is not None
     return ids
+
+
+def register_each(cache: TQGPUCache, manager: ContextTierManager,
+                  blocks: dict[str, list[int]]) -> None:
+    """Register each agent's blocks (of org-a) as one segment of their layer."""
+    for agent, ids in blocks.items():
+        layer = cache.metadata.get(ids[0]).source_layer
+        manager.register_segments(agent, "org-a", [(layer, 0.5, ids)])
 
 
 def tier_of(cache: TQGPUCache, ids: Sequence[int]) -> set[Tier]:
@@ -94,14 +103,7 @@ def run_call(cache: TQGPUCache, manager: ContextTierManager | None, agent: str, 
     close_sequence(cache, block_ids, ids, len(ids), tenant, keys, cached // BS)
     chain = cache.lookup(keys, tenant)
     if manager is not None:
-        segments: list[tuple[str, float, list[int]]] = []
-        for bid in chain:
-            meta = cache.metadata.get(bid)
-            if segments and segments[-1][0] == meta.source_layer:
-                segments[-1][2].append(bid)
-            else:
-                segments.append((meta.source_layer, meta.importance, [bid]))
-        manager.register_segments(agent, tenant, segments)
+        register_call(manager, cache, agent, tenant, chain)
     return cached, chain, warmed_by_open
 
 
@@ -183,9 +185,7 @@ def four_agents(cache: TQGPUCache, manager: ContextTierManager) -> dict[str, lis
         "agent-d": alloc(cache, 3, Tier.DEVICE, "current_time"),  # priority 10
         "agent-e": alloc(cache, 3, Tier.DEVICE, "axioms"),  # priority 100
     }
-    for agent, ids in blocks.items():
-        layer = cache.metadata.get(ids[0]).source_layer
-        manager.register_segments(agent, "org-a", [(layer, 0.5, ids)])
+    register_each(cache, manager, blocks)
     assert cache.num_free(Tier.DEVICE) == 0
     # b is next but one, c further; d and e are not expected again.
     manager.set_lookahead({"agent-a": 1, "agent-b": 2, "agent-c": 5, "agent-e": None})
@@ -234,9 +234,7 @@ def test_prefetch_archives_far_agents_only_and_never_the_protected() -> None:
         "agent-c": alloc(cache, 3, Tier.HOST, "axioms"),  # due in 3: fair game
         "agent-d": alloc(cache, 6, Tier.DEVICE, "identity"),  # due in 4
     }
-    for agent, ids in blocks.items():
-        layer = cache.metadata.get(ids[0]).source_layer
-        manager.register_segments(agent, "org-a", [(layer, 0.5, ids)])
+    register_each(cache, manager, blocks)
     manager.set_lookahead({"agent-a": 1, "agent-b": 2, "agent-c": 3, "agent-d": 4})
     assert cache.num_free(Tier.DEVICE) == cache.num_free(Tier.HOST) == 0
     [c_item] = manager.agent_items("agent-c")
@@ -273,9 +271,7 @@ def _org_reuse_case(blocks_known: bool) -> tuple[TQGPUCache, PrefetchReport, dic
         "agent-d": alloc(cache, 2, Tier.HOST, "axioms"),  # due in 5
         "agent-e": alloc(cache, 4, Tier.DEVICE, "identity"),  # due in 4
     }
-    for agent, ids in blocks.items():
-        layer = cache.metadata.get(ids[0]).source_layer
-        manager.register_segments(agent, "org-a", [(layer, 0.5, ids)])
+    register_each(cache, manager, blocks)
     manager.set_lookahead({"agent-new": 1, "agent-c": 7, "agent-d": 5, "agent-e": 4})
     reuse = blocks["agent-c"] if blocks_known else []
     report = manager.prefetch("agent-new", need_blocks=2, blocks=reuse)
@@ -303,9 +299,7 @@ def test_prefetch_with_both_tiers_full_of_protected_blocks_moves_nothing() -> No
     mine = alloc(cache, 3, Tier.HOST, "identity")
     next_but_one = alloc(cache, 3, Tier.HOST, "current_time")
     later = alloc(cache, 3, Tier.DEVICE, "identity")
-    for agent, ids in (("agent-a", mine), ("agent-b", next_but_one), ("agent-d", later)):
-        layer = cache.metadata.get(ids[0]).source_layer
-        manager.register_segments(agent, "org-a", [(layer, 0.5, ids)])
+    register_each(cache, manager, {"agent-a": mine, "agent-b": next_but_one, "agent-d": later})
     manager.set_lookahead({"agent-a": 1, "agent-b": 2, "agent-d": 4})
     evictions = cache.stats.evictions
 
