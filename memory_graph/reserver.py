@@ -12,6 +12,12 @@ Sits between :meth:`MemoryGraph.hybrid_query` and the tiered cache:
 4. Reservations that are never warmed expire after ``ttl_s`` (checked lazily on
    every call and by :meth:`GraphBlockReserver.sweep`) and their blocks are freed.
 
+A caller that computes the KV itself, at the positions its prompt will use (a
+positional background prefill of keyed blocks), hands the blocks over with
+``adopt(block_ids, ...)``; a turn that reuses them ends the reservation with
+``consume(id)``, which drops the reservation's references and leaves the blocks
+cached as ordinary keyed blocks.
+
 Out of room never raises from the hot path: the result is ``PARTIAL`` or ``EMPTY``
 with the reason.
 """
@@ -19,7 +25,6 @@ with the reason.
 from __future__ import annotations
 
 import contextlib
-import enum
 import heapq
 import logging
 import threading
@@ -29,10 +34,19 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from gpu_cache import Tier, TQGPUCache
 from memory_graph._errors import UnknownReservationError
+from memory_graph._reservation_types import (
+    _ACTIVE,
+    _WARMABLE,
+    NodeBlocks,
+    PrefillFn,
+    ReservationResult,
+    ReservationState,
+    ReserverConfig,
+    ReserverStats,
+)
 from memory_graph.graph import DEFAULT_TENANT, MemoryGraph, Node, QueryHit
 
 __all__ = [
@@ -46,120 +60,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class ReservationState(enum.Enum):
-    """Where a reservation is in its life."""
-
-    RESERVED = "reserved"  # every node got host blocks
-    PARTIAL = "partial"  # some nodes got host blocks; see reason
-    EMPTY = "empty"  # no node got blocks; see reason (nothing is held)
-    WARMED = "warmed"  # blocks promoted to the device tier
-    RELEASED = "released"  # blocks freed by release()
-    EXPIRED = "expired"  # not warmed in time; blocks freed
-
-
-_ACTIVE = frozenset({ReservationState.RESERVED, ReservationState.PARTIAL,
-                     ReservationState.WARMED})
-_WARMABLE = frozenset({ReservationState.RESERVED, ReservationState.PARTIAL})
-
-
-class PrefillFn(Protocol):
-    """Computes KV of ``texts[i]`` into host blocks ``block_ids[i]`` (in order)."""
-
-    def __call__(self, texts: list[str], block_ids: list[list[int]]) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class NodeBlocks:
-    """The blocks reserved for one node; block ``j`` covers tokens ``[j*bs, (j+1)*bs)``."""
-
-    node_id: str
-    block_ids: tuple[int, ...]
-    num_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReservationResult:
-    """A snapshot of one reservation.
-
-    Attributes:
-        reservation_id: handle for :meth:`GraphBlockReserver.warm_reservation` / ``release``.
-        tenant: owner.
-        node_ids: nodes that got blocks, in reservation order.
-        block_ids: all their blocks, node by node.
-        estimated_tokens: tokens of the reserved nodes (real tokenizer counts).
-        expires_at: clock time after which an unwarmed reservation expires.
-        state: see :class:`ReservationState`.
-        reason: why the reservation is partial/empty, or why an operation did nothing.
-        spans: per-node blocks and token counts.
-        skipped_node_ids: nodes that did not fit.
-        num_bytes: bytes of the reserved blocks (all layers, K and V).
-        prefilled: the background prefill finished for these blocks.
-    """
-
-    reservation_id: str
-    tenant: str
-    node_ids: tuple[str, ...]
-    block_ids: tuple[int, ...]
-    estimated_tokens: int
-    expires_at: float
-    state: ReservationState
-    reason: str = ""
-    spans: tuple[NodeBlocks, ...] = ()
-    skipped_node_ids: tuple[str, ...] = ()
-    num_bytes: int = 0
-    prefilled: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class ReserverConfig:
-    """Settings of a :class:`GraphBlockReserver`.
-
-    Args:
-        ttl_s: seconds an unwarmed reservation lives.
-        source_layer: source layer written into the blocks' metadata.
-        max_blocks_per_reservation: cap on blocks one reservation may hold
-            (``None``: as many as the host tier can give).
-        prefill_workers: background threads running the prefill callable.
-        keep_finished: finished (released, expired, empty) reservations remembered
-            for :meth:`GraphBlockReserver.get`; older ones are forgotten.
-    """
-
-    ttl_s: float = 30.0
-    source_layer: str = "memories"
-    max_blocks_per_reservation: int | None = None
-    prefill_workers: int = 1
-    keep_finished: int = 1024
-
-    def __post_init__(self) -> None:
-        if self.ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {self.ttl_s}")
-        if self.max_blocks_per_reservation is not None and self.max_blocks_per_reservation < 0:
-            raise ValueError("max_blocks_per_reservation must be >= 0 or None")
-        if self.prefill_workers < 1 or self.keep_finished < 0:
-            raise ValueError("prefill_workers must be >= 1 and keep_finished >= 0, got "
-                             f"{self.prefill_workers} and {self.keep_finished}")
-
-
-@dataclass(frozen=True, slots=True)
-class ReserverStats:
-    """Counters since the reserver was created (``hit_rate`` = warmed / reserved)."""
-
-    reserved: int
-    partial: int
-    empty: int
-    warmed: int
-    released: int
-    expired: int
-    active: int
-    blocks_held: int
-    bytes_held: int
-    bytes_reserved: int
-    bytes_warmed: int
-    prefills_done: int
-    prefills_failed: int
-    hit_rate: float
 
 
 @dataclass(slots=True)
@@ -177,6 +77,8 @@ class _Reservation:
     prefilled: bool = False
     blocks_held: bool = False
     block_ids: list[int] = field(default_factory=list)
+    key: str = ""
+    node_ids: list[str] | None = None  # adopt(): the nodes named (no per-node spans)
 
 
 class GraphBlockReserver:
@@ -282,6 +184,85 @@ class GraphBlockReserver:
             res = self._new_reservation(tenant, spans, texts, skipped, ttl_s, used)
             if res.blocks_held and self._executor is not None:
                 self._start_prefill(res)
+            return self._snapshot(res)
+
+    def adopt(self, block_ids: Sequence[int], *, tenant: str = DEFAULT_TENANT,
+              node_ids: Sequence[str] = (), key: str = "",
+              ttl_s: float | None = None) -> ReservationResult:
+        """A reservation over blocks that already hold KV (computed and keyed by the caller).
+
+        The caller holds one reference on each block (e.g. a background prefill run with
+        ``hold=True``); the reservation takes it over. The result is ``RESERVED`` with
+        ``prefilled=True``; expiry and :meth:`release` free the blocks like those of
+        :meth:`reserve`, :meth:`consume` leaves them cached. An empty ``block_ids``
+        gives an ``EMPTY`` result (nothing held).
+
+        Raises:
+            ValueError: a block of another tenant, or one the caller holds no reference
+                on (a broken contract: nothing is taken over).
+            RuntimeError: the reserver is closed.
+        """
+        ids = [int(b) for b in block_ids]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate block ids in {ids}; adopt each block once")
+        self.sweep()
+        bs = self.cache.block_size
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("GraphBlockReserver is closed; create a new one")
+            with self.cache.locked():
+                for bid in ids:
+                    if bid not in self.cache.metadata:
+                        raise ValueError(f"block {bid} is not in the cache; adopt only blocks "
+                                         "you computed and still hold a reference on")
+                    meta = self.cache.metadata.get(bid)
+                    if meta.tenant_slug != tenant:
+                        raise ValueError(f"block {bid} belongs to tenant {meta.tenant_slug!r}, "
+                                         f"not {tenant!r}; adopt each tenant's blocks separately")
+                    if meta.ref_count < 1:
+                        raise ValueError(f"block {bid} holds no reference; acquire it (or "
+                                         "prefill with hold=True) before adopting it")
+            if not ids:
+                res = self._new_reservation(tenant, [], [], [], ttl_s, 0)
+            else:
+                res = self._new_reservation(tenant, [NodeBlocks(key, tuple(ids), len(ids) * bs)],
+                                            [], [], ttl_s, len(ids))
+                res.spans, res.prefilled = [], True  # the blocks are one prompt range
+            res.key, res.node_ids = key, [str(n) for n in node_ids]
+            return self._snapshot(res)
+
+    def consume(self, reservation_id: str, *, tenant: str | None = None) -> ReservationResult:
+        """A hit: drop the reservation's references but keep its blocks cached.
+
+        The blocks become ordinary cache blocks (found by their keys, evicted like any
+        other); the state is ``WARMED`` (counted in ``stats().warmed``). On a
+        reservation that is no longer live (consumed, expired, released, empty) it
+        changes nothing and returns its snapshot with the reason.
+
+        Raises:
+            UnknownReservationError: an id never issued (or of another tenant).
+        """
+        self.sweep()
+        with self._lock:
+            res = self._get(reservation_id, tenant)
+            fut = res.prefill
+        if fut is not None and not fut.cancel():
+            with contextlib.suppress(Exception):  # a failed prefill is counted in stats
+                fut.result()
+        with self._lock:
+            if res.state not in _WARMABLE or not res.blocks_held:
+                detail = f" ({res.reason})" if res.reason else ""
+                return self._snapshot(res, f"reservation is {res.state.value}{detail}; "
+                                           "nothing to consume")
+            with self.cache.locked():
+                live = [b for b in res.block_ids if b in self.cache.metadata]
+                self.cache.release(live)
+                self.cache.metadata.touch(live, time.time())
+            res.blocks_held = False
+            res.state = ReservationState.WARMED
+            self._n["warmed"] += 1
+            self._n["bytes_warmed"] += len(res.block_ids) * self.cache.bytes_per_block
+            self._retire(res)
             return self._snapshot(res)
 
     def _new_reservation(self, tenant: str, spans: list[NodeBlocks], texts: list[str],
@@ -412,7 +393,7 @@ class GraphBlockReserver:
         """
         with self._lock:
             res = self._get(reservation_id, tenant)
-            if res.state in _ACTIVE:
+            if res.state in _ACTIVE and res.blocks_held:  # not consume()d
                 res.state = ReservationState.RELEASED
                 self._n["released"] += 1
                 self._free(res)
@@ -463,7 +444,10 @@ class GraphBlockReserver:
                 return  # cancel() ran _prefill_done, which freed them
         with self.cache.locked():  # allocate+acquire / release+remove stay atomic
             self.cache.release(res.block_ids)
-            self.cache.remove_blocks(res.block_ids)
+            # A keyed (adopted) block another reader holds or pins stays cached for it.
+            free = [b for b in res.block_ids if not (
+                (m := self.cache.metadata.get(b)).ref_count or m.pinned)]
+            self.cache.remove_blocks(free)
         res.blocks_held = False
         self._retire(res)
 
@@ -496,17 +480,18 @@ class GraphBlockReserver:
         self.sweep()
         with self._lock:
             return [self._snapshot(r) for r in self._reservations.values()
-                    if r.tenant == tenant and r.state in _ACTIVE]
+                    if r.tenant == tenant and r.state in _ACTIVE and r.blocks_held]
 
     def _snapshot(self, res: _Reservation, reason: str | None = None) -> ReservationResult:
         return ReservationResult(
             reservation_id=res.reservation_id, tenant=res.tenant,
-            node_ids=tuple(s.node_id for s in res.spans), block_ids=tuple(res.block_ids),
+            node_ids=tuple(s.node_id for s in res.spans) if res.node_ids is None
+            else tuple(res.node_ids), block_ids=tuple(res.block_ids),
             estimated_tokens=res.estimated_tokens, expires_at=res.expires_at, state=res.state,
             reason=res.reason if reason is None else reason, spans=tuple(res.spans),
             skipped_node_ids=tuple(res.skipped),
             num_bytes=len(res.block_ids) * self.cache.bytes_per_block,
-            prefilled=res.prefilled,
+            prefilled=res.prefilled, key=res.key,
         )
 
     def stats(self) -> ReserverStats:
@@ -517,7 +502,8 @@ class GraphBlockReserver:
             return ReserverStats(
                 reserved=n["reserved"], partial=n["partial"], empty=n["empty"],
                 warmed=n["warmed"], released=n["released"], expired=n["expired"],
-                active=sum(r.state in _ACTIVE for r in self._reservations.values()),
+                active=sum(r.state in _ACTIVE and r.blocks_held
+                           for r in self._reservations.values()),
                 blocks_held=blocks, bytes_held=blocks * self.cache.bytes_per_block,
                 bytes_reserved=n["bytes_reserved"], bytes_warmed=n["bytes_warmed"],
                 prefills_done=n["prefills_done"], prefills_failed=n["prefills_failed"],
@@ -535,7 +521,7 @@ class GraphBlockReserver:
             self._executor.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             for res in list(self._reservations.values()):
-                if res.state in _ACTIVE:
+                if res.state in _ACTIVE and res.blocks_held:
                     res.state = ReservationState.RELEASED
                     self._n["released"] += 1
                 if res.blocks_held:

@@ -320,3 +320,124 @@ def test_finished_reservations_are_forgotten_beyond_the_limit(graph, cache, coun
     assert reserver.get(live.reservation_id).state is ReservationState.RESERVED
     assert len(reserver._reservations) == 3
     reserver.close()
+
+
+def _keyed_blocks(cache: TQGPUCache, tenant: str, n: int, tier: Tier = Tier.HOST,
+                  seed: int = 0) -> tuple[list[int], list]:
+    """``n`` blocks registered under the chained keys of a token run, one reference
+    held (what a background prefill with ``hold=True`` hands over)."""
+    ids = cache.allocate(n, tier, tenant=tenant, source_layer="memories")
+    assert ids is not None
+    tokens = [(seed * 1000 + i) % 4000 for i in range(n * cache.block_size)]
+    keys = cache.block_keys(tokens, tenant)
+    for bid, key in zip(ids, keys, strict=True):
+        cache.set_key(bid, key)
+    cache.acquire(ids)
+    return ids, keys
+
+
+def test_adopt_then_expiry_frees_every_block(cache, count_tokens, clock) -> None:
+    free_host = cache.num_free(Tier.HOST)
+    reserver = GraphBlockReserver(cache, count_tokens, clock=clock,
+                                  config=ReserverConfig(ttl_s=5.0))
+    ids, keys = _keyed_blocks(cache, "acme", 3)
+    res = reserver.adopt(ids, tenant="acme", node_ids=["n1", "n2"], key="billing")
+    assert res.state is ReservationState.RESERVED and res.prefilled
+    assert res.key == "billing" and res.node_ids == ("n1", "n2")
+    assert res.block_ids == tuple(ids) and res.estimated_tokens == 3 * cache.block_size
+    assert res.expires_at == clock() + 5.0
+    # the reservation took the caller's reference over: no new one
+    assert [cache.metadata.get(b).ref_count for b in ids] == [1, 1, 1]
+    assert [r.reservation_id for r in reserver.active("acme")] == [res.reservation_id]
+    assert reserver.stats().blocks_held == 3
+    clock.advance(5.0)
+    assert reserver.sweep() == 1
+    assert reserver.get(res.reservation_id).state is ReservationState.EXPIRED
+    assert cache.num_free(Tier.HOST) == free_host
+    assert cache.lookup(keys, "acme") == []
+    assert reserver.stats().blocks_held == 0 and reserver.active("acme") == []
+    reserver.close()
+
+
+def test_consume_keeps_blocks_cached_without_references(cache, count_tokens, clock) -> None:
+    free_host = cache.num_free(Tier.HOST)
+    reserver = GraphBlockReserver(cache, count_tokens, clock=clock)
+    ids, keys = _keyed_blocks(cache, "acme", 2)
+    res = reserver.adopt(ids, tenant="acme", key="deploys")
+    hit = reserver.consume(res.reservation_id, tenant="acme")
+    assert hit.state is ReservationState.WARMED and hit.key == "deploys"
+    assert cache.lookup(keys, "acme") == ids  # still found by key
+    assert [cache.metadata.get(b).ref_count for b in ids] == [0, 0]
+    assert cache.num_free(Tier.HOST) == free_host - 2
+    stats = reserver.stats()
+    assert (stats.reserved, stats.warmed, stats.active, stats.blocks_held) == (1, 1, 0, 0)
+    assert stats.hit_rate == 1.0
+    # idempotent, error-free; release and expiry no longer touch the blocks
+    again = reserver.consume(res.reservation_id)
+    assert again.state is ReservationState.WARMED and "nothing to consume" in again.reason
+    assert reserver.release(res.reservation_id).state is ReservationState.WARMED
+    clock.advance(3600)
+    assert reserver.expire_now() == 0
+    assert cache.lookup(keys, "acme") == ids
+    # ordinary cache blocks now: eviction may take them
+    assert {m.block_id for m in cache.metadata.eviction_order(Tier.HOST, cache.policy)} >= set(ids)
+    reserver.close()
+    assert cache.lookup(keys, "acme") == ids
+    with pytest.raises(UnknownReservationError):
+        reserver.consume("nope")
+
+
+def test_consume_after_expiry_reports_it(cache, count_tokens, clock) -> None:
+    reserver = GraphBlockReserver(cache, count_tokens, clock=clock,
+                                  config=ReserverConfig(ttl_s=1.0))
+    ids, _ = _keyed_blocks(cache, "acme", 2)
+    res = reserver.adopt(ids, tenant="acme", key="k")
+    clock.advance(2.0)
+    late = reserver.consume(res.reservation_id, tenant="acme")
+    assert late.state is ReservationState.EXPIRED and "nothing to consume" in late.reason
+    with pytest.raises(UnknownReservationError):
+        reserver.consume(res.reservation_id, tenant="globex")
+    assert reserver.stats().warmed == 0
+    reserver.close()
+
+
+def test_adopt_refuses_broken_contracts_and_takes_nothing(cache, count_tokens, clock) -> None:
+    reserver = GraphBlockReserver(cache, count_tokens, clock=clock)
+    ids, _ = _keyed_blocks(cache, "acme", 2)
+    with pytest.raises(ValueError, match="tenant 'acme', not 'globex'"):
+        reserver.adopt(ids, tenant="globex")
+    cache.release(ids[1:])
+    with pytest.raises(ValueError, match="holds no reference"):
+        reserver.adopt(ids, tenant="acme")
+    with pytest.raises(ValueError, match="duplicate"):
+        reserver.adopt([ids[0], ids[0]], tenant="acme")
+    assert reserver.stats().reserved == 0 and reserver.active("acme") == []
+    assert [cache.metadata.get(b).ref_count for b in ids] == [1, 0]
+    empty = reserver.adopt([], tenant="acme", key="none")
+    assert empty.state is ReservationState.EMPTY and empty.key == "none"
+    reserver.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        reserver.adopt(ids[:1], tenant="acme")
+
+
+def test_expiry_leaves_blocks_another_reader_holds(cache, count_tokens, clock) -> None:
+    reserver = GraphBlockReserver(cache, count_tokens, clock=clock)
+    ids, keys = _keyed_blocks(cache, "acme", 3, tier=Tier.DEVICE)
+    res = reserver.adopt(ids, tenant="acme", key="k")
+    cache.acquire(ids[:1])  # a request reading the first block right now
+    assert reserver.expire_now(res.reservation_id) == 1
+    assert [b for b in ids if b in cache.metadata] == ids[:1]
+    assert cache.metadata.get(ids[0]).ref_count == 1
+    assert cache.lookup(keys, "acme") == ids[:1]
+    cache.release(ids[:1])
+    reserver.close()
+
+
+def test_close_frees_adopted_blocks(cache, count_tokens, clock) -> None:
+    free_host = cache.num_free(Tier.HOST)
+    reserver = GraphBlockReserver(cache, count_tokens, clock=clock)
+    ids, _ = _keyed_blocks(cache, "acme", 4)
+    reserver.adopt(ids, tenant="acme")
+    reserver.close()
+    assert cache.num_free(Tier.HOST) == free_host
+    assert reserver.stats().released == 1
