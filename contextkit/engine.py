@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from contextkit._attention import _rotate
+from contextkit._background import ForegroundGate, PrefillOutcome, PrefillPreempted, foreground
+from contextkit._background import prefill_prefix as _prefill_prefix
 from contextkit._inputs import CALIBRATION_TEXT, check_token_ids
 from contextkit._kv import _check_overlay, _ContiguousKV, _PagedKV
 from contextkit._llama import UnsupportedModelError, _Model, tokenizer_fingerprint
@@ -155,6 +157,10 @@ class Engine:
         m = self.model
         self.scale = 1.0 / math.sqrt(m.head_dim)
         self._lock = threading.RLock()
+        self._foreground = ForegroundGate()
+        #: How long the last generate/score waited for the engine (e.g. for a
+        #: background prefill to yield), in ms.
+        self.last_foreground_wait_ms = 0.0
         offsets = _offsets
         if kv_format == "tq4" and calibrate and offsets is None:
             offsets = self._calibrate_offsets()
@@ -286,9 +292,11 @@ class Engine:
     @torch.inference_mode()
     def _forward(self, ids: Sequence[int], start: int, kv: _ContiguousKV | _PagedKV,
                  all_logits: bool = False,
-                 collect_keys: list[torch.Tensor] | None = None) -> torch.Tensor:
+                 collect_keys: list[torch.Tensor] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Run tokens at positions ``start..`` through the model; logits of the last
-        token ``[V]`` (or of all tokens ``[T, V]``)."""
+        token ``[V]`` (or of all tokens ``[T, V]``). ``should_stop`` is polled before
+        each layer; when true, :class:`PrefillPreempted` is raised."""
         m = self.model
         n = len(ids)
         tokens = torch.tensor(list(ids), dtype=torch.long, device=m.device)
@@ -296,6 +304,8 @@ class Engine:
         cos, sin = m.rope(torch.arange(start, start + n, device=m.device))
         nq, nkv, d = m.num_heads, m.num_kv_heads, m.head_dim
         for i, w in enumerate(m.layers):
+            if should_stop is not None and should_stop():
+                raise PrefillPreempted(f"stopped before layer {i}")
             x = F.rms_norm(h, (m.hidden,), w.norm_in, m.eps)
             qkv = x @ w.qkv.T
             q = qkv[:, : nq * d].view(n, nq, d)
@@ -394,6 +404,22 @@ class Engine:
     def _sample(self, logits: torch.Tensor) -> int:
         return int(torch.argmax(logits))
 
+    def prefill_prefix(self, token_ids: Sequence[int], *, tenant: str = "default",
+                       spans: Sequence[TokenSpan] | None = None, to_host: bool = False,
+                       hold: bool = False, should_stop: Callable[[], bool] | None = None,
+                       chunk: int = 256) -> PrefillOutcome:
+        """Compute and register the K/V of the full blocks of a prompt prefix, for a
+        later :meth:`generate` to reuse; yields to any waiting request (see
+        :func:`contextkit._background.prefill_prefix` for every argument).
+
+        Raises:
+            ValueError: ``chunk < 1`` or an over-long prefix.
+            TokenIdError: a token id outside the vocabulary (a ValueError).
+            InvalidNameError: a tenant that breaks :func:`gpu_cache.validate_tenant`.
+        """
+        return _prefill_prefix(self, token_ids, tenant=tenant, spans=spans, to_host=to_host,
+                               hold=hold, should_stop=should_stop, chunk=chunk)
+
     def generate(
         self,
         token_ids: Sequence[int],
@@ -430,7 +456,7 @@ class Engine:
         validate_tenant(tenant)
         ids = self._token_ids(token_ids)
         self._check_prompt(ids, max_new_tokens)
-        with self._lock:
+        with foreground(self):
             t0 = time.perf_counter()
             if not use_cache:
                 kv: _ContiguousKV | _PagedKV = _ContiguousKV(self.model.num_layers)
@@ -513,7 +539,7 @@ class Engine:
             raise ValueError("target_ids is empty")
         ids = prompt + target
         self._check_prompt(ids, 0)
-        with self._lock:
+        with foreground(self):
             if not use_cache:
                 logits = self._prefill(ids, 0, _ContiguousKV(self.model.num_layers),
                                        all_logits=True)
