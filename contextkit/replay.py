@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from contextkit._replay_content import (
     _AFFECT,
@@ -74,6 +74,7 @@ from contextkit._replay_memories import (
 from contextkit.prompt import PromptLine, PromptSection, StructuredPrompt, render_marked
 
 if TYPE_CHECKING:
+    from contextkit._reservation import MemoryCandidate
     from memory_graph.graph import MemoryGraph
 
 __all__ = ["REPLAY_LAYERS", "AgentReplay", "ReplayTurn"]
@@ -82,6 +83,10 @@ REPLAY_LAYERS: tuple[str, ...] = (
     "axioms", "identity", "system_knowledge", "capabilities", "system_state", "current_time",
     "neurons", "memories", "affect", "awareness",
 )
+
+#: user messages (with the replies after them) that :meth:`AgentReplay.memory_candidates`
+#: queries the memory graph with; measured on the 20-turn replay (see its docstring)
+CANDIDATE_WINDOW = 3
 
 @dataclass(frozen=True)
 class ReplayTurn:
@@ -145,6 +150,7 @@ class AgentReplay:
         self._awareness_lines = max(1, round(_BASE_AWARENESS_LINES * mult["awareness"]))
         self._memories = self._build_memories(mult["memories"])
         self._topic_memories: dict[str, _Lines] = {}
+        self._built_topic: str | None = None  # the memories of the last built prompt
         self._times = self._build_times()
         self._constant: dict[str, tuple[PromptLine, ...]] = {
             "axioms": _prompt_lines(_AXIOMS),
@@ -197,6 +203,7 @@ class AgentReplay:
         """
         self._check(turn)
         sections = self._sections(turn)
+        self._built_topic = self._script(turn)[0]
         return StructuredPrompt(tuple(PromptSection(name, sections[name])
                                       for name in REPLAY_LAYERS))
 
@@ -305,6 +312,55 @@ class AgentReplay:
                          enumerate(self._memories)), key=lambda s: (-s[0], s[1]))
         return _fill_tokens([(self._memories[i].text, _clamp(score)) for score, i in scored],
                             self._memory_tokens)
+
+    def memory_candidates(self, history: Sequence[tuple[str, str]],
+                          k: int = 2) -> list[MemoryCandidate]:
+        """The memories layers the conversation is likely heading to, best first.
+
+        The prediction uses only what the agent has seen: the last
+        :data:`CANDIDATE_WINDOW` user messages of ``history`` and what followed them
+        (the assistant's replies), queried against the memory graph
+        (:meth:`~memory_graph.MemoryGraph.hybrid_query`, ``k=10``, ``hops=1``); never
+        the script's future or the turn number. Hits are grouped by the topic of
+        their node (a general memory spreads its score over the topics it fits),
+        topics are ranked by score mass, the topic of the last prompt built
+        (:meth:`build_system_message`) is dropped, and each of the best ``k`` gets its
+        layer exactly as the replay will build it (same lines, same tokens).
+
+        Args:
+            history: ``(role, text)`` messages of the conversation so far.
+            k: candidates returned at most.
+
+        Returns:
+            :class:`~contextkit._reservation.MemoryCandidate` objects keyed by topic,
+            ``score`` the topic's share of the hits' score mass; ``[]`` without a
+            memory graph (scripted memories), with ``k <= 0`` or an empty history.
+        """
+        from contextkit._reservation import MemoryCandidate
+
+        if self.memory_graph is None or k <= 0:
+            return []
+        query = _recent_text(history, CANDIDATE_WINDOW)
+        if not query:
+            return []
+        hits = self.memory_graph.hybrid_query(query, 10, 1, self.tenant)
+        topics = self._node_topics()
+        mass: dict[str, float] = {}
+        by_topic: dict[str, list[Any]] = {}
+        for hit in hits:
+            fits = topics.get(hit.node_id, ())
+            for topic in fits:
+                mass[topic] = mass.get(topic, 0.0) + max(hit.score, 0.0) / len(fits)
+                by_topic.setdefault(topic, []).append(hit)
+        total = sum(mass.values()) or 1.0
+        ranked = sorted((t for t in mass if t != self._built_topic), key=lambda t: (-mass[t], t))
+        return [MemoryCandidate(topic, tuple(self._memory_lines(topic)),
+                                tuple(by_topic[topic]), round(mass[topic] / total, 4))
+                for topic in ranked[:k]]
+
+    def _node_topics(self) -> dict[str, tuple[str, ...]]:
+        """Graph node id -> the topics of the replay memory it holds."""
+        return {f"replay:{self.tenant}:{self.seed}:{m.key}": m.topics for m in self._memories}
 
     def _graph_memory_lines(self, topic: str) -> _Lines:
         from memory_graph.layer import memories_layer_lines
@@ -507,6 +563,13 @@ class AgentReplay:
         return (f"{name}@{cluster}: {ready}/{desired} ready, {rps} rps, p95 {round(p95)} ms, "
                 f"p99 {round(p99)} ms, 5xx {err:.2f}%, CPU {round(min(cpu, 99))}%.", importance)
 
+
+
+def _recent_text(history: Sequence[tuple[str, str]], window: int) -> str:
+    """The text of the last ``window`` user messages of ``history`` and what followed them."""
+    users = [i for i, (role, _) in enumerate(history) if role == "user"]
+    start = users[-window] if len(users) >= window else (users[0] if users else len(history))
+    return " ".join(text.strip() for _, text in history[start:] if text.strip())
 
 
 def _diff(prev: dict[str, tuple[PromptLine, ...]],

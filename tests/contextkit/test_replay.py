@@ -244,3 +244,46 @@ def test_memory_graph_drives_memories_per_topic(
     for t in [0, *changed]:
         assert texts(again.build_system_message(t), "memories") == memories[t]
     graph.close()
+
+
+def test_memory_candidates_predict_from_the_conversation_so_far(tmp_path) -> None:
+    from contextkit._reservation import MemoryCandidate
+    from memory_graph import MemoryGraph, SentenceTransformerEmbedder
+
+    graph = MemoryGraph(f"sqlite:///{tmp_path}/g.db",
+                        embedder=SentenceTransformerEmbedder(trace_queries=False))
+    replay = AgentReplay(memory_graph=graph, tenant="brightloom")
+    replay.seed_memory(graph)
+    assert AgentReplay().memory_candidates([("user", "checkout latency")]) == []  # scripted
+    assert replay.memory_candidates([]) == []
+    turns = replay.turns()
+    history: list[tuple[str, str]] = []
+    predicted: dict[int, list[MemoryCandidate]] = {}
+    for t in range(19):
+        replay.build_system_message(t)
+        history += [("user", turns[t].user_message), ("assistant", "")]
+        if turns[t + 1].topic != turns[t].topic:
+            predicted[t + 1] = replay.memory_candidates(history, k=2)
+    assert sorted(predicted) == topic_switches(replay)
+    again = AgentReplay(memory_graph=graph, tenant="brightloom")
+    for t, candidates in predicted.items():
+        assert 1 <= len(candidates) <= 2
+        assert turns[t - 1].topic not in [c.key for c in candidates]  # the current topic
+        assert candidates[0].score >= candidates[-1].score > 0
+        for c in candidates:  # the layer exactly as the replay will build it for that topic
+            assert c.node_ids and all(n.startswith("replay:brightloom:0:") for n in c.node_ids)
+            first = next(i for i, turn in enumerate(turns) if turn.topic == c.key)
+            assert [text for text, _ in c.lines] == \
+                texts(again.build_system_message(first), "memories")
+    # measured (last 3 user messages, hops=1): the next topic is the best candidate at 3
+    # of the 5 switches; the switch to the incident summary and the "different topic"
+    # cost question are not predictable from the conversation
+    assert {t: cands[0].key for t, cands in predicted.items()} == {
+        4: "deploy", 7: "rollback", 11: "deploy", 14: "latency", 17: "capacity"}
+    # the prediction reads the history it is given, nothing else
+    other = AgentReplay(memory_graph=graph, tenant="brightloom")
+    other.build_system_message(6)
+    window = history[:14]
+    assert [c.key for c in other.memory_candidates(window)] == \
+        [c.key for c in predicted[7]]
+    graph.close()
