@@ -235,7 +235,8 @@ class GraphBlockReserver:
         """A hit: drop the reservation's references but keep its blocks cached.
 
         The blocks become ordinary cache blocks (found by their keys, evicted like any
-        other); the state is ``WARMED`` (counted in ``stats().warmed``). On a
+        other); the state is ``WARMED`` (counted in ``stats().warmed`` once, also after
+        :meth:`warm_reservation`). On a
         reservation that is no longer live (consumed, expired, released, empty) it
         changes nothing and returns its snapshot with the reason.
 
@@ -250,18 +251,18 @@ class GraphBlockReserver:
             with contextlib.suppress(Exception):  # a failed prefill is counted in stats
                 fut.result()
         with self._lock:
-            if res.state not in _WARMABLE or not res.blocks_held:
+            if res.state not in _ACTIVE or not res.blocks_held:
                 detail = f" ({res.reason})" if res.reason else ""
                 return self._snapshot(res, f"reservation is {res.state.value}{detail}; "
                                            "nothing to consume")
             with self.cache.locked():
-                live = [b for b in res.block_ids if b in self.cache.metadata]
-                self.cache.release(live)
-                self.cache.metadata.touch(live, time.time())
+                self.cache.release(res.block_ids)
+                self.cache.metadata.touch(res.block_ids, time.time())
             res.blocks_held = False
-            res.state = ReservationState.WARMED
-            self._n["warmed"] += 1
-            self._n["bytes_warmed"] += len(res.block_ids) * self.cache.bytes_per_block
+            if res.state is not ReservationState.WARMED:  # warm_reservation() counted it
+                res.state = ReservationState.WARMED
+                self._n["warmed"] += 1
+                self._n["bytes_warmed"] += len(res.block_ids) * self.cache.bytes_per_block
             self._retire(res)
             return self._snapshot(res)
 
