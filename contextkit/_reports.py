@@ -10,7 +10,7 @@ from typing import Any
 from contextkit._types import GenerationResult, TokenSpan
 from contextkit.prompt import PromptSection
 
-__all__ = ["BuiltPrompt", "CallReport", "PipelineResult"]
+__all__ = ["BuiltPrompt", "CallReport", "PipelineResult", "fill_report"]
 
 #: Reports' and metrics' name for prompt tokens of the chat markup (in no layer's span).
 _TEMPLATE = "template"
@@ -55,6 +55,9 @@ class CallReport:
             model, where the connector pins the spans flagged by ``request_fields``).
         tier_items: tier-manager items this call's blocks registered or touched (0
             when the pipeline has no ``tiers=``).
+        reservation_hit: the key of the memory reservation this call's memories layer
+            hit (its blocks prefilled in the background after the previous reply), or
+            ``None`` (no ``reservations=``, or no reservation matched).
     """
 
     call: int
@@ -82,6 +85,7 @@ class CallReport:
     pin_state: str = "off"
     pin_reason: str = ""
     tier_items: int = 0
+    reservation_hit: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -183,3 +187,18 @@ def _tokens_by_layer(spans: Sequence[TokenSpan], prompt_tokens: int,
     if prompt_tokens > pos:
         add(_TEMPLATE, pos, prompt_tokens)
     return reused_by, computed_by
+
+
+def fill_report(report: CallReport, result: GenerationResult, spans: Sequence[TokenSpan],
+                reservation_hit: str | None = None) -> None:
+    """Copy the engine's figures of one call into its report."""
+    report.prompt_tokens = result.prompt_tokens
+    report.reused_tokens = result.reused_tokens
+    report.computed_tokens = result.computed_tokens
+    report.kv_reuse_ratio = result.kv_reuse_ratio
+    report.ttft_ms = result.ttft_ms
+    report.total_ms = result.total_ms
+    report.blocks_per_tier = dict(result.blocks_per_tier)
+    report.reused_by_layer, report.computed_by_layer = _tokens_by_layer(
+        spans, result.prompt_tokens, result.reused_tokens)
+    report.reservation_hit = reservation_hit

@@ -90,15 +90,18 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from contextkit._chatml import _ChatML
+from contextkit._ordering import (
+    BOUNDARY,
+    first_difference,
+    order_sections,
+    section_text,
+)
+from contextkit._ordering import (
+    VOLATILE_THRESHOLD as VOLATILE_THRESHOLD,  # re-exported: its import path
+)
 from contextkit._pins import check_pin_quota, pin_stable
 from contextkit._registration import register_call
-from contextkit._reports import (
-    BuiltPrompt,
-    CallReport,
-    PipelineResult,
-    TurnPlan,
-    _tokens_by_layer,
-)
+from contextkit._reports import BuiltPrompt, CallReport, PipelineResult, TurnPlan, fill_report
 from contextkit._served import _ServedPipeline
 from contextkit._tenancy import _check_tenant, _TenantState, _TenantViews
 from contextkit.engine import Engine, TokenSpan
@@ -108,15 +111,14 @@ from contextkit.metrics import resolve as resolve_metrics
 from contextkit.prompt import (
     PromptSection,
     SpilloverQueue,
-    StructuredPrompt,
     coerce_prompt,
-    render_marked,
     synthesize_for_budget,
 )
 from contextkit.remote import ServedModel
 from gpu_cache import PrefixPinManager, validate_name
 
 if TYPE_CHECKING:
+    from contextkit._reservation import MemoryReservations
     from contextkit.tiers import ContextTierManager
 
 __all__ = [
@@ -132,13 +134,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 logger = logging.getLogger(__name__)
 
-
-#: A layer is emitted in the trailing (volatile) message when its learned change
-#: rate is at least this.
-VOLATILE_THRESHOLD = 0.5
-
 _ROLES = ("user", "assistant", "system", "tool")
-_BOUNDARY = "<trailing message>"
 
 
 class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
@@ -163,6 +159,10 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
         agent: this pipeline's agent name (default: the tenant of each call). One
             pipeline per agent over one shared engine (and tier manager) is the
             multi-agent setup: pins are held per agent (see :mod:`contextkit._pins`).
+        reservations: memory neighborhoods prefilled in the background between turns
+            (:class:`contextkit._reservation.MemoryReservations`): :meth:`generate`
+            calls its ``before_turn`` before the engine runs (a hit is
+            ``CallReport.reservation_hit``) and its ``after_reply`` after.
     """
 
     def __init__(
@@ -180,6 +180,7 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
         metrics: ContextkitMetrics | bool | None = None,
         tiers: ContextTierManager | None = None,
         agent: str | None = None,
+        reservations: MemoryReservations | None = None,
     ) -> None:
         if engine is not None and served is not None:
             raise ValueError("pass either engine= (the embedded engine) or served= (a vLLM "
@@ -195,6 +196,7 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
         self.tenant = _check_tenant(tenant)
         self.agent = validate_name(agent, "agent") if agent is not None else None
         self.tiers = tiers
+        self.reservations = reservations
         self.reorder = reorder
         self.trailing_message = trailing_message
         self.pin_stable = pin_stable
@@ -287,7 +289,24 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
             PromptFormatError: unknown or unbalanced layer markers, or an unsupported
                 return type (nothing is recorded).
         """
-        tenant = self.resolve_tenant(tenant)
+        return self._build(raw, self.resolve_tenant(tenant), commit=True)
+
+    def preview(self, raw: object, *, tenant: str | None = None,
+                changed: Sequence[str] | None = None) -> BuiltPrompt:
+        """What :meth:`build` of ``raw`` would return now, without its side effects: the
+        same budgets, order and tokens, but the learned volatility, the last built
+        prompt, the metrics and the spillover queue are left as they are.
+
+        ``changed`` names the layers to count as changed for the ordering (default: those
+        whose text differs from the last build, as :meth:`build` counts them).
+
+        Raises:
+            PromptFormatError: as for :meth:`build`.
+        """
+        return self._build(raw, self.resolve_tenant(tenant), commit=False, changed=changed)
+
+    def _build(self, raw: object, tenant: str, *, commit: bool,
+               changed: Sequence[str] | None = None) -> BuiltPrompt:
         prompt = coerce_prompt(raw, self.config)
         count = self._count_tokens
         sections: list[PromptSection] = []
@@ -296,27 +315,30 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
         for section in prompt.sections:
             spec = self.config.get(section.layer)
             budget = self.budget(spec)
-            kept, over = synthesize_for_budget(section.lines, budget, count,
-                                               layer=spec.name, spillover=self.spillover)
-            if over:
+            kept, over = synthesize_for_budget(section.lines, budget, count, layer=spec.name,
+                                               spillover=self.spillover if commit else None)
+            if over and commit:
                 spilled[spec.name] = spilled.get(spec.name, 0) + len(over)
                 self._warn_spill(spec.name, len(over), len(section.lines), budget)
             sections.append(PromptSection(spec.name, tuple(kept)))
             layer_tokens[spec.name] = count("\n".join(line.text for line in kept))
         with self._lock:
-            state = self._state(tenant)
+            state = self._state(tenant) if commit else \
+                self._states.get(tenant) or _TenantState(self.config)
             # Each section is rendered and tokenized once per call; the hash, the
             # change report and assemble() all reuse these ids.
-            texts = {s.layer: self._section_text(s) for s in sections}
+            texts = {s.layer: section_text(s) for s in sections}
             section_ids = {layer: tuple(self._encode(t)) for layer, t in texts.items()}
             first = state.calls == 0
-            changed = [name for name, text in texts.items()
-                       if first or state.last_texts.get(name) != text]
+            diff = [name for name, text in texts.items()
+                    if first or state.last_texts.get(name) != text]
+            rates = dict(state.rates)
             if not first:
                 for name in texts:
-                    hit = 1.0 if name in changed else 0.0
-                    state.rates[name] = (1 - self.alpha) * state.rates[name] + self.alpha * hit
-            main, trailing = self._order(sections, state)
+                    hit = 1.0 if name in (diff if changed is None else changed) else 0.0
+                    rates[name] = (1 - self.alpha) * rates[name] + self.alpha * hit
+            main, trailing = order_sections(sections, rates, self.config, reorder=self.reorder,
+                                            trailing_message=self.trailing_message)
             stable_ids = self._encode(_ChatML.open("system"))
             stable_layers: list[str] = []
             for sec in main:
@@ -329,14 +351,14 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
             # The boundary between the main and the trailing message is a segment
             # too: a layer moving across it changes the token layout.
             segments = [*((sec.layer, section_ids[sec.layer]) for sec in main),
-                        (_BOUNDARY, ()),
+                        (BOUNDARY, ()),
                         *((sec.layer, section_ids[sec.layer]) for sec in trailing)]
-            broken = self._first_difference(state.last_segments, segments) if not first \
+            broken = first_difference(state.last_segments, segments) if not first \
                 else "first_call"
             report = CallReport(
                 call=state.calls + 1, tenant=tenant, stable_hash=stable_hash,
                 stable_changed=not first and stable_hash != state.stable_hash,
-                changed_layers=changed, prefix_broken_by=broken,
+                changed_layers=diff, prefix_broken_by=broken,
                 layer_order=[s.layer for s in main], trailing_layers=[s.layer for s in trailing],
                 layer_tokens=layer_tokens, spilled_lines=sum(spilled.values()),
                 spilled_by_layer=spilled)
@@ -344,6 +366,9 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
             text = "".join(texts[sec.layer] for sec in (*main, *trailing))[:-1]
             built = BuiltPrompt(tuple(main), tuple(trailing), text, report, section_ids,
                                 texts, tuple(stable_layers))
+            if not commit:
+                return built
+            state.rates = rates
             state.calls += 1
             state.last_texts = texts
             state.last_segments = segments
@@ -379,41 +404,10 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
     def _count_tokens(self, text: str) -> int:
         return len(self._encode(text))
 
-    def _order(self, sections: list[PromptSection],
-               state: _TenantState) -> tuple[list[PromptSection], list[PromptSection]]:
-        if not self.reorder:
-            return sections, []
-        index = {s.layer: i for i, s in enumerate(sections)}
-
-        def volatile(s: PromptSection) -> bool:
-            spec = self.config.get(s.layer)
-            return not spec.stable and state.rates[s.layer] >= VOLATILE_THRESHOLD
-
-        slow = [s for s in sections if not volatile(s)]
-        fast = sorted((s for s in sections if volatile(s)),
-                      key=lambda s: (round(state.rates[s.layer], 6), index[s.layer]))
-        if self.trailing_message:
-            return slow, fast
-        return slow + fast, []
-
-    @staticmethod
-    def _section_text(section: PromptSection) -> str:
-        return render_marked(StructuredPrompt((section,))) + "\n"
-
     def _encode(self, text: str) -> list[int]:
         source = self.engine if self.engine is not None else self.served
         assert source is not None
         return source.encode(text)
-
-    @staticmethod
-    def _first_difference(old: Sequence[tuple[str, tuple[int, ...]]],
-                          new: Sequence[tuple[str, tuple[int, ...]]]) -> str | None:
-        for i, (layer, ids) in enumerate(new):
-            if i >= len(old) or old[i] != (layer, ids):
-                if layer == _BOUNDARY and i < len(old):
-                    return old[i][0]  # that layer moved into the trailing message
-                return layer
-        return None if len(old) == len(new) else "layer_removed"
 
     # ------------------------------------------------------------------ assembling
     def assemble(
@@ -556,8 +550,11 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
                              f"{tenant!r}; tenants never share blocks")
         agent = self.agent if self.agent is not None else tenant
         with self._lock:
-            state = self._state(tenant)
-            built = built if built is not None else state.last
+            built = built if built is not None else self._state(tenant).last
+        ahead = self.reservations
+        # Outside the pipeline's lock: it stops background work that may wait on it.
+        hit = ahead.before_turn(built, tenant=tenant) if ahead and built else None
+        with self._lock:
             ids, spans, stable_end = self.assemble(user_message, history, tenant=tenant,
                                                    built=built, after=after)
             assert built is not None
@@ -571,22 +568,18 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
                     self._pins, self, tenant, agent, result.block_ids, stable_end)
             else:
                 report.pin_state, report.pin_reason = "off", ""
-            report.prompt_tokens = result.prompt_tokens
-            report.reused_tokens = result.reused_tokens
-            report.computed_tokens = result.computed_tokens
-            report.kv_reuse_ratio = result.kv_reuse_ratio
-            report.ttft_ms = result.ttft_ms
-            report.total_ms = result.total_ms
-            report.blocks_per_tier = dict(result.blocks_per_tier)
+            fill_report(report, result, spans, hit)
             report.pinned_blocks = len(self.pinned_blocks(tenant))
             report.blocks_by_layer = self.blocks_by_layer(tenant)
-            report.reused_by_layer, report.computed_by_layer = _tokens_by_layer(
-                spans, result.prompt_tokens, result.reused_tokens)
             report.tier_items = 0 if self.tiers is None else register_call(
                 self.tiers, self.engine.cache, agent, tenant, result.block_ids)
         metrics = self.metrics
         if metrics is not None:
             metrics.record_generate(report)
+        if ahead is not None:
+            turn = [("user", user_message)] if user_message is not None else []
+            ahead.after_reply(self, [*history, *turn, *after, ("assistant", result.text)],
+                              tenant=tenant, built=built)
         return PipelineResult(result.text, result, report)
 
 
