@@ -291,3 +291,28 @@ def test_tier_manager_sees_reservations_as_items(fresh: Callable[..., Engine], g
         ahead.close()
         assert not [i for i in tiers.items() if i.kind is ItemKind.RESERVATION]
         reserver.close()
+
+
+def test_a_steady_turn_reuses_the_extended_conversation(fresh: Callable[..., Engine],
+                                                        graph) -> None:
+    engine = fresh("tq4", device=256, host=128)
+    pipeline, ahead, reserver = setup(engine, graph)
+    host_free = engine.cache.num_free(Tier.HOST)
+    pipeline.build(raw(0, "billing"))
+    r1 = pipeline.generate(ASK1, max_new_tokens=8)
+    assert ahead.wait_idle(300)
+    history = [("user", ASK1), ("assistant", r1.text)]
+    built = pipeline.build(raw(1, "billing"))  # memories unchanged
+    ids, spans, _ = pipeline.assemble(ASK2, history, built=built)
+    cut = trailing_start(pipeline, engine, ids, spans, built, history)
+    r2 = pipeline.generate(ASK2, history=history, max_new_tokens=8)
+    assert r2.report.reservation_hit is None
+    assert r2.generation.reused_tokens == cut // 16 * 16  # the reply just given included
+    assert r2.generation.warmed_tokens == 0  # the extension stayed on the device
+    stats = ahead.stats()
+    assert (stats.hits, stats.misses, stats.expired) == (0, 0, 2)
+    assert stats.extension_tokens > 0 and stats.background_cpu_s > 0
+    ahead.wait_idle(300)
+    ahead.close()
+    assert engine.cache.num_free(Tier.HOST) == host_free
+    reserver.close()
