@@ -180,14 +180,19 @@ class MemoryReservations:
             return []
         turns = list(history)
         futures: list[Future[Any]] = []
+        jobs: list[tuple[Callable[..., Any], str]] = []
         if self.extend_history:
-            futures.append(self.prefiller.submit(
-                lambda stop: self._job(self._extend, pipeline, turns, tenant, built, stop),
-                label="extend"))
+            jobs.append((self._extend, "extend"))
         if self.max_candidates:
-            futures.append(self.prefiller.submit(
-                lambda stop: self._job(self._reserve, pipeline, turns, tenant, built, stop),
-                label="reserve"))
+            jobs.append((self._reserve, "reserve"))
+        for fn, label in jobs:
+            def job(stop: Callable[[], bool], fn: Callable[..., Any] = fn) -> Any:
+                return self._job(fn, pipeline, turns, tenant, built, stop)
+
+            try:
+                futures.append(self.prefiller.submit(job, label=label))
+            except RuntimeError as exc:  # a closed prefiller: the reply stands regardless
+                logger.warning("no background %s after this reply: %s", label, exc)
         return futures
 
     def _job(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -316,3 +316,25 @@ def test_a_steady_turn_reuses_the_extended_conversation(fresh: Callable[..., Eng
     ahead.close()
     assert engine.cache.num_free(Tier.HOST) == host_free
     reserver.close()
+
+
+def test_a_closed_prefiller_leaves_the_reply_alone(fresh: Callable[..., Engine], graph,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    from contextkit._background import BackgroundPrefiller
+
+    engine = fresh("tq4", device=128, host=64)
+    prefiller = BackgroundPrefiller(engine)
+    prefiller.close()
+    reserver = GraphBlockReserver(engine.cache, engine.count_tokens)
+    ahead = MemoryReservations(engine, reserver, predictor(graph, "acme"), prefiller=prefiller)
+    pipeline = CacheAwareContextPipeline(engine, tenant="acme", reservations=ahead,
+                                         pin_stable=False, metrics=False)
+    pipeline.build(raw(0, "billing"))
+    with caplog.at_level("WARNING", logger="contextkit._reservation"):
+        r1 = pipeline.generate(ASK1, max_new_tokens=4)
+    assert r1.text and r1.report.reservation_hit is None
+    assert "no background extend after this reply" in caplog.text
+    assert ahead.stats().made == 0 and ahead.stats().extensions == 0
+    with pytest.raises(ValueError, match="engine's cache"):
+        MemoryReservations(fresh("tq4", device=16, host=16), reserver, predictor(graph, "acme"))
+    reserver.close()
