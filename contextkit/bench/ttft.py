@@ -24,15 +24,37 @@ float sink and residual window); ``top1_agreement_tq4_packed_only`` does the sam
 with every token read back from TQ4 (no sink, no window), to show what the overlay
 buys. ``ppl_ratio_tq4`` compares perplexity of a held-out continuation of the last
 prompt with the TQ4 cache against a native full prefill.
+
+Think time and reservations: the memories layer comes from a seeded
+:class:`memory_graph.MemoryGraph` (SQLite in a temporary directory, the packaged
+embedder). Between two turns the user reads the reply and types (``--think-s``,
+default 30 s: reading a 32-token reply and typing the next 20-40-word message).
+During that window, and only then, the pipeline's
+:class:`~contextkit._reservation.MemoryReservations` work in the background: the next
+prompt with unchanged memories (the conversation extended by the exchange just
+finished) into the device tier, and for the ``--reserve-candidates`` memory
+neighborhoods :meth:`~contextkit.replay.AgentReplay.memory_candidates` predicts from
+the conversation so far, the prompt with those memories, TQ4 into the host (DDR) tier
+under a reservation. The bench waits until that work is done or the think time is
+up, with nothing else running; every measured request runs with background work held
+(no overlap). ``--no-reserve`` turns all of it off (today's behaviour) for the
+comparison. Figures: ``reservation_hit_rate`` (memory-change turns whose new memories
+were reserved and hit), ``speedup_memory_change_p50`` and ``speedup_steady_p50``,
+``speedup_total`` (sum of baseline TTFT over sum of contextkit TTFT, turns >= 2), and
+per turn ``background_cpu_s`` (CPU of the think window before the turn),
+``reservation_hit``, ``extension_tokens`` and ``foreground_wait_ms``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
 import sys
-from collections.abc import Callable
+import tempfile
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +63,11 @@ from tqdm import tqdm
 
 from contextkit.bench._common import machine_info, positive_float, positive_int, print_table
 
-__all__ = ["HELD_OUT", "HELP", "add_arguments", "run", "run_replay"]
+__all__ = ["DEFAULT_THINK_S", "HELD_OUT", "HELP", "add_arguments", "run", "run_replay"]
+
+#: Seconds between a reply and the next message: a person reading a 32-token reply
+#: and typing a 20-40-word message; background work may run only then.
+DEFAULT_THINK_S = 30.0
 
 HELP = ("TTFT per replay turn: contextkit (TQ4, semantic reuse) vs full prefill vs an "
         "exact-prefix cache; reply agreement and perplexity of the TQ4 path")
@@ -78,6 +104,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory for the TTFT-per-turn plot (default runs/bench-ttft)")
     parser.add_argument("--no-quality", action="store_true",
                         help="skip the native-cached run and the agreement/perplexity figures")
+    parser.add_argument("--think-s", type=_non_negative_float, default=DEFAULT_THINK_S,
+                        help="think time per turn in seconds: a person reading the reply and "
+                             "typing the next message; background prefill may run only then "
+                             f"(default {DEFAULT_THINK_S:g})")
+    parser.add_argument("--no-reserve", action="store_true",
+                        help="no background work between turns (no history extension, no "
+                             "memory reservations): the comparison run")
+    parser.add_argument("--reserve-candidates", type=_non_negative_int, default=2,
+                        help="predicted memory neighborhoods reserved and prefilled after "
+                             "each reply (default 2)")
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
 
 
 def _blocks_for(tokens: int, block_size: int) -> int:
@@ -97,6 +153,9 @@ def run_replay(
     engine: Any = None,
     progress: bool = True,
     on_turn: Callable[[dict[str, Any]], None] | None = None,
+    reserve: bool = True,
+    reserve_candidates: int = 2,
+    think_s: float = DEFAULT_THINK_S,
 ) -> dict[str, Any]:
     """Run the agent replay; per-turn TTFTs and reuse, plus quality figures.
 
@@ -105,10 +164,16 @@ def run_replay(
         prefix_cache: also time the exact-prefix baseline in the user's order.
         quality: also run the native cached path, teacher-forced agreement and the
             perplexity ratio.
-        memory_graph: a seeded :class:`memory_graph.MemoryGraph` for the memories
-            layer (the replay's scripted memories otherwise).
+        memory_graph: a :class:`memory_graph.MemoryGraph` for the memories layer
+            (seeded here with the replay's memories; the replay's scripted memories
+            and no prediction without one).
         engine: a TQ4 :class:`~contextkit.engine.Engine` to use (loaded otherwise).
         on_turn: called with each turn's record as it completes.
+        reserve: background work between turns (history extension and memory
+            reservations); off: every turn computes what its cache lacks, as before.
+        reserve_candidates: memory neighborhoods reserved after each reply.
+        think_s: the think window before each turn (>= 2): the longest the bench
+            waits for the background work, with nothing else running.
     """
     from contextkit.engine import Engine
     from contextkit.pipeline import CacheAwareContextPipeline
@@ -120,7 +185,10 @@ def run_replay(
         engine = Engine.from_pretrained(num_device_blocks=device_blocks,
                                         num_host_blocks=host_blocks)
     replay = AgentReplay(turns, scale=scale, memory_graph=memory_graph)
-    pipeline = CacheAwareContextPipeline(engine)
+    if memory_graph is not None:
+        replay.seed_memory(memory_graph)  # idempotent: nothing added when seeded already
+    reservations = _reservations(engine, replay, reserve_candidates) if reserve else None
+    pipeline = CacheAwareContextPipeline(engine, reservations=reservations)
     build = pipeline.wrap(replay.build_system_message)
 
     # Native-format siblings share the weights; their blocks are ~20x larger, so they
@@ -132,59 +200,70 @@ def run_replay(
     top1_hits = top1_total = top1_packed_hits = 0
     bar = tqdm(total=turns, desc="replay", unit="turn", file=sys.stderr, disable=not progress)
     for t in range(turns):
-        turn = replay.turn(t)
-        build(t)
-        ids, spans, _ = pipeline.assemble(turn.user_message, history)
-        if t == 0:
-            room = 3 * _blocks_for(len(ids) + 64 * turns + max_new_tokens, engine.cache.block_size)
-            if prefix_cache:
-                pc_engine = engine.sibling("native", num_device_blocks=room, num_host_blocks=16,
-                                           eviction_policy="lru")
-            if quality:
-                native = engine.sibling("native", num_device_blocks=room, num_host_blocks=16)
+        think = _think_window(reservations, think_s if t else 0.0)
+        with _held(reservations):
+            turn = replay.turn(t)
+            build(t)
+            ids, spans, _ = pipeline.assemble(turn.user_message, history)
+            if t == 0:
+                room = 3 * _blocks_for(len(ids) + 64 * turns + max_new_tokens,
+                                       engine.cache.block_size)
+                if prefix_cache:
+                    pc_engine = engine.sibling("native", num_device_blocks=room,
+                                               num_host_blocks=16, eviction_policy="lru")
+                if quality:
+                    native = engine.sibling("native", num_device_blocks=room,
+                                            num_host_blocks=16)
 
-        ck = pipeline.generate(turn.user_message, history=history, max_new_tokens=max_new_tokens)
-        base = engine.generate(ids, max_new_tokens=max_new_tokens if quality else 1,
-                               use_cache=False)
-        record: dict[str, Any] = {
-            "turn": t + 1,
-            "prompt_tokens": ck.generation.prompt_tokens,
-            "ttft_ms_contextkit": ck.generation.ttft_ms,
-            "ttft_ms_baseline": base.ttft_ms,
-            "reused_tokens": ck.generation.reused_tokens,
-            "computed_tokens": ck.generation.computed_tokens,
-            "flop_ratio": (engine.prefill_flops(len(ids))
-                           / engine.prefill_flops(len(ids), ck.generation.reused_tokens)),
-            "kv_reuse_ratio": ck.generation.kv_reuse_ratio,
-            "prefix_broken_by": ck.report.prefix_broken_by,
-            "changed_layers": ck.report.changed_layers,
-            "pinned_blocks": ck.report.pinned_blocks,
-            "blocks_per_tier": ck.report.blocks_per_tier,
-            "reply": ck.text,
-        }
-        if pc_engine is not None:
-            ids_user, spans_user, _ = pipeline.assemble(turn.user_message, history,
-                                                        user_order=True)
-            pc = pc_engine.generate(ids_user, max_new_tokens=1, spans=spans_user)
-            record["ttft_ms_prefix_cache"] = pc.ttft_ms
-            record["reused_tokens_prefix_cache"] = pc.reused_tokens
-        if quality and native is not None:
-            nat = native.generate(ids, max_new_tokens=max_new_tokens, spans=spans)
-            same = nat.token_ids == base.token_ids
-            agree_native.append(same)
-            record["ttft_ms_native_cached"] = nat.ttft_ms
-            record["reused_tokens_native_cached"] = nat.reused_tokens
-            record["native_reply_identical"] = same
-            target = torch.tensor(base.token_ids)
-            reused = ck.generation.reused_tokens
-            logits = engine.score(ids, base.token_ids, max_reuse_tokens=reused)
-            hits = int((logits.argmax(dim=-1) == target).sum())
-            packed = engine.score(ids, base.token_ids, max_reuse_tokens=reused,
-                                  residual_tokens=0, sink_tokens=0)
-            top1_packed_hits += int((packed.argmax(dim=-1) == target).sum())
-            top1_hits += hits
-            top1_total += len(base.token_ids)
-            record["top1_agreement_tq4"] = hits / len(base.token_ids)
+            ck = pipeline.generate(turn.user_message, history=history,
+                                   max_new_tokens=max_new_tokens)
+            foreground_wait_ms = engine.last_foreground_wait_ms
+            done = reservations.stats() if reservations is not None else None
+            base = engine.generate(ids, max_new_tokens=max_new_tokens if quality else 1,
+                                   use_cache=False)
+            record: dict[str, Any] = {
+                "turn": t + 1,
+                "prompt_tokens": ck.generation.prompt_tokens,
+                "ttft_ms_contextkit": ck.generation.ttft_ms,
+                "ttft_ms_baseline": base.ttft_ms,
+                "reused_tokens": ck.generation.reused_tokens,
+                "computed_tokens": ck.generation.computed_tokens,
+                "flop_ratio": (engine.prefill_flops(len(ids))
+                               / engine.prefill_flops(len(ids), ck.generation.reused_tokens)),
+                "kv_reuse_ratio": ck.generation.kv_reuse_ratio,
+                "prefix_broken_by": ck.report.prefix_broken_by,
+                "changed_layers": ck.report.changed_layers,
+                "pinned_blocks": ck.report.pinned_blocks,
+                "blocks_per_tier": ck.report.blocks_per_tier,
+                "reply": ck.text,
+                "memory_change": t > 0 and "memories" in turn.changed_layers,
+                "reservation_hit": ck.report.reservation_hit,
+                "foreground_wait_ms": foreground_wait_ms,
+                **_window_figures(think, done),
+            }
+            if pc_engine is not None:
+                ids_user, spans_user, _ = pipeline.assemble(turn.user_message, history,
+                                                            user_order=True)
+                pc = pc_engine.generate(ids_user, max_new_tokens=1, spans=spans_user)
+                record["ttft_ms_prefix_cache"] = pc.ttft_ms
+                record["reused_tokens_prefix_cache"] = pc.reused_tokens
+            if quality and native is not None:
+                nat = native.generate(ids, max_new_tokens=max_new_tokens, spans=spans)
+                same = nat.token_ids == base.token_ids
+                agree_native.append(same)
+                record["ttft_ms_native_cached"] = nat.ttft_ms
+                record["reused_tokens_native_cached"] = nat.reused_tokens
+                record["native_reply_identical"] = same
+                target = torch.tensor(base.token_ids)
+                reused = ck.generation.reused_tokens
+                logits = engine.score(ids, base.token_ids, max_reuse_tokens=reused)
+                hits = int((logits.argmax(dim=-1) == target).sum())
+                packed = engine.score(ids, base.token_ids, max_reuse_tokens=reused,
+                                      residual_tokens=0, sink_tokens=0)
+                top1_packed_hits += int((packed.argmax(dim=-1) == target).sum())
+                top1_hits += hits
+                top1_total += len(base.token_ids)
+                record["top1_agreement_tq4"] = hits / len(base.token_ids)
         records.append(record)
         if on_turn is not None:
             on_turn(record)
@@ -193,8 +272,15 @@ def run_replay(
                         base=f"{base.ttft_ms / 1000:.1f}s")
         bar.update(1)
     bar.close()
+    stats = None
+    if reservations is not None:
+        reservations.close()  # nothing runs beside the figures below; live ones expire
+        reservations.reserver.close()
+        stats = reservations.stats().as_dict()
 
     out: dict[str, Any] = {"turns": turns, "records": records}
+    out.update(_reservation_figures(records, stats, reserve=reserve, think_s=think_s,
+                                    candidates=reserve_candidates))
     later = records[1:] if len(records) > 1 else records
     out["speedup_p50"] = statistics.median(
         r["ttft_ms_baseline"] / r["ttft_ms_contextkit"] for r in later)
@@ -226,6 +312,82 @@ def run_replay(
     return out
 
 
+def _reservations(engine: Any, replay: Any, candidates: int) -> Any:
+    """The pipeline's background work between turns: history extension, and memory
+    reservations predicted by ``replay.memory_candidates`` (none without a graph)."""
+    from contextkit._reservation import MemoryReservations
+    from memory_graph import GraphBlockReserver
+
+    reserver = GraphBlockReserver(engine.cache, engine.count_tokens, graph=replay.memory_graph)
+    return MemoryReservations(engine, reserver, replay.memory_candidates,
+                              max_candidates=candidates)
+
+
+@contextlib.contextmanager
+def _held(reservations: Any) -> Iterator[None]:
+    """No background job starts (a running one stops) while the turn is measured."""
+    if reservations is None:
+        yield
+        return
+    with reservations.held():
+        yield
+
+
+def _think_window(reservations: Any, think_s: float) -> dict[str, Any]:
+    """Let the background work run for at most ``think_s`` with nothing else running."""
+    if reservations is None:
+        return {"stats": None, "think_used_s": 0.0, "background_done": True}
+    before = reservations.stats()
+    t0 = time.perf_counter()
+    done = reservations.wait_idle(think_s)
+    return {"stats": before, "think_used_s": time.perf_counter() - t0,
+            "background_done": done}
+
+
+def _window_figures(think: dict[str, Any], after: Any) -> dict[str, Any]:
+    """Background figures of the think window before a turn (the turn's own
+    ``before_turn`` has stopped and accounted whatever was still running)."""
+    before = think["stats"]
+    if before is None or after is None:
+        return {"background_cpu_s": 0.0, "extension_tokens": 0, "think_used_s": 0.0,
+                "background_done": True}
+    return {"background_cpu_s": after.background_cpu_s - before.background_cpu_s,
+            "extension_tokens": after.extension_tokens - before.extension_tokens,
+            "think_used_s": think["think_used_s"], "background_done": think["background_done"]}
+
+
+def _reservation_figures(records: list[dict[str, Any]], stats: dict[str, Any] | None, *,
+                         reserve: bool, think_s: float, candidates: int) -> dict[str, Any]:
+    """Hit rate, speedups of memory-change and steady turns, and the total speedup."""
+    later = records[1:]
+    change = [r for r in later if r["memory_change"]]
+    steady = [r for r in later if not r["memory_change"]]
+
+    def p50(rows: list[dict[str, Any]]) -> float | None:
+        return statistics.median(r["ttft_ms_baseline"] / r["ttft_ms_contextkit"]
+                                 for r in rows) if rows else None
+
+    return {
+        "think_s": think_s,
+        "reserve": reserve,
+        "reserve_candidates": candidates if reserve else 0,
+        "memory_change_turns": [r["turn"] for r in change],
+        "reservation_hit_rate": (sum(r["reservation_hit"] is not None for r in change)
+                                 / len(change)) if change else None,
+        "speedup_memory_change_p50": p50(change),
+        "speedup_steady_p50": p50(steady),
+        "speedup_total": (sum(r["ttft_ms_baseline"] for r in later)
+                          / sum(r["ttft_ms_contextkit"] for r in later)) if later else None,
+        "ttft_ms_memory_change": [round(r["ttft_ms_contextkit"], 1) for r in change],
+        "background_cpu_s_total": sum(r["background_cpu_s"] for r in records),
+        "reservations": stats,
+    }
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _perplexity(logits: torch.Tensor, target: list[int]) -> float:
     loss = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(target))
     return math.exp(float(loss))
@@ -250,6 +412,14 @@ def plot_ttft(records: list[dict[str, Any]], path: Path, title: str) -> Path:
     if "ttft_ms_native_cached" in records[0]:
         ax.plot(turns, [r["ttft_ms_native_cached"] / 1000 for r in records], ".:", color="C2",
                 label="same reuse, lossless native K/V")
+    changed = [r["turn"] for r in records if r.get("memory_change")]
+    for i, turn in enumerate(changed):
+        ax.axvspan(turn - 0.4, turn + 0.4, color="C3", alpha=0.12, lw=0,
+                   label="memories changed" if i == 0 else None)
+    hit = [r for r in records if r.get("reservation_hit")]
+    if hit:
+        ax.plot([r["turn"] for r in hit], [r["ttft_ms_contextkit"] / 1000 for r in hit], "*",
+                color="C3", markersize=12, label="memories reserved ahead (hit)")
     ax.set_xlabel("turn")
     ax.set_ylabel("time to first token (s)")
     top = max(r[k] for r in records for k in r if k.startswith("ttft_ms_")) / 1000
@@ -266,9 +436,20 @@ def plot_ttft(records: list[dict[str, Any]], path: Path, title: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    result = run_replay(turns=args.turns, max_new_tokens=args.max_new_tokens, scale=args.scale,
-                        device_blocks=args.device_blocks, host_blocks=args.host_blocks,
-                        quality=not args.no_quality)
+    from memory_graph import MemoryGraph, SentenceTransformerEmbedder
+
+    with tempfile.TemporaryDirectory(prefix="contextkit-bench-ttft-") as tmp:
+        graph = MemoryGraph(f"sqlite:///{tmp}/memory.db",
+                            embedder=SentenceTransformerEmbedder(trace_queries=False))
+        try:
+            result = run_replay(turns=args.turns, max_new_tokens=args.max_new_tokens,
+                                scale=args.scale, device_blocks=args.device_blocks,
+                                host_blocks=args.host_blocks, quality=not args.no_quality,
+                                memory_graph=graph, reserve=not args.no_reserve,
+                                reserve_candidates=args.reserve_candidates,
+                                think_s=args.think_s)
+        finally:
+            graph.close()
     records = result.pop("records")
     machine = machine_info()
     out: dict[str, Any] = {
@@ -283,6 +464,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "computed_tokens": [r["computed_tokens"] for r in records],
         "prefix_broken_by": [r["prefix_broken_by"] for r in records],
         "flop_ratio": [round(r["flop_ratio"], 3) for r in records],
+        "background_cpu_s": [round(r["background_cpu_s"], 3) for r in records],
+        "background_done": [r["background_done"] for r in records],
+        "reservation_hit": [r["reservation_hit"] for r in records],
+        "extension_tokens": [r["extension_tokens"] for r in records],
+        "foreground_wait_ms": [round(r["foreground_wait_ms"], 2) for r in records],
         **({"ttft_ms_native_cached": [round(r["ttft_ms_native_cached"], 1) for r in records],
             "reused_tokens_native_cached": [r["reused_tokens_native_cached"] for r in records]}
            if "ttft_ms_native_cached" in records[0] else {}),
@@ -302,6 +488,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ("  FLOP ratio full / reused prefill, p50", out["flop_ratio_p50"]),
         ("speedup_vs_prefix_cache_p50", out["speedup_vs_prefix_cache_p50"]),
         ("flatness (last / turn 2)", out["flatness"]),
+        ("speedup_total (sum baseline / sum contextkit)", out["speedup_total"]),
+        ("think time per turn (s) | reservations",
+         f"{out['think_s']:g} | " + (f"on, {out['reserve_candidates']} candidates"
+                                     if out["reserve"] else "off (--no-reserve)")),
+        ("memory-change turns", ", ".join(map(str, out["memory_change_turns"])) or "none"),
+        ("reservation_hit_rate", "- (no memory-change turn)"
+         if out["reservation_hit_rate"] is None else out["reservation_hit_rate"]),
+        ("speedup p50 memory-change | steady turns",
+         f"{_fmt(out['speedup_memory_change_p50'])} | {_fmt(out['speedup_steady_p50'])}"),
+        ("background CPU (s, all think windows)", out["background_cpu_s_total"]),
     ]
     if "agreement_native" in out:
         rows += [("  lossless reuse of the same tokens: speedup p50",

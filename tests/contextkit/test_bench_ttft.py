@@ -14,8 +14,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 def test_bench_ttft_reports_every_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "ttft", "--turns", "3", "--max-new-tokens", "8", "--json",
-                 "--out", str(tmp_path)]) == 0
+                 "--no-reserve", "--out", str(tmp_path)]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["reserve"] is False and result["reservations"] is None
+    assert result["background_cpu_s"] == [0.0] * 3 and result["reservation_hit"] == [None] * 3
     for key in ("ttft_ms_baseline", "ttft_ms_contextkit", "ttft_ms_prefix_cache"):
         assert len(result[key]) == 3 and all(v > 0 for v in result[key])
     assert result["turns"] == 3
@@ -31,3 +33,28 @@ def test_bench_ttft_reports_every_field(tmp_path: Path, capsys: pytest.CaptureFi
     assert result["top1_agreement_tq4"] > 0.8
     assert 0.9 < result["ppl_ratio_tq4"] < 1.2
     assert (tmp_path / "ttft.png").stat().st_size > 10_000
+
+
+def test_bench_ttft_think_time_runs_background_work_and_reserves_memories(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiny run (2 turns, a small prompt): after turn 1 the think window prefills the
+    next prompt with the exchange just finished and reserves the best predicted memory
+    neighborhood; turn 2's memories do not change, so it expires unused (no leak)."""
+    assert main(["bench", "ttft", "--turns", "2", "--scale", "0.3", "--max-new-tokens", "4",
+                 "--no-quality", "--json", "--out", str(tmp_path), "--think-s", "600",
+                 "--reserve-candidates", "1"]) == 0
+    on = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert on["think_s"] == 600 and on["reserve"] is True and on["reserve_candidates"] == 1
+    assert on["memory_change_turns"] == [] and on["reservation_hit_rate"] is None
+    assert on["background_cpu_s"][0] == 0.0 and on["background_cpu_s"][1] > 0
+    assert on["background_done"] == [True, True]  # all of it fit the think time
+    stats = on["reservations"]
+    assert stats["extensions"] == 1 and on["extension_tokens"][1] == stats["extension_tokens"] > 0
+    assert stats["made"] == 1 and stats["expired"] == 1 and stats["hits"] == stats["misses"] == 0
+    assert stats["reserved_tokens"] > 0 and stats["preempted"] == 0
+    assert on["reservation_hit"] == [None, None]
+    assert len(on["foreground_wait_ms"]) == 2 and min(on["foreground_wait_ms"]) >= 0
+    assert on["reused_tokens"][0] == 0 and on["reused_tokens"][1] > 2_000
+    assert on["speedup_total"] > 1 and on["speedup_steady_p50"] > 1
+    assert on["speedup_memory_change_p50"] is None
+    assert on["blocks_per_tier"]["host"] == 0  # the expired reservation's DDR blocks freed
