@@ -311,3 +311,33 @@ def test_prefiller_held_cancel_and_close(fresh: Callable[..., Engine]) -> None:
     assert ran == ["queued"]
     with pytest.raises(RuntimeError, match="closed"):
         bg.submit(lambda stop: None)
+
+
+def test_a_stopped_prefill_frees_its_chunk_and_close_ends_the_worker(
+        fresh: Callable[..., Engine]) -> None:
+    eng = fresh("tq4")
+    prefix = prefix_of(eng)
+    before = free(eng)
+    inside = threading.Event()
+    release = threading.Event()
+    calls = StopAfter(2)
+
+    def watch() -> bool:  # the 2nd poll is inside the first chunk: let the test act
+        if calls():
+            inside.set()
+            assert release.wait(30)
+        return False
+
+    bg = BackgroundPrefiller(eng)
+    fut = bg.submit(lambda stop: eng.prefill_prefix(
+        prefix, tenant="acme", should_stop=lambda: stop() or (not inside.is_set() and watch())))
+    assert inside.wait(60)
+    bg.stop_running()
+    release.set()
+    out = fut.result(timeout=60)
+    bg.close()
+    assert out.preempted and out.block_ids == () and out.computed_tokens == 0
+    assert free(eng) == before
+    assert all(m.ref_count == 0 for m in eng.cache.metadata.of_tenant("acme"))
+    assert bg.stats()["jobs_preempted"] == 1
+    assert not bg._thread.is_alive()
