@@ -6,7 +6,11 @@ through :class:`~contextkit.pipeline.CacheAwareContextPipeline` onto the TQ4 cac
 its memories layer comes from a :class:`memory_graph.MemoryGraph` in SQLite; the
 cache is shadowed to a local directory, so a second run starts warm. Every turn is
 also served by a full prefill without any cache, and the demo prints and plots both
-TTFTs.
+TTFTs. Between turns (a think time of ``--think-s``) the pipeline prefills in the
+background the next turn's prompt and, for the memory neighborhoods the conversation
+is heading to (predicted from the conversation so far and the graph), reserves and
+prefills their KV in the host tier; the summary counts the reservations made, hit and
+expired.
 
 Then a short multi-agent run (:class:`contextkit.agents.MultiAgentWorkload`: 3 agents
 of 2 tenants taking turns on one engine whose device tier holds 2 of their prompts and
@@ -55,6 +59,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                              "file://~/.cache/contextkit/shadow)")
     parser.add_argument("--cold", action="store_true",
                         help="do not restore the previous run's shadow first")
+    parser.add_argument("--think-s", type=float, default=30.0,
+                        help="think time between turns in seconds, when background prefill "
+                             "and memory reservations run (default 30; waits only as long "
+                             "as the work takes)")
+    parser.add_argument("--no-reserve", action="store_true",
+                        help="no background prefill or memory reservations between turns")
     parser.add_argument("--agent-steps", type=int, default=6,
                         help="steps of the multi-agent run (3 agents; default 6, about a "
                              "minute on 2 CPU cores; 0 skips it)")
@@ -75,6 +85,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
     if args.turns < 1:
         raise SystemExit("contextkit demo: --turns must be >= 1")
+    if not args.think_s >= 0:
+        raise SystemExit("contextkit demo: --think-s must be >= 0")
     if args.agent_steps and args.agent_steps < 2 * AGENTS:
         raise SystemExit(f"contextkit demo: --agent-steps must be 0 (skip) or >= {2 * AGENTS} "
                          f"(each of the {AGENTS} agents takes 2 turns)")
@@ -119,7 +131,8 @@ def run_demo(args: argparse.Namespace) -> int:
              f"{r['prefix_broken_by'] or '-'}")
 
     result = run_replay(turns=args.turns, max_new_tokens=args.max_new_tokens, engine=engine,
-                        memory_graph=graph, prefix_cache=False, quality=False, on_turn=show)
+                        memory_graph=graph, prefix_cache=False, quality=False, on_turn=show,
+                        reserve=not args.no_reserve, think_s=args.think_s)
     written = shadow.shadow_now()
     shadow.close()
     store.close()
@@ -137,6 +150,7 @@ def run_demo(args: argparse.Namespace) -> int:
         "pinned_blocks": result["pinned_blocks"],
         "blocks_per_tier": records[-1]["blocks_per_tier"],
         "recovered_blocks": recovered.get("blocks", 0),
+        "reservations": _reservation_summary(result),
         "shadow": {"store": store_url, "session": SESSION_ID,
                    "blocks": written.num_blocks, "bytes_written": written.bytes_written},
     }
@@ -158,6 +172,7 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{summary['speedup_p50']:.1f}x; median KV reuse {summary['kv_reuse_ratio_p50']:.0%}.\n"
         f"Cache: {summary['pinned_blocks']} pinned blocks (the stable prefix); blocks per tier: "
         f"{tiers}. Restored at start: {summary['recovered_blocks']} blocks.\n"
+        f"{_reservation_line(summary['reservations'])}\n"
         f"Shadowed {written.num_blocks} blocks to {store_url} (session {SESSION_ID}); "
         "see `contextkit status`.\n"
         f"Wrote {out / 'demo.json'} and {png}.\n")
@@ -178,6 +193,27 @@ def run_demo(args: argparse.Namespace) -> int:
             f"{a['pinned_blocks']}, pinned blocks evicted {a['pinned_blocks_evicted']}.\n"
             f"Wrote {agents['plot']}.\n")
     return 0
+
+
+def _reservation_summary(result: dict[str, Any]) -> dict[str, Any]:
+    """Reservations made, hit and expired over the replay, and the hit rate."""
+    stats = result.get("reservations") or {}
+    return {"enabled": bool(result.get("reserve")), "think_s": result.get("think_s"),
+            "made": stats.get("made", 0), "hit": stats.get("hits", 0),
+            "expired": stats.get("expired", 0), "missed": stats.get("misses", 0),
+            "memory_change_turns": result.get("memory_change_turns", []),
+            "hit_rate": result.get("reservation_hit_rate"),
+            "background_cpu_s": result.get("background_cpu_s_total", 0.0)}
+
+
+def _reservation_line(r: dict[str, Any]) -> str:
+    if not r["enabled"]:
+        return "reservations: off (--no-reserve)"
+    changes = len(r["memory_change_turns"])
+    return (f"reservations: made {r['made']}, hit {r['hit']}, expired {r['expired']} "
+            f"(memories changed on {changes} turn{'s' * (changes != 1)}; background "
+            f"prefill {r['background_cpu_s']:.1f} CPU s in the think time of "
+            f"{r['think_s']:g} s per turn).")
 
 
 def _agents_run(engine: Any, steps: int, max_new_tokens: int, out: Path) -> dict[str, Any]:

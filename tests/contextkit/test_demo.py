@@ -19,6 +19,9 @@ def test_demo_runs_shadows_and_restarts_warm(tmp_path: Path, capsys: pytest.Capt
     assert main(["demo", "--turns", "1", "--max-new-tokens", "4", "--out", str(out),
                  "--store", store]) == 0
     first = json.loads((out / "demo.json").read_text())
+    # reservations are made in the think time between turns: none after the last turn
+    assert first["summary"]["reservations"]["enabled"] is True
+    assert "reservations: made 0, hit 0, expired 0" in capsys.readouterr().out
     assert (out / "ttft.png").stat().st_size > 10_000
     assert (out / "memory.db").is_file()
     rec = first["records"][0]
