@@ -21,9 +21,11 @@ request reuses it instead of computing it.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -280,6 +282,17 @@ class _Job:
     stop: threading.Event
 
 
+#: Prefillers whose worker may still run: closed at interpreter exit, before daemon
+#: threads are torn down (a worker that ran torch aborted the process otherwise).
+_LIVE: weakref.WeakSet[BackgroundPrefiller] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for prefiller in list(_LIVE):
+        prefiller.close(timeout=5.0)
+
+
 class BackgroundPrefiller:
     """One daemon thread running background jobs in submission order.
 
@@ -305,6 +318,7 @@ class BackgroundPrefiller:
         self._cpu_s = 0.0
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ API
     def submit(self, fn: Callable[[Callable[[], bool]], T], *, label: str = "") -> Future[T]:
