@@ -15,7 +15,7 @@ help:
 	@echo "make test-vllm  the vLLM connector end to end on vLLM's CPU build, in its own"
 	@echo "                virtualenv .venv-vllm (~4 min to create, then ~6-8 min)"
 	@echo "make bench      run the quick CPU benchmarks with --json into bench/results/"
-	@echo "make bench-ttft the 20-turn TTFT benchmark (~35 min on 2 cores)"
+	@echo "make bench-ttft the 20-turn TTFT benchmark, reservations on, then off (~50 min on 2 cores)"
 	@echo "make bench-agents  6 agents sharing a too-small cache: lru vs semantic vs"
 	@echo "                semantic+ooda, and a device-size sweep (~12 min on 2 cores)"
 	@echo "make bench-agent-vllm  a LangChain agent on vLLM, 4 cache configurations (~15 min)"
@@ -54,6 +54,7 @@ bench: setup
 bench-ttft: setup
 	@mkdir -p bench/results
 	$(PY) -m contextkit.cli bench ttft --json --out bench/results | tee bench/results/ttft-cpu.log | tail -n 1 > bench/results/ttft-cpu.json
+	$(PY) -m contextkit.cli bench ttft --json --no-reserve --no-quality --out bench/results/noreserve | tee bench/results/ttft-cpu-noreserve.log | tail -n 1 > bench/results/ttft-cpu-noreserve.json
 
 # Many agents sharing one cache too small for all of them: three policies, one process.
 bench-agents: setup

@@ -42,5 +42,6 @@ def test_contextkit_exports_resolve() -> None:
 
     for name in contextkit.__all__:
         assert getattr(contextkit, name) is not None, name
-    for required in ("Engine", "CacheAwareContextPipeline", "cache_aware", "LayerConfig"):
+    for required in ("Engine", "CacheAwareContextPipeline", "cache_aware", "LayerConfig",
+                     "MemoryReservations", "MemoryCandidate"):
         assert required in contextkit.__all__
