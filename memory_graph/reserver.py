@@ -243,13 +243,7 @@ class GraphBlockReserver:
         Raises:
             UnknownReservationError: an id never issued (or of another tenant).
         """
-        self.sweep()
-        with self._lock:
-            res = self._get(reservation_id, tenant)
-            fut = res.prefill
-        if fut is not None and not fut.cancel():
-            with contextlib.suppress(Exception):  # a failed prefill is counted in stats
-                fut.result()
+        res = self._settled(reservation_id, tenant)
         with self._lock:
             if res.state not in _ACTIVE or not res.blocks_held:
                 detail = f" ({res.reason})" if res.reason else ""
@@ -355,13 +349,7 @@ class GraphBlockReserver:
         Raises:
             UnknownReservationError: an id never issued (or of another tenant).
         """
-        self.sweep()
-        with self._lock:
-            res = self._get(reservation_id, tenant)
-            fut = res.prefill
-        if fut is not None and not fut.cancel():
-            with contextlib.suppress(Exception):  # a failed prefill is counted in stats
-                fut.result()
+        res = self._settled(reservation_id, tenant)
         with self._lock:
             if res.state not in _WARMABLE:
                 why = {ReservationState.WARMED: "already warmed",
@@ -461,6 +449,19 @@ class GraphBlockReserver:
                 del self._reservations[old.reservation_id]
 
     # ------------------------------------------------------------------ queries
+    def _settled(self, reservation_id: str, tenant: str | None) -> _Reservation:
+        """Expire what is due, then the reservation with its background prefill
+        cancelled if it has not started, or waited for if it is running (its writes
+        must land before the blocks change hands)."""
+        self.sweep()
+        with self._lock:
+            res = self._get(reservation_id, tenant)
+            fut = res.prefill
+        if fut is not None and not fut.cancel():
+            with contextlib.suppress(Exception):  # a failed prefill is counted in stats
+                fut.result()
+        return res
+
     def _get(self, reservation_id: str, tenant: str | None) -> _Reservation:
         res = self._reservations.get(reservation_id)
         if res is None or (tenant is not None and res.tenant != tenant):
