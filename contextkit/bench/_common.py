@@ -97,7 +97,9 @@ def _number(kind: type, low: float, *, inclusive: bool = True,
             raise argparse.ArgumentTypeError(
                 f"must be {'an integer' if kind is int else 'a number'} {bound}, got "
                 f"{text!r}") from None
-        if (value < low if inclusive else value <= low) or (high is not None and value > high):
+        # written as 'not >=' so NaN is refused too
+        if (not value >= low if inclusive else not value > low) or (
+                high is not None and value > high):
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
         return value
 
@@ -109,6 +111,8 @@ def _number(kind: type, low: float, *, inclusive: bool = True,
 positive_int = _number(int, 1)
 #: ``type=`` for counts that may be 0 (warm-up rounds, seeds).
 non_negative_int = _number(int, 0)
+#: ``type=`` for durations that may be 0 (a think time).
+non_negative_float = _number(float, 0.0)
 #: ``type=`` for durations and scales that must be > 0.
 positive_float = _number(float, 0.0, inclusive=False)
 #: ``type=`` for fractions in (0, 1].

@@ -63,7 +63,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from contextkit.bench._common import machine_info, positive_float, positive_int, print_table
+from contextkit.bench._common import (
+    machine_info,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    print_table,
+)
 
 __all__ = ["DEFAULT_THINK_S", "HELD_OUT", "HELP", "add_arguments", "run", "run_replay"]
 
@@ -106,36 +113,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory for the TTFT-per-turn plot (default runs/bench-ttft)")
     parser.add_argument("--no-quality", action="store_true",
                         help="skip the native-cached run and the agreement/perplexity figures")
-    parser.add_argument("--think-s", type=_non_negative_float, default=DEFAULT_THINK_S,
+    parser.add_argument("--think-s", type=non_negative_float, default=DEFAULT_THINK_S,
                         help="think time per turn in seconds: a person reading the reply and "
                              "typing the next message; background prefill may run only then "
                              f"(default {DEFAULT_THINK_S:g})")
     parser.add_argument("--no-reserve", action="store_true",
                         help="no background work between turns (no history extension, no "
                              "memory reservations): the comparison run")
-    parser.add_argument("--reserve-candidates", type=_non_negative_int, default=2,
+    parser.add_argument("--reserve-candidates", type=non_negative_int, default=2,
                         help="predicted memory neighborhoods reserved and prefilled after "
                              "each reply (default 2)")
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
 
 
 def _blocks_for(tokens: int, block_size: int) -> int:
