@@ -41,6 +41,8 @@ class CallReport:
             served model the first three (and ``prompt_tokens``) come from the server's
             usage through :meth:`CacheAwareContextPipeline.record_usage`, and the timings
             stay zero.
+        decode_tps: the engine's decode tokens/s (tokens after the first over the time
+            after the first); ``None`` for a one-token reply and on a served model.
         blocks_per_tier: this tenant's blocks per cache tier; pinned_blocks: this
             tenant's pinned blocks; blocks_by_layer: this tenant's cached blocks per
             source layer (other tenants' blocks are never counted); all three stay
@@ -77,6 +79,7 @@ class CallReport:
     kv_reuse_ratio: float = 0.0
     ttft_ms: float = 0.0
     total_ms: float = 0.0
+    decode_tps: float | None = None
     blocks_per_tier: dict[str, int] = field(default_factory=dict)
     pinned_blocks: int = 0
     blocks_by_layer: dict[str, int] = field(default_factory=dict)
@@ -198,6 +201,7 @@ def fill_report(report: CallReport, result: GenerationResult, spans: Sequence[To
     report.kv_reuse_ratio = result.kv_reuse_ratio
     report.ttft_ms = result.ttft_ms
     report.total_ms = result.total_ms
+    report.decode_tps = result.decode_tps
     report.blocks_per_tier = dict(result.blocks_per_tier)
     report.reused_by_layer, report.computed_by_layer = _tokens_by_layer(
         spans, result.prompt_tokens, result.reused_tokens)

@@ -42,6 +42,8 @@ class GenerationResult:
         computed_tokens: prompt tokens run through the model.
         ttft_ms: request start to first token.
         total_ms: request start to last token.
+        decode_tps: (property) decode tokens/s: tokens 2..N over ``total_ms - ttft_ms``;
+            ``None`` for a one-token reply.
         blocks_per_tier: the caller's tenant's blocks per tier after the request (other
             tenants' are not counted; ``engine.cache.summary()`` has the cache-wide view).
         block_ids: this sequence's blocks in order (kept or freed afterwards).
@@ -66,6 +68,15 @@ class GenerationResult:
         """Fraction of prompt tokens served from the cache."""
         return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def decode_tps(self) -> float | None:
+        """Decode tokens/s: the tokens after the first over the time after the first
+        (``None`` when the reply has one token, or the clock did not move)."""
+        decode_s = (self.total_ms - self.ttft_ms) / 1000
+        if len(self.token_ids) < 2 or decode_s <= 0:
+            return None
+        return (len(self.token_ids) - 1) / decode_s
+
     def telemetry(self) -> dict[str, Any]:
         """The JSON-friendly telemetry fields."""
         return {
@@ -77,6 +88,7 @@ class GenerationResult:
             "warmed_tokens": self.warmed_tokens,
             "kv_reuse_ratio": round(self.kv_reuse_ratio, 4),
             "generated_tokens": len(self.token_ids),
+            "decode_tps": None if (tps := self.decode_tps) is None else round(tps, 2),
             "blocks_per_tier": dict(self.blocks_per_tier),
             "kv_format": self.kv_format,
         }
