@@ -2,7 +2,11 @@
 
 Backends:
 
-- ``"auto"``: Triton when the tensors are on CUDA and Triton is installed, else torch.
+- ``"auto"``: Triton when the tensors are on CUDA and Triton is installed; on CPU the
+  fused decode kernel of :mod:`gpu_cache.kernels.cpu_decode` for
+  :func:`tq4_decode_attention`, the torch path for everything else.
+- ``"cpu"``: the fused CPU decode kernel (CPU tensors only); other entry points run
+  the torch path.
 - ``"triton"``: always Triton. CPU tensors only work when ``TRITON_INTERPRET=1`` was
   set before Triton was first imported (that is how CPU CI runs the kernels).
 - ``"torch"``: the chunked torch path of :mod:`gpu_cache.kernels.torch_ops`.
@@ -23,15 +27,15 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from gpu_cache._errors import CodecInputError
-from gpu_cache.kernels import torch_ops
+from gpu_cache.kernels import cpu_decode, torch_ops
 
 if TYPE_CHECKING:
     from gpu_cache.codec import TQ4Codec
 
 __all__ = ["Backend", "quantize_into_cache", "tq4_decode_attention", "tq4_extend_attention"]
 
-Backend = Literal["auto", "triton", "torch"]
-_BACKENDS = ("auto", "triton", "torch")
+Backend = Literal["auto", "triton", "torch", "cpu"]
+_BACKENDS = ("auto", "triton", "torch", "cpu")
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -53,9 +57,18 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}; got {backend!r}")
     if backend == "torch":
         return "torch"
+    if backend == "cpu":
+        if device.type != "cpu":
+            raise CodecInputError(
+                f"backend='cpu' got tensors on {device}; move them to the CPU or use "
+                "backend='auto'"
+            )
+        return "cpu"
     if backend == "auto":
         cuda_ready = device.type == "cuda" and importlib.util.find_spec("triton") is not None
-        return "triton" if cuda_ready else "torch"
+        if cuda_ready:
+            return "triton"
+        return "cpu" if device.type == "cpu" else "torch"
     if device.type != "cuda" and not _triton_ops().INTERPRETED:
         raise CodecInputError(
             f"backend='triton' got tensors on {device}; Triton runs on CUDA tensors, or on CPU "
@@ -221,6 +234,33 @@ def _default_scale(scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
+def _cpu_decode_batch(
+    query: torch.Tensor,
+    k_packed: torch.Tensor,
+    k_norms: torch.Tensor,
+    v_packed: torch.Tensor,
+    v_norms: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    codec: TQ4Codec,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused CPU kernel, one sequence at a time: float32 ``[B, Hq, D]``, ``[B, Hq]``."""
+    if k_packed.stride() != v_packed.stride():
+        k_packed, v_packed = k_packed.contiguous(), v_packed.contiguous()
+    if k_norms.stride() != v_norms.stride():
+        k_norms, v_norms = k_norms.contiguous(), v_norms.contiguous()
+    outs, lses = [], []
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        out, lse = cpu_decode.decode_attention(
+            query[b].float().contiguous(), k_packed, k_norms, v_packed, v_norms,
+            block_table[b].to(torch.int32).contiguous(), 0, int(seq_len), codec.rotation,
+            codec.centroids, scale)
+        outs.append(out)
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
 # ------------------------------------------------------------------ entry points
 def quantize_into_cache(
     key: torch.Tensor,
@@ -303,7 +343,8 @@ def tq4_decode_attention(
         seq_lens: ``[B]`` int32/int64 tokens per sequence (``0`` gives zeros).
         codec: the cache's codec.
         scale: softmax scale, default ``1/sqrt(D)``.
-        backend: "auto", "triton" or "torch".
+        backend: "auto", "triton", "torch" or "cpu" ("auto" on CPU tensors: the fused
+            kernel of :mod:`gpu_cache.kernels.cpu_decode`).
         num_splits: Triton split-K factor (``None``: chosen from the block-table width).
         check_bounds: verify seq_lens against the table and block ids against the
             cache. It costs one host sync; callers whose tables come from the cache
@@ -336,11 +377,15 @@ def tq4_decode_attention(
     if batch == 0:
         empty = torch.empty_like(query)
         return (empty, torch.empty(query.shape[:2], device=device)) if return_lse else empty
-    if _resolve_backend(backend, device) == "triton":
+    resolved = _resolve_backend(backend, device)
+    if resolved == "triton":
         res = _triton_ops().tq4_decode_attention_triton(
             query, k_packed, k_norms, v_packed, v_norms, block_table.contiguous(),
             seq_lens.contiguous(), codec, scale, num_splits=num_splits, return_lse=True,
         )
+    elif resolved == "cpu":
+        res = _cpu_decode_batch(query, k_packed, k_norms, v_packed, v_norms, block_table,
+                                seq_lens, codec, scale)
     else:
         res = torch_ops.tq4_decode_attention_torch(
             query, k_packed, k_norms, v_packed, v_norms, block_table, seq_lens, codec, scale,
