@@ -9,7 +9,7 @@ import torch
 from contextkit._attention import _attend, _flash, _fold, _merge, _unfold
 from gpu_cache import TQGPUCache
 from gpu_cache.codec import TQ4Encoded
-from gpu_cache.kernels import quantize_into_cache, tq4_decode_attention
+from gpu_cache.kernels import Backend, cpu_decode, quantize_into_cache, tq4_decode_attention
 
 __all__: list[str] = []
 
@@ -61,8 +61,17 @@ class _PagedKV:
 
     The cache stores every token in TQ4 all the same: later requests and other
     engines read the packed blocks. Decode attends the packed middle with the fused
-    kernel and merges the float ranges by log-sum-exp.
+    kernel and merges the float ranges by log-sum-exp: on CPU one call per layer
+    (:mod:`gpu_cache.kernels.cpu_decode`) folds the float ranges into the same online
+    softmax; on CUDA the Triton kernel's log-sum-exp is merged with a flash pass.
+
+    The window's float copies live in buffers that grow by doubling, so a decode
+    step writes its token in place instead of concatenating the whole window.
     """
+
+    #: Decode backend of :func:`gpu_cache.kernels.tq4_decode_attention` ("auto": the
+    #: fused CPU kernel on CPU, Triton on CUDA; "torch": the chunked torch path).
+    decode_backend: Backend = "auto"
 
     def __init__(self, cache: TQGPUCache, block_ids: Sequence[int], cached: int,
                  window_start: int | None = None, sink: int = 0) -> None:
@@ -70,6 +79,7 @@ class _PagedKV:
         self.ids = list(block_ids)
         self.cached = cached
         self.table = cache.block_table(self.ids).long()
+        self.table_i32 = self.table.to(torch.int32).contiguous()
         self.native = cache.identity.codec == "native"
         self.block_size = cache.block_size
         self.fresh = True
@@ -81,8 +91,10 @@ class _PagedKV:
         self.sink = 0 if self.native else min(sink, w0 if w0 is not None else sink)
         self.sink_k: list[torch.Tensor | None] = [None] * num_layers
         self.sink_v: list[torch.Tensor | None] = [None] * num_layers
+        # Window buffers [capacity, Hkv, D]; rows [0, win_len) are the window so far.
         self.win_k: list[torch.Tensor | None] = [None] * num_layers
         self.win_v: list[torch.Tensor | None] = [None] * num_layers
+        self.win_len = [0] * num_layers
 
     def _slots(self, start: int, n: int) -> torch.Tensor:
         pos = torch.arange(start, start + n, device=self.table.device)
@@ -95,8 +107,8 @@ class _PagedKV:
 
     def set_sink(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The sink tokens' K/V ``[sink, Hkv, D]`` (uncentered), computed apart."""
-        self.sink_k[layer] = self._centered(layer, k[: self.sink])
-        self.sink_v[layer] = v[: self.sink].float()
+        self.sink_k[layer] = self._centered(layer, k[: self.sink]).contiguous()
+        self.sink_v[layer] = v[: self.sink].float().contiguous()
 
     def _keep(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Keep the float copy of the sink and window parts of tokens ``start..``."""
@@ -106,13 +118,29 @@ class _PagedKV:
         if w0 is None or start + k.shape[0] <= w0:
             return
         skip = max(0, w0 - start)
-        have = self.win_k[layer]
-        if (have.shape[0] if have is not None else 0) != start + skip - w0:
+        have = self.win_len[layer]
+        if have != start + skip - w0:
             raise RuntimeError("residual window writes must be contiguous")
-        k_new, v_new = self._centered(layer, k[skip:]), v[skip:].float()
-        prev_v = self.win_v[layer]
-        self.win_k[layer] = k_new if have is None else torch.cat([have, k_new])
-        self.win_v[layer] = v_new if prev_v is None else torch.cat([prev_v, v_new])
+        self._append_window(layer, self._centered(layer, k[skip:]), v[skip:])
+
+    def _append_window(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k``/``v`` ``[n, Hkv, D]`` after the window's rows (doubling the
+        buffers when full, so a decode step copies one row, not the window)."""
+        n0 = self.win_len[layer]
+        n1 = n0 + k.shape[0]
+        buf_k, buf_v = self.win_k[layer], self.win_v[layer]
+        if buf_k is None or buf_v is None or buf_k.shape[0] < n1:
+            old_cap = 0 if buf_k is None else buf_k.shape[0]
+            cap = max(n1 + 64, 2 * old_cap)
+            new_k = torch.empty((cap, *k.shape[1:]), dtype=torch.float32, device=k.device)
+            new_v = torch.empty((cap, *v.shape[1:]), dtype=torch.float32, device=v.device)
+            if n0 and buf_k is not None and buf_v is not None:
+                new_k[:n0] = buf_k[:n0]
+                new_v[:n0] = buf_v[:n0]
+            self.win_k[layer], self.win_v[layer] = buf_k, buf_v = new_k, new_v
+        buf_k[n0:n1] = k
+        buf_v[n0:n1] = v
+        self.win_len[layer] = n1
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         if not self.native:
@@ -182,10 +210,18 @@ class _PagedKV:
         return k, v
 
     def _decode(self, layer: int, q: torch.Tensor, pos: int, scale: float) -> torch.Tensor:
-        """One query at ``pos`` over the packed cache (Triton kernel on CUDA) merged
-        with the float sink and residual window."""
+        """One query at ``pos`` over the packed cache merged with the float sink and
+        residual window: one fused call on CPU, the Triton kernel plus a flash pass
+        merged by log-sum-exp on CUDA."""
         view = self.cache.layer_view(layer)
         lo, hi, ks, vs = self._float_parts(layer, pos + 1)
+        if q.device.type == "cpu" and self.decode_backend != "torch":
+            codec = self.cache.codec
+            out, _ = cpu_decode.decode_attention(
+                q[0].float().contiguous(), view.k_packed, view.k_norms, view.v_packed,
+                view.v_norms, self.table_i32, lo // self.block_size, hi - lo, codec.rotation,
+                codec.centroids, scale, ks, vs)
+            return out[None].to(q.dtype)
         if hi == lo:  # everything visible is float
             k_f, v_f = torch.cat(ks), torch.cat(vs)
             return _attend(q, k_f[:-1], v_f[:-1], k_f[-1:], v_f[-1:], scale)
@@ -193,7 +229,8 @@ class _PagedKV:
         res = tq4_decode_attention(
             q.float(), view.k_packed, view.k_norms, view.v_packed, view.v_norms, table,
             torch.tensor([hi - lo], device=self.table.device),
-            self.cache.codec, scale=scale, check_bounds=False, return_lse=bool(ks))
+            self.cache.codec, scale=scale, backend=self.decode_backend, check_bounds=False,
+            return_lse=bool(ks))
         if not ks:
             assert isinstance(res, torch.Tensor)
             return res.to(q.dtype)
