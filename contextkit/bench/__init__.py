@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "vllm": "contextkit.bench.vllm",
     "agent-vllm": "contextkit.bench.agent_vllm",
     "agents": "contextkit.bench.agents",
+    "decode": "contextkit.bench.decode",
 }
 
 
