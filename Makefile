@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft bench-agents bench-agent-vllm docs lint typecheck clean
+.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft bench-agents bench-agent-vllm bench-decode docs lint typecheck clean
 
 help:
 	@echo "make demo       set up, then replay a ten-layer agent on SmolLM2: TTFT with vs"
@@ -19,6 +19,8 @@ help:
 	@echo "make bench-agents  6 agents sharing a too-small cache: lru vs semantic vs"
 	@echo "                semantic+ooda, and a device-size sweep (~12 min on 2 cores)"
 	@echo "make bench-agent-vllm  a LangChain agent on vLLM, 4 cache configurations (~15 min)"
+	@echo "make bench-decode  decode tokens/s at 1K/6K/16K: contextkit vs llama.cpp on the same"
+	@echo "                GGUF (builds .venv-llamacpp first, ~15 min once; then ~20-30 min on an idle machine)"
 	@echo "make docs       set up, then build the API reference into site/ (mkdocs --strict:"
 	@echo "                any broken reference or docstring warning fails; CI runs it)"
 	@echo "make lint       ruff; make typecheck: mypy"
@@ -69,6 +71,15 @@ bench-agent-vllm:
 	.venv-vllm/bin/python -m contextkit.cli bench agent-vllm --json \
 		--out bench/results/agent-vllm-cpu.json --plot bench/results/agent-vllm-cpu.png \
 		2>&1 | tee bench/results/agent-vllm-cpu.log
+
+# Decode tokens/s, prefill and cached TTFT against llama.cpp on the same GGUF. llama.cpp
+# runs in its own virtualenv (compiled for this CPU by scripts/llamacpp_venv.sh), driven
+# as one child process; run it on an idle machine (docs/decode.md).
+bench-decode: setup
+	@bash scripts/llamacpp_venv.sh
+	@mkdir -p bench/results
+	$(PY) -m contextkit.cli bench decode --json --llamacpp-python .venv-llamacpp/bin/python \
+		--out bench/results | tee bench/results/decode-cpu.log | tail -n 1 > bench/results/decode-cpu.json
 
 # Strict: a broken cross-reference, a docstring that does not match its signature or a
 # missing page is an error. Static analysis only: nothing is imported (see mkdocs.yml).
