@@ -6,11 +6,11 @@ through :class:`~contextkit.pipeline.CacheAwareContextPipeline` onto the TQ4 cac
 its memories layer comes from a :class:`memory_graph.MemoryGraph` in SQLite; the
 cache is shadowed to a local directory, so a second run starts warm. Every turn is
 also served by a full prefill without any cache, and the demo prints and plots both
-TTFTs. Between turns (a think time of ``--think-s``) the pipeline prefills in the
-background the next turn's prompt and, for the memory neighborhoods the conversation
-is heading to (predicted from the conversation so far and the graph), reserves and
-prefills their KV in the host tier; the summary counts the reservations made, hit and
-expired.
+TTFTs, with contextkit's decode tokens/s beside them (per turn and the median).
+Between turns (a think time of ``--think-s``) the pipeline prefills in the background
+the next turn's prompt and, for the memory neighborhoods the conversation is heading
+to (predicted from the conversation so far and the graph), reserves and prefills their
+KV in the host tier; the summary counts the reservations made, hit and expired.
 
 Then a short multi-agent run (:class:`contextkit.agents.MultiAgentWorkload`: 3 agents
 of 2 tenants taking turns on one engine whose device tier holds 2 of their prompts and
@@ -120,14 +120,17 @@ def run_demo(args: argparse.Namespace) -> int:
 
     _say(f"replaying {args.turns} turns (contextkit vs full prefill per turn) ...")
     header = f"{'turn':>4}  {'prompt':>6}  {'reused':>6}  {'computed':>8}  " \
-             f"{'baseline':>9}  {'contextkit':>10}  {'speedup':>7}  broken by"
+             f"{'baseline':>9}  {'contextkit':>10}  {'speedup':>7}  {'decode tok/s':>12}  " \
+             "broken by"
     _say(header)
 
     def show(r: dict[str, Any]) -> None:
+        tps = r["decode_tps_contextkit"]
         _say(f"{r['turn']:>4}  {r['prompt_tokens']:>6}  {r['reused_tokens']:>6}  "
              f"{r['computed_tokens']:>8}  {r['ttft_ms_baseline'] / 1000:>8.2f}s  "
              f"{r['ttft_ms_contextkit'] / 1000:>9.2f}s  "
              f"{r['ttft_ms_baseline'] / r['ttft_ms_contextkit']:>6.1f}x  "
+             f"{'-' if tps is None else f'{tps:.1f}':>12}  "
              f"{r['prefix_broken_by'] or '-'}")
 
     result = run_replay(turns=args.turns, max_new_tokens=args.max_new_tokens, engine=engine,
@@ -147,6 +150,7 @@ def run_demo(args: argparse.Namespace) -> int:
         "ttft_ms_baseline_p50": statistics.median(r["ttft_ms_baseline"] for r in records),
         "ttft_ms_contextkit_p50": statistics.median(r["ttft_ms_contextkit"] for r in records),
         "kv_reuse_ratio_p50": statistics.median(r["kv_reuse_ratio"] for r in records),
+        "decode_tps_p50": result["decode_tps_p50"],
         "pinned_blocks": result["pinned_blocks"],
         "blocks_per_tier": records[-1]["blocks_per_tier"],
         "recovered_blocks": recovered.get("blocks", 0),
@@ -170,6 +174,7 @@ def run_demo(args: argparse.Namespace) -> int:
         f"TTFT median: full prefill {summary['ttft_ms_baseline_p50'] / 1000:.2f} s, contextkit "
         f"{summary['ttft_ms_contextkit_p50'] / 1000:.2f} s; median speedup over turns >= 2 "
         f"{summary['speedup_p50']:.1f}x; median KV reuse {summary['kv_reuse_ratio_p50']:.0%}.\n"
+        f"{_decode_line(summary['decode_tps_p50'], args.max_new_tokens)}\n"
         f"Cache: {summary['pinned_blocks']} pinned blocks (the stable prefix); blocks per tier: "
         f"{tiers}. Restored at start: {summary['recovered_blocks']} blocks.\n"
         f"{_reservation_line(summary['reservations'])}\n"
@@ -193,6 +198,14 @@ def run_demo(args: argparse.Namespace) -> int:
             f"{a['pinned_blocks']}, pinned blocks evicted {a['pinned_blocks_evicted']}.\n"
             f"Wrote {agents['plot']}.\n")
     return 0
+
+
+def _decode_line(tps: float | None, max_new_tokens: int) -> str:
+    if tps is None:
+        return "Decode median: contextkit - (every reply was one token)."
+    return (f"Decode median: contextkit {tps:.1f} tokens/s (greedy replies of up to "
+            f"{max_new_tokens} tokens over the TQ4 cache; `contextkit bench decode` "
+            "measures decode alone).")
 
 
 def _reservation_summary(result: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,13 @@ reused one (:meth:`~contextkit.engine.Engine.prefill_flops`): what the reuse can
 when both runs reach the same share of the machine's peak, the ceiling that the
 measured ``speedup_p50`` is read against.
 
+Decode: beside each TTFT, per turn, ``decode_tps_contextkit`` and ``decode_tps_baseline``
+(tokens 2..N of the greedy reply over the time after the first token, with the
+``total_ms_*`` and ``generated_tokens_*`` they come from; ``None`` for a one-token
+reply, as the baseline's is with ``--no-quality``), and their medians over all turns,
+``decode_tps_p50`` (contextkit) and ``decode_tps_baseline_p50``; the native cached run
+adds ``decode_tps_native_cached``. ``contextkit bench decode`` measures decode alone.
+
 Quality: ``top1_agreement_tq4`` teacher-forces the baseline's replies through the
 TQ4 path the turn took (the same reused prefix, the same computed tail, the engine's
 float sink and residual window); ``top1_agreement_tq4_packed_only`` does the same
@@ -220,6 +227,8 @@ def run_replay(
                 "ttft_ms_contextkit": ck.generation.ttft_ms + stall_ms,
                 "stall_ms": stall_ms,
                 "ttft_ms_baseline": base.ttft_ms,
+                **_decode_figures(ck.generation, "contextkit", stall_ms),
+                **_decode_figures(base, "baseline"),
                 "reused_tokens": ck.generation.reused_tokens,
                 "computed_tokens": ck.generation.computed_tokens,
                 "flop_ratio": (engine.prefill_flops(len(ids))
@@ -246,6 +255,7 @@ def run_replay(
                 same = nat.token_ids == base.token_ids
                 agree_native.append(same)
                 record["ttft_ms_native_cached"] = nat.ttft_ms
+                record["decode_tps_native_cached"] = nat.decode_tps
                 record["reused_tokens_native_cached"] = nat.reused_tokens
                 record["native_reply_identical"] = same
                 target = torch.tensor(base.token_ids)
@@ -283,6 +293,9 @@ def run_replay(
     # What the reuse allows at all: the FLOP ratio of full to reused prefill, and the
     # speedup of a lossless (native-format) cache reusing the very same tokens.
     out["flop_ratio_p50"] = statistics.median(r["flop_ratio"] for r in later)
+    # Decode does not depend on what the prefill reused: medians over every turn.
+    out["decode_tps_p50"] = _median_of(records, "decode_tps_contextkit")
+    out["decode_tps_baseline_p50"] = _median_of(records, "decode_tps_baseline")
     if prefix_cache:
         out["speedup_vs_prefix_cache_p50"] = statistics.median(
             r["ttft_ms_prefix_cache"] / r["ttft_ms_contextkit"] for r in later)
@@ -290,6 +303,7 @@ def run_replay(
         out["agreement_native"] = sum(agree_native) / len(agree_native)
         out["speedup_native_cached_p50"] = statistics.median(
             r["ttft_ms_baseline"] / r["ttft_ms_native_cached"] for r in later)
+        out["decode_tps_native_cached_p50"] = _median_of(records, "decode_tps_native_cached")
         out["top1_agreement_tq4"] = top1_hits / max(1, top1_total)
         out["top1_agreement_tq4_packed_only"] = top1_packed_hits / max(1, top1_total)
         out["residual_tokens"] = engine.residual_tokens
@@ -304,6 +318,21 @@ def run_replay(
     out["pinned_blocks"] = len(pipeline.pinned_blocks())
     out["volatility"] = pipeline.volatility()
     return out
+
+
+def _decode_figures(result: Any, who: str, stall_ms: float = 0.0) -> dict[str, Any]:
+    """A reply's decode tokens/s beside its TTFT: tokens 2..N over the time after the
+    first (``None`` for a one-token reply), with the total time and token count it
+    comes from (``stall_ms`` is in both of contextkit's times, as in its TTFT)."""
+    return {f"decode_tps_{who}": result.decode_tps,
+            f"total_ms_{who}": result.total_ms + stall_ms,
+            f"generated_tokens_{who}": len(result.token_ids)}
+
+
+def _median_of(records: list[dict[str, Any]], key: str) -> float | None:
+    """Median of a per-turn figure over the turns that have it (``None`` if none)."""
+    values = [r[key] for r in records if r.get(key) is not None]
+    return statistics.median(values) if values else None
 
 
 def _reservations(engine: Any, replay: Any, candidates: int) -> Any:
@@ -380,6 +409,13 @@ def _reservation_figures(records: list[dict[str, Any]], stats: dict[str, Any] | 
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _rounded(value: float | None, rate: bool) -> float | None:
+    """A time in ms to 0.1 ms, a rate to 4 significant digits; ``None`` as it is."""
+    if value is None:
+        return None
+    return float(f"{value:.4g}") if rate else round(value, 1)
 
 
 def _perplexity(logits: torch.Tensor, target: list[int]) -> float:
@@ -464,8 +500,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "extension_tokens": [r["extension_tokens"] for r in records],
         "foreground_wait_ms": [round(r["foreground_wait_ms"], 2) for r in records],
         "stall_ms": [round(r["stall_ms"], 2) for r in records],
+        **{f"{k}_{who}": [r[f"{k}_{who}"] if k == "generated_tokens" else
+                          _rounded(r[f"{k}_{who}"], k == "decode_tps")
+                          for r in records]
+           for who in ("contextkit", "baseline")
+           for k in ("total_ms", "generated_tokens", "decode_tps")},
         **({"ttft_ms_native_cached": [round(r["ttft_ms_native_cached"], 1) for r in records],
-            "reused_tokens_native_cached": [r["reused_tokens_native_cached"] for r in records]}
+            "reused_tokens_native_cached": [r["reused_tokens_native_cached"] for r in records],
+            "decode_tps_native_cached": [_rounded(r["decode_tps_native_cached"], True)
+                                         for r in records]}
            if "ttft_ms_native_cached" in records[0] else {}),
         **{k: v for k, v in result.items() if k not in ("cache",)},
         "blocks_per_tier": records[-1]["blocks_per_tier"],
@@ -480,6 +523,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
          f"{statistics.median(out['ttft_ms_baseline'][1:] or out['ttft_ms_baseline']):,.0f} | "
          f"{statistics.median(out['ttft_ms_contextkit'][1:] or out['ttft_ms_contextkit']):,.0f}"),
         ("speedup_p50 (turns >= 2)", out["speedup_p50"]),
+        ("decode tokens/s p50 baseline | contextkit",
+         f"{_fmt(out['decode_tps_baseline_p50'])} | {_fmt(out['decode_tps_p50'])}"),
         ("  FLOP ratio full / reused prefill, p50", out["flop_ratio_p50"]),
         ("speedup_vs_prefix_cache_p50", out["speedup_vs_prefix_cache_p50"]),
         ("flatness (last / turn 2)", out["flatness"]),

@@ -3,13 +3,32 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from contextkit.cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
+
+
+def check_decode(result: dict[str, Any], who: str, max_new_tokens: int) -> list[float]:
+    """Per-turn decode tokens/s of ``who`` agree with its TTFT, total time and tokens.
+
+    The JSON rounds times to 0.1 ms (so ``total - ttft`` is off by at most 0.1 ms) and
+    rates to 4 significant digits (relative 5e-4): the bounds below are exactly that.
+    """
+    tps, ttft, total, generated = (result[f"{k}_{who}"] for k in
+                                   ("decode_tps", "ttft_ms", "total_ms", "generated_tokens"))
+    assert len(tps) == len(ttft) == len(total) == len(generated) == result["turns"]
+    for rate, first, last, n in zip(tps, ttft, total, generated, strict=True):
+        assert 2 <= n <= max_new_tokens and last - first > 0.1 and first > 0
+        low = (n - 1) / ((last - first + 0.1) / 1000) * (1 - 5e-4)
+        high = (n - 1) / ((last - first - 0.1) / 1000) * (1 + 5e-4)
+        assert low <= rate <= high
+    return tps
 
 
 def test_bench_ttft_reports_every_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -33,6 +52,14 @@ def test_bench_ttft_reports_every_field(tmp_path: Path, capsys: pytest.CaptureFi
     assert result["top1_agreement_tq4"] > 0.8
     assert 0.9 < result["ppl_ratio_tq4"] < 1.2
     assert (tmp_path / "ttft.png").stat().st_size > 10_000
+    # decode tokens/s beside TTFT, for contextkit (TQ4 cache) and the full-prefill baseline
+    ck = check_decode(result, "contextkit", 8)
+    base = check_decode(result, "baseline", 8)
+    # the medians are of the unrounded rates (each list entry is within 5e-4 of its rate)
+    assert result["decode_tps_p50"] == pytest.approx(statistics.median(ck), rel=5e-4)
+    assert result["decode_tps_baseline_p50"] == pytest.approx(statistics.median(base), rel=5e-4)
+    assert all(v > 0 for v in result["decode_tps_native_cached"])
+    assert result["decode_tps_native_cached_p50"] > 0
 
 
 def test_bench_ttft_think_time_runs_background_work_and_reserves_memories(
@@ -58,3 +85,8 @@ def test_bench_ttft_think_time_runs_background_work_and_reserves_memories(
     assert on["speedup_total"] > 1 and on["speedup_steady_p50"] > 1
     assert on["speedup_memory_change_p50"] is None
     assert on["blocks_per_tier"]["host"] == 0  # the expired reservation's DDR blocks freed
+    # without the quality runs the baseline stops at its first token: no decode rate
+    ck = check_decode(on, "contextkit", 4)
+    assert on["decode_tps_p50"] == pytest.approx(statistics.median(ck), rel=5e-4)
+    assert on["generated_tokens_baseline"] == [1, 1] and on["decode_tps_baseline"] == [None] * 2
+    assert on["decode_tps_baseline_p50"] is None and "decode_tps_native_cached" not in on

@@ -21,12 +21,21 @@ def test_demo_runs_shadows_and_restarts_warm(tmp_path: Path, capsys: pytest.Capt
     first = json.loads((out / "demo.json").read_text())
     # reservations are made in the think time between turns: none after the last turn
     assert first["summary"]["reservations"]["enabled"] is True
-    assert "reservations: made 0, hit 0, expired 0" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "reservations: made 0, hit 0, expired 0" in printed.out
+    assert "decode tok/s" in printed.err  # the per-turn table's column
+    assert "Decode median: contextkit" in printed.out  # and the summary's line
     assert (out / "ttft.png").stat().st_size > 10_000
     assert (out / "memory.db").is_file()
     rec = first["records"][0]
     assert rec["prefix_broken_by"] == "first_call" and rec["reused_tokens"] == 0
     assert 5_500 < rec["prompt_tokens"] < 7_000  # the ~6K-token ten-layer prompt
+    # decode tokens/s beside TTFT: tokens 2..N of the reply over the time after the first
+    assert rec["generated_tokens_contextkit"] == 4
+    assert rec["decode_tps_contextkit"] == pytest.approx(
+        3 / ((rec["total_ms_contextkit"] - rec["ttft_ms_contextkit"]) / 1000))
+    assert first["summary"]["decode_tps_p50"] == rec["decode_tps_contextkit"]
+    assert rec["decode_tps_baseline"] is None  # the baseline stops at its first token
     assert first["summary"]["pinned_blocks"] > 0
     assert first["summary"]["shadow"]["blocks"] > 0
     agents = first["summary"]["agents"]  # the short multi-agent run after the replay
