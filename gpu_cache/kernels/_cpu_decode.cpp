@@ -417,7 +417,8 @@ std::tuple<at::Tensor, at::Tensor> tq4_decode(
   const int threads = at::get_num_threads();
   int64_t chunk = num_tokens;
   if (threads > 1 && num_tokens * Hkv >= 2048) {
-    const int64_t want = std::max<int64_t>(1, (4 * threads + Hkv - 1) / Hkv);
+    // 4 chunks per thread and head: Hkv * 4 * threads equal jobs split evenly.
+    const int64_t want = 4 * static_cast<int64_t>(threads);
     chunk = std::max<int64_t>(256, (num_tokens + want - 1) / want);
     chunk = (chunk + kTile - 1) / kTile * kTile;
   }
