@@ -34,6 +34,9 @@
 namespace {
 
 constexpr int kTile = 16;  // tokens per online-softmax step
+// Token-heads below which one thread does it all: ~0.1 ms of work, where waking
+// the pool (and, on a busy machine, waiting for a descheduled worker) costs more.
+constexpr int64_t kParallelWork = 8192;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Layout {
@@ -416,7 +419,7 @@ std::tuple<at::Tensor, at::Tensor> tq4_decode(
   std::vector<Job> jobs;
   const int threads = at::get_num_threads();
   int64_t chunk = num_tokens;
-  if (threads > 1 && num_tokens * Hkv >= 2048) {
+  if (threads > 1 && num_tokens * Hkv >= kParallelWork) {
     // 4 chunks per thread and head: Hkv * 4 * threads equal jobs split evenly.
     const int64_t want = 4 * static_cast<int64_t>(threads);
     chunk = std::max<int64_t>(256, (num_tokens + want - 1) / want);
@@ -460,7 +463,7 @@ std::tuple<at::Tensor, at::Tensor> tq4_decode(
       packed_job_scalar(L, job.head, job.t0, job.t1, G, static_cast<int>(half), W, qh, cent, st);
     }
   };
-  if (nj > 1 && num_tokens * Hkv >= 2048) {
+  if (nj > 1 && num_tokens * Hkv >= kParallelWork) {
     at::parallel_for(0, nj, 1, run);
   } else {
     run(0, nj);
