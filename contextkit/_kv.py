@@ -215,7 +215,8 @@ class _PagedKV:
         merged by log-sum-exp on CUDA."""
         view = self.cache.layer_view(layer)
         lo, hi, ks, vs = self._float_parts(layer, pos + 1)
-        if q.device.type == "cpu" and self.decode_backend != "torch":
+        if (q.device.type == "cpu" and self.decode_backend != "torch"
+                and cpu_decode.fused_available()):
             codec = self.cache.codec
             out, _ = cpu_decode.decode_attention(
                 q[0].float().contiguous(), view.k_packed, view.k_norms, view.v_packed,

@@ -14,8 +14,11 @@ Backends (:func:`backend` says which one runs):
   ``$CONTEXTKIT_CACHE_DIR/kernels`` (default ``~/.cache/contextkit/kernels``),
   keyed on the source, the torch version, the compiler and the CPU flags, so a
   second process only loads the shared library.
-- ``"numba"``: a plain numba kernel with the same results (slower), used when the
-  compiler is missing or the build fails (one warning is logged).
+- ``"numba"``: a plain numba kernel with the same results, used when the compiler
+  is missing or the build fails (one warning is logged). Its scalar codebook lookups
+  are slower than the chunked torch path, so :func:`fused_available` tells callers
+  with a choice (``tq4_decode_attention(backend="auto")``, the engine) to keep the
+  torch path then.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-__all__ = ["CpuDecodeBackend", "backend", "build_dir", "decode_attention"]
+__all__ = ["CpuDecodeBackend", "backend", "build_dir", "decode_attention", "fused_available"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +120,11 @@ def backend() -> CpuDecodeBackend:
     return chosen
 
 
+def fused_available() -> bool:
+    """True when the compiled op runs (faster than the torch path on CPU)."""
+    return backend() == "cpp"
+
+
 # ------------------------------------------------------------------ numba fallback
 def _numba_kernel() -> Any:
     kernel = _state.get("numba")
@@ -124,7 +132,7 @@ def _numba_kernel() -> Any:
         return kernel
     import numba
 
-    @numba.njit(cache=True)
+    @numba.njit(cache=True, parallel=True)
     def _decode(q, kp, kn, vp, vn, table, num_tokens, rot, cent, scale, fk, fv, out, lse):
         # pragma: no cover - jitted
         hq, d = q.shape
@@ -132,10 +140,10 @@ def _numba_kernel() -> Any:
         half = d // 2
         group = hq // hkv
         bs = kp.shape[1]
-        qr = np.zeros(d, np.float32)
-        acc = np.zeros(d, np.float32)
-        orig = np.zeros(d, np.float32)
-        for qh in range(hq):
+        for qh in numba.prange(hq):
+            qr = np.zeros(d, np.float32)
+            acc = np.zeros(d, np.float32)
+            orig = np.zeros(d, np.float32)
             h = qh // group
             for j in range(d):
                 a = np.float32(0.0)
@@ -144,7 +152,6 @@ def _numba_kernel() -> Any:
                 qr[j] = a * scale
             m = -np.inf
             lsum = np.float32(0.0)
-            acc[:] = 0.0
             for t in range(num_tokens):
                 blk = table[t // bs]
                 pos = t % bs
@@ -153,16 +160,19 @@ def _numba_kernel() -> Any:
                     b = kp[blk, pos, h, j]
                     s += cent[b & 15] * qr[j] + cent[b >> 4] * qr[j + half]
                 s *= kn[blk, pos, h]
-                m_new = max(m, s)
-                alpha = math.exp(m - m_new)
-                p = math.exp(s - m_new)
-                lsum = lsum * alpha + p
+                if s > m:  # rescale only when the running max moves
+                    alpha = math.exp(m - s)
+                    lsum *= alpha
+                    for j in range(d):
+                        acc[j] *= alpha
+                    m = s
+                p = math.exp(s - m)
+                lsum += p
                 w = p * vn[blk, pos, h]
                 for j in range(half):
                     b = vp[blk, pos, h, j]
-                    acc[j] = acc[j] * alpha + w * cent[b & 15]
-                    acc[j + half] = acc[j + half] * alpha + w * cent[b >> 4]
-                m = m_new
+                    acc[j] += w * cent[b & 15]
+                    acc[j + half] += w * cent[b >> 4]
             for e in range(d):
                 a = np.float32(0.0)
                 for j in range(d):

@@ -4,7 +4,8 @@ Backends:
 
 - ``"auto"``: Triton when the tensors are on CUDA and Triton is installed; on CPU the
   fused decode kernel of :mod:`gpu_cache.kernels.cpu_decode` for
-  :func:`tq4_decode_attention`, the torch path for everything else.
+  :func:`tq4_decode_attention` when its compiled op is built, the torch path for
+  everything else.
 - ``"cpu"``: the fused CPU decode kernel (CPU tensors only); other entry points run
   the torch path.
 - ``"triton"``: always Triton. CPU tensors only work when ``TRITON_INTERPRET=1`` was
@@ -68,7 +69,7 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
         cuda_ready = device.type == "cuda" and importlib.util.find_spec("triton") is not None
         if cuda_ready:
             return "triton"
-        return "cpu" if device.type == "cpu" else "torch"
+        return "cpu" if device.type == "cpu" and cpu_decode.fused_available() else "torch"
     if device.type != "cuda" and not _triton_ops().INTERPRETED:
         raise CodecInputError(
             f"backend='triton' got tensors on {device}; Triton runs on CUDA tensors, or on CPU "
