@@ -6,7 +6,7 @@ format is a small matrix class with one call, ``matrix(x)`` for activations ``x`
 ``[T, K]`` (float32), returning ``[T, N]`` (float32, or bfloat16 for the reduced
 formats: callers add it to the float32 residual stream or cast it):
 
-- ``float32``: the weights as loaded, ``x @ W.T`` (exact; the reference);
+- ``float32``: the weights as loaded (exact; the reference), stored transposed;
 - ``bfloat16``: weights stored bf16 (half the bytes), activations cast to bf16, a bf16
   GEMM (AVX-512 BF16 where the CPU has it);
 - ``int8``: per-output-channel symmetric weight-only quantization (a quarter of the
@@ -55,25 +55,28 @@ class Matrix(Protocol):
 
 
 class Float32Matrix:
-    """The weights as loaded (float32): ``x @ W.T``."""
+    """The weights as loaded (float32), kept transposed: ``x @ W_t`` with ``W_t``
+    ``[K, N]`` contiguous. For one token MKL's GEMV over that layout reads the weights
+    ~1.3-1.5x faster than over ``W`` ``[N, K]`` (``x @ W.T``) on AVX-512; for many
+    tokens both layouts run alike."""
 
     def __init__(self, w: torch.Tensor) -> None:
-        self.w = w.detach()
-        self.shape = self.w.shape
+        self.wt = w.detach().t().contiguous()
+        self.shape = w.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.w.T
+        return x @ self.wt
 
     def numel(self) -> int:
-        return self.w.numel()
+        return self.wt.numel()
 
     @property
     def nbytes(self) -> int:
-        return self.w.numel() * self.w.element_size()
+        return self.wt.numel() * self.wt.element_size()
 
     def dense(self) -> torch.Tensor:
         """The weights as float32 ``[N, K]``."""
-        return self.w.float()
+        return self.wt.t().float()
 
 
 class BFloat16Matrix:
