@@ -13,6 +13,10 @@ from gpu_cache.kernels import Backend, cpu_decode, quantize_into_cache, tq4_deco
 
 __all__: list[str] = []
 
+#: Rows up to which new K/V are encoded by one compiled call on CPU (a decode step,
+#: a short extension); longer runs take the codec's batched path.
+_FUSED_ENCODE_ROWS = 64
+
 
 def _check_overlay(residual_tokens: int, sink_tokens: int, block_size: int) -> None:
     """Validate the float residual window and sink sizes (engine or per call)."""
@@ -155,6 +159,15 @@ class _PagedKV:
             h, d = k.shape[1], k.shape[2]
             view.k_packed.view(-1, h, d).index_copy_(0, slots, k.float())
             view.v_packed.view(-1, h, d).index_copy_(0, slots, v.float())
+            return
+        codec = self.cache.codec
+        if (k.shape[0] <= _FUSED_ENCODE_ROWS and k.device.type == "cpu"
+                and self.decode_backend != "torch" and cpu_decode.fused_available()):
+            offset = self.cache.key_offset(layer)
+            cpu_decode.encode_into_cache(
+                k.float().contiguous(), v.float().contiguous(), slots, view.k_packed,
+                view.k_norms, view.v_packed, view.v_norms, codec.rotation, codec.boundaries,
+                codec.centroids, None if offset is None else offset.float().contiguous())
             return
         quantize_into_cache(k.float(), v.float(), slots, view.k_packed, view.k_norms,
                             view.v_packed, view.v_norms, self.cache.codec,

@@ -513,6 +513,98 @@ std::tuple<at::Tensor, at::Tensor> tq4_decode(
   return {out, lse};
 }
 
+
+// Encode new K/V rows straight into their cache slots, as TQ4Codec.encode does on
+// the torch path (norm, divide, rotate by the dense R, bucketize, length-correct,
+// pack). Used for the few rows of a decode step, where the torch path's dozen ops
+// per layer cost more than the work. Keys have the layer's offset subtracted first.
+void encode_rows(const at::Tensor& x, const float* offset, const int64_t* slots,
+                 const at::Tensor& packed, const at::Tensor& norms, const float* R,
+                 const float* bounds, int64_t num_bounds, const float* cent) {
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t bs = packed.size(1);
+  const int64_t nslots = packed.size(0) * bs;
+  const float* xp = x.data_ptr<float>();
+  uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* np_ = norms.data_ptr<float>();
+  std::vector<float> u(static_cast<size_t>(D)), r(static_cast<size_t>(D));
+  std::vector<uint8_t> idx(static_cast<size_t>(D));
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < nslots, "slot beyond the cache layer");
+    const int64_t blk = slot / bs, pos = slot % bs;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* xv = xp + (t * H + h) * D;
+      float sq = 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        u[d] = offset ? xv[d] - offset[h * D + d] : xv[d];
+        sq += u[d] * u[d];
+      }
+      const float n = std::sqrt(sq);
+      for (int64_t d = 0; d < D; ++d) u[d] = n > 0.f ? u[d] / n : 0.f;
+      float recon = 0.f;
+      for (int64_t j = 0; j < D; ++j) {  // r = u @ R.T: r[j] = sum_d R[j, d] u[d]
+        const float* row = R + j * D;
+        float acc = 0.f;
+        for (int64_t d = 0; d < D; ++d) acc += row[d] * u[d];
+        int k = 0;
+        for (int64_t b = 0; b < num_bounds; ++b) k += acc > bounds[b];
+        idx[j] = static_cast<uint8_t>(k);
+        recon += cent[k] * cent[k];
+      }
+      uint8_t* dst = pp + blk * packed.stride(0) + pos * packed.stride(1) + h * packed.stride(2);
+      for (int64_t j = 0; j < half; ++j) dst[j] = idx[j] | static_cast<uint8_t>(idx[j + half] << 4);
+      np_[blk * norms.stride(0) + pos * norms.stride(1) + h * norms.stride(2)] =
+          n > 0.f ? n / std::sqrt(recon) : 0.f;
+    }
+  }
+}
+
+void tq4_encode(const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots,
+                const at::Tensor& k_packed, const at::Tensor& k_norms,
+                const at::Tensor& v_packed, const at::Tensor& v_norms,
+                const at::Tensor& rotation, const at::Tensor& boundaries,
+                const at::Tensor& centroids, const c10::optional<at::Tensor>& key_offset) {
+  check(key.dim() == 3 && key.scalar_type() == at::kFloat && key.is_contiguous(),
+        "key must be contiguous float32 [T, Hkv, D]");
+  check(value.sizes() == key.sizes() && value.scalar_type() == at::kFloat &&
+            value.is_contiguous(),
+        "value must match key");
+  check(slots.dim() == 1 && slots.size(0) == key.size(0) && slots.scalar_type() == at::kLong &&
+            slots.is_contiguous(),
+        "slots must be contiguous int64 [T]");
+  for (const at::Tensor* p : {&k_packed, &v_packed})
+    check(p->dim() == 4 && p->scalar_type() == at::kByte && p->stride(3) == 1 &&
+              p->size(2) == key.size(1) && p->size(3) * 2 == key.size(2),
+          "packed must be uint8 [NB, BS, Hkv, D/2] with a contiguous last dim");
+  for (const at::Tensor* p : {&k_norms, &v_norms})
+    check(p->dim() == 3 && p->scalar_type() == at::kFloat && p->size(0) == k_packed.size(0) &&
+              p->size(1) == k_packed.size(1) && p->size(2) == key.size(1),
+          "norms must be float32 [NB, BS, Hkv]");
+  const int64_t D = key.size(2);
+  check(rotation.scalar_type() == at::kFloat && rotation.is_contiguous() &&
+            rotation.numel() == D * D,
+        "rotation: float32 [D, D]");
+  check(boundaries.scalar_type() == at::kFloat && boundaries.is_contiguous() &&
+            boundaries.numel() == 15,
+        "15 boundaries");
+  check(centroids.scalar_type() == at::kFloat && centroids.numel() == 16, "16 centroids");
+  const float* off = nullptr;
+  if (key_offset.has_value() && key_offset->defined()) {
+    check(key_offset->scalar_type() == at::kFloat && key_offset->is_contiguous() &&
+              key_offset->numel() == key.size(1) * D,
+          "key_offset: contiguous float32 [Hkv, D]");
+    off = key_offset->data_ptr<float>();
+  }
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const float* R = rotation.data_ptr<float>();
+  const float* b = boundaries.data_ptr<float>();
+  const float* c = centroids.data_ptr<float>();
+  encode_rows(key, off, sp, k_packed, k_norms, R, b, 15, c);
+  encode_rows(value, nullptr, sp, v_packed, v_norms, R, b, 15, c);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(contextkit_cpu, m) {
@@ -521,4 +613,9 @@ TORCH_LIBRARY(contextkit_cpu, m) {
       "Tensor block_table, int first_block, int num_tokens, Tensor rotation, Tensor centroids, "
       "float scale, Tensor[] float_k, Tensor[] float_v) -> (Tensor, Tensor)",
       &tq4_decode);
+  m.def(
+      "tq4_encode(Tensor key, Tensor value, Tensor slots, Tensor(a!) k_packed, "
+      "Tensor(b!) k_norms, Tensor(c!) v_packed, Tensor(d!) v_norms, Tensor rotation, "
+      "Tensor boundaries, Tensor centroids, Tensor? key_offset) -> ()",
+      &tq4_encode);
 }

@@ -38,13 +38,18 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-__all__ = ["CpuDecodeBackend", "backend", "build_dir", "decode_attention", "fused_available"]
+__all__ = ["CpuDecodeBackend", "backend", "build_dir", "decode_attention", "encode_into_cache",
+           "fused_available"]
 
 logger = logging.getLogger(__name__)
 
 CpuDecodeBackend = Literal["cpp", "numba"]
 _SOURCE = Path(__file__).with_name("_cpu_decode.cpp")
 _state: dict[str, Any] = {}
+#: -fopenmp: at::parallel_for is inlined from ATen's headers and splits work with
+#: OpenMP pragmas, so without it the op runs on one thread. The library's libgomp.so.1
+#: resolves to the one torch has already loaded (same soname): one thread pool.
+_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 
 
 # ------------------------------------------------------------------ build / load
@@ -64,7 +69,7 @@ def _cpu_flags() -> str:
 
 
 def _build_key() -> str:
-    parts = [_SOURCE.read_bytes().decode(), torch.__version__, _cpu_flags(),
+    parts = [_SOURCE.read_bytes().decode(), torch.__version__, _cpu_flags(), *_CFLAGS,
              os.environ.get("CXX", "c++"), str(shutil.which(os.environ.get("CXX", "c++")))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
@@ -93,7 +98,7 @@ def _load_cpp() -> None:
             logger.info("compiling the fused CPU decode kernel into %s (once)", where)
             cpp_extension.load(
                 name=name, sources=[str(_SOURCE)], build_directory=str(where),
-                extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd"],
+                extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                 is_python_module=False, verbose=False,
             )
             return  # load() has loaded the library into torch.ops
@@ -268,3 +273,35 @@ def decode_attention(
     return _run_numba(query, k_packed, k_norms, v_packed, v_norms,
                       block_table[first_block:].contiguous(), num_tokens, rotation, centroids,
                       scale, float_k, float_v)
+
+
+def encode_into_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: torch.Tensor,
+    k_packed: torch.Tensor,
+    k_norms: torch.Tensor,
+    v_packed: torch.Tensor,
+    v_norms: torch.Tensor,
+    rotation: torch.Tensor,
+    boundaries: torch.Tensor,
+    centroids: torch.Tensor,
+    key_offset: torch.Tensor | None = None,
+) -> None:
+    """Encode a few new K/V rows into their slots in one compiled call (the compiled
+    op must be loaded: :func:`fused_available`).
+
+    Computes what :meth:`gpu_cache.codec.TQ4Codec.encode` computes on its torch path
+    (dense rotation, bucketize, length correction, split-half packing), so a decode
+    step does not pay the torch path's dozen ops per layer for 2 x Hkv vectors.
+
+    Args:
+        key, value: contiguous float32 ``[T, Hkv, D]``; key_offset ``[Hkv, D]`` is
+            subtracted from the keys first.
+        slots: contiguous int64 ``[T]`` (``block * block_size + pos``; negative: skip).
+        k_packed, v_packed, k_norms, v_norms: one layer of the cache, written in place.
+        rotation, boundaries, centroids: the codec's ``R`` ``[D, D]``, 15 decision
+            boundaries and 16 centroids.
+    """
+    torch.ops.contextkit_cpu.tq4_encode(key, value, slots, k_packed, k_norms, v_packed,
+                                        v_norms, rotation, boundaries, centroids, key_offset)

@@ -193,3 +193,43 @@ def test_second_process_loads_the_cached_build_without_compiling(tmp_path: Path)
     if expected == "cpp":
         assert "compiling" in runs[0] and "compiling" not in runs[1]
         assert len(list((tmp_path / "kernels").glob("*/*.so"))) == 1
+
+
+@pytest.mark.parametrize("dim", [48, 64, 128])
+@pytest.mark.parametrize("with_offset", [False, True])
+def test_encode_into_cache_matches_the_codec(dim: int, with_offset: bool) -> None:
+    """The compiled encode of a decode step's rows writes what the codec's torch path
+    writes: same packed bytes, norms within float32 rounding; skipped slots (-1) and a
+    zero vector behave as on the torch path."""
+    if not cpu_decode.fused_available():
+        pytest.fail("the compiled CPU op did not build on this machine (g++ and ninja)")
+    codec = TQ4Codec(head_dim=dim)
+    gen = torch.Generator().manual_seed(dim)
+    num_kv, tokens = 3, 6
+    key = torch.randn(tokens, num_kv, dim, generator=gen) * 2 + 0.3
+    value = torch.randn(tokens, num_kv, dim, generator=gen)
+    key[2, 1] = 0.0
+    value[4, 0] = 0.0
+    offset = torch.randn(num_kv, dim, generator=gen) if with_offset else None
+    if offset is not None:
+        key[2, 1] = offset[1]  # zero after centering
+    slots = torch.tensor([5, 16, 47, -1, 0, 79])
+    caches = []
+    for _ in range(2):
+        shape = (5, BLOCK, num_kv)
+        caches.append([torch.full((*shape, dim // 2), 7, dtype=torch.uint8),
+                       torch.full(shape, -1.0),
+                       torch.full((*shape, dim // 2), 7, dtype=torch.uint8),
+                       torch.full(shape, -1.0)])
+    quantize_into_cache(key, value, slots, *caches[0], codec, backend="torch",
+                        key_offset=offset)
+    cpu_decode.encode_into_cache(key, value, slots, *caches[1], codec.rotation,
+                                 codec.boundaries, codec.centroids, offset)
+    (kp0, kn0, vp0, vn0), (kp1, kn1, vp1, vn1) = caches
+    assert torch.equal(kp0, kp1) and torch.equal(vp0, vp1)
+    torch.testing.assert_close(kn1, kn0, rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(vn1, vn0, rtol=1e-6, atol=0.0)
+    assert kn1.view(-1, num_kv)[47, 1] == 0.0 and vn1.view(-1, num_kv)[0, 0] == 0.0
+    untouched = torch.ones(5 * BLOCK, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert (kn1.view(-1, num_kv)[untouched] == -1.0).all()  # slot -1 wrote nothing
