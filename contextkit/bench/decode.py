@@ -51,6 +51,7 @@ import torch
 from contextkit.bench._common import (
     _number,
     machine_info,
+    non_negative_int,
     positive_float,
     positive_int,
     print_table,
@@ -104,8 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="greedy tokens per run, exactly (EOS ignored; default 48)")
     parser.add_argument("--rounds", type=positive_int, default=3,
                         help="rounds of every engine at every context; medians (default 3)")
-    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="float32",
-                        help="contextkit's weight format (default float32)")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="int8",
+                        help="contextkit's weight format (default int8)")
+    parser.add_argument("--fidelity-turns", type=non_negative_int, default=2,
+                        help="agent replay prompts on which the weight format is compared "
+                             "with float32 weights, teacher-forced (0: off; default 2)")
     parser.add_argument("--threads", type=positive_int, default=2,
                         help="threads of torch and of llama.cpp (n_threads = n_threads_batch; "
                              "default 2)")
@@ -524,8 +528,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         slot.close()
     result = _assemble(args, engine, contexts, runs, replay_rows, memcpy, slot)
     result["plot"] = str(plot_decode(result, out_dir / "decode.png"))
+    result["weights_fidelity"] = _weights_fidelity(engine, args)
     _print(result)
     return result
+
+
+def _weights_fidelity(engine: Any, args: argparse.Namespace) -> dict[str, Any] | None:
+    """Top-1 agreement and perplexity ratio of ``engine``'s weight format against
+    float32 weights on the first ``--fidelity-turns`` agent replay prompts (no cache:
+    only the weights differ); perplexity of bench ttft's held-out continuation."""
+    fmt = getattr(engine, "weight_format", "float32")
+    if args.fidelity_turns == 0 or fmt == "float32":
+        return None
+    from contextkit._weights import fidelity, replay_prompts
+    from contextkit.bench.ttft import HELD_OUT
+
+    reference = engine.sibling("native", weight_format="float32", num_device_blocks=16,
+                               num_host_blocks=16)
+    prompts = replay_prompts(reference, args.fidelity_turns, scale=args.scale)
+    fig = fidelity(reference, engine, prompts, held_out=reference.encode(HELD_OUT))
+    logger.info("weights fidelity (%s vs float32): %s", fmt, fig)
+    return fig
 
 
 def _assemble(args: argparse.Namespace, engine: Any, contexts: Sequence[int],
@@ -652,6 +675,10 @@ def _print(result: dict[str, Any]) -> None:
          f"{_fmt(result['ttft_cached_s_llamacpp'], '.3f')}"),
         ("cached_ttft_vs_llamacpp_reuse", _fmt(result["cached_ttft_vs_llamacpp_reuse"])),
     ]
+    fid = result.get("weights_fidelity")
+    if fid:
+        rows.append((f"{fid['weight_format']} vs float32 weights: top-1 | ppl ratio",
+                     f"{fid['top1_agreement']:.3f} | {fid['ppl_ratio']:.4f}"))
     if result["llamacpp_note"] or result["llamacpp_error"]:
         rows.append(("llama.cpp", result["llamacpp_error"] or result["llamacpp_note"]))
     rows.append(("plot", result["plot"]))

@@ -80,7 +80,8 @@ def test_defaults_match_the_issue() -> None:
     args = _parse()
     assert args.contexts == (1024, 6144, 16384)
     assert (args.new_tokens, args.rounds, args.threads, args.turns) == (48, 3, 2, 8)
-    assert args.weights == "float32" and args.no_llamacpp is False
+    assert args.weights == "int8" and args.no_llamacpp is False
+    assert args.fidelity_turns == 2
     assert parse_contexts("16384, 1024,6144") == (1024, 6144, 16384)
 
 
@@ -92,6 +93,7 @@ def test_defaults_match_the_issue() -> None:
     (["--rounds", "0"], "must be >= 1, got 0"),
     (["--threads", "x"], "must be an integer >= 1"),
     (["--weights", "fp8"], "invalid choice: 'fp8'"),
+    (["--fidelity-turns", "-1"], "must be >= 0, got -1"),
 ])
 def test_bad_values_are_one_usage_line(argv: list[str], message: str,
                                        capsys: pytest.CaptureFixture[str]) -> None:
@@ -175,9 +177,12 @@ TINY = ["--contexts", "64,128", "--new-tokens", "4", "--rounds", "1", "--turns",
 @pytest.mark.slow
 def test_tiny_run_reports_every_contextkit_field(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    r = _run([*TINY, "--no-llamacpp", "--out", str(tmp_path)], capsys)
+    r = _run([*TINY, "--no-llamacpp", "--fidelity-turns", "1", "--out", str(tmp_path)], capsys)
     assert r["bench"] == "decode" and r["contexts"] == [64, 128] and r["new_tokens"] == 4
-    assert r["threads"] == 2 and r["weight_format"] == "float32"
+    assert r["threads"] == 2 and r["weight_format"] == "int8"
+    fid = r["weights_fidelity"]  # int8 against float32 weights on one replay prompt
+    assert fid["weight_format"] == "int8" and fid["prompts"] == 1 and fid["tokens"] == 32
+    assert 0.8 <= fid["top1_agreement"] <= 1.0 and 0.9 < fid["ppl_ratio"] < 1.1
     for engine in ("tq4", "native"):
         for ctx in ("64", "128"):
             for key in ("decode_tps", "prefill_s", "bytes_per_token", "gbps"):
@@ -187,7 +192,7 @@ def test_tiny_run_reports_every_contextkit_field(tmp_path: Path,
                 r[f"bytes_per_token_{engine}_{ctx}"] * r[f"decode_tps_{engine}_{ctx}"] / 1e9)
             assert r[f"decode_tps_llamacpp_{ctx}"] is None
     weights = r["weight_bytes"]["tq4"]
-    assert 400e6 < weights < 700e6  # SmolLM2-135M in float32, embedding row excluded
+    assert 100e6 < weights < 200e6  # SmolLM2-135M in int8 (+ scales), embedding row excluded
     # a longer context reads more K/V per token: 64 more tokens x 30 layers x 3 heads
     # x K and V x 64 float32
     assert (r["bytes_per_token_native_128"] - r["bytes_per_token_native_64"]
@@ -211,8 +216,9 @@ def test_a_peer_that_dies_mid_run_keeps_the_contextkit_rows(
     """The stand-in serves the decode rounds (warm-up + 2 contexts), then dies at the
     replay's first prefix-reuse request: its decode figures stay, its TTFT is null."""
     fake = _fake_python(tmp_path, ("reuse", 1))
-    r = _run([*TINY, "--llamacpp-python", str(fake), "--out", str(tmp_path)], capsys)
-    assert r["llamacpp_note"] is None
+    r = _run([*TINY, "--llamacpp-python", str(fake), "--fidelity-turns", "0", "--out",
+              str(tmp_path)], capsys)
+    assert r["llamacpp_note"] is None and r["weights_fidelity"] is None
     assert "exited (status 134)" in str(r["llamacpp_error"])
     info = r["llamacpp"]
     assert info["version"] == "fake" and info["threadpool"] == "openmp"
