@@ -63,6 +63,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="think time between turns in seconds, when background prefill "
                              "and memory reservations run (default 30; waits only as long "
                              "as the work takes)")
+    parser.add_argument("--weights", choices=("float32", "bfloat16", "int8"), default="int8",
+                        help="the engine's weight format (default int8: per-channel "
+                             "weight-only, a quarter of float32's bytes per decoded token)")
     parser.add_argument("--no-reserve", action="store_true",
                         help="no background prefill or memory reservations between turns")
     parser.add_argument("--agent-steps", type=int, default=6,
@@ -96,7 +99,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
     _say("loading SmolLM2-135M-Instruct (packaged GGUF) and calibrating the TQ4 cache ...")
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(num_device_blocks=768, num_host_blocks=2048)
+    engine = Engine.from_pretrained(num_device_blocks=768, num_host_blocks=2048,
+                                    weight_format=getattr(args, "weights", "int8"))
     _say(f"  ready in {time.perf_counter() - t0:.1f} s; cache identity "
          f"{engine.identity.digest().hex()[:12]}, {engine.cache.bytes_per_block:,} bytes/block")
 
