@@ -86,9 +86,10 @@ class EngineSettings:
     Args:
         model: a local transformers model directory; ``None``: the packaged SmolLM2.
         kv_format: ``"tq4"`` (packed 4-bit) or ``"native"`` (float32, exact).
-        weight_format: ``"int8"`` (default: per-channel weight-only, a quarter of
-            float32's bytes per decoded token), ``"bfloat16"`` or ``"float32"`` (as
-            loaded; :class:`~contextkit.engine.Engine`'s own default, the reference).
+        weight_format: ``"float32"`` (default: as loaded, the reference),
+            ``"bfloat16"`` or ``"int8"`` (per-channel weight-only: a quarter of
+            float32's bytes per decoded token; the demo's and ``bench decode``'s
+            default).
         calibrate: per-head key offsets (tq4).
         prefill_chunk: prompt tokens per forward step.
         residual_tokens: float32 recent window over the TQ4 cache.
@@ -97,7 +98,7 @@ class EngineSettings:
 
     model: str | None = None
     kv_format: str = "tq4"
-    weight_format: str = "int8"
+    weight_format: str = "float32"
     calibrate: bool = True
     prefill_chunk: int = 4096
     residual_tokens: int = 128
