@@ -115,6 +115,10 @@ class Engine:
             multiple of ``block_size``) are attended in float32, recomputed by a short
             forward when a request reuses them (remembered per tenant for the last 8
             prefixes). ``None``: one block; 0: off.
+        max_positions: longest prompt plus reply a request may span; ``None``: the
+            model's trained context (``max_position_embeddings``). Larger values let
+            RoPE run past it, for speed measurements at long context: replies there
+            are outside what the model was trained on.
         pins: pin quotas and idle TTL of the cache the engine builds (default
             :class:`~gpu_cache.config.PinConfig`: a tenant pins at most a quarter of
             the device tier, all tenants three quarters; pins idle 10 minutes expire).
@@ -143,6 +147,7 @@ class Engine:
         prefill_chunk: int = 4096,
         residual_tokens: int = 128,
         sink_tokens: int | None = None,
+        max_positions: int | None = None,
         pins: PinConfig | None = None,
         metrics: ContextkitMetrics | bool | None = None,
         _shared: _Model | None = None,
@@ -160,6 +165,11 @@ class Engine:
         self._sink_memo: OrderedDict[tuple[str, tuple[int, ...]],
                                      list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
         self.model = (_shared or _Model(model)).variant(weight_format)
+        if max_positions is not None and max_positions < 1:
+            raise ValueError(f"max_positions must be >= 1, got {max_positions}")
+        #: Prompt plus reply tokens a request may span: the model's trained context
+        #: (``max_position_embeddings``) unless ``max_positions`` overrides it.
+        self.max_positions = max_positions or self.model.max_positions
         self.weight_format = weight_format
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -271,6 +281,7 @@ class Engine:
         kwargs.setdefault("block_size", self.identity.block_size)
         kwargs.setdefault("residual_tokens", self.residual_tokens)
         kwargs.setdefault("sink_tokens", self.sink_tokens)
+        kwargs.setdefault("max_positions", self.max_positions)
         kwargs.setdefault("metrics", self.metrics)
         return Engine(self.model.hf, self.tokenizer, kv_format=fmt, weight_format=weights,
                       _shared=self.model, **kwargs)
@@ -371,10 +382,10 @@ class Engine:
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
         total = len(ids) + extra
-        if total > self.model.max_positions:
+        if total > self.max_positions:
             raise ValueError(
                 f"prompt of {len(ids)} tokens plus {extra} new tokens exceeds the model's "
-                f"{self.model.max_positions} positions; shorten the prompt (lower layer "
+                f"{self.max_positions} positions; shorten the prompt (lower layer "
                 "budgets) or max_new_tokens")
 
     def _open_sequence(self, ids: Sequence[int], extra: int, tenant: str,
