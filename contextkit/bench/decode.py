@@ -494,8 +494,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     longest = max(contexts)
     need = -(-(longest + new_tokens) // 16) + 4
     engine = _load_engine(args, max(768, need))
-    engine_tq4 = engine.sibling("tq4", num_device_blocks=need, num_host_blocks=16)
-    engine_native = engine.sibling("native", num_device_blocks=need, num_host_blocks=16)
+    trained = int(engine.model.max_positions)
+    # Contexts past the model's trained length (SmolLM2: 8192) are measured for speed:
+    # RoPE runs on, as llama.cpp does with n_ctx above n_ctx_train.
+    span = max(trained, longest + new_tokens)
+    engine_tq4 = engine.sibling("tq4", num_device_blocks=need, num_host_blocks=16,
+                                max_positions=span)
+    engine_native = engine.sibling("native", num_device_blocks=need, num_host_blocks=16,
+                                   max_positions=span)
     for e in (engine_tq4, engine_native):
         e.stop_ids = set()  # exactly --new-tokens tokens: EOS is not a stop here
     prompts = context_prompts(engine, contexts, args.scale)
@@ -527,6 +533,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         slot.close()
     result = _assemble(args, engine, contexts, runs, replay_rows, memcpy, slot)
+    result["trained_positions"] = trained
+    result["beyond_trained_contexts"] = [c for c in contexts if c + new_tokens > trained]
     result["plot"] = str(plot_decode(result, out_dir / "decode.png"))
     result["weights_fidelity"] = _weights_fidelity(engine, args)
     _print(result)
