@@ -1,6 +1,9 @@
 # contextkit: `make demo` and `make test` work on a fresh machine (they run setup first).
 .DEFAULT_GOAL := help
 PY := .venv/bin/python
+# Recipes pipe benchmarks through tee/tail: a failing benchmark must fail the target.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
