@@ -64,8 +64,9 @@ def _parse_contexts(text: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", type=_parse_contexts, default=DEFAULT_CONTEXTS,
                         help=f"comma-separated context lengths (default {DEFAULT_CONTEXTS})")
-    parser.add_argument("--backend", choices=["auto", "triton", "torch"], default="auto",
-                        help="TQ4 kernel backend (auto: Triton on CUDA, torch on CPU)")
+    parser.add_argument("--backend", choices=["auto", "triton", "torch", "cpu"], default="auto",
+                        help="TQ4 kernel backend (auto: Triton on CUDA; on CPU the fused "
+                             "compiled kernel when it builds, else torch)")
     parser.add_argument("--device", default=None,
                         help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--threads", type=positive_int, default=None,
@@ -82,11 +83,15 @@ def _time(fn: Any, device: torch.device, budget_s: float) -> float:
 
 
 def _resolve_backend(backend: str, device: torch.device) -> Backend:
-    if backend in ("triton", "torch"):
+    if backend in ("triton", "torch", "cpu"):
         return cast("Backend", backend)
     from importlib.util import find_spec
 
-    return "triton" if device.type == "cuda" and find_spec("triton") else "torch"
+    if device.type == "cuda":
+        return "triton" if find_spec("triton") else "torch"
+    from gpu_cache.kernels import cpu_decode
+
+    return "cpu" if cpu_decode.fused_available() else "torch"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
