@@ -16,7 +16,8 @@ def test_default_is_the_trained_context_and_siblings_inherit(engine: Engine) -> 
 
 def test_a_shorter_limit_refuses_in_one_line(fresh: Callable[..., Engine]) -> None:
     short = fresh("native", device=8, host=8, max_positions=40)
-    ids = short.encode("What is the capital of France? " * 4)[:36]
+    ids = short.encode("What is the capital of France? " * 8)[:36]
+    assert len(ids) == 36
     with pytest.raises(ValueError, match=r"^prompt of 36 tokens plus 8 new tokens exceeds the "
                                          r"model's 40 positions; shorten the prompt"):
         short.generate(ids, max_new_tokens=8)
