@@ -23,7 +23,7 @@ help:
 	@echo "                semantic+ooda, and a device-size sweep (~12 min on 2 cores)"
 	@echo "make bench-agent-vllm  a LangChain agent on vLLM, 4 cache configurations (~15 min)"
 	@echo "make bench-decode  decode tokens/s at 1K/6K/16K: contextkit vs llama.cpp on the same"
-	@echo "                GGUF (builds .venv-llamacpp first, ~15 min once; then ~20-30 min on an idle machine)"
+	@echo "                GGUF (builds .venv-llamacpp first, ~5-15 min once; then ~40 min on an idle machine)"
 	@echo "make docs       set up, then build the API reference into site/ (mkdocs --strict:"
 	@echo "                any broken reference or docstring warning fails; CI runs it)"
 	@echo "make lint       ruff; make typecheck: mypy"
