@@ -170,7 +170,7 @@ class _PagedKV:
                 codec.centroids, None if offset is None else offset.float().contiguous())
             return
         quantize_into_cache(k.float(), v.float(), slots, view.k_packed, view.k_norms,
-                            view.v_packed, view.v_norms, self.cache.codec,
+                            view.v_packed, view.v_norms, codec,
                             check_bounds=False, key_offset=self.cache.key_offset(layer))
 
     def _float_parts(self, layer: int, n: int) -> tuple[int, int, list[torch.Tensor],

@@ -38,6 +38,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from contextkit._settings import WEIGHT_FORMATS
+
 __all__ = ["SESSION_ID", "add_demo_arguments", "run_demo"]
 
 SESSION_ID = "contextkit-demo"
@@ -63,7 +65,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="think time between turns in seconds, when background prefill "
                              "and memory reservations run (default 30; waits only as long "
                              "as the work takes)")
-    parser.add_argument("--weights", choices=("float32", "bfloat16", "int8"), default="int8",
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="int8",
                         help="the engine's weight format (default int8: per-channel "
                              "weight-only, a quarter of float32's bytes per decoded token)")
     parser.add_argument("--no-reserve", action="store_true",

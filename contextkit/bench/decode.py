@@ -34,7 +34,6 @@ last token, evaluated untimed as a server would have it). Medians over turns >= 
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 import statistics
 import time
@@ -44,6 +43,7 @@ from typing import Any
 
 import torch
 
+from contextkit._settings import WEIGHT_FORMATS
 from contextkit.bench._common import (
     _number,
     machine_info,
@@ -53,6 +53,7 @@ from contextkit.bench._common import (
     print_table,
 )
 from contextkit.bench._llamacpp_peer import LlamaCppError, LlamaCppPeer, _Slot
+from gpu_cache.kernels import cpu_decode
 
 __all__ = ["DEFAULT_CONTEXTS", "HELP", "LlamaCppError", "LlamaCppPeer", "add_arguments",
            "context_prompts", "parse_contexts", "run"]
@@ -63,7 +64,6 @@ HELP = ("greedy decode tokens/s at 1K/6K/16K context: contextkit TQ4 and native 
         "llama.cpp on the same GGUF, with prefill and cached TTFT")
 
 DEFAULT_CONTEXTS = (1024, 6144, 16384)
-WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
 ENGINES = ("tq4", "native", "llamacpp")
 #: The tenant of the decode runs (their blocks are dropped after every run).
 _TENANT = "bench-decode"
@@ -172,30 +172,8 @@ def context_prompts(engine: Any, contexts: Sequence[int], scale: float = 1.0
 def _load_engine(args: argparse.Namespace, device_blocks: int) -> Any:
     from contextkit.engine import Engine
 
-    kwargs: dict[str, Any] = {}
-    if "weight_format" in inspect.signature(Engine.__init__).parameters:
-        kwargs["weight_format"] = args.weights
-    elif args.weights != "float32":
-        raise SystemExit(f"--weights {args.weights}: this contextkit has no weight formats "
-                         "other than float32; use --weights float32")
     return Engine.from_pretrained(num_device_blocks=device_blocks, num_host_blocks=2048,
-                                  **kwargs)
-
-
-def _weight_bytes(model: Any) -> int:
-    """Bytes of weights one decoded token reads (layer matrices, norms, lm_head)."""
-    own = getattr(model, "weight_bytes", None)
-    if callable(own):
-        return int(own())
-
-    def size(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
-
-    total = size(model.lm_head) + size(model.norm)
-    for layer in model.layers:
-        total += sum(size(t) for t in (layer.qkv, layer.o, layer.gate_up, layer.down,
-                                       layer.norm_in, layer.norm_post))
-    return total
+                                  weight_format=args.weights)
 
 
 def _kv_bytes(kind: str, context: int, engine: Any, new_tokens: int) -> int:
@@ -351,7 +329,7 @@ def _weights_fidelity(engine: Any, args: argparse.Namespace) -> dict[str, Any] |
     """Top-1 agreement and perplexity ratio of ``engine``'s weight format against
     float32 weights on the first ``--fidelity-turns`` agent replay prompts (no cache:
     only the weights differ); perplexity of bench ttft's held-out continuation."""
-    fmt = getattr(engine, "weight_format", "float32")
+    fmt = engine.weight_format
     if args.fidelity_turns == 0 or fmt == "float32":
         return None
     from contextkit._weights import fidelity, replay_prompts
@@ -370,7 +348,7 @@ def _assemble(args: argparse.Namespace, engine: Any, contexts: Sequence[int],
               replay_rows: list[dict[str, Any]], memcpy: float, slot: _Slot
               ) -> dict[str, Any]:
     peer_info = slot.info
-    weights = {"tq4": _weight_bytes(engine.model), "native": _weight_bytes(engine.model),
+    weights = {"tq4": engine.model.weight_bytes(), "native": engine.model.weight_bytes(),
                "llamacpp": int(peer_info["model_bytes"]) if peer_info else None}
     per_context: list[dict[str, Any]] = []
     flat: dict[str, Any] = {}
@@ -409,7 +387,7 @@ def _assemble(args: argparse.Namespace, engine: Any, contexts: Sequence[int],
         "bench": "decode",
         "machine": machine_info(),
         "threads": args.threads,
-        "weight_format": getattr(engine, "weight_format", "float32"),
+        "weight_format": engine.weight_format,
         "weights_requested": args.weights,
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
@@ -433,7 +411,7 @@ def _assemble(args: argparse.Namespace, engine: Any, contexts: Sequence[int],
         "ttft_cached_s_tq4": ck_ttft,
         "ttft_cached_s_llamacpp": lc_ttft,
         "cached_ttft_vs_llamacpp_reuse": _ratio(lc_ttft, ck_ttft),
-        "cpu_decode_backend": _cpu_decode_backend(),
+        "cpu_decode_backend": cpu_decode.backend(),
         "llamacpp": None if peer_info is None else {
             **peer_info,
             "threadpool": "openmp" if peer_info.get("openmp") else "ggml threadpool",
@@ -447,15 +425,6 @@ def _assemble(args: argparse.Namespace, engine: Any, contexts: Sequence[int],
         "llamacpp_note": slot.note,
         "llamacpp_error": slot.error,
     }
-
-
-def _cpu_decode_backend() -> str | None:
-    try:
-        from gpu_cache.kernels import cpu_decode  # helper K's fused decode
-    except ImportError:
-        return None
-    backend = getattr(cpu_decode, "backend", None)
-    return str(backend()) if callable(backend) else None
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
