@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 
 help:
 	@echo "make demo       set up, then replay a ten-layer agent on SmolLM2: TTFT with vs"
-	@echo "                without contextkit per turn, plot, shadow (~5 min on 2 cores)"
+	@echo "                without contextkit per turn, plot, shadow (minutes: 6 turns, each with a 30 s think time)"
 	@echo "make test       set up, then run the test suite (CI runs it, then make docs)"
 	@echo "make test-heavy multi-minute end-to-end runs (bench ttft on the real model)"
 	@echo "make test-vllm  the vLLM connector end to end on vLLM's CPU build, in its own"
