@@ -9,12 +9,10 @@ import numpy as np
 import torch
 
 from gpu_cache._errors import BlockStateError
+from gpu_cache.formats import TENSOR_NAMES, tensor_specs
 from gpu_cache.identity import CacheIdentity
 
 __all__ = ["TENSOR_NAMES", "LayerView", "MoveStats", "TierStorage"]
-
-#: The four tensors of a tier, in the order moves and shadows handle them.
-TENSOR_NAMES = ("k_packed", "k_norms", "v_packed", "v_norms")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,21 +26,18 @@ class LayerView:
 
 
 class TierStorage:
-    """The four tensors of a tier plus its free-slot map."""
+    """The four tensors of a tier (laid out by :func:`gpu_cache.formats.tensor_specs`)
+    plus its free-slot map."""
 
     def __init__(self, identity: CacheIdentity, num_blocks: int, device: torch.device,
                  pin: bool) -> None:
-        shape = (identity.num_layers, num_blocks, identity.block_size, identity.num_kv_heads)
+        lead = (identity.num_layers, num_blocks, identity.block_size)
         opts = {"device": device, "pin_memory": pin} if pin else {"device": device}
-        if identity.codec == "native":
-            # Plain float32 K/V in the same 5D layout; the norm tensors are empty.
-            vec, vec_dtype, norm_shape = identity.head_dim, torch.float32, (*shape[:3], 0)
-        else:
-            vec, vec_dtype, norm_shape = identity.head_dim // 2, torch.uint8, shape
-        self.k_packed = torch.zeros((*shape, vec), dtype=vec_dtype, **opts)
-        self.v_packed = torch.zeros((*shape, vec), dtype=vec_dtype, **opts)
-        self.k_norms = torch.zeros(norm_shape, dtype=torch.float32, **opts)
-        self.v_norms = torch.zeros(norm_shape, dtype=torch.float32, **opts)
+        specs = tensor_specs(identity)
+        made = {name: torch.zeros((*lead, *shape), dtype=dtype, **opts)
+                for name, (shape, dtype) in specs.items()}
+        self.k_packed, self.k_norms = made["k_packed"], made["k_norms"]
+        self.v_packed, self.v_norms = made["v_packed"], made["v_norms"]
         self.num_blocks = num_blocks
         self.device = device
         self.pinned = pin

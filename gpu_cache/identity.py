@@ -9,12 +9,14 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from gpu_cache._errors import CacheIdentityError
+from gpu_cache.formats import FORMATS, bytes_per_token_head
 
 __all__ = ["CODECS", "SCHEMA_VERSION", "CacheIdentity"]
 
-#: Block codecs: "tq4" (4-bit packed nibbles + float32 norms) or "native" (float32
-#: K/V as the model computed them, for exactness checks; no norms).
-CODECS = ("tq4", "native")
+#: Block codecs = :data:`gpu_cache.formats.FORMATS`: "tq4" (4-bit packed nibbles +
+#: float32 norms), "int8" (rotated int8 + float32 scales), "fp16" and "native" (float32
+#: K/V as the model computed them, for exactness checks); see :mod:`gpu_cache.formats`.
+CODECS = FORMATS
 
 #: Version of the block layout and metadata schema. Bump on any incompatible change.
 SCHEMA_VERSION = 1
@@ -100,9 +102,9 @@ class CacheIdentity:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block across all layers: K and V, packed nibbles and float32 norms
-        (tq4) or float32 vectors (native)."""
-        per_token_head = 4 * self.head_dim if self.codec == "native" else self.head_dim // 2 + 4
+        """Bytes of one block across all layers, K and V, in the codec's format
+        (:func:`gpu_cache.formats.bytes_per_token_head`)."""
+        per_token_head = bytes_per_token_head(self.codec, self.head_dim)
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_token_head
 
     def check_compatible(self, other: CacheIdentity, what: str = "data") -> None:
