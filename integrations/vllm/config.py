@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from contextkit.config import ConfigError, load_config
+from integrations.vllm.precision import FORMATS, PrecisionError, PrecisionPolicy, policy_for_codec
 
 __all__ = [
     "CONNECTOR_CLASS",
@@ -44,8 +45,10 @@ class ConnectorConfig:
     Args:
         block_size: tokens per block; must equal vLLM's ``--block-size`` (the
             connector moves whole vLLM blocks, and the cache identity records it).
-        codec: ``"tq4"`` (4-bit TurboQuant, default) or ``"native"`` (float32,
-            exact; for checks).
+        codec: the key identity's block format and, without a ``precision``
+            ``default``, the format of blocks no precision rule picks: ``"tq4"``
+            (4-bit TurboQuant, default), ``"int8"``, ``"fp16"`` or ``"native"``
+            (float32, exact; for checks: no sink rule, no key offsets).
         shadow_url: durable cold tier, ``file:///path`` or ``s3://bucket/prefix``;
             empty disables shadowing (the store then lives as long as the process).
         session_id: the session this server shadows under (one writer per session:
@@ -63,6 +66,11 @@ class ConnectorConfig:
             the weights, so another model (or fine-tune) never matches.
         endpoint_url: S3-compatible endpoint for an ``s3://`` shadow.
         default_source_layer: source layer of blocks without a span label.
+        precision: the per-block format policy over the one ``codec`` implies, as a
+            mapping (or its JSON text, e.g. from ``CONTEXTKIT_CONNECTOR_PRECISION``)
+            of :class:`~integrations.vllm.precision.PrecisionPolicy` keys, e.g.
+            ``{"layers": {"axioms": "fp16"}, "importance": [[0.8, "int8"]]}``; the
+            effective policy is :attr:`policy`.
     """
 
     block_size: int = 32
@@ -79,12 +87,21 @@ class ConnectorConfig:
     model_id: str = ""
     endpoint_url: str | None = None
     default_source_layer: str = "user_turn"
+    # Typed Any: contextkit.config passes it through as given (a TOML table, a JSON
+    # mapping, or an environment variable's text), and __post_init__ checks it.
+    precision: Any = dataclasses.field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ConnectorConfigError(f"block_size must be > 0, got {self.block_size}")
-        if self.codec not in ("tq4", "native"):
-            raise ConnectorConfigError(f"codec must be 'tq4' or 'native', got {self.codec!r}")
+        if self.codec not in FORMATS:
+            raise ConnectorConfigError(f"codec must be one of {', '.join(FORMATS)}, "
+                                       f"got {self.codec!r}")
+        object.__setattr__(self, "precision", _precision_mapping(self.precision))
+        try:
+            PrecisionPolicy.from_mapping(self.precision, policy_for_codec(self.codec))
+        except PrecisionError as exc:
+            raise ConnectorConfigError(str(exc)) from None
         if self.host_blocks < 1 or self.device_blocks < 1:
             raise ConnectorConfigError("host_blocks and device_blocks must be >= 1, got "
                                        f"{self.host_blocks} and {self.device_blocks}")
@@ -96,6 +113,11 @@ class ConnectorConfig:
             if url and "://" not in url:
                 raise ConnectorConfigError(f"{name} must be a URL (file:///path or "
                                            f"s3://bucket/prefix), got {url!r}")
+
+    @property
+    def policy(self) -> PrecisionPolicy:
+        """The effective precision policy: ``precision`` over ``codec``'s policy."""
+        return PrecisionPolicy.from_mapping(self.precision, policy_for_codec(self.codec))
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None, *,
@@ -137,6 +159,26 @@ class ConnectorConfig:
 
     def to_extra_config(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _precision_mapping(value: object) -> dict[str, Any]:
+    """``precision`` as a plain dict: a mapping, JSON text of one, or None/empty."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ConnectorConfigError(
+                f'precision must be a JSON object (e.g. {{"default": "tq4"}}), got '
+                f"{value!r}") from None
+    if not isinstance(value, Mapping):
+        raise ConnectorConfigError(f'precision must be a mapping of policy keys (e.g. '
+                                   f'{{"default": "tq4"}}), got {value!r}')
+    try:  # a plain, JSON-able copy: to_extra_config must round-trip it
+        return json.loads(json.dumps(dict(value)))
+    except (TypeError, ValueError) as exc:
+        raise ConnectorConfigError(f"precision must hold JSON values only: {exc}") from None
 
 
 def kv_transfer_config(config: ConnectorConfig) -> dict[str, Any]:
