@@ -15,6 +15,7 @@ same tokens of another tenant or model never match.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import struct
@@ -24,6 +25,7 @@ from typing import Any
 
 from gpu_cache import PINNABLE_SOURCES, hash_block_tokens
 from integrations.vllm.metrics import StatsRecorder, layer_names
+from integrations.vllm.precision import DEFAULT_POLICY, PrecisionError, PrecisionPolicy
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -48,11 +50,14 @@ PARAMS_KEY = "contextkit"
 
 @dataclass(frozen=True, slots=True)
 class BlockLabel:
-    """Semantic metadata of a stored block (drives the store's eviction and pins)."""
+    """Semantic metadata of a stored block (drives the store's eviction, pins and the
+    block's format: one of ``gpu_cache.formats.FORMATS``, set by the planner's
+    :class:`~integrations.vllm.precision.PrecisionPolicy`)."""
 
     source_layer: str
     importance: float = 0.5
     pinned: bool = False
+    fmt: str = "tq4"
 
 
 @dataclass(slots=True)
@@ -124,7 +129,8 @@ def prompt_fingerprint(token_ids: Sequence[int]) -> tuple[int, str]:
 
 
 def semantic_params(spans: Iterable[tuple[Any, ...]], *, pin: bool = False,
-                    prompt_token_ids: Sequence[int] | None = None) -> dict[str, Any]:
+                    prompt_token_ids: Sequence[int] | None = None,
+                    precision: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``kv_transfer_params`` that label prompt token ranges with their prompt layer.
 
     Pass the result as ``SamplingParams(extra_args={"kv_transfer_params": ...})``
@@ -140,6 +146,13 @@ def semantic_params(spans: Iterable[tuple[Any, ...]], *, pin: bool = False,
         prompt_token_ids: the prompt the ranges were computed on; when given, its
             fingerprint travels along and the connector ignores the labels of a
             request whose prompt differs (see :func:`label_mismatch`).
+        precision: this request's precision policy keys over the server's (e.g.
+            ``{"importance": [[0.9, "fp16"]]}``; each key replaces the server's
+            value), see :class:`~integrations.vllm.precision.PrecisionPolicy`.
+
+    Raises:
+        ValueError: a bad span; :class:`~integrations.vllm.precision.PrecisionError`
+            (a ValueError): an unknown precision key or format.
     """
     out: list[list[Any]] = []
     for span in spans:
@@ -151,6 +164,10 @@ def semantic_params(spans: Iterable[tuple[Any, ...]], *, pin: bool = False,
     ours: dict[str, Any] = {"spans": out, "pin": bool(pin)}
     if prompt_token_ids is not None:
         ours["prompt_tokens"], ours["prompt_sha256"] = prompt_fingerprint(prompt_token_ids)
+    if precision is not None:
+        # checked here so the client hears of a typo; sent as plain JSON values
+        checked = PrecisionPolicy.from_mapping(precision, PrecisionPolicy()).to_dict()
+        ours["precision"] = {key: checked[key] for key in precision}
     return {PARAMS_KEY: ours}
 
 
@@ -210,6 +227,7 @@ class _RequestState:
     tenant: str
     params: Mapping[str, Any] | None
     num_prompt_tokens: int
+    policy: PrecisionPolicy
     keys: list[bytes] = field(default_factory=list)
     load_first_block: int = 0
     load_num_blocks: int = 0
@@ -229,17 +247,22 @@ class RequestPlanner:
         identity_digest: :meth:`gpu_cache.CacheIdentity.digest` of the store.
         block_size: tokens per block (vLLM's and the store's).
         default_layer: source layer of blocks without a span label.
+        policy: the server's precision policy (each saved block's format);
+            ``None``: :data:`~integrations.vllm.precision.DEFAULT_POLICY`. A request
+            may override keys of it (``kv_transfer_params["contextkit"]["precision"]``).
 
     Attributes:
         stats: the scheduler side's metrics (lookups), taken by the connector.
     """
 
     def __init__(self, identity_digest: bytes, block_size: int,
-                 default_layer: str = "user_turn") -> None:
+                 default_layer: str = "user_turn",
+                 policy: PrecisionPolicy | None = None) -> None:
         self.stats = StatsRecorder(layer_names(default_layer))
         self.identity_digest = identity_digest
         self.block_size = block_size
         self.default_layer = default_layer
+        self.policy = DEFAULT_POLICY if policy is None else policy
         self.index: set[bytes] = set()
         self.pending: set[bytes] = set()
         self._reqs: dict[str, _RequestState] = {}
@@ -269,9 +292,25 @@ class RequestPlanner:
                                "default layer %r", req_id, reason, self.default_layer)
                 self.stats.count("label_mismatches")
                 params = None
-            state = _RequestState(tenant or DEFAULT_TENANT, params, num_prompt_tokens)
+            state = _RequestState(tenant or DEFAULT_TENANT, params, num_prompt_tokens,
+                                  self._request_policy(req_id, params))
             self._reqs[req_id] = state
         return state
+
+    def _request_policy(self, req_id: str, params: Mapping[str, Any] | None
+                        ) -> PrecisionPolicy:
+        """The server's policy with the request's ``precision`` keys over it; a bad
+        override is logged and ignored (a request never fails over it)."""
+        ours = params.get(PARAMS_KEY) if isinstance(params, Mapping) else None
+        override = ours.get("precision") if isinstance(ours, Mapping) else None
+        if override is None:
+            return self.policy
+        try:
+            return PrecisionPolicy.from_mapping(override, base=self.policy)
+        except PrecisionError as exc:
+            logger.warning("request %s: ignoring its precision override (%s); its blocks "
+                           "get the server's policy", req_id, exc)
+            return self.policy
 
     # ------------------------------------------------------------------ lookups
     def matched_tokens(self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
@@ -340,10 +379,13 @@ class RequestPlanner:
             for run in runs:
                 run_keys = [keys[b] for b in run]
                 self.pending.update(run_keys)
+                labels = labels_from_params(state.params, run[0], len(run), bs,
+                                            self.default_layer)
+                labels = [dataclasses.replace(label, fmt=state.policy.format_for(b, label))
+                          for b, label in zip(run, labels, strict=True)]
                 saves.append(SaveSpec(
                     req.req_id, state.tenant, run_keys, [req.block_ids[b] for b in run],
-                    run[0], labels_from_params(state.params, run[0], len(run), bs,
-                                               self.default_layer)))
+                    run[0], labels))
         return loads, saves
 
     # ------------------------------------------------------------------ feedback

@@ -13,6 +13,7 @@ from integrations.vllm.planning import (
     labels_from_params,
     semantic_params,
 )
+from integrations.vllm.precision import DEFAULT_POLICY
 
 BS = 4
 IDENTITY = CacheIdentity(model_id="m", num_layers=2, num_kv_heads=2, head_dim=8, block_size=BS)
@@ -105,8 +106,11 @@ def test_semantic_labels_from_request_params() -> None:
 def test_config_refuses_unknown_keys_and_builds_the_kv_transfer_config() -> None:
     with pytest.raises(ConnectorConfigError, match="shadow_ulr"):
         ConnectorConfig.from_extra_config({"shadow_ulr": "file:///x"})
-    with pytest.raises(ConnectorConfigError):
+    with pytest.raises(ConnectorConfigError, match="codec must be one of tq4, int8, fp16, "
+                                                   "native, got 'tq3'"):
         ConnectorConfig(codec="tq3")
+    for codec in ("tq4", "int8", "fp16", "native"):  # every block format is a codec
+        assert ConnectorConfig(codec=codec).codec == codec
     config = ConnectorConfig.from_json('{"kv_connector": "ContextKitConnector", '
                                        '"kv_connector_extra_config": {"block_size": 16}}')
     doc = kv_transfer_config(config)
@@ -162,6 +166,14 @@ def test_labels_with_a_matching_fingerprint_are_used() -> None:
                             TOKENS)
     assert _saved_labels(p, "r", TOKENS, params) == [
         ("axioms", True), ("axioms", True), ("memories", False), ("memories", False)]
+    # each saved label carries the format the planner's policy gives its block
+    assert p.policy is DEFAULT_POLICY
+    p2 = planner()
+    p2.matched_tokens("r", TOKENS, len(TOKENS), 0, params=params)
+    _, saves = p2.plan([StepRequest("r", TOKENS, 0, len(TOKENS), list(range(5)))])
+    labels = [lab for s in saves for lab in s.labels]
+    assert [lab.fmt for lab in labels] == [
+        DEFAULT_POLICY.format_for(b, lab) for b, lab in enumerate(labels)]
     assert p.stats.take() == {"counters": {"lookups": 1}, "by_layer": {}, "gauges": {}}
 
 

@@ -1,0 +1,299 @@
+"""The connector's precision policy: per-block format rules, overrides, refusals (no vLLM)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import pytest
+
+from gpu_cache import CacheIdentity, hash_token_blocks
+from integrations.vllm import ConnectorConfig, ConnectorConfigError, kv_transfer_config
+from integrations.vllm.planning import (
+    BlockLabel,
+    RequestPlanner,
+    StepRequest,
+    WorkerReport,
+    semantic_params,
+)
+from integrations.vllm.precision import (
+    DEFAULT_POLICY,
+    FORMATS,
+    POLICY_KEYS,
+    PrecisionError,
+    PrecisionPolicy,
+    policy_for_codec,
+)
+
+BS = 4
+IDENTITY = CacheIdentity(model_id="m", num_layers=2, num_kv_heads=2, head_dim=8, block_size=BS)
+TOKENS = list(range(100, 124))  # 24 tokens: 6 full blocks
+
+#: a policy where every rule gives a distinct format, so the winner is visible
+RULES = PrecisionPolicy(default="tq4", sink_blocks=1, sink_format="native",
+                        layers={"axioms": "fp16"}, pinned="int8",
+                        importance=((0.9, "native"), (0.6, "int8")))
+
+
+def test_formats_are_gpu_caches() -> None:
+    # precision.py carries the names itself (it must not import gpu_cache before vLLM
+    # starts its engine); they must stay the codec's
+    from gpu_cache.formats import FORMATS as CODEC_FORMATS
+
+    assert FORMATS == CODEC_FORMATS
+
+
+@pytest.mark.parametrize("block_index, label, expected", [
+    (0, BlockLabel("axioms", 1.0, True), "native"),      # the sink wins over every label
+    (1, BlockLabel("axioms", 0.1, True), "fp16"),        # then the layer rule
+    (1, BlockLabel("rules", 0.95, True), "int8"),        # then pinned, over importance
+    (1, BlockLabel("memories", 0.95), "native"),         # then the first threshold met
+    (1, BlockLabel("memories", 0.9), "native"),          # thresholds are inclusive
+    (1, BlockLabel("memories", 0.7), "int8"),
+    (1, BlockLabel("memories", 0.59), "tq4"),            # then the default
+    (7, BlockLabel("user_turn"), "tq4"),
+], ids=["sink", "layer", "pinned", "importance-high", "importance-edge", "importance-low",
+        "default", "default-late"])
+def test_rules_apply_in_order(block_index: int, label: BlockLabel, expected: str) -> None:
+    assert RULES.format_for(block_index, label) == expected
+
+
+def test_no_sink_pinned_or_importance_rule_when_unset() -> None:
+    policy = PrecisionPolicy(default="int8", sink_blocks=0)
+    assert policy.format_for(0, BlockLabel("axioms", 1.0, True)) == "int8"
+    wide = PrecisionPolicy(sink_blocks=3)
+    assert [wide.format_for(b, BlockLabel("memories")) for b in range(5)] == [
+        "fp16", "fp16", "fp16", "tq4", "tq4"]
+    assert RULES.formats() == {"tq4", "int8", "fp16", "native"}
+    assert PrecisionPolicy(sink_blocks=0).formats() == {"tq4"}
+
+
+def test_from_mapping_replaces_the_given_keys_only() -> None:
+    base = RULES
+    merged = PrecisionPolicy.from_mapping({"default": "int8", "layers": {"rules": "fp16"}},
+                                          base=base)
+    assert merged.default == "int8"
+    assert dict(merged.layers) == {"rules": "fp16"}  # a key replaces the whole value
+    assert (merged.sink_format, merged.pinned, merged.importance) == (
+        "native", "int8", ((0.9, "native"), (0.6, "int8")))
+    assert PrecisionPolicy.from_mapping(None, base=base) is base
+    assert PrecisionPolicy.from_mapping({}) == DEFAULT_POLICY
+    # importance as {threshold: format} (JSON keys are text): highest threshold first
+    by_map = PrecisionPolicy.from_mapping({"importance": {"0.5": "int8", "0.8": "fp16"}})
+    assert by_map.importance == ((0.8, "fp16"), (0.5, "int8"))
+
+
+def test_to_dict_round_trips_through_json() -> None:
+    doc = json.loads(json.dumps(RULES.to_dict()))
+    assert sorted(doc) == sorted(POLICY_KEYS)
+    assert PrecisionPolicy.from_mapping(doc, base=PrecisionPolicy(default="native")) == RULES
+    assert hash(PrecisionPolicy.from_mapping(doc)) == hash(RULES)  # usable as a dict key
+
+
+_FORMATS_HINT = "write one of tq4, int8, fp16, native"
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"sink": 2}, "unknown precision key 'sink'; known keys: default, sink_blocks, "
+                  "sink_format, layers, pinned, importance, key_offsets"),
+    ({"default": "tq3"}, f"precision.default: unknown block format 'tq3'; {_FORMATS_HINT}"),
+    ({"sink_format": "fp8"}, f"precision.sink_format: unknown block format 'fp8'; "
+                             f"{_FORMATS_HINT}"),
+    ({"pinned": 8}, f"precision.pinned: unknown block format 8; {_FORMATS_HINT}"),
+    ({"layers": {"axioms": "FP16"}},
+     f"precision.layers.axioms: unknown block format 'FP16'; {_FORMATS_HINT}"),
+    ({"layers": ["axioms"]}, "precision.layers: write a mapping of source layer to format "
+                             "(e.g. {\"axioms\": \"fp16\"}), got ['axioms']"),
+    ({"importance": [[0.5, "tq2"]]},
+     f"precision.importance[0]: unknown block format 'tq2'; {_FORMATS_HINT}"),
+    ({"importance": [[1.5, "int8"]]},
+     "precision.importance[0]: an importance threshold is a number in [0, 1], got 1.5"),
+    ({"importance": [0.5]}, "precision.importance[0]: write a [min importance, format] "
+                            "pair, got 0.5"),
+    ({"importance": "int8"}, "precision.importance: write a list of [min importance, "
+                             "format] pairs (e.g. [[0.8, \"int8\"]]), got 'int8'"),
+    ({"importance": [[0.3, "tq4"], [0.8, "int8"]]},
+     "precision.importance: rules are tried in order, so thresholds must decrease (a "
+     "later rule 0.8 after 0.3 never matches); got [0.3, 0.8]"),
+    ({"sink_blocks": -1}, "precision.sink_blocks: write an integer >= 0, got -1"),
+    ({"sink_blocks": "1"}, "precision.sink_blocks: write an integer >= 0, got '1'"),
+    ({"key_offsets": "yes"}, "precision.key_offsets: write true or false, got 'yes'"),
+    ("tq4", "precision: write a mapping of policy keys (e.g. {\"default\": \"tq4\"}), "
+            "got 'tq4'"),
+], ids=lambda v: "" if isinstance(v, str) and len(v) > 20 else json.dumps(v))
+def test_refusals_are_one_line_and_say_what_to_write(data: Any, message: str) -> None:
+    with pytest.raises(PrecisionError) as info:
+        PrecisionPolicy.from_mapping(data)
+    assert str(info.value) == message
+    assert isinstance(info.value, ValueError)
+
+
+def test_the_constructor_checks_as_from_mapping_does() -> None:
+    with pytest.raises(PrecisionError, match=r"precision\.default: unknown block format"):
+        PrecisionPolicy(default="int4")
+    with pytest.raises(AttributeError):
+        RULES.default = "native"  # type: ignore[misc]
+
+
+def test_policy_for_codec() -> None:
+    assert policy_for_codec("tq4") is DEFAULT_POLICY
+    native = policy_for_codec("native")  # the old exact check mode: every block native
+    assert (native.default, native.sink_blocks, native.key_offsets) == ("native", 0, False)
+    assert native.formats() == {"native"}
+    int8 = policy_for_codec("int8")
+    assert int8.default == "int8" and int8.sink_blocks == DEFAULT_POLICY.sink_blocks
+    with pytest.raises(PrecisionError, match="codec: unknown block format 'tq3'"):
+        policy_for_codec("tq3")
+
+
+# --------------------------------------------------------------------------- config
+def test_connector_config_carries_the_policy() -> None:
+    assert ConnectorConfig().policy == DEFAULT_POLICY
+    assert ConnectorConfig(codec="native").policy == policy_for_codec("native")
+    config = ConnectorConfig(codec="fp16", precision={"layers": {"axioms": "native"}})
+    assert config.policy.default == "fp16"  # the codec's, no precision.default given
+    assert dict(config.policy.layers) == {"axioms": "native"}
+    assert ConnectorConfig(codec="int8", precision={"default": "tq4"}).policy.default == "tq4"
+    hash(config)  # still a hashable frozen config
+
+
+def test_connector_config_json_round_trip() -> None:
+    config = ConnectorConfig(block_size=16, codec="tq4", precision={
+        "sink_blocks": 2, "layers": {"axioms": "fp16"}, "pinned": "int8",
+        "importance": [[0.8, "int8"]], "key_offsets": False})
+    doc = json.loads(json.dumps(kv_transfer_config(config)))
+    back = ConnectorConfig.from_json(json.dumps(doc))
+    assert back == config and back.policy == config.policy
+    assert back.policy.format_for(1, BlockLabel("memories", 0.85)) == "fp16"  # sink
+    assert back.policy.format_for(2, BlockLabel("memories", 0.85)) == "int8"
+    assert back.policy.key_offsets is False
+
+
+def test_connector_config_reads_precision_from_the_environment() -> None:
+    env = {"CONTEXTKIT_CONNECTOR_PRECISION": '{"default": "int8", "sink_blocks": 0}'}
+    config = ConnectorConfig.from_extra_config({}, env=env)
+    assert (config.policy.default, config.policy.sink_blocks) == ("int8", 0)
+    # kv_connector_extra_config wins over the environment, key for key of the section
+    config = ConnectorConfig.from_extra_config({"precision": {"pinned": "fp16"}}, env=env)
+    assert config.policy.pinned == "fp16" and config.policy.default == "tq4"
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"precision": {"defualt": "tq4"}}, "connector: unknown precision key 'defualt'; known "
+     "keys: default, sink_blocks, sink_format, layers, pinned, importance, key_offsets"),
+    ({"precision": {"layers": {"axioms": "fp8"}}}, "connector: precision.layers.axioms: "
+     f"unknown block format 'fp8'; {_FORMATS_HINT}"),
+    ({"precision": "int8"}, "connector: precision must be a JSON object (e.g. "
+     "{\"default\": \"tq4\"}), got 'int8'"),
+    ({"codec": "tq3"}, "connector: codec must be one of tq4, int8, fp16, native, got 'tq3'"),
+], ids=["key", "format", "not-a-mapping", "codec"])
+def test_connector_config_refusals(extra: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConnectorConfigError) as info:
+        ConnectorConfig.from_extra_config(extra, env={})
+    assert str(info.value) == message
+
+
+# --------------------------------------------------------------------------- planner
+def _labelled() -> dict[str, Any]:
+    # blocks: 0-1 axioms (pinned), 2 memories 0.9, 3 memories 0.4, 4-5 unlabelled
+    return semantic_params([(0, 8, "axioms", 1.0), (8, 12, "memories", 0.9),
+                            (12, 16, "memories", 0.4)], pin=True, prompt_token_ids=TOKENS)
+
+
+def _saved(p: RequestPlanner, req_id: str, params: dict[str, Any] | None,
+           tokens: list[int] = TOKENS) -> list[tuple[int, str, str]]:
+    """(block index, source layer, format) of every block the planner saves."""
+    p.matched_tokens(req_id, tokens, len(tokens), 0, params=params)
+    _, saves = p.plan([StepRequest(req_id, tokens, 0, len(tokens), list(range(6)))])
+    return [(s.first_block + i, lab.source_layer, lab.fmt)
+            for s in saves for i, lab in enumerate(s.labels)]
+
+
+POLICY = PrecisionPolicy(default="tq4", sink_blocks=1, sink_format="fp16",
+                         layers={"axioms": "int8"}, importance=((0.8, "fp16"),))
+
+
+def test_save_specs_carry_each_blocks_format() -> None:
+    p = RequestPlanner(IDENTITY.digest(), BS, policy=POLICY)
+    assert _saved(p, "r", _labelled()) == [
+        (0, "axioms", "fp16"),      # the sink
+        (1, "axioms", "int8"),      # its layer
+        (2, "memories", "fp16"),    # importance 0.9 >= 0.8
+        (3, "memories", "tq4"),     # importance 0.4: the default
+        (4, "user_turn", "tq4"), (5, "user_turn", "tq4")]
+
+
+def test_the_sink_is_the_requests_first_blocks_not_a_runs() -> None:
+    keys = hash_token_blocks(IDENTITY.digest(), "default", TOKENS, BS)
+    p = RequestPlanner(IDENTITY.digest(), BS, policy=POLICY)
+    p.seed(keys[:2])  # blocks 0-1 held: the save starts at block 2, no sink there
+    assert _saved(p, "r", None) == [(b, "user_turn", "tq4") for b in range(2, 6)]
+    p2 = RequestPlanner(IDENTITY.digest(), BS,
+                        policy=PrecisionPolicy(sink_blocks=3, sink_format="native"))
+    p2.seed([keys[0], keys[2]])  # two runs: [1] and [3, 4, 5]
+    assert _saved(p2, "s", None) == [(1, "user_turn", "native"), (3, "user_turn", "tq4"),
+                                     (4, "user_turn", "tq4"), (5, "user_turn", "tq4")]
+
+
+def test_planner_defaults_to_the_default_policy() -> None:
+    p = RequestPlanner(IDENTITY.digest(), BS)
+    assert p.policy is DEFAULT_POLICY
+    expected = [DEFAULT_POLICY.format_for(b, BlockLabel("user_turn")) for b in range(6)]
+    assert [fmt for _, _, fmt in _saved(p, "r", None)] == expected
+
+
+def test_a_request_overrides_keys_of_the_servers_policy() -> None:
+    p = RequestPlanner(IDENTITY.digest(), BS, policy=POLICY)
+    params = _labelled()
+    params["contextkit"]["precision"] = {"default": "int8", "sink_blocks": 0}
+    assert _saved(p, "r", params) == [
+        (0, "axioms", "int8"), (1, "axioms", "int8"), (2, "memories", "fp16"),
+        (3, "memories", "int8"), (4, "user_turn", "int8"), (5, "user_turn", "int8")]
+    # other requests keep the server's policy
+    other = [t + 1000 for t in TOKENS]
+    assert [fmt for _, _, fmt in _saved(p, "s", None, other)] == ["fp16"] + ["tq4"] * 5
+
+
+def test_semantic_params_carries_a_checked_precision_override() -> None:
+    params = semantic_params([(0, 4, "axioms")], prompt_token_ids=TOKENS,
+                             precision={"importance": {"0.7": "int8"}, "pinned": "fp16"})
+    assert params["contextkit"]["precision"] == {"importance": [[0.7, "int8"]],
+                                                 "pinned": "fp16"}
+    json.dumps(params)  # travels as kv_transfer_params
+    assert "precision" not in semantic_params([(0, 4, "axioms")])["contextkit"]
+    with pytest.raises(PrecisionError, match=r"precision\.pinned: unknown block format 'fp4'"):
+        semantic_params([(0, 4, "axioms")], precision={"pinned": "fp4"})
+
+
+def test_a_bad_override_is_logged_once_and_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    p = RequestPlanner(IDENTITY.digest(), BS, policy=POLICY)
+    params = _labelled()
+    params["contextkit"]["precision"] = {"default": "tq3"}
+    with caplog.at_level(logging.WARNING, logger="integrations.vllm.planning"):
+        saved = _saved(p, "req-9", params)
+        p.matched_tokens("req-9", TOKENS, len(TOKENS), 0, params=params)
+        p.plan([StepRequest("req-9", [*TOKENS, 1], 24, 1, list(range(7)))])
+    assert [fmt for _, _, fmt in saved] == ["fp16", "int8", "fp16", "tq4", "tq4", "tq4"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "req-9" in warnings[0] and "precision.default: unknown block format 'tq3'" \
+        in warnings[0] and "\n" not in warnings[0]
+
+
+def test_an_override_with_mismatched_labels_is_ignored_with_them() -> None:
+    p = RequestPlanner(IDENTITY.digest(), BS, policy=POLICY)
+    params = semantic_params([(0, 24, "axioms", 1.0)], prompt_token_ids=TOKENS[:-1],
+                             precision={"default": "native", "sink_blocks": 0})
+    # another prompt's fingerprint: default labels and the server's policy
+    assert _saved(p, "r", params) == [(0, "user_turn", "fp16")] + [
+        (b, "user_turn", "tq4") for b in range(1, 6)]
+
+
+def test_formats_survive_the_worker_round_trip_of_keys() -> None:
+    # a saved block is in the index whatever its format: another request matches it
+    keys = hash_token_blocks(IDENTITY.digest(), "default", TOKENS, BS)
+    p = RequestPlanner(IDENTITY.digest(), BS, policy=POLICY)
+    _saved(p, "r", _labelled())
+    p.apply(WorkerReport(stored=set(keys)))
+    assert p.matched_tokens("s", TOKENS, len(TOKENS), 0) == 20
