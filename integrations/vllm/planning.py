@@ -148,7 +148,8 @@ def semantic_params(spans: Iterable[tuple[Any, ...]], *, pin: bool = False,
             request whose prompt differs (see :func:`label_mismatch`).
         precision: this request's precision policy keys over the server's (e.g.
             ``{"importance": [[0.9, "fp16"]]}``; each key replaces the server's
-            value), see :class:`~integrations.vllm.precision.PrecisionPolicy`.
+            value), see :class:`~integrations.vllm.precision.PrecisionPolicy`. It
+            picks block formats only: ``key_offsets`` stays the server's (its pools).
 
     Raises:
         ValueError: a bad span; :class:`~integrations.vllm.precision.PrecisionError`

@@ -179,6 +179,18 @@ def test_connector_config_reads_precision_from_the_environment() -> None:
     assert config.policy.pinned == "fp16" and config.policy.default == "tq4"
 
 
+def test_connector_config_reads_precision_from_a_config_file(tmp_path: Any) -> None:
+    from contextkit.config import load_config
+
+    path = tmp_path / "contextkit.toml"
+    path.write_text('[connector]\ncodec = "int8"\n[connector.precision]\nsink_blocks = 2\n'
+                    'importance = [[0.8, "fp16"]]\n[connector.precision.layers]\n'
+                    'axioms = "native"\n')
+    policy = load_config(path, env={}).connector.policy
+    assert policy == PrecisionPolicy(default="int8", sink_blocks=2, layers={"axioms": "native"},
+                                     importance=((0.8, "fp16"),))
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"precision": {"defualt": "tq4"}}, "connector: unknown precision key 'defualt'; known "
      "keys: default, sink_blocks, sink_format, layers, pinned, importance, key_offsets"),
