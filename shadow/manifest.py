@@ -37,6 +37,7 @@ import torch
 
 from gpu_cache import TENSOR_NAMES, CacheIdentity, CacheIdentityError, InvalidNameError
 from gpu_cache.calibration import key_offset_digest
+from gpu_cache.formats import FORMATS, tensor_specs
 from gpu_cache.ids import MAX_NAME_LENGTH, validate_name, validate_tenant
 from shadow._errors import CorruptShadowError, InvalidSessionIdError
 from shadow.auth import sign, verify
@@ -50,6 +51,8 @@ __all__ = [
     "Manifest",
     "SegmentRecord",
     "SessionInfo",
+    "block_dtypes",
+    "block_nbytes",
     "block_shapes",
     "checksum",
     "manifest_key",
@@ -69,8 +72,8 @@ SEGMENT_KINDS = ("base", "incremental", "compaction")
 #: manifest beyond them is refused before anything is sized from it.
 _MAX_DIM = 1 << 16
 _KEY_HEX = 64  # block keys are SHA-256 digests
-_NUMPY_DTYPES = {"k_packed": np.uint8, "v_packed": np.uint8,
-                 "k_norms": np.float32, "v_norms": np.float32}
+_NUMPY_OF = {torch.uint8: np.uint8, torch.int8: np.int8, torch.float16: np.float16,
+             torch.float32: np.float32}
 
 
 def validate_session_id(session_id: object) -> str:
@@ -99,19 +102,22 @@ def segment_files(session_id: str, segment_id: int) -> dict[str, str]:
 
 
 def block_shapes(identity: CacheIdentity) -> dict[str, tuple[int, ...]]:
-    """Per tensor, the shape of one block in a blob (``[L, BS, H, ...]``)."""
-    base = (identity.num_layers, identity.block_size, identity.num_kv_heads)
-    packed = (*base, identity.head_dim // 2)
-    return {"k_packed": packed, "k_norms": base, "v_packed": packed, "v_norms": base}
+    """Per tensor, the shape of one block in a blob (``[L, BS, ...]``), in the identity's
+    codec (:func:`gpu_cache.formats.tensor_specs`; fp16/native norms are empty)."""
+    lead = (identity.num_layers, identity.block_size)
+    return {name: (*lead, *shape) for name, (shape, _) in tensor_specs(identity).items()}
 
 
-def block_dtypes() -> dict[str, Any]:
-    return dict(_NUMPY_DTYPES)
+def block_dtypes(identity: CacheIdentity) -> dict[str, np.dtype[Any]]:
+    """Per tensor, the numpy dtype of a block in the identity's codec."""
+    return {name: np.dtype(_NUMPY_OF[dtype])
+            for name, (_, dtype) in tensor_specs(identity).items()}
 
 
 def block_nbytes(identity: CacheIdentity) -> dict[str, int]:
-    """Per tensor, the bytes of one block."""
-    return {name: int(np.prod(shape)) * np.dtype(_NUMPY_DTYPES[name]).itemsize
+    """Per tensor, the bytes of one block (0 for the empty norms of fp16/native)."""
+    dtypes = block_dtypes(identity)
+    return {name: int(np.prod(shape)) * dtypes[name].itemsize
             for name, shape in block_shapes(identity).items()}
 
 
@@ -339,7 +345,7 @@ class Manifest:
             "updated_at": self.updated_at,
             "checksum": CHECKSUM,
             "layout": "block-major [num_layers, block_size, num_kv_heads, ...] per block",
-            "tensors": {n: {"dtype": np.dtype(_NUMPY_DTYPES[n]).name, "block_bytes": b,
+            "tensors": {n: {"dtype": block_dtypes(self.identity)[n].name, "block_bytes": b,
                             "block_shape": list(block_shapes(self.identity)[n])}
                         for n, b in self.block_nbytes.items()},
             "next_segment": self.next_segment,
@@ -388,6 +394,12 @@ class Manifest:
             raise CorruptShadowError(f"{where} has format_version {version!r:.20}; this "
                                      f"contextkit reads up to {FORMAT_VERSION} - upgrade "
                                      "contextkit")
+        identity = doc.get("identity")
+        codec = identity.get("codec") if isinstance(identity, dict) else None
+        if isinstance(codec, str) and codec not in FORMATS:
+            raise CorruptShadowError(f"{where} stores blocks in format {codec[:20]!r}, which this "
+                                     f"contextkit does not know (it reads {', '.join(FORMATS)}); "
+                                     "upgrade contextkit to recover the session, or delete it")
         try:
             manifest = cls._parse(doc, where)
         except CacheIdentityError:
@@ -467,6 +479,11 @@ class Manifest:
             index = b.offsets[TENSOR_NAMES[0]] // sizes[TENSOR_NAMES[0]]
             for name in TENSOR_NAMES:
                 off = b.offsets[name]
+                if not sizes[name]:  # the empty norms of fp16/native: no bytes, offset 0
+                    if off:
+                        raise CorruptShadowError(f"{where}: block {i} has offset {off} in "
+                                                 f"{name}, which holds no bytes")
+                    continue
                 if off < 0 or off % sizes[name] or off // sizes[name] >= seg.num_blocks:
                     raise CorruptShadowError(f"{where}: block {i} has offset {off} in "
                                              f"{name}, outside segment {seg.segment_id}")

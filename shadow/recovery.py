@@ -304,7 +304,7 @@ class _ChunkReader:
 
     def __init__(self, store: ShadowStore, manifest: Manifest, chunks: list[_Chunk]) -> None:
         self.store, self.manifest = store, manifest
-        self.shapes, self.dtypes = block_shapes(manifest.identity), block_dtypes()
+        self.shapes, self.dtypes = block_shapes(manifest.identity), block_dtypes(manifest.identity)
         self.sizes = manifest.block_nbytes
         self.files = {s.segment_id: s.files for s in manifest.segments}
         span = max((c.records[-1][2] - c.first + 1 for c in chunks), default=0)
@@ -337,6 +337,9 @@ class _ChunkReader:
         try:
             for name in TENSOR_NAMES:
                 arr = buffers[name][:span]
+                if not self.sizes[name]:  # the empty norms of fp16/native: nothing to read
+                    arrays[name] = arr
+                    continue
                 try:
                     got = self.store.read_into(files[name], chunk.first * self.sizes[name],
                                                memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]

@@ -463,7 +463,8 @@ class CacheShadow:
         try:
             for prepared in self._prepared_chunks(list(metas)):
                 for name in TENSOR_NAMES:
-                    writers[name].write(prepared.arrays[name])
+                    if sizes[name]:  # the empty norms of fp16/native stay empty blobs
+                        writers[name].write(prepared.arrays[name])
                 for i, m in enumerate(prepared.metas):
                     idx = len(written) + i
                     out.append((m.block_id, BlockRecord(
