@@ -7,6 +7,7 @@ and shadows are exchanged only between equal identities (SPEC 1.3, 4).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import struct
@@ -16,7 +17,12 @@ from typing import Any
 
 from gpu_cache import CacheIdentity
 
-__all__ = ["model_fingerprint", "model_shape", "vllm_cache_identity"]
+__all__ = ["check_same_model", "model_fingerprint", "model_shape", "same_model",
+           "vllm_cache_identity"]
+
+#: Identity fields that only say how blocks are stored; blocks differing in them
+#: still come from the same model (the connector keeps one pool per combination).
+FORMAT_FIELDS = ("codec", "key_offset_digest")
 
 _SAMPLE_BYTES = 1 << 20
 
@@ -84,7 +90,8 @@ def vllm_cache_identity(
     Args:
         model_dir: the Hugging Face directory vLLM serves.
         block_size: vLLM's block size (tokens per block).
-        codec: ``"tq4"`` or ``"native"``.
+        codec: a block format of :data:`gpu_cache.formats.FORMATS` (the key identity's
+            codec; the connector's pools of other formats replace it).
         model_id: explicit model name; default ``sha256:<fingerprint>`` of the weights.
         tokenizer_dir: tokenizer directory when it is not ``model_dir``.
 
@@ -99,3 +106,19 @@ def vllm_cache_identity(
         block_size=block_size, codec=codec,
         tokenizer_id=_tokenizer_id(str(Path(tokenizer_dir or model_dir).resolve())),
     )
+
+
+def same_model(base: CacheIdentity, other: CacheIdentity) -> list[str]:
+    """Fields other than the block format (codec, key offsets) where ``other`` differs
+    from ``base``; empty when blocks of ``other`` come from the same model, tokenizer,
+    block size and schema, so the connector can serve them from a pool of their own."""
+    return [f.name for f in dataclasses.fields(base) if f.name not in FORMAT_FIELDS
+            and getattr(base, f.name) != getattr(other, f.name)]
+
+
+def check_same_model(base: CacheIdentity, other: CacheIdentity, what: str = "data") -> None:
+    """Raise :class:`gpu_cache.CacheIdentityError` (one line naming every differing field
+    and both values) when ``other`` is not of ``base``'s model (see :func:`same_model`)."""
+    if same_model(base, other):
+        base.check_compatible(dataclasses.replace(
+            other, codec=base.codec, key_offset_digest=base.key_offset_digest), what=what)

@@ -1,9 +1,13 @@
 """Worker-side block store of the vLLM connector: contextkit's tiers plus the shadow.
 
-Holds a :class:`gpu_cache.TQGPUCache` (device tier + DDR tier, semantic eviction,
-prefix pins) whose blocks are keyed by contextkit's block keys, and a
-:class:`shadow.CacheShadow` that makes them durable. Free of vLLM imports: the
-connector hands it K/V as ``[num_layers, n, block_size, num_kv_heads, head_dim]``.
+Holds one :class:`gpu_cache.TQGPUCache` per block format (device tier + DDR tier,
+semantic eviction, prefix pins; see :mod:`.pools`) whose blocks are keyed by
+contextkit's block keys, each with a :class:`shadow.CacheShadow` session that makes
+them durable. Each block goes to the pool of its label's format (``BlockLabel.fmt``,
+chosen by the precision policy); ``tq4`` and ``int8`` pools subtract per-head key
+offsets calibrated on the first big save (loaded keys are always the keys). Free of
+vLLM imports: the connector hands it K/V as
+``[num_layers, n, block_size, num_kv_heads, head_dim]``.
 """
 
 from __future__ import annotations
@@ -20,35 +24,51 @@ import torch
 
 from gpu_cache import (
     BlockStateError,
-    CacheConfig,
     CacheIdentity,
     CacheIdentityError,
     InvalidNameError,
     PinCapacityError,
     PrefixPinManager,
-    Tier,
     TQGPUCache,
+    formats,
     validate_tenant,
 )
-from gpu_cache.codec import TQ4Encoded
 from gpu_cache.hashing import BlockHash
-from gpu_cache.kernels import quantize_into_cache
 from integrations.vllm.config import ConnectorConfig
+from integrations.vllm.identity import check_same_model
 from integrations.vllm.metrics import StatsRecorder, layer_names
 from integrations.vllm.planning import BlockLabel
+from integrations.vllm.pools import (
+    CALIBRATION_BLOCKS,
+    OFFSET_FORMATS,
+    Pool,
+    calibrate_offsets,
+    combine_results,
+    format_summary,
+    pool_identity,
+    server_sessions,
+    session_name,
+)
+from integrations.vllm.snapshots import (
+    LOCAL_SESSION,
+    local_session_keys,
+    shadow_manifest,
+    shadow_manifests,
+)
 from shadow import (
     CacheShadow,
-    Manifest,
     RecoveryReport,
     ShadowConfig,
     ShadowError,
     ShadowResult,
     StoreConfig,
+    load_manifest,
     open_store,
     recover_session,
 )
 
-__all__ = ["ConnectorStore", "SaveResult", "local_session_keys", "shadow_manifest", "tenant_slug"]
+__all__ = ["LOCAL_SESSION", "ConnectorStore", "SaveResult", "local_session_keys",
+           "shadow_manifest", "shadow_manifests", "tenant_slug"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +82,6 @@ def tenant_slug(cache_salt: str) -> str:
     except InvalidNameError:
         return "salt-" + hashlib.sha256(cache_salt.encode()).hexdigest()[:40]
 
-#: Session name of the verified snapshot ``contextkit recover --for-vllm`` writes.
-LOCAL_SESSION = "vllm-recovered"
 
 
 @dataclass(slots=True)
@@ -77,86 +95,40 @@ class SaveResult:
     removed_layers: list[str | None] = field(default_factory=list)
 
 
-def local_session_keys(local_store: str, identity: CacheIdentity) -> list[bytes]:
-    """Keys of the verified snapshot in ``local_store`` (empty if absent or for another
-    identity). The scheduler seeds its index with them."""
-    from shadow import BlobNotFoundError, load_manifest
-
-    if not local_store:
-        return []
-    store = open_store(local_store)
-    try:
-        manifest = load_manifest(store, LOCAL_SESSION)
-    except BlobNotFoundError:
-        return []
-    except ShadowError as exc:
-        logger.warning("local store %s unreadable (%s); starting cold", local_store, exc)
-        return []
-    finally:
-        store.close()
-    if manifest.identity != identity:
-        return []  # the worker refuses it too (and says why)
-    return [bytes.fromhex(b.key) for b in manifest.blocks if b.key is not None]
-
-
-def shadow_manifest(config: ConnectorConfig) -> Manifest | None:
-    """The connector's last committed shadow of its store, read-only (another process
-    may be serving): one record per stored block with its key, source layer,
-    importance, tenant and pin flag. None when the config has no shadow or nothing
-    has been shadowed yet.
-
-    With ``shadow_on_save`` (the default) the connector shadows after every save, so
-    this is its store as of the last save: what an operator or a test can inspect
-    while vLLM runs. Block keys are :func:`gpu_cache.hash_token_blocks` of the
-    request's tokens, salted with its ``cache_salt``.
-
-    Raises:
-        shadow.ShadowError: the manifest exists but cannot be read or trusted.
-    """
-    from shadow import BlobNotFoundError, ShadowStoreError, load_manifest
-
-    if not config.shadow_url:
-        return None
-    try:
-        store = open_store(config.shadow_url, StoreConfig(endpoint_url=config.endpoint_url),
-                           create=False)
-    except ShadowStoreError:
-        return None  # a file:// shadow not created yet
-    try:
-        return load_manifest(store, config.session_id)
-    except BlobNotFoundError:
-        return None
-    finally:
-        store.close()
-
-
 class ConnectorStore:
-    """Blocks by key in contextkit's tiers, shadowed to ``config.shadow_url``.
+    """Blocks by key in contextkit's tiers, one pool per block format, shadowed to
+    ``config.shadow_url``.
 
     Args:
-        identity: the cache identity (model, block size, codec).
-        config: tier sizes, shadow and local store.
+        identity: the key identity (model, block size, ``config.codec``): block keys
+            are salted with its digest, and its pool keeps the plain session names.
+        config: tier sizes (each pool's tiers hold as many bytes as ``host_blocks`` /
+            ``device_blocks`` blocks of ``identity``), shadow and local store.
+        key_offsets: ``tq4`` and ``int8`` pools subtract per-head key offsets,
+            calibrated from the first save holding >= 8 blocks of the format; None
+            takes ``config.policy.key_offsets``.
 
     Attributes:
         stats: the worker side's metrics (loads, saves, evictions, shadow); see
             :meth:`take_stats`.
+        pools: the pools by name (``""``: the key identity's; ``"@fmt[.digest8]"``).
 
     Saves go to the DDR tier on CPU (both tiers are RAM; DDR is where stored
     blocks belong) and to the device tier on CUDA (fused quantization on the GPU;
     the semantic policy spills them to pinned DDR as the device tier fills).
     """
 
-    def __init__(self, identity: CacheIdentity, config: ConnectorConfig) -> None:
+    def __init__(self, identity: CacheIdentity, config: ConnectorConfig, *,
+                 key_offsets: bool | None = None) -> None:
         self.identity = identity
         self.config = config
-        self.cache = TQGPUCache(identity, CacheConfig(
-            num_device_blocks=config.device_blocks, num_host_blocks=config.host_blocks,
-            device=config.device))
-        self.save_tier = Tier.HOST if self.cache.device.type == "cpu" else Tier.DEVICE
-        self.pins = PrefixPinManager(self.cache)
-        self.shadow: CacheShadow | None = None
+        self.key_offsets = config.policy.key_offsets if key_offsets is None else key_offsets
+        self.pools: dict[str, Pool] = {}
+        #: per format, the pool new saves of it go to (offset pools once calibrated)
+        self._active: dict[str, Pool] = {}
+        self._shadowing = False
         self._lock = threading.RLock()
-        self._ids: dict[bytes, int] = {}  # key -> block id, to notice evictions
+        self._ids: dict[bytes, tuple[Pool, int]] = {}  # key -> (pool, block id)
         self._sources: dict[bytes, str | None] = {}  # key -> source layer (metrics)
         self.num_saved = 0
         self.num_loaded = 0
@@ -164,91 +136,200 @@ class ConnectorStore:
         # shadow accounting (metrics), under its own lock: never waits for a save
         self._stats_lock = threading.Lock()
         self._unshadowed: dict[bytes, float] = {}  # key -> monotonic time stored, oldest first
-        self._seen_manifest: object = None
-        self._counted_result: ShadowResult | None = None
         self._shadow_bytes = 0
+        self._pool(identity, None)  # the key identity's pool: small saves, old sessions
+
+    # ------------------------------------------------------------------ pools
+    @property
+    def cache(self) -> TQGPUCache:
+        """The cache of the key identity's pool."""
+        return self._pool(self.identity, None).cache
+
+    @property
+    def pins(self) -> PrefixPinManager:
+        return self._pool(self.identity, None).pins
+
+    def _pool(self, identity: CacheIdentity, offsets: torch.Tensor | None) -> Pool:
+        """The pool of ``identity``, created (and shadowed, when shadowing) if new."""
+        with self._lock:
+            pool = self.pools.get(_suffix(self.identity, identity))
+            if pool is not None:
+                if pool.identity != identity:  # an 8-hex-digit digest prefix collision
+                    raise CacheIdentityError(f"pool {pool.name!r} already holds another "
+                                             "identity; restart the server to recalibrate")
+                return pool
+            config = self.config
+            pool = Pool.create(self.identity, identity, offsets,
+                               host_blocks=config.host_blocks,
+                               device_blocks=config.device_blocks, device=config.device)
+            self.pools[pool.name] = pool
+            if self._shadowing:
+                self._open_pool_shadow(pool)
+            return pool
+
+    def _save_pool(self, fmt: str, k: torch.Tensor, index: Sequence[int]) -> Pool:
+        """The pool blocks ``index`` of ``k`` in format ``fmt`` go to (caller holds the lock)."""
+        active = self._active.get(fmt)
+        if active is not None:
+            return active
+        if self.key_offsets and fmt in OFFSET_FORMATS:
+            if len(index) < CALIBRATION_BLOCKS:
+                return self._pool(pool_identity(self.identity, fmt), None)
+            offsets = calibrate_offsets(k, index)
+            pool = self._pool(pool_identity(self.identity, fmt, offsets), offsets)
+            logger.info("format %s: key offsets calibrated on %d blocks (pool %s)", fmt,
+                        len(index), pool.name)
+        else:
+            pool = self._pool(pool_identity(self.identity, fmt), None)
+        self._active[fmt] = pool
+        return pool
+
+    def _activate(self, pool: Pool) -> None:
+        """Make a restored pool its format's active one if none is and its offsets
+        match the policy (caller holds the lock)."""
+        wants_offsets = self.key_offsets and pool.fmt in OFFSET_FORMATS
+        if pool.fmt not in self._active and bool(pool.identity.key_offset_digest) == wants_offsets:
+            self._active[pool.fmt] = pool
+
+    def format_stats(self) -> dict[str, dict[str, Any]]:
+        """Per format of the held blocks: ``blocks``, ``bytes``, ``bytes_per_token`` and
+        ``vs_fp16`` (bytes per token over fp16 K/V, ``2 * 2 * L * H * D``)."""
+        with self._lock:
+            counts = [(pool.identity, len(pool.cache.metadata)) for pool in self.pools.values()]
+        return format_summary(self.identity, [c for c in counts if c[1]])
 
     # ------------------------------------------------------------------ start / stop
     def warm_up(self) -> None:
         """Compile the codec's fused CPU kernels now rather than on the first request."""
-        if self.identity.codec == "tq4":
-            codec = self.cache.codec
-            x = torch.randn(512, self.identity.head_dim, device=codec.device)
-            codec.decode(codec.encode(x))
+        codec = self.cache.codec
+        x = torch.randn(512, self.identity.head_dim, device=codec.device)
+        codec.decode(codec.encode(x))
 
     def restore_local(self) -> RecoveryReport | None:
-        """Load the verified snapshot from ``config.local_store`` into the DDR tier.
+        """Load the verified snapshot sessions from ``config.local_store`` into the DDR
+        tier, each into the pool of its format and key offsets.
 
-        A snapshot of another identity is refused (logged, nothing loaded): vLLM then
-        recomputes instead of reading wrong KV. Corrupt blocks are skipped.
+        A session of another model is refused (logged, nothing of it loaded): vLLM then
+        recomputes instead of reading wrong KV; so is an unreadable one or one of a
+        format this contextkit does not know, while the others still load. Corrupt
+        blocks are skipped. Returns None when nothing was loaded.
         """
         if not self.config.local_store:
             return None
-        from shadow import BlobNotFoundError
-
-        store = open_store(self.config.local_store)
+        where = self.config.local_store
+        report = RecoveryReport()
+        store = open_store(where)
         try:
-            report = recover_session(store, LOCAL_SESSION, self.cache, repin=True)
-        except BlobNotFoundError:
-            logger.info("no recovered snapshot in %s; starting cold (run `contextkit "
-                        "recover --for-vllm` before `vllm serve`)", self.config.local_store)
-            return None
-        except (CacheIdentityError, ShadowError) as exc:
-            logger.error("refusing the snapshot in %s: %s", self.config.local_store, exc)
-            return None
+            sessions = server_sessions(store, LOCAL_SESSION)
+            for sid in sessions:
+                try:
+                    manifest = load_manifest(store, sid)
+                    check_same_model(self.identity, manifest.identity,
+                                     what=f"snapshot session {sid!r}")
+                    pool = self._pool(manifest.identity, manifest.key_offsets_tensor())
+                    got = recover_session(store, sid, pool.cache, repin=True)
+                except (CacheIdentityError, ShadowError) as exc:
+                    logger.error("refusing the snapshot %s in %s: %s", sid, where, exc)
+                    report.errors[sid] = str(exc)
+                    continue
+                with self._lock:
+                    pool.restored = True
+                    self._activate(pool)
+                    for ids in got.block_ids.values():
+                        for bid in ids:
+                            if bid is not None:
+                                self._remember(pool, bid)
+                report.merge(got)
         finally:
             store.close()
-        with self._lock:
-            for ids in report.block_ids.values():
-                for bid in ids:
-                    if bid is not None:
-                        self._remember(bid)
-        logger.info("restored %d blocks (%d skipped) from %s", report.blocks,
-                    report.num_skipped, self.config.local_store)
+        if not sessions:
+            logger.info("no recovered snapshot in %s; starting cold (run `contextkit "
+                        "recover --for-vllm` before `vllm serve`)", where)
+            return None
+        if not report.sessions:
+            return None
+        logger.info("restored %d blocks (%d skipped) of %d session(s) from %s", report.blocks,
+                    report.num_skipped, len(report.sessions), where)
         return report
 
     def open_shadow(self, restored: bool) -> None:
-        """Start shadowing to ``config.shadow_url`` under ``config.session_id``.
+        """Start shadowing to ``config.shadow_url``: one session per pool (see
+        :func:`.pools.session_name`), pools made later get theirs when made.
 
         Args:
-            restored: the local snapshot was loaded. Then the session's blocks are in
-                the cache and the next shadow is incremental. Otherwise an existing
-                session is recovered straight from the shadow first, so a restart
-                without the recovery job never shadows an empty cache over it.
+            restored: the local snapshot was loaded (kept for callers: each pool
+                knows whether it was). A pool loaded from it holds its session's
+                blocks and shadows incrementally. The server's other
+                sessions in the shadow store (a restart without the recovery job) are
+                recovered straight from the shadow into their pools first, so an empty
+                cache never shadows over them.
         """
         if not self.config.shadow_url:
             return
+        from shadow import BlobNotFoundError, ShadowStoreError
+
+        sid = self.config.session_id
+        try:
+            store = open_store(self.config.shadow_url,
+                               StoreConfig(endpoint_url=self.config.endpoint_url), create=False)
+        except ShadowStoreError:
+            store = None  # a file:// shadow not created yet: nothing to pick up
+        if store is not None:
+            try:
+                for name in server_sessions(store, sid):
+                    try:
+                        manifest = load_manifest(store, name)
+                        check_same_model(self.identity, manifest.identity,
+                                         what=f"shadow session {name!r}")
+                        if session_name(sid, self.identity, manifest.identity) == name:
+                            self._pool(manifest.identity, manifest.key_offsets_tensor())
+                    except BlobNotFoundError:
+                        continue
+                    except (CacheIdentityError, ShadowError) as exc:
+                        logger.error("shadow session %s left alone: %s (give this server its "
+                                     "own session_id or shadow_url)", name, exc)
+            finally:
+                store.close()
+        with self._lock:
+            self._shadowing = True
+            for pool in list(self.pools.values()):
+                self._open_pool_shadow(pool)
+
+    def _open_pool_shadow(self, pool: Pool) -> None:
+        """Open ``pool``'s shadow session (caller holds the lock); recover its blocks
+        first unless the local snapshot loaded them."""
+        name = session_name(self.config.session_id, self.identity, pool.identity)
         interval = self.config.shadow_interval_s
         try:
             shadow = CacheShadow(
-                self.cache, self.config.shadow_url, self.config.session_id,
+                pool.cache, self.config.shadow_url, name,
                 config=ShadowConfig(interval_seconds=interval or 60.0, autostart=False),
                 store_config=StoreConfig(endpoint_url=self.config.endpoint_url))
         except (CacheIdentityError, ShadowError) as exc:
-            # Never overwrite (or read) a session of another model: serve unshadowed.
-            logger.error("shadowing disabled: %s (give this server its own session_id or "
-                         "shadow_url)", exc)
+            # Never overwrite (or read) a session of another model: this pool is unshadowed.
+            logger.error("shadowing of %s disabled: %s (give this server its own session_id "
+                         "or shadow_url)", name, exc)
             return
-        if shadow.manifest is not None and shadow.manifest.blocks and not restored:
+        if shadow.manifest is not None and shadow.manifest.blocks and not pool.restored:
             logger.warning("session %s was not restored by `contextkit recover --for-vllm`; "
-                           "recovering it inside the engine", self.config.session_id)
+                           "recovering it inside the engine", name)
             report = shadow.recover_session()
-            with self._lock:
-                for ids in report.block_ids.values():
-                    for bid in ids:
-                        if bid is not None:
-                            self._remember(bid)
+            self._activate(pool)
+            for ids in report.block_ids.values():
+                for bid in ids:
+                    if bid is not None:
+                        self._remember(pool, bid)
         elif shadow.manifest is not None:
             shadow.shadow_now()  # the restored blocks are the session: commit, incrementally
         if interval:
             shadow.start()
-        self.shadow = shadow
+        pool.shadow = shadow
 
-    def _remember(self, bid: int) -> None:
-        """Index a block recovered into the cache (caller holds ``_lock``)."""
-        meta = self.cache.metadata.get(bid)
+    def _remember(self, pool: Pool, bid: int) -> None:
+        """Index a block recovered into a pool (caller holds ``_lock``)."""
+        meta = pool.cache.metadata.get(bid)
         if meta.key is not None:
-            self._ids[bytes(meta.key)] = bid
+            self._ids[bytes(meta.key)] = (pool, bid)
             self._sources[bytes(meta.key)] = meta.source_layer or None
 
     def keys(self) -> list[bytes]:
@@ -256,24 +337,38 @@ class ConnectorStore:
             return list(self._ids)
 
     # ------------------------------------------------------------------ shadow stats
-    def shadow_now(self) -> ShadowResult | None:
-        """Shadow now (None without a shadow); its bytes count in :meth:`shadow_stats`."""
-        shadow = self.shadow
-        if shadow is None:
-            return None
-        result = shadow.shadow_now()
-        self._note_shadow(shadow)
-        return result
+    @property
+    def shadowing(self) -> bool:
+        """Whether any pool is shadowed."""
+        return any(pool.shadow is not None for pool in list(self.pools.values()))
 
-    def _note_shadow(self, shadow: CacheShadow) -> None:
-        """Count the shadow's last result once, and clear the keys its manifest holds."""
+    @property
+    def shadow(self) -> CacheShadow | None:
+        """The shadow of the key identity's pool (else of the first shadowed pool)."""
+        pools = sorted(self.pools.values(), key=lambda p: p.name != "")
+        return next((p.shadow for p in pools if p.shadow is not None), None)
+
+    def shadow_now(self) -> ShadowResult | None:
+        """Shadow every pool now (None without a shadow); the bytes count in
+        :meth:`shadow_stats`. With several pools the result sums theirs."""
+        results = []
+        for pool in list(self.pools.values()):
+            shadow = pool.shadow
+            if shadow is None:
+                continue
+            results.append(shadow.shadow_now())
+            self._note_shadow(pool, shadow)
+        return combine_results(results)
+
+    def _note_shadow(self, pool: Pool, shadow: CacheShadow) -> None:
+        """Count a pool's last shadow result once, and clear the keys its manifest holds."""
         result, manifest = shadow.last_result, shadow.manifest
         with self._stats_lock:
-            if result is not None and result is not self._counted_result:
-                self._counted_result = result
+            if result is not None and result is not pool.counted_result:
+                pool.counted_result = result
                 self._shadow_bytes += result.bytes_written + result.manifest_bytes
-            if manifest is not None and manifest is not self._seen_manifest:
-                self._seen_manifest = manifest
+            if manifest is not None and manifest is not pool.seen_manifest:
+                pool.seen_manifest = manifest
                 if self._unshadowed:
                     for record in manifest.blocks:
                         if record.key is not None:
@@ -284,16 +379,19 @@ class ConnectorStore:
 
         The lag is the age of the oldest stored block that no committed manifest holds
         yet (0 when none is pending or there is no shadow). Shadows the periodic job
-        ran are counted from the shadow's last result, polled here and after every
+        ran are counted from each shadow's last result, polled here and after every
         :meth:`shadow_now`.
         """
-        shadow = self.shadow
-        if shadow is not None:
-            self._note_shadow(shadow)
+        shadowed = False
+        for pool in list(self.pools.values()):
+            shadow = pool.shadow
+            if shadow is not None:
+                shadowed = True
+                self._note_shadow(pool, shadow)
         now = time.monotonic() if now is None else now
         with self._stats_lock:
             nbytes, self._shadow_bytes = self._shadow_bytes, 0
-            if shadow is None or not self._unshadowed:
+            if not shadowed or not self._unshadowed:
                 return nbytes, 0.0
             oldest = next(iter(self._unshadowed.values()))
         return nbytes, max(0.0, now - oldest)
@@ -301,94 +399,76 @@ class ConnectorStore:
     def take_stats(self) -> dict[str, Any] | None:
         """The worker side's metrics since the last call (see :mod:`.metrics`); with a
         shadow, always the current shadow lag."""
-        if self.shadow is not None:
+        if self.shadowing:
             nbytes, lag = self.shadow_stats()
             self.stats.count("shadow_bytes", nbytes)
             self.stats.set_gauge("shadow_lag_seconds", lag)
         return self.stats.take()
 
     def close(self) -> None:
-        """Final shadow and stop; idempotent."""
-        shadow, self.shadow = self.shadow, None
-        if shadow is not None:
-            try:
-                shadow.close(final_shadow=True)
-            except Exception:
-                logger.exception("final shadow of session %s failed", self.config.session_id)
+        """Final shadow of every pool and stop; idempotent."""
+        with self._lock:
+            self._shadowing = False
+        for pool in list(self.pools.values()):
+            shadow, pool.shadow = pool.shadow, None
+            if shadow is not None:
+                try:
+                    shadow.close(final_shadow=True)
+                except Exception:
+                    logger.exception("final shadow of session %s failed", shadow.session_id)
 
     # ------------------------------------------------------------------ save
     def save(self, k: torch.Tensor, v: torch.Tensor, keys: Sequence[bytes], tenant: str,
              labels: Sequence[BlockLabel]) -> SaveResult:
-        """Quantize blocks into the store under their keys.
+        """Encode blocks into the store under their keys, each in its label's format.
 
         Args:
             k, v: ``[num_layers, n, block_size, num_kv_heads, head_dim]`` (any float dtype).
             keys: one key per block; keys already held are skipped.
             tenant: owner of the blocks, vLLM's ``cache_salt`` (keys are salted with
                 it; the cache records it as :func:`tenant_slug`).
-            labels: one semantic label per block.
+            labels: one semantic label per block; ``label.fmt`` picks the block's
+                format (its pool).
 
         Returns:
-            Stored keys, keys evicted to make room, keys not stored (no room).
+            Stored keys, keys evicted to make room, keys not stored (no room), each in
+            the order of ``keys``.
+
+        Raises:
+            ValueError: K/V of the wrong shape, or a label of an unknown format.
         """
         ident = self.identity
         want = (ident.num_layers, len(keys), ident.block_size, ident.num_kv_heads, ident.head_dim)
         if tuple(k.shape) != want or tuple(v.shape) != want:
             raise ValueError(f"k/v must be {want}, got {tuple(k.shape)} / {tuple(v.shape)}")
         result = SaveResult()
-        cache = self.cache
         tenant = tenant_slug(tenant)
-        with self._lock, cache.locked():
-            todo = [i for i, key in enumerate(keys) if key not in self._ids]
-            if not todo:
+        with self._lock:
+            groups: dict[str, list[int]] = {}
+            for i, key in enumerate(keys):
+                if key not in self._ids:
+                    fmt = formats.check_format(getattr(labels[i], "fmt", ident.codec))
+                    groups.setdefault(fmt, []).append(i)
+            if not groups:
                 return result
-            ids = cache.allocate(len(todo), self.save_tier, tenant=tenant)
-            if ids is None:
-                result.failed = [keys[i] for i in todo]
-                return result
-            slots = torch.tensor([cache.metadata.get(b).slot for b in ids], dtype=torch.int64,
-                                 device=cache.device)
-            bs = ident.block_size
-            token_slots = (slots[:, None] * bs + torch.arange(bs, device=cache.device)).reshape(-1)
-            index = torch.tensor(todo, dtype=torch.int64, device=k.device)
-            for layer in range(ident.num_layers):
-                kl = k[layer].index_select(0, index).reshape(-1, ident.num_kv_heads, ident.head_dim)
-                vl = v[layer].index_select(0, index).reshape(-1, ident.num_kv_heads, ident.head_dim)
-                kl, vl = kl.to(cache.device, torch.float32), vl.to(cache.device, torch.float32)
-                view = cache.layer_view(layer, self.save_tier)
-                if ident.codec == "native":
-                    d = ident.head_dim
-                    view.k_packed.view(-1, ident.num_kv_heads, d).index_copy_(0, token_slots, kl)
-                    view.v_packed.view(-1, ident.num_kv_heads, d).index_copy_(0, token_slots, vl)
-                else:
-                    quantize_into_cache(kl, vl, token_slots, view.k_packed, view.k_norms,
-                                        view.v_packed, view.v_norms, cache.codec,
-                                        check_bounds=False)
-            to_pin = []
+            stored: list[int] = []
+            failed: list[int] = []
             stored_at = time.monotonic()
-            for bid, i in zip(ids, todo, strict=True):
-                label = labels[i]
-                cache.metadata.annotate(bid, source_layer=label.source_layer,
-                                        importance=label.importance, tenant_slug=tenant,
-                                        num_tokens=bs)
-                cache.set_key(bid, BlockHash(keys[i]))
-                self._ids[keys[i]] = bid
-                self._sources[keys[i]] = label.source_layer
-                result.stored.append(keys[i])
-                if label.pinned:
-                    to_pin.append(bid)
-            if to_pin:
-                try:
-                    self.pins.pin(to_pin)
-                except (PinCapacityError, BlockStateError) as exc:
-                    logger.warning("blocks stored but not pinned: %s", exc)
+            for fmt, index in groups.items():
+                pool = self._save_pool(fmt, k, index)
+                if self._save_into(pool, fmt, k, v, keys, index, tenant, labels):
+                    stored.extend(index)
+                else:
+                    failed.extend(index)
+            result.stored = [keys[i] for i in sorted(stored)]
+            result.failed = [keys[i] for i in sorted(failed)]
             result.removed = self._forget_evicted()
             result.removed_layers = [self._sources.pop(key, None) for key in result.removed]
             self.num_saved += len(result.stored)
             self.stats.count_layers("saved_blocks",
                                     [self._sources[key] for key in result.stored])
             self.stats.count_layers("evicted_blocks", result.removed_layers)
-            if self.shadow is not None:
+            if self.shadowing:
                 with self._stats_lock:
                     for key in result.stored:
                         self._unshadowed[key] = stored_at
@@ -396,8 +476,47 @@ class ConnectorStore:
                         self._unshadowed.pop(key, None)
         return result
 
+    def _save_into(self, pool: Pool, fmt: str, k: torch.Tensor, v: torch.Tensor,
+                   keys: Sequence[bytes], index: list[int], tenant: str,
+                   labels: Sequence[BlockLabel]) -> bool:
+        """Encode blocks ``index`` into ``pool`` (caller holds ``_lock``); False: no room."""
+        ident, cache = pool.identity, pool.cache
+        with cache.locked():
+            ids = cache.allocate(len(index), pool.save_tier, tenant=tenant)
+            if ids is None:
+                return False
+            slots = torch.tensor([cache.metadata.get(b).slot for b in ids], dtype=torch.int64,
+                                 device=cache.device)
+            bs = ident.block_size
+            token_slots = (slots[:, None] * bs + torch.arange(bs, device=cache.device)).reshape(-1)
+            sel = torch.tensor(index, dtype=torch.int64, device=k.device)
+            shape = (-1, ident.num_kv_heads, ident.head_dim)
+            for layer in range(ident.num_layers):
+                kl = k[layer].index_select(0, sel).reshape(shape).to(cache.device, torch.float32)
+                vl = v[layer].index_select(0, sel).reshape(shape).to(cache.device, torch.float32)
+                formats.encode_into(fmt, kl, vl, token_slots,
+                                    cache.layer_view(layer, pool.save_tier), cache.codec,
+                                    key_offset=cache.key_offset(layer))
+            to_pin = []
+            for bid, i in zip(ids, index, strict=True):
+                label = labels[i]
+                cache.metadata.annotate(bid, source_layer=label.source_layer,
+                                        importance=label.importance, tenant_slug=tenant,
+                                        num_tokens=bs)
+                cache.set_key(bid, BlockHash(keys[i]))
+                self._ids[keys[i]] = (pool, bid)
+                self._sources[keys[i]] = label.source_layer
+                if label.pinned:
+                    to_pin.append(bid)
+            if to_pin:
+                try:
+                    pool.pins.pin(to_pin)
+                except (PinCapacityError, BlockStateError) as exc:
+                    logger.warning("blocks stored but not pinned: %s", exc)
+        return True
+
     def _forget_evicted(self) -> list[bytes]:
-        gone = [key for key, bid in self._ids.items() if bid not in self.cache.metadata]
+        gone = [key for key, (pool, bid) in self._ids.items() if bid not in pool.cache.metadata]
         for key in gone:
             del self._ids[key]
         return gone
@@ -405,29 +524,57 @@ class ConnectorStore:
     # ------------------------------------------------------------------ load
     def read(self, keys: Sequence[bytes], tenant: str
              ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Decode the longest held prefix of ``keys``.
+        """Decode the longest held prefix of ``keys`` (across pools).
 
         Returns:
             ``(k, v)`` float32 ``[num_layers, n, block_size, num_kv_heads, head_dim]``
             for the first ``n`` keys (``n`` may be smaller than ``len(keys)``), or None
-            when the first key is not held.
+            when the first key is not held. Keys are the keys: pools with key offsets
+            add them back.
         """
-        cache = self.cache
-        with self._lock, cache.locked():
-            bids = cache.lookup([BlockHash(key) for key in keys], tenant_slug(tenant))
-            self.stats.count("loaded_blocks", len(bids))
-            self.stats.count("hit_tokens", len(bids) * self.identity.block_size)
-            self.stats.count("load_errors", len(keys) - len(bids))
-            if not bids:
+        slug = tenant_slug(tenant)
+        parts: dict[str, tuple[Pool, list[int], list[int]]] = {}  # name -> pool, positions, ids
+        exported: list[tuple[Pool, list[int], dict[str, torch.Tensor]]] = []
+        with self._lock:
+            n = 0
+            for key in keys:
+                entry = self._ids.get(key)
+                if entry is None:
+                    break
+                pool, bid = entry
+                if pool.cache.lookup([BlockHash(key)], slug) != [bid]:  # another tenant's
+                    break
+                part = parts.setdefault(pool.name, (pool, [], []))
+                part[1].append(n)
+                part[2].append(bid)
+                n += 1
+            self.stats.count("loaded_blocks", n)
+            self.stats.count("hit_tokens", n * self.identity.block_size)
+            self.stats.count("load_errors", len(keys) - n)
+            if not n:
                 return None
-            cache.metadata.touch(bids)
-            exported = cache.export_blocks(bids)  # layer-major CPU copies of the bytes
-        if self.identity.codec == "native":
-            k, v = exported["k_packed"], exported["v_packed"]
-        else:
-            codec = cache.codec
-            dev = codec.device
-            k = codec.decode(TQ4Encoded(exported["k_packed"].to(dev), exported["k_norms"].to(dev)))
-            v = codec.decode(TQ4Encoded(exported["v_packed"].to(dev), exported["v_norms"].to(dev)))
-        self.num_loaded += len(bids)
-        return k, v
+            for pool, positions, bids in parts.values():
+                with pool.cache.locked():
+                    pool.cache.metadata.touch(bids)
+                    # layer-major CPU copies of the bytes
+                    exported.append((pool, positions, pool.cache.export_blocks(bids)))
+        self.num_loaded += n
+        decoded = [(positions, *formats.decode_blocks(pool.fmt, data, pool.cache.codec,
+                                                      key_offsets=pool.cache.key_offsets))
+                   for pool, positions, data in exported]
+        if len(decoded) == 1:
+            return decoded[0][1], decoded[0][2]
+        first = decoded[0][1]
+        shape = (first.shape[0], n, *first.shape[2:])
+        k_out = torch.empty(shape, dtype=torch.float32, device=first.device)
+        v_out = torch.empty(shape, dtype=torch.float32, device=first.device)
+        for positions, k, v in decoded:
+            at = torch.tensor(positions, dtype=torch.int64, device=first.device)
+            k_out.index_copy_(1, at, k.to(first.device))
+            v_out.index_copy_(1, at, v.to(first.device))
+        return k_out, v_out
+
+
+def _suffix(base: CacheIdentity, identity: CacheIdentity) -> str:
+    return session_name("", base, identity)
+

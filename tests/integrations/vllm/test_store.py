@@ -72,9 +72,10 @@ def test_save_then_read_roundtrip_tq4_and_native(model: Path, tmp_path: Path) ->
         ident = vllm_cache_identity(str(model), BS, codec)
         store = ConnectorStore(ident, _config(tmp_path, codec=codec))
         keys = _keys(ident.digest(), 3)
-        result = store.save(k, v, keys, "default", [BlockLabel("axioms")] * 3)
+        labels = [BlockLabel("axioms", fmt=codec)] * 3  # the planner sets the format
+        result = store.save(k, v, keys, "default", labels)
         assert result.stored == keys and result.failed == [] and result.removed == []
-        assert store.save(k, v, keys, "default", [BlockLabel("axioms")] * 3).stored == []
+        assert store.save(k, v, keys, "default", labels).stored == []
         assert store.read(keys, "other-tenant") is None
         got = store.read([*keys[:2], b"\0" * 32], "default")
         assert got is not None

@@ -1,0 +1,303 @@
+"""The connector's store with blocks of several formats: pools, key offsets, their
+shadows, the recovery job over them and refusals (no vLLM needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_cache import hash_token_blocks
+from gpu_cache.calibration import key_offset_digest, mean_key_offsets
+from integrations.vllm.config import ConnectorConfig
+from integrations.vllm.identity import same_model, vllm_cache_identity
+from integrations.vllm.planning import BlockLabel
+from integrations.vllm.recovery import recover_for_vllm
+from integrations.vllm.store import (
+    ConnectorStore,
+    local_session_keys,
+    shadow_manifest,
+    shadow_manifests,
+)
+
+BS, LAYERS, HEADS, DIM = 16, 2, 2, 64
+FP16_BYTES_PER_TOKEN = 2 * 2 * LAYERS * HEADS * DIM
+
+
+def _config(tmp: Path, **kw: object) -> ConnectorConfig:
+    return ConnectorConfig(block_size=BS, shadow_url=f"file://{tmp / 'shadow'}",
+                           local_store=f"file://{tmp / 'local'}", host_blocks=64,
+                           shadow_on_save=False, **kw)  # type: ignore[arg-type]
+
+
+def _kv(n: int, seed: int = 0, key_mean: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K/V; with ``key_mean`` the keys share a large per-head mean (as real keys do)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (LAYERS, n, BS, HEADS, DIM)
+    k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    if key_mean:
+        k = k + key_mean * torch.randn((LAYERS, 1, 1, HEADS, DIM), generator=g)
+    return k, v
+
+
+def _keys(store: ConnectorStore, n: int, tenant: str = "default", offset: int = 0
+          ) -> list[bytes]:
+    return [bytes(key) for key in hash_token_blocks(store.identity.digest(), tenant,
+                             list(range(offset, offset + n * BS)), BS)]
+
+
+def _labels(*fmts: str) -> list[BlockLabel]:
+    return [BlockLabel("memories", 0.5, fmt=fmt) for fmt in fmts]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _mixed_store(model: Path, tmp: Path) -> tuple[ConnectorStore, list[bytes], torch.Tensor]:
+    """A shadowed store holding one request of 13 blocks: an fp16 sink, two int8 blocks,
+    nine tq4 blocks (enough to calibrate the tq4 offsets) and a native one."""
+    store = ConnectorStore(vllm_cache_identity(str(model), BS), _config(tmp))
+    store.open_shadow(restored=False)
+    k, v = _kv(13, seed=3, key_mean=4.0)
+    keys = _keys(store, 13, tenant="acme")
+    fmts = ("fp16", "int8", "int8", *["tq4"] * 9, "native")
+    result = store.save(k, v, keys, "acme", _labels(*fmts))
+    assert result.stored == keys and result.failed == []
+    store.shadow_now()
+    return store, keys, k
+
+
+def test_same_model_ignores_only_the_block_format(model: Path) -> None:
+    base = vllm_cache_identity(str(model), BS)
+    assert same_model(base, dataclasses.replace(base, codec="int8",
+                                                key_offset_digest="ab" * 8)) == []
+    assert same_model(base, dataclasses.replace(base, block_size=32, codec="fp16")) == [
+        "block_size"]
+    assert same_model(base, dataclasses.replace(base, model_id="other",
+                                                tokenizer_id="t")) == ["model_id",
+                                                                       "tokenizer_id"]
+
+
+def test_mixed_formats_read_back_within_each_formats_bounds(model: Path,
+                                                            tmp_path: Path) -> None:
+    store = ConnectorStore(vllm_cache_identity(str(model), BS), _config(tmp_path))
+    k, v = _kv(5, seed=1)
+    keys = _keys(store, 5)
+    # interleaved formats: each block to its pool, the read reassembles key order
+    result = store.save(k, v, keys, "default", _labels("fp16", "tq4", "native", "int8", "tq4"))
+    assert result.stored == keys and result.failed == [] and result.removed == []
+    got = store.read(keys, "default")
+    assert got is not None
+    k2, v2 = got
+    assert k2.shape == v2.shape == (LAYERS, 5, BS, HEADS, DIM) and k2.dtype == torch.float32
+    for x, y in ((k, k2), (v, v2)):
+        assert torch.equal(y[:, 0], x[:, 0].half().float())  # fp16: its rounding, nothing else
+        assert torch.equal(y[:, 2], x[:, 2])  # native: exact
+        assert _rel(y[:, 3], x[:, 3]) < 1e-2  # int8
+        for i in (1, 4):  # tq4
+            cos = torch.nn.functional.cosine_similarity(y[:, i].reshape(-1, DIM),
+                                                        x[:, i].reshape(-1, DIM), dim=-1)
+            assert float(cos.mean()) > 0.99 and _rel(y[:, i], x[:, i]) > 1e-2
+    # a prefix held across pools stops at the first key not held
+    part = store.read([*keys[:3], b"\0" * 32, keys[4]], "default")
+    assert part is not None and part[0].shape[1] == 3
+    assert torch.equal(part[0], k2[:, :3]) and torch.equal(part[1], v2[:, :3])
+
+    stats = store.format_stats()
+    assert {fmt: row["blocks"] for fmt, row in stats.items()} == {
+        "fp16": 1, "int8": 1, "native": 1, "tq4": 2}
+    for fmt, per_token_head in (("fp16", 128), ("int8", 68), ("native", 256), ("tq4", 36)):
+        row = stats[fmt]
+        want = 2 * LAYERS * HEADS * per_token_head
+        assert row["bytes_per_token"] == want and row["bytes"] == want * BS * row["blocks"]
+        assert row["vs_fp16"] == want / FP16_BYTES_PER_TOKEN
+    assert stats["fp16"]["vs_fp16"] == 1.0
+
+
+def test_unknown_format_in_a_label_is_one_line_and_stores_nothing(model: Path,
+                                                                  tmp_path: Path) -> None:
+    store = ConnectorStore(vllm_cache_identity(str(model), BS), _config(tmp_path))
+    k, v = _kv(2)
+    with pytest.raises(ValueError, match="tq3") as err:
+        store.save(k, v, _keys(store, 2), "default", _labels("tq4", "tq3"))
+    assert "\n" not in str(err.value)
+    assert store.keys() == []
+
+
+def test_key_offsets_calibrated_on_the_first_big_save_and_persisted(
+        model: Path, tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    store = ConnectorStore(vllm_cache_identity(str(model), BS), config)
+    store.open_shadow(restored=False)
+    k, v = _kv(12, seed=2, key_mean=4.0)
+    small, big = _keys(store, 2, offset=0), _keys(store, 10, offset=10_000)
+    # a small save before calibration goes to the plain pool (the old session)
+    store.save(k[:, :2], v[:, :2], small, "default", _labels("tq4", "tq4"))
+    assert list(store.pools) == [""]
+    store.save(k[:, 2:], v[:, 2:], big, "default", _labels(*["tq4"] * 10))
+    want = mean_key_offsets([k[layer, 2:].reshape(-1, HEADS, DIM).transpose(0, 1)
+                             for layer in range(LAYERS)])
+    digest = key_offset_digest(want)
+    assert list(store.pools) == ["", f"@tq4.{digest[:8]}"]
+    pool = store.pools[f"@tq4.{digest[:8]}"]
+    assert pool.identity.key_offset_digest == digest
+    assert pool.cache.key_offsets is not None and torch.allclose(pool.cache.key_offsets, want)
+    # keys come back as the keys, and centering helps keys with a large common mean
+    k_big = store.read(big, "default")[0]  # type: ignore[index]
+    plain = ConnectorStore(store.identity, _config(tmp_path / "plain"), key_offsets=False)
+    plain.save(k[:, 2:], v[:, 2:], big, "default", _labels(*["tq4"] * 10))
+    assert list(plain.pools) == [""]
+    k_plain = plain.read(big, "default")[0]  # type: ignore[index]
+    assert _rel(k_big, k[:, 2:]) < 0.7 * _rel(k_plain, k[:, 2:])
+    # later saves of the format use the calibrated pool, whatever their size
+    later = _keys(store, 1, offset=50_000)
+    store.save(k[:, :1], v[:, :1], later, "default", _labels("tq4"))
+    assert len(store.pools) == 2 and len(pool.cache.metadata) == 11
+
+    store.shadow_now()
+    sessions = {m.session_id: m for m in shadow_manifests(config)}
+    assert set(sessions) == {"vllm", f"vllm@tq4.{digest[:8]}"}
+    assert len(sessions["vllm"].blocks) == 2 and sessions["vllm"].key_offsets is None
+    offsets = sessions[f"vllm@tq4.{digest[:8]}"].key_offsets_tensor()
+    assert offsets is not None and torch.equal(offsets, want)
+    merged = shadow_manifest(config)
+    assert merged is not None and merged.session_id == "vllm"
+    assert merged.identity == store.identity
+    assert {bytes.fromhex(r.key) for r in merged.blocks if r.key} == {*small, *big, *later}
+    store.close()
+
+    summary = recover_for_vllm(str(model), config)
+    assert summary["errors"] == {} and summary["snapshot_blocks"] == 13
+    assert summary["formats"] == {"tq4": {"blocks": 13, "bytes": 13 * BS * 2 * LAYERS * HEADS * 36,
+                                          "bytes_per_token": 2 * LAYERS * HEADS * 36,
+                                          "vs_fp16": 36 / 128}}
+    restarted = ConnectorStore(store.identity, config)
+    report = restarted.restore_local()
+    assert report is not None and report.blocks == 13
+    assert set(restarted.pools) == set(store.pools)
+    assert torch.equal(restarted.read(big, "default")[0], k_big)  # type: ignore[index]
+    # the restored offset pool is the active one: no recalibration on the next big save
+    restarted.save(*_kv(9, seed=9, key_mean=4.0), _keys(restarted, 9, offset=90_000),
+                   "default", _labels(*["tq4"] * 9))
+    assert set(restarted.pools) == set(store.pools)
+    assert len(restarted.pools[f"@tq4.{digest[:8]}"].cache.metadata) == 20
+
+
+def test_mixed_format_shadow_recovers_byte_for_byte(model: Path, tmp_path: Path) -> None:
+    store, keys, _ = _mixed_store(model, tmp_path)
+    config = store.config
+    before = store.read(keys, "acme")
+    assert before is not None and before[0].shape[1] == 13
+    names = {m.session_id for m in shadow_manifests(config)}
+    tq4 = next(name for name in store.pools if name.startswith("@tq4."))
+    assert names == {"vllm", "vllm@fp16", "vllm@int8", f"vllm{tq4}", "vllm@native"}
+    stats = store.format_stats()
+    store.close()
+
+    summary = recover_for_vllm(str(model), config)
+    assert summary["errors"] == {} and summary["snapshot_blocks"] == 13
+    assert {fmt: row["blocks"] for fmt, row in summary["formats"].items()} == {
+        "fp16": 1, "int8": 2, "native": 1, "tq4": 9}
+    assert summary["formats"] == stats
+    total = sum(row["bytes"] for row in stats.values()) / (13 * BS)
+    assert summary["bytes_per_token"] == total
+    assert summary["vs_fp16"] == total / FP16_BYTES_PER_TOKEN
+    assert sorted(local_session_keys(config.local_store, store.identity)) == sorted(keys)
+
+    restarted = ConnectorStore(store.identity, config)
+    report = restarted.restore_local()
+    assert report is not None and report.blocks == 13 and report.errors == {}
+    after = restarted.read(keys, "acme")
+    assert after is not None
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+    assert restarted.format_stats() == stats
+    # the restart shadows incrementally into the same sessions, recovering nothing twice
+    restarted.open_shadow(restored=True)
+    assert {m.session_id for m in shadow_manifests(config)} == names
+    assert len(shadow_manifest(config).blocks) == 13  # type: ignore[union-attr]
+    restarted.close()
+
+
+def test_server_without_the_recovery_job_recovers_every_pool_from_the_shadow(
+        model: Path, tmp_path: Path) -> None:
+    store, keys, _ = _mixed_store(model, tmp_path)
+    before = store.read(keys, "acme")
+    store.close()
+    config = dataclasses.replace(store.config, local_store="")
+    restarted = ConnectorStore(store.identity, config)
+    restarted.open_shadow(restored=False)
+    after = restarted.read(keys, "acme")
+    assert after is not None and before is not None
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+    restarted.close()
+
+
+def _set_codec(manifest_path: Path, codec: str) -> None:
+    doc = json.loads(manifest_path.read_text())
+    doc["identity"]["codec"] = codec
+    manifest_path.write_text(json.dumps(doc))
+
+
+def test_a_session_of_an_unknown_format_is_refused_and_the_others_restore(
+        model: Path, tmp_path: Path) -> None:
+    store, keys, _ = _mixed_store(model, tmp_path)
+    config = store.config
+    store.close()
+    # a newer contextkit wrote the int8 session in a format this one does not know
+    _set_codec(tmp_path / "shadow" / "vllm@int8" / "manifest.json", "tq3")
+    summary = recover_for_vllm(str(model), config)
+    why = summary["errors"]["vllm@int8"]
+    assert "'tq3'" in why and "format" in why and "\n" not in why
+    assert set(summary["errors"]) == {"vllm@int8"}
+    assert {fmt: row["blocks"] for fmt, row in summary["formats"].items()} == {
+        "fp16": 1, "native": 1, "tq4": 9}
+    restarted = ConnectorStore(store.identity, config)
+    report = restarted.restore_local()
+    assert report is not None and report.blocks == 11
+    got = restarted.read(keys, "acme")
+    assert got is not None and got[0].shape[1] == 1  # the chain breaks at the int8 block
+
+    # the same refusal in the connector, for a snapshot session it cannot read
+    _set_codec(tmp_path / "local" / "vllm-recovered@fp16" / "manifest.json", "tq3")
+    again = ConnectorStore(store.identity, config)
+    report = again.restore_local()
+    assert report is not None and report.blocks == 10
+    assert "tq3" in report.errors["vllm-recovered@fp16"]
+    assert again.read(keys, "acme") is None  # the sink is gone: nothing from block 0
+    assert sorted(local_session_keys(config.local_store, store.identity)) == sorted(
+        keys[3:])
+
+
+def test_a_snapshot_of_another_model_is_refused_in_every_pool(model: Path,
+                                                              tmp_path: Path) -> None:
+    store, _, _ = _mixed_store(model, tmp_path)
+    config = store.config
+    store.close()
+    assert recover_for_vllm(str(model), config)["snapshot_blocks"] == 13
+    other = ConnectorStore(vllm_cache_identity(str(model), BS, model_id="other"), config)
+    assert other.restore_local() is None
+    assert list(other.pools) == [""] and len(other.cache.metadata) == 0
+    assert local_session_keys(config.local_store, other.identity) == []
+
+
+def test_tenants_stay_isolated_across_pools(model: Path, tmp_path: Path) -> None:
+    store = ConnectorStore(vllm_cache_identity(str(model), BS), _config(tmp_path))
+    k, v = _kv(3)
+    fmts = _labels("fp16", "int8", "tq4")
+    for tenant in ("alice", "bob"):
+        keys = _keys(store, 3, tenant=tenant)
+        assert store.save(k, v, keys, tenant, fmts).stored == keys
+    alice = _keys(store, 3, tenant="alice")
+    assert store.read(alice, "bob") is None
+    got = store.read(alice, "alice")
+    assert got is not None and got[0].shape[1] == 3
+    for pool in store.pools.values():
+        assert {m.tenant_slug for m in pool.cache.metadata.all()} <= {"alice", "bob"}
+    # a key of alice's in a non-sink pool is not bob's either, mid-prefix
+    bob = _keys(store, 3, tenant="bob")
+    part = store.read([bob[0], alice[1]], "bob")
+    assert part is not None and part[0].shape[1] == 1
