@@ -5,14 +5,17 @@ The startup job before ``vllm serve`` (see ``scripts/vllm-serve-with-recovery.sh
 1. derive the connector's cache identity from the model directory and the connector
    config (the same function the connector uses);
 2. read every session (or the chosen ones) from the shadow store (``file://`` or
-   ``s3://``); a session of another model, codec, block size or schema is refused
-   with the differing fields named, and nothing of it is restored;
-3. recover the compatible sessions, verifying every block's checksums (corrupt
-   blocks are skipped and listed; the prefix chain breaks there, so vLLM
-   recomputes from that block on);
-4. write the verified blocks as one snapshot into the connector's ``local_store``,
+   ``s3://``); a session of another model, tokenizer, block size or schema is
+   refused with the differing fields named, and nothing of it is restored; so is
+   a session whose block format this contextkit does not know;
+3. recover the compatible sessions, grouped by pool identity (block format and key
+   offsets: the connector keeps one pool per format), each group into a cache of
+   its own, verifying every block's checksums (corrupt blocks are skipped and
+   listed; the prefix chain breaks there, so vLLM recomputes from that block on);
+4. write the verified blocks as one snapshot session per group into the
+   connector's ``local_store`` (``vllm-recovered``, ``vllm-recovered@<format>...``),
    which the connector loads into its DDR tier when vLLM starts (scheduler and
-   worker both read it, before the server accepts traffic).
+   worker both read them, before the server accepts traffic).
 
 Keeping the remote read and the verification out of vLLM's startup means a slow or
 broken shadow store never delays or fails the engine, and the job's exit status
@@ -33,8 +36,9 @@ from contextkit.status import require_store
 from gpu_cache import CacheConfig, CacheIdentity, CacheIdentityError, TQGPUCache
 from gpu_cache.config import NO_PIN_QUOTA
 from integrations.vllm.config import ConnectorConfig
-from integrations.vllm.identity import vllm_cache_identity
-from integrations.vllm.store import LOCAL_SESSION
+from integrations.vllm.identity import check_same_model, vllm_cache_identity
+from integrations.vllm.pools import format_summary, session_name, total_summary
+from integrations.vllm.snapshots import LOCAL_SESSION
 from shadow import (
     CacheShadow,
     Manifest,
@@ -72,7 +76,9 @@ def recover_for_vllm(model_dir: str, config: ConnectorConfig, *, shadow_url: str
 
     Returns:
         JSON-able summary: sessions restored, blocks, skipped blocks with reasons,
-        refused sessions with reasons (``errors``), the local store.
+        refused sessions with reasons (``errors``), the local store, and per block
+        format ``formats: {fmt: {"blocks", "bytes", "bytes_per_token", "vs_fp16"}}``
+        of the snapshot (``bytes_per_token`` and ``vs_fp16`` over all formats too).
 
     Raises:
         ValueError: no shadow store given, or a model directory whose ``config.json``
@@ -89,47 +95,56 @@ def recover_for_vllm(model_dir: str, config: ConnectorConfig, *, shadow_url: str
     store = open_store(url, StoreConfig(endpoint_url=endpoint_url or config.endpoint_url),
                        create=False)
     report = RecoveryReport()
+    caches: dict[CacheIdentity, TQGPUCache] = {}  # one per pool identity
     try:
         wanted = session_ids or [s.session_id for s in discover_sessions(store)]
-        manifests: dict[str, Manifest] = {}
+        groups: dict[CacheIdentity, list[Manifest]] = {}
         for sid in wanted:
             try:
                 manifest = load_manifest(store, sid)
-                identity.check_compatible(manifest.identity, what=f"shadow session {sid!r}")
-                manifests[sid] = manifest
+                check_same_model(identity, manifest.identity, what=f"shadow session {sid!r}")
+                groups.setdefault(manifest.identity, []).append(manifest)
             except (ShadowError, CacheIdentityError) as exc:
                 report.errors[sid] = str(exc)
                 logger.warning("session %s refused: %s", sid, exc)
-        num_blocks = sum(len(m.blocks) for m in manifests.values())
-        num_pinned = sum(1 for m in manifests.values() for b in m.blocks if b.pinned)
-        cache = TQGPUCache(identity, CacheConfig(
-            pins=NO_PIN_QUOTA, num_device_blocks=max(16, num_pinned + 16),
-                                                 num_host_blocks=max(16, num_blocks),
-                                                 device="cpu"))
-        for sid in manifests:
-            try:
-                report.merge(recover_session(store, sid, cache,
-                                             allow_unauthenticated=allow_unauthenticated))
-            except (ShadowError, CacheIdentityError) as exc:
-                report.errors[sid] = str(exc)
+        for ident, manifests in groups.items():
+            num_blocks = sum(len(m.blocks) for m in manifests)
+            num_pinned = sum(1 for m in manifests for b in m.blocks if b.pinned)
+            cache = caches[ident] = TQGPUCache(ident, CacheConfig(
+                pins=NO_PIN_QUOTA, num_device_blocks=max(16, num_pinned + 16),
+                num_host_blocks=max(16, num_blocks), device="cpu"),
+                key_offsets=manifests[0].key_offsets_tensor())
+            for manifest in manifests:
+                sid = manifest.session_id
+                try:
+                    report.merge(recover_session(store, sid, cache,
+                                                 allow_unauthenticated=allow_unauthenticated))
+                except (ShadowError, CacheIdentityError) as exc:
+                    report.errors[sid] = str(exc)
     finally:
         store.close()
 
     local = open_store(config.local_store)
+    written = 0
     try:
         # The snapshot is rebuilt from scratch: never leave a stale or foreign one.
-        local.delete_many(local.list(f"{LOCAL_SESSION}/"))
-        written = 0
-        if len(cache.metadata):
-            with CacheShadow(cache, local, LOCAL_SESSION,
-                             config=ShadowConfig(autostart=False)) as snapshot:
-                written = snapshot.shadow_now().num_blocks
+        local.delete_many(local.list(LOCAL_SESSION))
+        for ident, cache in caches.items():
+            if not len(cache.metadata):
+                continue
+            name = session_name(LOCAL_SESSION, identity, ident)
+            with CacheShadow(cache, local, name, config=ShadowConfig(autostart=False)) as snap:
+                written += snap.shadow_now().num_blocks
     finally:
         local.close()
     report.seconds = time.perf_counter() - start
     summary = report.to_dict()
+    formats = format_summary(identity, [(ident, len(cache.metadata))
+                                        for ident, cache in caches.items() if len(cache.metadata)])
+    totals = total_summary(identity, formats)
     summary.update(store=url, local_store=config.local_store, snapshot_blocks=written,
-                   identity=identity.to_dict())
+                   identity=identity.to_dict(), formats=formats,
+                   bytes_per_token=totals["bytes_per_token"], vs_fp16=totals["vs_fp16"])
     return summary
 
 
