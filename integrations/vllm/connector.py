@@ -13,11 +13,14 @@ Scheduler side (:class:`~integrations.vllm.planning.RequestPlanner`): block keys
 the request's token ids and tenant (``cache_salt``); ``get_num_new_matched_tokens``
 reports the longest stored prefix; ``update_state_after_alloc`` and
 ``build_connector_meta`` turn hits into loads and newly computed full blocks into
-saves; ``request_finished`` closes the request's stats. Worker side
-(:class:`~integrations.vllm.store.ConnectorStore`): ``start_load_kv`` decodes TQ4
-blocks into vLLM's paged KV; ``save_kv_layer`` copies each layer's new blocks out of
-the paged KV and ``wait_for_save`` hands them to a background thread that quantizes
-them into contextkit's tiers and shadows them. Semantic labels and pins come with
+saves, each block labelled with its format by the precision policy
+(``config.policy``: attention sink, layers, pins, importance); ``request_finished``
+closes the request's stats. Worker side
+(:class:`~integrations.vllm.store.ConnectorStore`): ``start_load_kv`` decodes the
+stored blocks (any mix of formats) into vLLM's paged KV; ``save_kv_layer`` copies
+each layer's new blocks out of the paged KV and ``wait_for_save`` hands them to a
+background thread that encodes them into the pool of their format in contextkit's
+tiers and shadows them. Semantic labels and pins come with
 the request (:func:`~integrations.vllm.planning.semantic_params`).
 
 This module imports vLLM; import it only inside vLLM (it is named by path in
@@ -106,7 +109,8 @@ class _Staged:
 
 
 class ContextKitConnector(KVConnectorBase_V1):
-    """KV connector storing vLLM's blocks TQ4-compressed in contextkit's tiers and shadow."""
+    """KV connector storing vLLM's blocks, each in its policy's format, in contextkit's
+    tiers and shadow."""
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -145,7 +149,8 @@ class ContextKitConnector(KVConnectorBase_V1):
     # ================================================================== scheduler side
     def _init_scheduler(self) -> None:
         self.planner = RequestPlanner(self.identity.digest(), self.block_size,
-                                      self.config.default_source_layer)
+                                      self.config.default_source_layer,
+                                      policy=self.config.policy)
         seeded = self.planner.seed(local_session_keys(self.config.local_store, self.identity))
         self._requests: dict[str, Request] = {}
         self._stats_path = Path(self.config.stats_path) if self.config.stats_path else None
@@ -210,7 +215,8 @@ class ContextKitConnector(KVConnectorBase_V1):
 
     # ================================================================== worker side
     def _init_worker(self) -> None:
-        self.store = ConnectorStore(self.identity, self.config)
+        self.store = ConnectorStore(self.identity, self.config,
+                                    key_offsets=self.config.policy.key_offsets)
         report = self.store.restore_local()
         self.store.open_shadow(restored=bool(report and report.blocks))
         self._report = WorkerReport()
@@ -348,7 +354,7 @@ class ContextKitConnector(KVConnectorBase_V1):
             report.stored.update(held)
             report.removed.update(result.removed)
             report.failed.update(result.failed)
-        if self.config.shadow_on_save and self.store.shadow is not None and result.stored:
+        if self.config.shadow_on_save and self.store.shadowing and result.stored:
             try:
                 self.store.shadow_now()
             except Exception:
