@@ -220,6 +220,9 @@ def run_recover_for_vllm(args: argparse.Namespace) -> dict[str, Any]:
               f"into {summary['local_store']}: {summary['snapshot_blocks']} blocks, "
               f"{summary['skipped']} skipped, {len(summary['errors'])} refused, "
               f"{summary['seconds']:.2f} s\n")
+    for fmt, row in summary["formats"].items():
+        out.write(f"  {fmt}: {row['blocks']} blocks, {row['bytes_per_token']:.0f} bytes/token "
+                  f"({row['vs_fp16']:.3f} of fp16)\n")
     for sid, why in summary["errors"].items():
         out.write(f"  {sid}: {why}\n")
     for skip in summary["skipped_blocks"][:10]:

@@ -301,3 +301,24 @@ def test_tenants_stay_isolated_across_pools(model: Path, tmp_path: Path) -> None
     bob = _keys(store, 3, tenant="bob")
     part = store.read([bob[0], alice[1]], "bob")
     assert part is not None and part[0].shape[1] == 1
+
+
+def test_recover_cli_prints_each_format_and_the_refused_session(
+        model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from integrations.vllm.recovery import run_recover_for_vllm
+
+    store, _, _ = _mixed_store(model, tmp_path)
+    store.close()
+    _set_codec(tmp_path / "shadow" / "vllm@fp16" / "manifest.json", "tq3")
+    config = json.dumps(store.config.to_extra_config())
+    summary = run_recover_for_vllm(argparse.Namespace(
+        model=str(model), connector_config=config, store=None, session=None,
+        endpoint_url=None, allow_unauthenticated=False))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("recovered 4 session(s)") and "12 blocks" in out[0]
+    assert "  int8: 2 blocks, 544 bytes/token (0.531 of fp16)" in out
+    assert "  tq4: 9 blocks, 288 bytes/token (0.281 of fp16)" in out
+    assert any(line.startswith("  vllm@fp16: ") and "'tq3'" in line for line in out)
+    assert summary["snapshot_blocks"] == 12
