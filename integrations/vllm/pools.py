@@ -58,6 +58,8 @@ class Pool:
     save_tier: Tier
     #: loaded from the local snapshot (then its shadow session is not recovered again)
     restored: bool = False
+    #: blocks stored (or evicted) since the last :meth:`ConnectorStore.shadow_now`
+    dirty: bool = False
     shadow: CacheShadow | None = None
     # shadow accounting: the last result and manifest already counted
     counted_result: ShadowResult | None = None

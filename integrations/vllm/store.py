@@ -349,14 +349,21 @@ class ConnectorStore:
         return next((p.shadow for p in pools if p.shadow is not None), None)
 
     def shadow_now(self) -> ShadowResult | None:
-        """Shadow every pool now (None without a shadow); the bytes count in
-        :meth:`shadow_stats`. With several pools the result sums theirs."""
+        """Shadow every pool whose blocks changed since the last call now (None without
+        a shadow or a change); the bytes count in :meth:`shadow_stats`. With several
+        pools the result sums theirs. (The periodic shadow, ``shadow_interval_s``,
+        runs per pool on its own.)"""
         results = []
         for pool in list(self.pools.values()):
             shadow = pool.shadow
-            if shadow is None:
+            if shadow is None or not pool.dirty:
                 continue
-            results.append(shadow.shadow_now())
+            pool.dirty = False  # a save from now on marks it again
+            try:
+                results.append(shadow.shadow_now())
+            except BaseException:
+                pool.dirty = True
+                raise
             self._note_shadow(pool, shadow)
         return combine_results(results)
 
@@ -406,14 +413,16 @@ class ConnectorStore:
         return self.stats.take()
 
     def close(self) -> None:
-        """Final shadow of every pool and stop; idempotent."""
+        """Final shadow of every pool changed since the last shadow, and of the key
+        identity's pool (its session, ``config.session_id``, always exists after a
+        run, as with older connectors), then stop; idempotent."""
         with self._lock:
             self._shadowing = False
         for pool in list(self.pools.values()):
             shadow, pool.shadow = pool.shadow, None
             if shadow is not None:
                 try:
-                    shadow.close(final_shadow=True)
+                    shadow.close(final_shadow=pool.dirty or pool.name == "")
                 except Exception:
                     logger.exception("final shadow of session %s failed", shadow.session_id)
 
@@ -497,6 +506,7 @@ class ConnectorStore:
                 formats.encode_into(fmt, kl, vl, token_slots,
                                     cache.layer_view(layer, pool.save_tier), cache.codec,
                                     key_offset=cache.key_offset(layer))
+            pool.dirty = True
             to_pin = []
             for bid, i in zip(ids, index, strict=True):
                 label = labels[i]

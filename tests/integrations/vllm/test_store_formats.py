@@ -194,9 +194,13 @@ def test_mixed_format_shadow_recovers_byte_for_byte(model: Path, tmp_path: Path)
     assert before is not None and before[0].shape[1] == 13
     names = {m.session_id for m in shadow_manifests(config)}
     tq4 = next(name for name in store.pools if name.startswith("@tq4."))
-    assert names == {"vllm", "vllm@fp16", "vllm@int8", f"vllm{tq4}", "vllm@native"}
+    # the key identity's pool holds nothing: its session is never written
+    assert names == {"vllm@fp16", "vllm@int8", f"vllm{tq4}", "vllm@native"}
     stats = store.format_stats()
     store.close()
+    # closing writes the (empty) session of the key identity's pool, as before pools
+    assert {m.session_id: len(m.blocks) for m in shadow_manifests(config)}["vllm"] == 0
+    names.add("vllm")
 
     summary = recover_for_vllm(str(model), config)
     assert summary["errors"] == {} and summary["snapshot_blocks"] == 13
@@ -217,8 +221,18 @@ def test_mixed_format_shadow_recovers_byte_for_byte(model: Path, tmp_path: Path)
     assert restarted.format_stats() == stats
     # the restart shadows incrementally into the same sessions, recovering nothing twice
     restarted.open_shadow(restored=True)
-    assert {m.session_id for m in shadow_manifests(config)} == names
+    generations = {m.session_id: m.generation for m in shadow_manifests(config)}
+    assert set(generations) == names
     assert len(shadow_manifest(config).blocks) == 13  # type: ignore[union-attr]
+    # a save shadows the pools it changed, and only those
+    more = _keys(restarted, 1, tenant="acme", offset=70_000)
+    restarted.save(*_kv(1, seed=7), more, "acme", _labels("tq4"))
+    result = restarted.shadow_now()
+    assert result is not None and result.session_id == f"vllm{tq4}"
+    assert result.blocks_written == 1
+    assert restarted.shadow_now() is None  # nothing changed since
+    after_save = {m.session_id: m.generation for m in shadow_manifests(config)}
+    assert {sid for sid in names if after_save[sid] != generations[sid]} == {f"vllm{tq4}"}
     restarted.close()
 
 
