@@ -23,10 +23,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OpenAIServer", "main", "metric_sum", "read_stats", "run_openai", "source_text"]
+__all__ = ["OpenAIServer", "Prompt", "load_prompts", "main", "metric_sum", "params_for",
+           "read_stats", "run_openai", "source_text"]
 
 #: ``--served-model-name`` of the ``--openai`` server (the ``model_name`` metric label).
 SERVED_MODEL_NAME = "contextkit-e2e"
@@ -62,15 +64,116 @@ def source_text() -> str:
     return Path(module.__file__ or "").read_text()
 
 
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt of the prompts file: its ids, tenant and connector parameters."""
+
+    token_ids: list[int]
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+def _span(span: Any) -> tuple[Any, ...]:
+    if isinstance(span, dict):
+        out = (span["start"], span["end"], span["layer"], span.get("importance", 0.5))
+        return (*out, bool(span["pinned"])) if "pinned" in span else out
+    return tuple(span)
+
+
+def load_prompts(path: str | os.PathLike[str], cache_salt: str | None = None
+                 ) -> list[Prompt]:
+    """The prompts of a prompts file: a JSON list whose items are either token-id lists
+    (the old form; ``cache_salt`` applies to all) or objects ``{"token_ids": [...],
+    "cache_salt": str, "kv_transfer_params": {...}}``, where ``spans`` (``[start,
+    end, layer, importance[, pinned]]`` or ``{"start", "end", "layer", "importance",
+    "pinned"}`` items) may stand for ``kv_transfer_params``: the harness labels the
+    prompt with them (``semantic_params(spans, pin=True, prompt_token_ids=ids)``).
+
+    Raises:
+        SystemExit: a file that is not such a list (one line naming the item).
+    """
+    from integrations.vllm.planning import semantic_params
+
+    try:
+        items = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"prompts file {path}: {exc}; write a JSON list of token-id "
+                         f"lists or of {{\"token_ids\": [...]}} objects") from None
+    if not isinstance(items, list):
+        raise SystemExit(f"prompts file {path}: expected a JSON list, got "
+                         f"{type(items).__name__}")
+    out: list[Prompt] = []
+    for i, item in enumerate(items):
+        if isinstance(item, list):
+            item = {"token_ids": item}
+        ids = item.get("token_ids") if isinstance(item, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise SystemExit(f"prompts file {path}: item {i} needs \"token_ids\", a list of "
+                             f"ints (or is one)")
+        params = item.get("kv_transfer_params")
+        try:
+            if params is None and item.get("spans"):
+                params = semantic_params([_span(s) for s in item["spans"]], pin=True,
+                                         prompt_token_ids=ids)
+        except (IndexError, KeyError, TypeError, ValueError) as exc:
+            raise SystemExit(f"prompts file {path}: item {i} has a bad span ({exc}); write "
+                             f"[start, end, layer, importance] items") from None
+        if params is not None and not isinstance(params, dict):
+            raise SystemExit(f"prompts file {path}: item {i}: kv_transfer_params must be "
+                             f"an object")
+        salt = item.get("cache_salt", cache_salt)
+        out.append(Prompt(list(ids), None if salt is None else str(salt), params))
+    return out
+
+
+def params_for(params: dict[str, Any] | None, token_ids: list[int]) -> dict[str, Any] | None:
+    """``params`` for a request whose prompt is ``token_ids``: a prompt that extends the
+    labelled one (teacher forcing feeds the reference continuation after it) keeps
+    its spans, which hold for its first tokens, with the fingerprint of the prompt
+    actually sent (otherwise the connector ignores the labels as another prompt's)."""
+    from integrations.vllm.planning import PARAMS_KEY, prompt_fingerprint
+
+    ours = params.get(PARAMS_KEY) if params else None
+    if params is None or not isinstance(ours, dict) or "prompt_sha256" not in ours:
+        return params
+    if ours.get("prompt_tokens") == len(token_ids):
+        return params
+    n, sha = prompt_fingerprint(token_ids)
+    return {**params, PARAMS_KEY: {**ours, "prompt_tokens": n, "prompt_sha256": sha}}
+
+
+def _sampling(base: Any, params: dict[str, Any] | None) -> Any:
+    """A copy of ``base`` (SamplingParams) carrying ``kv_transfer_params`` (vLLM's
+    offline route to the connector), or ``base`` itself without them."""
+    if params is None:
+        return base
+    from copy import deepcopy
+
+    out = deepcopy(base)
+    out.extra_args = {**(base.extra_args or {}), "kv_transfer_params": params}
+    return out
+
+
+def _request(prompt: Prompt, token_ids: list[int] | None = None) -> dict[str, Any]:
+    ids = prompt.token_ids if token_ids is None else token_ids
+    out: dict[str, Any] = {"prompt_token_ids": ids}
+    if prompt.cache_salt:
+        out["cache_salt"] = prompt.cache_salt
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m integrations.vllm.harness")
     parser.add_argument("--model", required=True)
     parser.add_argument("--connector-config", default=None,
                         help="kv_connector_extra_config JSON; omit to run vLLM without it")
-    parser.add_argument("--prompts", required=True, help="JSON file: list of token-id lists")
+    parser.add_argument("--prompts", required=True,
+                        help="JSON file: list of token-id lists, or of {token_ids, cache_salt, "
+                             "kv_transfer_params | spans} objects (see load_prompts)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--cache-salt", default=None)
+    parser.add_argument("--cache-salt", default=None,
+                        help="tenant of the prompts that name none")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=1,
@@ -109,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--block-size must equal the connector's block_size")
         kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(config))
         stats_path = Path(config.stats_path) if config.stats_path else None
-    prompts = json.loads(Path(args.prompts).read_text())
+    prompts = load_prompts(args.prompts, args.cache_salt)
     start = time.perf_counter()
     llm = LLM(model=args.model, max_model_len=args.max_model_len, enforce_eager=True,
               dtype=args.dtype, block_size=args.block_size, disable_log_stats=False,
@@ -134,12 +237,11 @@ def main(argv: list[str] | None = None) -> int:
                          use_tqdm=False)
             llm.reset_prefix_cache()
             offset = stats_path.stat().st_size if stats_path and stats_path.is_file() else 0
-        for token_ids in prompts:
-            prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
-            if args.cache_salt:
-                prompt["cache_salt"] = args.cache_salt
+        for prompt in prompts:
+            token_ids = prompt.token_ids
             t0 = time.perf_counter()
-            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            out = llm.generate([_request(prompt)], _sampling(params, prompt.kv_transfer_params),
+                               use_tqdm=False)[0]
             wall = time.perf_counter() - t0
             ttft = getattr(out.metrics, "first_token_latency", None)
             stats: list[dict[str, Any]] = []
@@ -166,10 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         agreement = []
         one = SamplingParams(max_tokens=1, temperature=0.0)
         references = json.loads(Path(args.reference).read_text())
-        for token_ids, ref in zip(prompts, references, strict=True):
-            batch = [{"prompt_token_ids": list(token_ids) + list(ref[:j])}
-                     for j in range(len(ref))]
-            outs = llm.generate(batch, one, use_tqdm=False)
+        for prompt, ref in zip(prompts, references, strict=True):
+            batch = [prompt.token_ids + list(ref[:j]) for j in range(len(ref))]
+            outs = llm.generate([_request(prompt, ids) for ids in batch],
+                                [_sampling(one, params_for(prompt.kv_transfer_params, ids))
+                                 for ids in batch], use_tqdm=False)
             same = [o.outputs[0].token_ids[0] == r for o, r in zip(outs, ref, strict=True)]
             agreement.append(sum(same) / len(same))
     stored = llm.collective_rpc(_drain_worker) if args.connector_config else [0]
@@ -317,7 +420,7 @@ def run_openai(args: argparse.Namespace) -> int:
         raise SystemExit("--openai needs --connector-config")
     config = ConnectorConfig.from_json(args.connector_config)
     stats_path = Path(config.stats_path) if config.stats_path else None
-    prompts = json.loads(Path(args.prompts).read_text())
+    prompts = load_prompts(args.prompts, args.cache_salt)
     server = OpenAIServer(args.model, config, Path(args.out).with_suffix(".server.log"),
                           block_size=args.block_size, max_model_len=args.max_model_len,
                           dtype=args.dtype)
@@ -327,17 +430,27 @@ def run_openai(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_openai(base: str, args: argparse.Namespace, prompts: list[list[int]],
+def _openai_fields(prompt: Prompt, token_ids: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if prompt.cache_salt:
+        out["cache_salt"] = prompt.cache_salt
+    params = params_for(prompt.kv_transfer_params, token_ids)
+    if params is not None:
+        out["kv_transfer_params"] = params
+    return out
+
+
+def _serve_openai(base: str, args: argparse.Namespace, prompts: list[Prompt],
                   stats_path: Path | None) -> dict[str, Any]:
     offset = stats_path.stat().st_size if stats_path and stats_path.is_file() else 0
     request: dict[str, Any] = {"model": SERVED_MODEL_NAME, "temperature": 0.0,
                                "return_token_ids": True}
-    if args.cache_salt:
-        request["cache_salt"] = args.cache_salt
     results = []
-    for token_ids in prompts:
+    for prompt in prompts:
+        token_ids = prompt.token_ids
         t0 = time.perf_counter()
-        reply = _post(base, "/v1/completions", {**request, "prompt": token_ids,
+        reply = _post(base, "/v1/completions", {**request, **_openai_fields(prompt, token_ids),
+                                                "prompt": token_ids,
                                                 "max_tokens": args.max_tokens,
                                                 "ignore_eos": True})
         wall = time.perf_counter() - t0
@@ -363,11 +476,18 @@ def _serve_openai(base: str, args: argparse.Namespace, prompts: list[list[int]],
     if args.reference:
         agreement = []
         references = json.loads(Path(args.reference).read_text())
-        for token_ids, ref in zip(prompts, references, strict=True):
-            batch = [list(token_ids) + list(ref[:j]) for j in range(len(ref))]
-            reply = _post(base, "/v1/completions", {**request, "prompt": batch,
-                                                    "max_tokens": 1})
-            got = {c["index"]: c["token_ids"][0] for c in reply["choices"]}
+        for prompt, ref in zip(prompts, references, strict=True):
+            batch = [prompt.token_ids + list(ref[:j]) for j in range(len(ref))]
+            if prompt.kv_transfer_params is None:
+                reply = _post(base, "/v1/completions", {
+                    **request, **_openai_fields(prompt, batch[0]), "prompt": batch,
+                    "max_tokens": 1})
+                got = {c["index"]: c["token_ids"][0] for c in reply["choices"]}
+            else:  # one request per position: each carries its own prompt's fingerprint
+                got = {j: _post(base, "/v1/completions", {
+                    **request, **_openai_fields(prompt, ids), "prompt": ids,
+                    "max_tokens": 1})["choices"][0]["token_ids"][0]
+                    for j, ids in enumerate(batch)}
             agreement.append(sum(got[j] == r for j, r in enumerate(ref)) / len(ref))
     metrics = _get(base, "/metrics")
     deadline = time.perf_counter() + 120
