@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft bench-agents bench-agent-vllm bench-decode docs lint typecheck clean
+.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft bench-agents bench-agent-vllm bench-vllm bench-decode docs lint typecheck clean
 
 help:
 	@echo "make demo       set up, then replay a ten-layer agent on SmolLM2: TTFT with vs"
@@ -22,6 +22,8 @@ help:
 	@echo "make bench-agents  6 agents sharing a too-small cache: lru vs semantic vs"
 	@echo "                semantic+ooda, and a device-size sweep (~12 min on 2 cores)"
 	@echo "make bench-agent-vllm  a LangChain agent on vLLM, 4 cache configurations (~15 min)"
+	@echo "make bench-vllm  vLLM answers and TTFT after a restart, 8 agent prompts, per connector"
+	@echo "                precision policy: tq4, sink+offsets, importance, native (~30-40 min)"
 	@echo "make bench-decode  decode tokens/s at 1K/6K/16K: contextkit vs llama.cpp on the same"
 	@echo "                GGUF (builds .venv-llamacpp first, ~5-15 min once; then ~40 min on an idle machine)"
 	@echo "make docs       set up, then build the API reference into site/ (mkdocs --strict:"
@@ -74,6 +76,15 @@ bench-agent-vllm:
 	.venv-vllm/bin/python -m contextkit.cli bench agent-vllm --json \
 		--out bench/results/agent-vllm-cpu.json --plot bench/results/agent-vllm-cpu.png \
 		2>&1 | tee bench/results/agent-vllm-cpu.log
+
+# The connector's precision policies on vLLM (.venv-vllm): per policy a cold process,
+# recover --for-vllm, a recovered process; answers, stored bytes and TTFT (docs/vllm.md).
+bench-vllm:
+	@bash scripts/vllm_venv.sh
+	@mkdir -p bench/results
+	.venv-vllm/bin/python -m contextkit.cli bench vllm --json \
+		--out bench/results/vllm-cpu.json --plot bench/results/vllm-cpu.png \
+		2>&1 | tee bench/results/vllm-cpu.log
 
 # Decode tokens/s, prefill and cached TTFT against llama.cpp on the same GGUF. llama.cpp
 # runs in its own virtualenv (compiled for this CPU by scripts/llamacpp_venv.sh), driven
