@@ -95,9 +95,10 @@ def vllm_cache_identity(
         model_id: explicit model name; default ``sha256:<fingerprint>`` of the weights.
         tokenizer_dir: tokenizer directory when it is not ``model_dir``.
 
-    No key offsets: vLLM attends over the keys themselves, so loaded keys must be the
-    keys, not centered ones (the centering gain is small: bench quant,
-    ``attn_cosine_real_uncentered``).
+    The key identity has no key offsets: block keys are salted with its digest, so a
+    key names the same tokens in every pool of the store. The store's ``tq4`` and
+    ``int8`` pools replace ``codec`` and ``key_offset_digest`` (they quantize
+    ``k - mu`` and add ``mu`` back on load: vLLM attends over the keys themselves).
     """
     num_layers, num_kv_heads, head_dim = model_shape(model_dir)
     return CacheIdentity(

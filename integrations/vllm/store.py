@@ -200,7 +200,10 @@ class ConnectorStore:
 
     # ------------------------------------------------------------------ start / stop
     def warm_up(self) -> None:
-        """Compile the codec's fused CPU kernels now rather than on the first request."""
+        """Compile the codec's fused CPU kernels now rather than on the first request
+        (not needed when every block is stored native)."""
+        if self.identity.codec == "native" and self.config.policy.default == "native":
+            return
         codec = self.cache.codec
         x = torch.randn(512, self.identity.head_dim, device=codec.device)
         codec.decode(codec.encode(x))
