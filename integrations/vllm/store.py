@@ -284,8 +284,12 @@ class ConnectorStore:
                         manifest = load_manifest(store, name)
                         check_same_model(self.identity, manifest.identity,
                                          what=f"shadow session {name!r}")
-                        if session_name(sid, self.identity, manifest.identity) == name:
-                            self._pool(manifest.identity, manifest.key_offsets_tensor())
+                        if session_name(sid, self.identity, manifest.identity) != name:
+                            raise CacheIdentityError(
+                                f"its blocks are {manifest.identity.codec} with key offsets "
+                                f"{manifest.identity.key_offset_digest or 'none'}, which "
+                                "its name does not say")
+                        self._pool(manifest.identity, manifest.key_offsets_tensor())
                     except BlobNotFoundError:
                         continue
                     except (CacheIdentityError, ShadowError) as exc:

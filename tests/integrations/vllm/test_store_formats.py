@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -336,3 +337,66 @@ def test_recover_cli_prints_each_format_and_the_refused_session(
     assert "  tq4: 9 blocks, 288 bytes/token (0.281 of fp16)" in out
     assert any(line.startswith("  vllm@fp16: ") and "'tq3'" in line for line in out)
     assert summary["snapshot_blocks"] == 12
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    """A real S3 endpoint over HTTP: moto's threaded server on 127.0.0.1."""
+    import boto3
+    import moto.server as moto_server
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
+                 aws_secret_access_key="testing", region_name="us-east-1"
+                 ).create_bucket(Bucket="formats")
+    yield endpoint
+    server.stop()
+
+
+def test_signed_mixed_format_shadow_on_s3_recovers_and_refuses_a_resigned_unknown_format(
+        model: Path, tmp_path: Path, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import boto3
+
+    from shadow.auth import sign
+
+    for var, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                       ("AWS_DEFAULT_REGION", "us-east-1"), ("CONTEXTKIT_SHADOW_KEY", "k3y")):
+        monkeypatch.setenv(var, value)
+    config = ConnectorConfig(block_size=BS, shadow_url="s3://formats/run", host_blocks=64,
+                             endpoint_url=s3_endpoint, local_store=f"file://{tmp_path / 'local'}",
+                             shadow_on_save=False)
+    store = ConnectorStore(vllm_cache_identity(str(model), BS), config)
+    store.open_shadow(restored=False)
+    k, v = _kv(12, seed=5, key_mean=4.0)
+    keys = _keys(store, 12)
+    store.save(k, v, keys, "default", _labels("fp16", *["tq4"] * 10, "int8"))
+    store.shadow_now()
+    before = store.read(keys, "default")
+    store.close()
+    manifests = shadow_manifests(config)
+    assert all(m.authenticated for m in manifests)
+    tq4 = next(m.session_id for m in manifests if m.identity.codec == "tq4" and m.blocks)
+    assert {m.session_id for m in manifests} == {"vllm", "vllm@fp16", "vllm@int8", tq4}
+
+    # a newer contextkit, with the same key, wrote the int8 session in a format unknown here
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    path = "run/vllm@int8/manifest.json"
+    doc = json.loads(s3.get_object(Bucket="formats", Key=path)["Body"].read())
+    doc.pop("mac")
+    doc["identity"]["codec"] = "tq3"
+    doc["mac"] = sign(doc, b"k3y", "manifest")
+    s3.put_object(Bucket="formats", Key=path, Body=json.dumps(doc).encode())
+
+    summary = recover_for_vllm(str(model), config)
+    assert set(summary["errors"]) == {"vllm@int8"} and "'tq3'" in summary["errors"]["vllm@int8"]
+    assert {fmt: row["blocks"] for fmt, row in summary["formats"].items()} == {
+        "fp16": 1, "tq4": 10}
+    restarted = ConnectorStore(store.identity, config)
+    report = restarted.restore_local()
+    assert report is not None and report.blocks == 11
+    after = restarted.read(keys, "default")
+    assert before is not None and after is not None and after[0].shape[1] == 11
+    assert torch.equal(after[0], before[0][:, :11]) and torch.equal(after[1], before[1][:, :11])
