@@ -36,12 +36,11 @@ TRIM_ORDER: tuple[tuple[str, int], ...] = (
 HISTORY_TURNS = 2
 
 
-def scripted_reply(topic: str, status: str, turn: int) -> str:
+def scripted_reply(topic: str, turn: int) -> str:
     """A deterministic assistant reply for the conversation history (no generation)."""
-    return (f"Checked the {topic} side for you (turn {turn + 1}). The platform is "
-            f"{status}; I compared the last 30 minutes with the same window yesterday "
-            f"and noted the services that moved. Next I will confirm with the dashboards "
-            f"and tell you before changing anything.")
+    return (f"Checked the {topic} side for you (turn {turn + 1}). I compared the last 30 "
+            f"minutes with the same window yesterday and noted the services that moved. "
+            f"Next I will confirm with the dashboards and tell you before changing anything.")
 
 
 def trimmed_layers(layers: Any, lengths: Mapping[str, int], excess: int) -> Any:
@@ -84,9 +83,8 @@ def _assemble(engine: Any, index: int, config: Any, scale: float
     pipeline = CacheAwareContextPipeline(engine, layers=config, tenant=f"agent-{index}")
     history: list[tuple[str, str]] = []
     for t in range(max(0, turn - HISTORY_TURNS), turn):
-        topic, _, status = replay._script(t)
-        history += [("user", replay.turn(t).user_message),
-                    ("assistant", scripted_reply(topic, status, t))]
+        past = replay.turn(t)
+        history += [("user", past.user_message), ("assistant", scripted_reply(past.topic, t))]
     pipeline.wrap(replay.build_system_message)(turn)
     ids, spans, _ = pipeline.assemble(replay.turn(turn).user_message, history)
     return ids, spans

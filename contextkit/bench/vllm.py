@@ -96,7 +96,8 @@ def build_prompts(num: int, prompt_tokens: int, model_dir: str | None = None
     embedded engine (no generation), which is then released.
 
     Raises:
-        SystemExit: ``model_dir``'s tokenizer is not the packaged model's.
+        SystemExit: ``model_dir``'s tokenizer is not the packaged model's, or
+            ``prompt_tokens`` is too few for the agent prompt (one line each).
     """
     import gc
 
@@ -114,7 +115,10 @@ def build_prompts(num: int, prompt_tokens: int, model_dir: str | None = None
                 raise SystemExit(f"--model {model_dir}: its tokenizer ({theirs}) is not the "
                                  f"packaged SmolLM2's ({ours}) the agent prompts are built "
                                  f"with; serve a SmolLM2 model")
-        return agent_prompts(engine, num, prompt_tokens)
+        try:
+            return agent_prompts(engine, num, prompt_tokens)
+        except ValueError as exc:
+            raise SystemExit(f"contextkit bench vllm: {exc}") from None
     finally:
         del engine
         gc.collect()

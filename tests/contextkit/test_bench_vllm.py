@@ -291,3 +291,24 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = _vllm_report.table_rows({"tq4": m})
     assert ("tq4: teacher_forced_agreement", 0.99) in rows and ("tq4: speedup", None) in rows
+
+
+def test_build_prompts_refuses_too_few_tokens_in_one_line() -> None:
+    with pytest.raises(SystemExit) as err:
+        bench_vllm.build_prompts(1, 512)
+    assert re.fullmatch(r"contextkit bench vllm: agent prompt 0 is \d+ tokens even trimmed; "
+                        r"use --prompt-tokens \d+ or more", str(err.value))
+
+
+def test_build_prompts_refuses_another_tokenizer(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as err:
+        bench_vllm.build_prompts(1, 2048, str(tmp_path))
+    assert re.fullmatch(rf"--model {re.escape(str(tmp_path))}: its tokenizer \(\w+:2:\w+\) "
+                        r"is not the packaged SmolLM2's \(\w+:49152:\w+\) the agent prompts "
+                        r"are built with; serve a SmolLM2 model", str(err.value))
