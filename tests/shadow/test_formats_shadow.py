@@ -28,6 +28,7 @@ from shadow import (
     discover_sessions,
     open_store,
     recover_session,
+    recover_sessions,
 )
 from shadow.manifest import Manifest, block_dtypes, block_nbytes, block_shapes, manifest_key
 from shadow.stores import S3_MIN_PART_BYTES
@@ -148,6 +149,37 @@ def test_shadow_with_key_offsets_recovers_keys(fmt, store_url):
     assert recover_session(store, "offsets", dst).blocks == NUM_BLOCKS
     _assert_same_bytes(src, dst)
     assert all(torch.equal(a, b) for a, b in zip(_decoded(src), _decoded(dst), strict=True))
+
+
+def test_mixed_format_sessions_in_one_store_each_recover_into_their_format(store_url):
+    torch.manual_seed(2)
+    offsets = torch.randn(BASE.num_layers, BASE.num_kv_heads, BASE.head_dim) * 3
+    sources = {
+        "pool-tq4": _cache(BASE),
+        "pool-int8": _cache(replace(BASE, codec="int8",
+                                    key_offset_digest=key_offset_digest(offsets)), offsets),
+        "pool-fp16": _cache(replace(BASE, codec="fp16")),
+        "pool-native": _cache(replace(BASE, codec="native")),
+    }
+    for seed, (sid, cache) in enumerate(sources.items()):
+        _fill(cache, seed=seed)
+        with CacheShadow(cache, store_url, sid, config=MANUAL) as sh:
+            sh.shadow_now()
+    store = open_store(store_url)
+    infos = {i.session_id: i for i in discover_sessions(store)}
+    assert set(infos) == set(sources) and not any(i.error for i in infos.values())
+    for sid, src in sources.items():
+        manifest = Manifest.from_json(store.get(manifest_key(sid)))
+        assert manifest.identity == src.identity
+        assert manifest.bytes_per_block == src.identity.bytes_per_block
+        dst = _cache(manifest.identity, manifest.key_offsets_tensor())
+        report = recover_sessions(store, dst)  # every session; the others are refused
+        assert report.sessions == [sid] and report.blocks == NUM_BLOCKS
+        assert set(report.errors) == set(sources) - {sid}
+        assert all("different cache identity" in e and "\n" not in e
+                   for e in report.errors.values())
+        _assert_same_bytes(src, dst)
+        assert all(torch.equal(a, b) for a, b in zip(_decoded(src), _decoded(dst), strict=True))
 
 
 def test_caches_of_other_formats_are_refused_by_identity(store_url):
