@@ -267,11 +267,12 @@ class ContextKitConnector(KVConnectorBase_V1):
             # Decode on a helper thread: the fused CPU decoder (numba) sets the calling
             # thread's OpenMP thread count, which vLLM's CPU attention checks against
             # the step's metadata (and vLLM forbids setting it back).
-            got = self._loader.submit(self.store.read, spec.keys, spec.tenant).result()
-            n = 0 if got is None else got[0].shape[1]
-            if got is not None:
-                k, v = got
-                index = torch.tensor(spec.block_ids[:n], dtype=torch.int64)
+            # one part per pool (block format) holding blocks of the prefix: each is
+            # copied into its pages directly, never reassembled first
+            parts = self._loader.submit(self.store.read_parts, spec.keys, spec.tenant).result()
+            n = sum(len(positions) for positions, _, _ in parts)
+            for positions, k, v in parts:
+                index = torch.tensor([spec.block_ids[i] for i in positions], dtype=torch.int64)
                 for layer, name in enumerate(names):
                     pages = self._pages[name]
                     # [n, N, H, D] -> [n, H, N, D] -> whole pages, one copy per layer

@@ -549,6 +549,20 @@ class ConnectorStore:
             when the first key is not held. Keys are the keys: pools with key offsets
             add them back.
         """
+        parts = self.read_parts(keys, tenant)
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0][1], parts[0][2]
+        return _assemble(parts, sum(len(positions) for positions, _, _ in parts))
+
+    def read_parts(self, keys: Sequence[bytes], tenant: str
+                   ) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+        """:meth:`read` without reassembly: per pool holding blocks of the prefix,
+        ``(positions, k, v)`` with the positions (into ``keys``) of its blocks and their
+        K/V ``[num_layers, len(positions), block_size, H, D]``. The positions of all
+        parts are ``0 .. n-1`` once each; empty when the first key is not held. The
+        connector copies each part into vLLM's pages directly."""
         slug = tenant_slug(tenant)
         parts: dict[str, tuple[Pool, list[int], list[int]]] = {}  # name -> pool, positions, ids
         exported: list[tuple[Pool, list[int], dict[str, torch.Tensor]]] = []
@@ -568,28 +582,37 @@ class ConnectorStore:
             self.stats.count("loaded_blocks", n)
             self.stats.count("hit_tokens", n * self.identity.block_size)
             self.stats.count("load_errors", len(keys) - n)
-            if not n:
-                return None
             for pool, positions, bids in parts.values():
                 with pool.cache.locked():
                     pool.cache.metadata.touch(bids)
                     # layer-major CPU copies of the bytes
                     exported.append((pool, positions, pool.cache.export_blocks(bids)))
         self.num_loaded += n
-        decoded = [(positions, *formats.decode_blocks(pool.fmt, data, pool.cache.codec,
-                                                      key_offsets=pool.cache.key_offsets))
-                   for pool, positions, data in exported]
-        if len(decoded) == 1:
-            return decoded[0][1], decoded[0][2]
-        first = decoded[0][1]
-        shape = (first.shape[0], n, *first.shape[2:])
-        k_out = torch.empty(shape, dtype=torch.float32, device=first.device)
-        v_out = torch.empty(shape, dtype=torch.float32, device=first.device)
-        for positions, k, v in decoded:
+        return [(positions, *formats.decode_blocks(pool.fmt, data, pool.cache.codec,
+                                                   key_offsets=pool.cache.key_offsets))
+                for pool, positions, data in exported]
+
+
+def _assemble(parts: list[tuple[list[int], torch.Tensor, torch.Tensor]], n: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[L, n, ...]`` from per-pool parts ``(positions, k, v)``: runs of
+    consecutive positions (the usual case: a sink block, then the rest) are copied
+    as slices, anything else by index."""
+    first = parts[0][1]
+    shape = (first.shape[0], n, *first.shape[2:])
+    k_out = torch.empty(shape, dtype=torch.float32, device=first.device)
+    v_out = torch.empty(shape, dtype=torch.float32, device=first.device)
+    for positions, k, v in parts:
+        k, v = k.to(first.device), v.to(first.device)
+        a, b = positions[0], positions[-1] + 1
+        if b - a == len(positions):
+            k_out[:, a:b].copy_(k)
+            v_out[:, a:b].copy_(v)
+        else:
             at = torch.tensor(positions, dtype=torch.int64, device=first.device)
-            k_out.index_copy_(1, at, k.to(first.device))
-            v_out.index_copy_(1, at, v.to(first.device))
-        return k_out, v_out
+            k_out.index_copy_(1, at, k)
+            v_out.index_copy_(1, at, v)
+    return k_out, v_out
 
 
 def _suffix(base: CacheIdentity, identity: CacheIdentity) -> str:

@@ -103,6 +103,13 @@ def test_mixed_formats_read_back_within_each_formats_bounds(model: Path,
             cos = torch.nn.functional.cosine_similarity(y[:, i].reshape(-1, DIM),
                                                         x[:, i].reshape(-1, DIM), dim=-1)
             assert float(cos.mean()) > 0.99 and _rel(y[:, i], x[:, i]) > 1e-2
+    # the connector's form: one part per pool, copied into vLLM's pages as it is
+    parts = store.read_parts(keys, "default")
+    assert sorted(p for positions, _, _ in parts for p in positions) == list(range(5))
+    assert len(parts) == 4  # fp16, tq4, native, int8
+    for positions, pk, pv in parts:
+        assert torch.equal(pk, k2[:, positions]) and torch.equal(pv, v2[:, positions])
+    assert store.read_parts([b"\0" * 32, *keys], "default") == []
     # a prefix held across pools stops at the first key not held
     part = store.read([*keys[:3], b"\0" * 32, keys[4]], "default")
     assert part is not None and part[0].shape[1] == 3
