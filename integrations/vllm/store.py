@@ -588,9 +588,20 @@ class ConnectorStore:
                     # layer-major CPU copies of the bytes
                     exported.append((pool, positions, pool.cache.export_blocks(bids)))
         self.num_loaded += n
-        return [(positions, *formats.decode_blocks(pool.fmt, data, pool.cache.codec,
-                                                   key_offsets=pool.cache.key_offsets))
-                for pool, positions, data in exported]
+        return [(positions, *_decode(pool, data)) for pool, positions, data in exported]
+
+
+def _decode(pool: Pool, exported: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool's exported blocks as float32 K/V, key offsets added back in place (the
+    decoded keys of an offset pool, tq4 or int8, are a fresh tensor: one pass over
+    them instead of a copy)."""
+    k, v = formats.decode_blocks(pool.fmt, exported, pool.cache.codec)
+    offsets = pool.cache.key_offsets
+    if offsets is not None:
+        if pool.fmt not in OFFSET_FORMATS:  # decoded in place of the exported bytes
+            k = k.clone()
+        k.add_(offsets.to(k.device, torch.float32)[:, None, None])
+    return k, v
 
 
 def _assemble(parts: list[tuple[list[int], torch.Tensor, torch.Tensor]], n: int
