@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gpu_cache import CacheConfig, CacheIdentity, PrefixPinManager, Tier, TQGPUCache
+from gpu_cache import CacheConfig, CacheIdentity, PrefixPinManager, Tier, TQGPUCache, formats
 from gpu_cache.calibration import key_offset_digest, mean_key_offsets
 from shadow import CacheShadow, ShadowResult, ShadowStore
 
@@ -30,7 +30,9 @@ __all__ = [
     "CALIBRATION_BLOCKS",
     "OFFSET_FORMATS",
     "Pool",
+    "assemble_parts",
     "calibrate_offsets",
+    "decode_pool_blocks",
     "format_summary",
     "pool_identity",
     "server_sessions",
@@ -178,3 +180,39 @@ def combine_results(results: Sequence[ShadowResult]) -> ShadowResult | None:
         bytes_written=sum(r.bytes_written for r in results),
         manifest_bytes=sum(r.manifest_bytes for r in results),
         seconds=sum(r.seconds for r in results), compacted=any(r.compacted for r in results))
+
+
+def decode_pool_blocks(pool: Pool, exported: dict[str, torch.Tensor]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool's exported blocks as float32 K/V, key offsets added back in place (the
+    decoded keys of an offset pool, tq4 or int8, are a fresh tensor: one pass over
+    them instead of a copy)."""
+    k, v = formats.decode_blocks(pool.fmt, exported, pool.cache.codec)
+    offsets = pool.cache.key_offsets
+    if offsets is not None:
+        if pool.fmt not in OFFSET_FORMATS:  # decoded in place of the exported bytes
+            k = k.clone()
+        k.add_(offsets.to(k.device, torch.float32)[:, None, None])
+    return k, v
+
+
+def assemble_parts(parts: list[tuple[list[int], torch.Tensor, torch.Tensor]], n: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[L, n, ...]`` from per-pool parts ``(positions, k, v)``: runs of
+    consecutive positions (the usual case: a sink block, then the rest) are copied
+    as slices, anything else by index."""
+    first = parts[0][1]
+    shape = (first.shape[0], n, *first.shape[2:])
+    k_out = torch.empty(shape, dtype=torch.float32, device=first.device)
+    v_out = torch.empty(shape, dtype=torch.float32, device=first.device)
+    for positions, k, v in parts:
+        k, v = k.to(first.device), v.to(first.device)
+        a, b = positions[0], positions[-1] + 1
+        if b - a == len(positions):
+            k_out[:, a:b].copy_(k)
+            v_out[:, a:b].copy_(v)
+        else:
+            at = torch.tensor(positions, dtype=torch.int64, device=first.device)
+            k_out.index_copy_(1, at, k)
+            v_out.index_copy_(1, at, v)
+    return k_out, v_out

@@ -42,8 +42,10 @@ from integrations.vllm.pools import (
     CALIBRATION_BLOCKS,
     OFFSET_FORMATS,
     Pool,
+    assemble_parts,
     calibrate_offsets,
     combine_results,
+    decode_pool_blocks,
     format_summary,
     pool_identity,
     server_sessions,
@@ -463,7 +465,7 @@ class ConnectorStore:
             groups: dict[str, list[int]] = {}
             for i, key in enumerate(keys):
                 if key not in self._ids:
-                    fmt = formats.check_format(getattr(labels[i], "fmt", ident.codec))
+                    fmt = formats.check_format(labels[i].fmt)
                     groups.setdefault(fmt, []).append(i)
             if not groups:
                 return result
@@ -554,7 +556,7 @@ class ConnectorStore:
             return None
         if len(parts) == 1:
             return parts[0][1], parts[0][2]
-        return _assemble(parts, sum(len(positions) for positions, _, _ in parts))
+        return assemble_parts(parts, sum(len(positions) for positions, _, _ in parts))
 
     def read_parts(self, keys: Sequence[bytes], tenant: str
                    ) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
@@ -588,42 +590,7 @@ class ConnectorStore:
                     # layer-major CPU copies of the bytes
                     exported.append((pool, positions, pool.cache.export_blocks(bids)))
         self.num_loaded += n
-        return [(positions, *_decode(pool, data)) for pool, positions, data in exported]
-
-
-def _decode(pool: Pool, exported: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pool's exported blocks as float32 K/V, key offsets added back in place (the
-    decoded keys of an offset pool, tq4 or int8, are a fresh tensor: one pass over
-    them instead of a copy)."""
-    k, v = formats.decode_blocks(pool.fmt, exported, pool.cache.codec)
-    offsets = pool.cache.key_offsets
-    if offsets is not None:
-        if pool.fmt not in OFFSET_FORMATS:  # decoded in place of the exported bytes
-            k = k.clone()
-        k.add_(offsets.to(k.device, torch.float32)[:, None, None])
-    return k, v
-
-
-def _assemble(parts: list[tuple[list[int], torch.Tensor, torch.Tensor]], n: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V ``[L, n, ...]`` from per-pool parts ``(positions, k, v)``: runs of
-    consecutive positions (the usual case: a sink block, then the rest) are copied
-    as slices, anything else by index."""
-    first = parts[0][1]
-    shape = (first.shape[0], n, *first.shape[2:])
-    k_out = torch.empty(shape, dtype=torch.float32, device=first.device)
-    v_out = torch.empty(shape, dtype=torch.float32, device=first.device)
-    for positions, k, v in parts:
-        k, v = k.to(first.device), v.to(first.device)
-        a, b = positions[0], positions[-1] + 1
-        if b - a == len(positions):
-            k_out[:, a:b].copy_(k)
-            v_out[:, a:b].copy_(v)
-        else:
-            at = torch.tensor(positions, dtype=torch.int64, device=first.device)
-            k_out.index_copy_(1, at, k)
-            v_out.index_copy_(1, at, v)
-    return k_out, v_out
+        return [(positions, *decode_pool_blocks(pool, data)) for pool, positions, data in exported]
 
 
 def _suffix(base: CacheIdentity, identity: CacheIdentity) -> str:
