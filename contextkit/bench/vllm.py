@@ -168,7 +168,9 @@ def _policy_run(name: str, work: Path, model_dir: str, prompts_file: Path,
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
-        import vllm  # noqa: F401
+        # vLLM itself, not a directory named vllm on sys.path (pytest puts
+        # tests/integrations there, whose vllm/ imports as a namespace package)
+        from vllm import __version__  # noqa: F401
     except ImportError:
         raise SystemExit("contextkit bench vllm runs inside the vLLM virtualenv: "
                          "`make test-vllm` creates .venv-vllm, then "

@@ -150,7 +150,8 @@ class ContextKitConnector(KVConnectorBase_V1):
     def _init_scheduler(self) -> None:
         self.planner = RequestPlanner(self.identity.digest(), self.block_size,
                                       self.config.default_source_layer,
-                                      policy=self.config.policy)
+                                      policy=self.config.policy,
+                                      head_dim=self.identity.head_dim)
         seeded = self.planner.seed(local_session_keys(self.config.local_store, self.identity))
         self._requests: dict[str, Request] = {}
         self._stats_path = Path(self.config.stats_path) if self.config.stats_path else None

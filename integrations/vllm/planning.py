@@ -239,6 +239,7 @@ class _RequestState:
     finished: bool = False
     considered_blocks: int = 0  # blocks below this were stored, planned or skipped
     planned_saves: int = 0
+    prompt_formats: list[str] | None = None  # the prompt blocks' formats, once planned
 
 
 class RequestPlanner:
@@ -251,6 +252,7 @@ class RequestPlanner:
         policy: the server's precision policy (each saved block's format);
             ``None``: :data:`~integrations.vllm.precision.DEFAULT_POLICY`. A request
             may override keys of it (``kv_transfer_params["contextkit"]["precision"]``).
+        head_dim: the model's head dimension (the byte costs of the policy's budget).
 
     Attributes:
         stats: the scheduler side's metrics (lookups), taken by the connector.
@@ -258,12 +260,13 @@ class RequestPlanner:
 
     def __init__(self, identity_digest: bytes, block_size: int,
                  default_layer: str = "user_turn",
-                 policy: PrecisionPolicy | None = None) -> None:
+                 policy: PrecisionPolicy | None = None, head_dim: int = 128) -> None:
         self.stats = StatsRecorder(layer_names(default_layer))
         self.identity_digest = identity_digest
         self.block_size = block_size
         self.default_layer = default_layer
         self.policy = DEFAULT_POLICY if policy is None else policy
+        self.head_dim = head_dim
         self.index: set[bytes] = set()
         self.pending: set[bytes] = set()
         self._reqs: dict[str, _RequestState] = {}
@@ -382,12 +385,24 @@ class RequestPlanner:
                 self.pending.update(run_keys)
                 labels = labels_from_params(state.params, run[0], len(run), bs,
                                             self.default_layer)
-                labels = [dataclasses.replace(label, fmt=state.policy.format_for(b, label))
+                labels = [dataclasses.replace(label, fmt=self._format(state, b, label))
                           for b, label in zip(run, labels, strict=True)]
                 saves.append(SaveSpec(
                     req.req_id, state.tenant, run_keys, [req.block_ids[b] for b in run],
                     run[0], labels))
         return loads, saves
+
+    def _format(self, state: _RequestState, block: int, label: BlockLabel) -> str:
+        """Block ``block``'s format: the prompt's blocks are decided together (the
+        policy's byte budget spans the prompt); later (generated) blocks one by one."""
+        n = state.num_prompt_tokens // self.block_size
+        if block >= n:
+            return state.policy.format_for(block, label)
+        if state.prompt_formats is None:
+            labels = labels_from_params(state.params, 0, n, self.block_size,
+                                        self.default_layer)
+            state.prompt_formats = state.policy.formats_for(labels, self.head_dim)
+        return state.prompt_formats[block]
 
     # ------------------------------------------------------------------ feedback
     def apply(self, report: WorkerReport) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,10 +34,12 @@ __all__ = [
     "DEFAULT_POLICY",
     "FORMATS",
     "POLICY_KEYS",
+    "RAISED_LAYERS",
     "LayerFormats",
     "PrecisionError",
     "PrecisionPolicy",
     "policy_for_codec",
+    "vs_fp16",
 ]
 
 #: Block formats, low to high precision (the same tuple as ``gpu_cache.formats.FORMATS``).
@@ -98,6 +100,12 @@ class PrecisionPolicy:
             format.
         key_offsets: the store subtracts per-head key means before quantizing ``tq4``
             and ``int8`` blocks (and adds them back on load).
+        max_vs_fp16: byte budget of a request's prompt blocks, as a share of fp16
+            (``None``: no budget). When the rules above would store the prompt in
+            more bytes, the blocks they raised above ``default`` (all but the sink)
+            go back to ``default`` earliest first, so the budget keeps precision
+            where the next tokens look most: the latest blocks (see
+            :meth:`formats_for`).
 
     Raises:
         PrecisionError: an unknown format, a negative ``sink_blocks``, thresholds
@@ -111,6 +119,7 @@ class PrecisionPolicy:
     pinned: str | None = None
     importance: tuple[tuple[float, str], ...] = ()
     key_offsets: bool = True
+    max_vs_fp16: float | None = None
 
     def __post_init__(self) -> None:
         _check_format(self.default, "precision.default")
@@ -124,6 +133,14 @@ class PrecisionPolicy:
         if not isinstance(self.key_offsets, bool):
             raise PrecisionError(f"precision.key_offsets: write true or false, got "
                                  f"{self.key_offsets!r}")
+        if self.max_vs_fp16 is not None:
+            budget = self.max_vs_fp16
+            if (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                    or not math.isfinite(budget) or budget <= 0):
+                raise PrecisionError(f"precision.max_vs_fp16: write a number > 0 (the "
+                                     f"share of fp16 bytes, e.g. 0.35) or null, got "
+                                     f"{budget!r}")
+            object.__setattr__(self, "max_vs_fp16", float(budget))
         object.__setattr__(self, "layers", _layers(self.layers))
         object.__setattr__(self, "importance", _importance(self.importance))
 
@@ -143,6 +160,31 @@ class PrecisionPolicy:
             if label.importance >= threshold:
                 return fmt
         return self.default
+
+    def formats_for(self, labels: Sequence[BlockLabel], head_dim: int) -> list[str]:
+        """Formats of a request's prompt blocks ``0..len(labels)-1``: the rules of
+        :meth:`format_for`, then the byte budget ``max_vs_fp16``.
+
+        Over budget, blocks the rules raised above ``default`` (the sink excepted) go
+        back to ``default`` from the earliest on, until the prompt fits: what stays
+        raised is the latest context, whose errors the next tokens feel most (the
+        bench measures this; the stable layers at the front tolerate 4 bits). A
+        prompt whose sink alone breaks the budget keeps its sink.
+        """
+        out = [self.format_for(b, label) for b, label in enumerate(labels)]
+        if self.max_vs_fp16 is None or not out:
+            return out
+        cost = {fmt: vs_fp16(fmt, head_dim) for fmt in {*out, self.default}}
+        budget = self.max_vs_fp16 * len(out)
+        total = sum(cost[fmt] for fmt in out)
+        base = cost[self.default]
+        for b in range(self.sink_blocks, len(out)):
+            if total <= budget:
+                break
+            if cost[out[b]] > base:
+                total -= cost[out[b]] - base
+                out[b] = self.default
+        return out
 
     def formats(self) -> frozenset[str]:
         """Every format this policy can assign."""
@@ -198,7 +240,7 @@ class PrecisionPolicy:
         return {"default": self.default, "sink_blocks": self.sink_blocks,
                 "sink_format": self.sink_format, "layers": dict(self.layers),
                 "pinned": self.pinned, "importance": [[t, f] for t, f in self.importance],
-                "key_offsets": self.key_offsets}
+                "key_offsets": self.key_offsets, "max_vs_fp16": self.max_vs_fp16}
 
 
 #: The keys of a precision mapping (``PrecisionPolicy``'s fields).
@@ -251,8 +293,27 @@ def _importance(value: object) -> tuple[tuple[float, str], ...]:
     return tuple(rules)
 
 
-#: The policy of a ``codec="tq4"`` server without a ``precision`` setting.
-DEFAULT_POLICY = PrecisionPolicy()
+def vs_fp16(fmt: str, head_dim: int) -> float:
+    """Bytes of a token-head in ``fmt`` over its fp16 bytes (``2 * head_dim``); the
+    same sizes as :func:`gpu_cache.formats.bytes_per_token_head`."""
+    per = {"tq4": head_dim // 2 + 4, "int8": head_dim + 4, "fp16": 2 * head_dim,
+           "native": 4 * head_dim}
+    return per[_check_format(fmt, "format")] / (2 * head_dim)
+
+
+#: Source layers whose blocks the default policy raises to int8: the layers that change
+#: per turn and sit late in the prompt (memories, the volatile state, the user turn),
+#: which the next tokens attend to most. The stable layers at the front (axioms,
+#: identity, rules, capabilities, soul) stay tq4: measured, they tolerate it.
+RAISED_LAYERS: tuple[str, ...] = ("partner", "neurons", "memories", "system_state",
+                                  "current_time", "affect", "awareness", "user_turn")
+
+#: The policy of a ``codec="tq4"`` server without a ``precision`` setting: an fp16
+#: attention sink, key offsets, the late layers int8 within 0.35 of fp16's bytes,
+#: everything else tq4 (see docs/vllm.md, "Precision by semantic importance").
+DEFAULT_POLICY = PrecisionPolicy(
+    sink_blocks=1, sink_format="fp16", layers=dict.fromkeys(RAISED_LAYERS, "int8"),
+    key_offsets=True, max_vs_fp16=0.35)
 
 
 def policy_for_codec(codec: str) -> PrecisionPolicy:

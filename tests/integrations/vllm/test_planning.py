@@ -172,8 +172,8 @@ def test_labels_with_a_matching_fingerprint_are_used() -> None:
     p2.matched_tokens("r", TOKENS, len(TOKENS), 0, params=params)
     _, saves = p2.plan([StepRequest("r", TOKENS, 0, len(TOKENS), list(range(5)))])
     labels = [lab for s in saves for lab in s.labels]
-    assert [lab.fmt for lab in labels] == [
-        DEFAULT_POLICY.format_for(b, lab) for b, lab in enumerate(labels)]
+    # (the prompt's blocks are decided together: the default policy has a byte budget)
+    assert [lab.fmt for lab in labels] == DEFAULT_POLICY.formats_for(labels, p2.head_dim)
     assert p.stats.take() == {"counters": {"lookups": 1}, "by_layer": {}, "gauges": {}}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import Any
@@ -24,6 +25,7 @@ from integrations.vllm.precision import (
     PrecisionError,
     PrecisionPolicy,
     policy_for_codec,
+    vs_fp16,
 )
 
 BS = 4
@@ -96,7 +98,7 @@ _FORMATS_HINT = "write one of tq4, int8, fp16, native"
 
 @pytest.mark.parametrize("data, message", [
     ({"sink": 2}, "unknown precision key 'sink'; known keys: default, sink_blocks, "
-                  "sink_format, layers, pinned, importance, key_offsets"),
+                  "sink_format, layers, pinned, importance, key_offsets, max_vs_fp16"),
     ({"default": "tq3"}, f"precision.default: unknown block format 'tq3'; {_FORMATS_HINT}"),
     ({"sink_format": "fp8"}, f"precision.sink_format: unknown block format 'fp8'; "
                              f"{_FORMATS_HINT}"),
@@ -187,13 +189,16 @@ def test_connector_config_reads_precision_from_a_config_file(tmp_path: Any) -> N
                     'importance = [[0.8, "fp16"]]\n[connector.precision.layers]\n'
                     'axioms = "native"\n')
     policy = load_config(path, env={}).connector.policy
-    assert policy == PrecisionPolicy(default="int8", sink_blocks=2, layers={"axioms": "native"},
-                                     importance=((0.8, "fp16"),))
+    # the keys it sets over the default policy with the codec as its default format
+    assert policy == dataclasses.replace(DEFAULT_POLICY, default="int8", sink_blocks=2,
+                                         layers={"axioms": "native"},
+                                         importance=((0.8, "fp16"),))
 
 
 @pytest.mark.parametrize("extra, message", [
     ({"precision": {"defualt": "tq4"}}, "connector: unknown precision key 'defualt'; known "
-     "keys: default, sink_blocks, sink_format, layers, pinned, importance, key_offsets"),
+     "keys: default, sink_blocks, sink_format, layers, pinned, importance, key_offsets, "
+     "max_vs_fp16"),
     ({"precision": {"layers": {"axioms": "fp8"}}}, "connector: precision.layers.axioms: "
      f"unknown block format 'fp8'; {_FORMATS_HINT}"),
     ({"precision": "int8"}, "connector: precision must be a JSON object (e.g. "
@@ -251,7 +256,7 @@ def test_the_sink_is_the_requests_first_blocks_not_a_runs() -> None:
 def test_planner_defaults_to_the_default_policy() -> None:
     p = RequestPlanner(IDENTITY.digest(), BS)
     assert p.policy is DEFAULT_POLICY
-    expected = [DEFAULT_POLICY.format_for(b, BlockLabel("user_turn")) for b in range(6)]
+    expected = DEFAULT_POLICY.formats_for([BlockLabel("user_turn")] * 6, p.head_dim)
     assert [fmt for _, _, fmt in _saved(p, "r", None)] == expected
 
 
@@ -309,3 +314,54 @@ def test_formats_survive_the_worker_round_trip_of_keys() -> None:
     _saved(p, "r", _labelled())
     p.apply(WorkerReport(stored=set(keys)))
     assert p.matched_tokens("s", TOKENS, len(TOKENS), 0) == 20
+
+
+# ---------------------------------------------------------------------- byte budget
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_byte_costs_are_the_codecs(head_dim: int) -> None:
+    from gpu_cache.formats import bytes_per_token_head
+
+    for fmt in FORMATS:
+        assert vs_fp16(fmt, head_dim) == bytes_per_token_head(fmt, head_dim) / (2 * head_dim)
+
+
+def test_the_byte_budget_keeps_the_latest_raised_blocks() -> None:
+    policy = PrecisionPolicy(sink_blocks=1, layers={"memories": "int8"}, max_vs_fp16=0.4)
+    labels = [BlockLabel("memories")] * 10
+    assert policy.formats_for(labels, 64) == ["fp16"] + ["tq4"] * 8 + ["int8"]
+    cost = sum(vs_fp16(f, 64) for f in policy.formats_for(labels, 64))
+    assert cost <= 0.4 * len(labels)
+    # one raised block more would break it
+    assert cost + vs_fp16("int8", 64) - vs_fp16("tq4", 64) > 0.4 * len(labels)
+    # a wider budget keeps more of the latest blocks raised, never an earlier one alone
+    wide = dataclasses.replace(policy, max_vs_fp16=0.45).formats_for(labels, 64)
+    assert wide == ["fp16"] + ["tq4"] * 6 + ["int8"] * 3
+    # no budget: the rules alone
+    assert dataclasses.replace(policy, max_vs_fp16=None).formats_for(labels, 64) == [
+        "fp16"] + ["int8"] * 9
+    # blocks no rule raised are never touched; a sink alone over budget stays
+    assert policy.formats_for([BlockLabel("axioms")] * 3, 64) == ["fp16", "tq4", "tq4"]
+    assert policy.formats_for([BlockLabel("memories")], 64) == ["fp16"]
+
+
+def test_the_default_policy_meets_its_budget_on_a_labelled_prompt() -> None:
+    spans = [[0, 400, "axioms", 1.0], [400, 1000, "rules", 1.0],
+             [1000, 1300, "memories", 0.9], [1300, 2000, "user_turn", 0.3]]
+    params = semantic_params(spans)
+    labels = [BlockLabel(layer) for layer in ["axioms"] * 13 + ["rules"] * 18
+              + ["memories"] * 10 + ["user_turn"] * 21]
+    fmts = DEFAULT_POLICY.formats_for(labels, 64)
+    assert fmts[0] == "fp16" and fmts[-1] == "int8"
+    assert sum(vs_fp16(f, 64) for f in fmts) <= 0.35 * len(fmts)
+    assert set(fmts[1:31]) == {"tq4"}  # the stable front stays 4-bit
+    raised = [b for b, f in enumerate(fmts) if f == "int8"]
+    assert raised == list(range(raised[0], len(fmts)))  # the latest blocks, contiguous
+    assert params["contextkit"]["spans"][0][2] == "axioms"
+
+
+@pytest.mark.parametrize("value", [0, -0.1, "x", True, float("nan")])
+def test_a_bad_byte_budget_is_one_line(value: Any) -> None:
+    with pytest.raises(PrecisionError, match=r"precision.max_vs_fp16: write a number > 0") as e:
+        PrecisionPolicy.from_mapping({"max_vs_fp16": value})
+    assert "\n" not in str(e.value)
+    assert PrecisionPolicy.from_mapping({"max_vs_fp16": None}).max_vs_fp16 is None

@@ -129,7 +129,8 @@ def test_restart_with_recovery_serves_from_contextkit_store(
         assert r["connector"]["external_hit_tokens"] == 0  # nothing stored yet
         assert r["connector"]["planned_save_blocks"] >= PROMPT_TOKENS // BLOCK - 1
     assert cold["run"]["stored_blocks"] >= 2 * (PROMPT_TOKENS // BLOCK)
-    assert (work / "shadow" / "vllm" / "manifest.json").is_file()
+    # one shadow session per block format: vllm@fp16 (the sink), vllm@tq4.<offsets>, ...
+    assert sorted(p.parent.name for p in (work / "shadow").glob("vllm*/manifest.json"))
 
     rc, rec = recover(model_dir, _config(work))  # vLLM is stopped: the startup job
     assert rc == 0, rec
@@ -162,7 +163,7 @@ def test_native_codec_loads_exactly(model_dir: str, prompts: list[list[int]],
     """The load path is exact: with float32 blocks, a store hit gives the same tokens."""
     work = tmp_path_factory.mktemp("native")
     config = _config(work, codec="native")
-    config["shadow_url"] = ""  # the shadow format is TQ4-only; this checks the load path
+    config["shadow_url"] = ""  # this checks the load path only
     run = serve(model_dir, config, prompts[:1], work / "run.json", rounds=2)
     first, second = run["results"]
     assert first["connector"]["external_hit_tokens"] == 0
@@ -180,10 +181,14 @@ def metric(text: str, name: str, **labels: str) -> float:
     return sum(values) if values else -1.0
 
 
-def _copy_session(src: Path, dst: Path) -> Path:
-    """A copy of the cold run's shadow session (same id: manifests name their blobs)."""
-    shutil.copytree(src / "vllm", dst / "vllm")
-    return dst / "vllm"
+def _copy_sessions(src: Path, dst: Path) -> list[Path]:
+    """Copies of the cold run's shadow sessions, one per block format (same ids:
+    manifests name their blobs)."""
+    out = []
+    for manifest in sorted(src.glob("vllm*/manifest.json")):
+        shutil.copytree(manifest.parent, dst / manifest.parent.name)
+        out.append(dst / manifest.parent.name)
+    return out
 
 
 def test_shadow_of_another_model_is_refused_and_recomputed(
@@ -191,20 +196,22 @@ def test_shadow_of_another_model_is_refused_and_recomputed(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     work = tmp_path_factory.mktemp("foreign")
     shadow = work / "bad-shadow"
-    session = _copy_session(cold["work"] / "shadow", shadow)
-    manifest = json.loads((session / "manifest.json").read_text())
-    manifest["identity"]["model_id"] = "sha256:0123456789abcdef"  # "for another model"
-    (session / "manifest.json").write_text(json.dumps(manifest))
-    # (another block size is refused the same way: tests/integrations/vllm/test_store.py)
-    # ...with garbage bytes under the very keys this prompt asks for: serving them
-    # would be wrong KV, so the only acceptable outcome is a recompute
-    blob = session / "k_packed.bin"
-    blob.write_bytes(bytes(len(blob.read_bytes())))
+    sessions = _copy_sessions(cold["work"] / "shadow", shadow)
+    for session in sessions:
+        manifest = json.loads((session / "manifest.json").read_text())
+        manifest["identity"]["model_id"] = "sha256:0123456789abcdef"  # "for another model"
+        (session / "manifest.json").write_text(json.dumps(manifest))
+        # (another block size is refused the same way: tests/integrations/vllm/test_store.py)
+        # ...with garbage bytes under the very keys this prompt asks for: serving them
+        # would be wrong KV, so the only acceptable outcome is a recompute
+        blob = session / "k_packed.bin"
+        if blob.is_file():
+            blob.write_bytes(bytes(len(blob.read_bytes())))
 
     rc, rec = recover(model_dir, _config(work, shadow))
-    assert rc == 1 and "vllm" in rec["errors"]
-    assert "different cache identity" in rec["errors"]["vllm"]
-    assert "model_id" in rec["errors"]["vllm"]
+    assert rc == 1 and set(rec["errors"]) == {s.name for s in sessions}
+    for why in rec["errors"].values():
+        assert "different cache identity" in why and "model_id" in why
     assert rec["snapshot_blocks"] == 0
 
     run = serve(model_dir, _config(work, shadow), prompts[:1], work / "run.json")
@@ -220,11 +227,12 @@ def test_corrupt_block_is_skipped_and_recomputed(
 
     work = tmp_path_factory.mktemp("corrupt")
     shadow = work / "bad-shadow"
-    session = _copy_session(cold["work"] / "shadow", shadow)
-    manifest = json.loads((session / "manifest.json").read_text())
+    sessions = _copy_sessions(cold["work"] / "shadow", shadow)
+    manifests = [json.loads((s / "manifest.json").read_text()) for s in sessions]
     keys = hash_token_blocks(_identity(model_dir).digest(), "default", prompts[0], BLOCK)
-    bad = 10
-    record = next(b for b in manifest["blocks"] if b["key"] == keys[bad].hex())
+    bad = 10  # a tq4 block (the policy keeps block 0, the sink, in fp16)
+    manifest, record = next((m, b) for m in manifests for b in m["blocks"]
+                            if b["key"] == keys[bad].hex())
     segment = next(s for s in manifest["segments"] if s["id"] == record["segment"])
     blob = shadow / segment["files"]["k_packed"]
     data = bytearray(blob.read_bytes())
