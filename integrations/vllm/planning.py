@@ -25,7 +25,12 @@ from typing import Any
 
 from gpu_cache import PINNABLE_SOURCES, hash_block_tokens
 from integrations.vllm.metrics import StatsRecorder, layer_names
-from integrations.vllm.precision import DEFAULT_POLICY, PrecisionError, PrecisionPolicy
+from integrations.vllm.precision import (
+    DEFAULT_POLICY,
+    PrecisionError,
+    PrecisionPolicy,
+    vs_fp16,
+)
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -240,6 +245,7 @@ class _RequestState:
     considered_blocks: int = 0  # blocks below this were stored, planned or skipped
     planned_saves: int = 0
     prompt_formats: list[str] | None = None  # the prompt blocks' formats, once planned
+    budget_spent: float = 0.0  # fp16 shares of the blocks given a format so far
 
 
 class RequestPlanner:
@@ -394,15 +400,26 @@ class RequestPlanner:
 
     def _format(self, state: _RequestState, block: int, label: BlockLabel) -> str:
         """Block ``block``'s format: the prompt's blocks are decided together (the
-        policy's byte budget spans the prompt); later (generated) blocks one by one."""
+        policy's byte budget spans the prompt); later (generated) blocks one by one,
+        raised only while the request's blocks stay within the budget."""
+        policy = state.policy
         n = state.num_prompt_tokens // self.block_size
-        if block >= n:
-            return state.policy.format_for(block, label)
         if state.prompt_formats is None:
             labels = labels_from_params(state.params, 0, n, self.block_size,
                                         self.default_layer)
-            state.prompt_formats = state.policy.formats_for(labels, self.head_dim)
-        return state.prompt_formats[block]
+            state.prompt_formats = policy.formats_for(labels, self.head_dim)
+            state.budget_spent = sum(vs_fp16(f, self.head_dim) for f in state.prompt_formats)
+        if block < n:
+            return state.prompt_formats[block]
+        fmt = policy.format_for(block, label)
+        if policy.max_vs_fp16 is not None and fmt != policy.default:
+            # a generated block is raised only while the request stays within budget
+            cost = vs_fp16(fmt, self.head_dim)
+            if (cost > vs_fp16(policy.default, self.head_dim)
+                    and state.budget_spent + cost > policy.max_vs_fp16 * (block + 1)):
+                fmt = policy.default
+        state.budget_spent += vs_fp16(fmt, self.head_dim)
+        return fmt
 
     # ------------------------------------------------------------------ feedback
     def apply(self, report: WorkerReport) -> list[dict[str, Any]]:

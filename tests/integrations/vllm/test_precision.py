@@ -352,7 +352,9 @@ def test_the_default_policy_meets_its_budget_on_a_labelled_prompt() -> None:
               + ["memories"] * 10 + ["user_turn"] * 21]
     fmts = DEFAULT_POLICY.formats_for(labels, 64)
     assert fmts[0] == "fp16" and fmts[-1] == "int8"
-    assert sum(vs_fp16(f, 64) for f in fmts) <= 0.35 * len(fmts)
+    budget = DEFAULT_POLICY.max_vs_fp16
+    assert budget is not None and budget <= 0.35
+    assert sum(vs_fp16(f, 64) for f in fmts) <= budget * len(fmts)
     assert set(fmts[1:31]) == {"tq4"}  # the stable front stays 4-bit
     raised = [b for b, f in enumerate(fmts) if f == "int8"]
     assert raised == list(range(raised[0], len(fmts)))  # the latest blocks, contiguous
@@ -365,3 +367,29 @@ def test_a_bad_byte_budget_is_one_line(value: Any) -> None:
         PrecisionPolicy.from_mapping({"max_vs_fp16": value})
     assert "\n" not in str(e.value)
     assert PrecisionPolicy.from_mapping({"max_vs_fp16": None}).max_vs_fp16 is None
+
+
+def test_generated_blocks_are_raised_only_within_the_budget() -> None:
+    # 6 prompt tokens of labels, 24 tokens in all: blocks 0-1 are the prompt's, 2-5
+    # generated (default layer user_turn, which the policy raises)
+    # head_dim 8: tq4 costs 0.5 of fp16, int8 0.75
+    policy = PrecisionPolicy(sink_blocks=1, layers={"user_turn": "int8"}, max_vs_fp16=0.7)
+    p = RequestPlanner(IDENTITY.digest(), BS, policy=policy, head_dim=IDENTITY.head_dim)
+    p.matched_tokens("r", TOKENS, 8, 0)
+    _, saves = p.plan([StepRequest("r", TOKENS, 0, len(TOKENS), list(range(6)))])
+    fmts = [lab.fmt for s in saves for lab in s.labels]
+    cost = [vs_fp16(f, IDENTITY.head_dim) for f in fmts]
+    # every prefix of the request stays within budget once the sink is paid for
+    assert fmts[0] == "fp16" and "int8" in fmts[2:]
+    for b in range(2, len(fmts)):
+        if fmts[b] == "int8":
+            assert sum(cost[:b + 1]) <= 0.7 * (b + 1)
+        else:
+            assert sum(cost[:b]) + vs_fp16("int8", IDENTITY.head_dim) > 0.7 * (b + 1)
+    assert fmts == ["fp16", "tq4", "tq4", "int8", "int8", "tq4"]
+    # without a budget every generated block is raised
+    free = RequestPlanner(IDENTITY.digest(), BS, head_dim=IDENTITY.head_dim,
+                          policy=dataclasses.replace(policy, max_vs_fp16=None))
+    free.matched_tokens("r", TOKENS, 8, 0)
+    _, saves = free.plan([StepRequest("r", TOKENS, 0, len(TOKENS), list(range(6)))])
+    assert [lab.fmt for s in saves for lab in s.labels][2:] == ["int8"] * 4
