@@ -28,8 +28,18 @@ POLICIES: dict[str, dict[str, Any]] = {
     # the embedded engine's two mechanisms: the first block kept, per-head key offsets
     "sink+offsets": {"codec": "tq4", "precision": {**_ALL_TQ4, "sink_blocks": 1,
                                                    "key_offsets": True}},
-    # the server's default policy: precision by the blocks' labels
+    # the intuition the issue started from: the stable (pinnable) front layers int8
+    "stable-int8": {"codec": "tq4", "precision": {
+        **_ALL_TQ4, "sink_blocks": 1, "key_offsets": True,
+        "layers": dict.fromkeys(("axioms", "identity", "rules", "capabilities", "soul"),
+                                "int8")}},
+    # the server's default policy: precision by the blocks' labels, within its budget
     "importance": {"codec": "tq4"},
+    # the default policy's rules without its byte budget: every late layer int8
+    "late-int8": {"codec": "tq4", "precision": {"max_vs_fp16": None}},
+    # every block int8 (fp16 sink, key offsets): the ceiling of 8-bit storage
+    "int8": {"codec": "tq4", "precision": {**_ALL_TQ4, "default": "int8", "sink_blocks": 1,
+                                           "key_offsets": True}},
     # float32 blocks: the reference for lossless answers
     "native": {"codec": "native"},
 }

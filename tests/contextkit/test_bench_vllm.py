@@ -204,13 +204,15 @@ def test_policies_argument() -> None:
     parser = argparse.ArgumentParser()
     bench_vllm.add_arguments(parser)
     args = parser.parse_args([])
-    assert args.policies == ["tq4", "sink+offsets", "importance", "native"]
+    assert args.policies == ["tq4", "sink+offsets", "stable-int8", "importance", "late-int8",
+                             "int8", "native"]
     assert (args.prompts, args.prompt_tokens, args.max_tokens) == (8, 2048, 32)
     assert parser.parse_args(["--policies", "native, importance"]).policies == [
         "native", "importance"]
     assert parse_policies("tq4") == ["tq4"]
     for bad, message in (("tq3", "unknown policy 'tq3'; choose from "
-                                 "tq4,sink+offsets,importance,native"),
+                                 "tq4,sink+offsets,stable-int8,importance,late-int8,int8,"
+                                 "native"),
                          ("tq4,tq4", "a policy is named twice"),
                          (",", "choose from")):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
