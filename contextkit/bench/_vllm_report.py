@@ -184,14 +184,14 @@ def plot(path: str | Path, policies: Mapping[str, Mapping[str, Any]], title: str
     ax.axhline(ACCEPTANCE["teacher_forced_agreement"][1], color="grey", linestyle="--",
                linewidth=1)
     ax.axhline(ACCEPTANCE["greedy_match"][1], color="grey", linestyle=":", linewidth=1)
-    ax.set_xticks(list(x), names)
+    ax.set_xticks(list(x), names, rotation=25, ha="right")
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("agreement with the cold server")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=2)
     ax.set_title(title, fontsize=10)
     ax2.bar(list(x), [policies[n].get("vs_fp16") or 0.0 for n in names], 0.5, color="tab:green")
     ax2.axhline(ACCEPTANCE["vs_fp16"][1], color="grey", linestyle="--", linewidth=1)
-    ax2.set_xticks(list(x), names)
+    ax2.set_xticks(list(x), names, rotation=25, ha="right")
     ax2.set_ylabel("stored bytes per token / fp16")
     ax2.set_title("stored size", fontsize=10)
     for axis in (ax, ax2):
