@@ -91,8 +91,10 @@ def shadow_manifest(config: ConnectorConfig) -> Manifest | None:
 
     With several pools (block formats) this is ONE merged manifest: the blocks of all
     of :func:`shadow_manifests`, with the identity, key offsets and segments of the
-    plain session (or the first); read each session's own from
-    :func:`shadow_manifests`. With a single session it is that session's manifest.
+    plain session (or the first) and, as its generation, the sum of the sessions'
+    generations (it grows with every commit of any of them, so a watcher sees each save
+    land); read each session's own from :func:`shadow_manifests`. With a single
+    session it is that session's manifest.
 
     With ``shadow_on_save`` (the default) the connector shadows after every save, so
     this is its store as of the last save: what an operator or a test can inspect
@@ -110,7 +112,7 @@ def shadow_manifest(config: ConnectorConfig) -> Manifest | None:
         return first
     return Manifest(
         session_id=first.session_id, identity=first.identity,
-        generation=max(m.generation for m in manifests), segments=list(first.segments),
+        generation=sum(m.generation for m in manifests), segments=list(first.segments),
         blocks=[b for m in manifests for b in m.blocks], next_segment=first.next_segment,
         created_at=min(m.created_at for m in manifests),
         updated_at=max(m.updated_at for m in manifests), key_offsets=first.key_offsets,

@@ -136,6 +136,15 @@ def test_restart_with_recovery_serves_from_contextkit_store(
     assert rc == 0, rec
     assert rec["errors"] == {} and rec["skipped"] == 0
     assert rec["snapshot_blocks"] == cold["run"]["stored_blocks"]
+    # the default precision policy reached the store through vLLM: every request's first
+    # block (the two prompts and the warm-up) fp16, the prompts' latest blocks int8
+    # (unlabelled: the default layer, user_turn), the rest tq4, within the byte budget
+    formats = rec["formats"]
+    assert formats["fp16"]["blocks"] == 3, formats
+    assert formats["int8"]["blocks"] >= 2 and formats["tq4"]["blocks"] >= 2 * 50, formats
+    assert rec["vs_fp16"] <= 0.35, rec["vs_fp16"]
+    assert set(rec["session_ids"]) == {"vllm", "vllm@fp16"} | {
+        sid for sid in rec["session_ids"] if sid.startswith(("vllm@tq4.", "vllm@int8."))}
 
     reference = [r["token_ids"] for r in cold["run"]["results"]]
     warm = serve(model_dir, _config(work), prompts, work / "restart.json", reference=reference)
