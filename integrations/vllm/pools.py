@@ -33,6 +33,7 @@ __all__ = [
     "assemble_parts",
     "calibrate_offsets",
     "decode_pool_blocks",
+    "fit_budget",
     "format_summary",
     "pool_identity",
     "server_sessions",
@@ -89,6 +90,41 @@ class Pool:
         tier = Tier.HOST if cache.device.type == "cpu" else Tier.DEVICE
         return cls(name=pool_suffix(base, identity), identity=identity, cache=cache,
                    pins=PrefixPinManager(cache), save_tier=tier)
+
+
+def fit_budget(pools: Sequence[Pool], pool: Pool, num_blocks: int, budget: int) -> None:
+    """Evict across ``pools``, lowest semantic priority first, until ``num_blocks`` more
+    blocks of ``pool`` fit ``budget`` bytes of DDR (host) tier.
+
+    Each pool's tier could hold the whole budget, so without this a pool would evict
+    its own higher-priority blocks while another kept lower ones. When even every
+    evictable block would not make room, nothing is evicted (the save then fails). On
+    CUDA the device tier spills by each pool's own policy, as before.
+    """
+    tier = pool.save_tier
+    if tier is not Tier.HOST:
+        return
+    held = sum(p.cache.num_used(tier) * p.identity.bytes_per_block for p in pools)
+    excess = held + num_blocks * pool.identity.bytes_per_block - budget
+    if excess <= 0:
+        return
+    candidates = [(p.cache.policy.priority(meta), p, meta.block_id) for p in pools
+                  for meta in p.cache.metadata.eviction_order(tier, p.cache.policy)]
+    candidates.sort(key=lambda c: c[0])  # stable: ties keep each pool's own order
+    victims: dict[int, list[int]] = {}
+    freed = 0
+    for _, victim_pool, bid in candidates:
+        if freed >= excess:
+            break
+        victims.setdefault(id(victim_pool), []).append(bid)
+        freed += victim_pool.identity.bytes_per_block
+    if freed < excess:
+        return
+    for p in pools:
+        if id(p) in victims:
+            p.cache.remove_blocks(victims[id(p)])
+            p.cache.stats.evictions += len(victims[id(p)])
+            p.dirty = True
 
 
 def pool_identity(base: CacheIdentity, fmt: str, key_offsets: torch.Tensor | None = None

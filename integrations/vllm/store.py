@@ -46,6 +46,7 @@ from integrations.vllm.pools import (
     calibrate_offsets,
     combine_results,
     decode_pool_blocks,
+    fit_budget,
     format_summary,
     pool_identity,
     server_sessions,
@@ -494,11 +495,19 @@ class ConnectorStore:
                         self._unshadowed.pop(key, None)
         return result
 
+    def _fit_budget(self, pool: Pool, num_blocks: int) -> None:
+        """Make room for ``num_blocks`` blocks of ``pool`` within the store's byte budget
+        (``host_blocks`` blocks of the key identity's format), evicting across pools
+        (see :func:`.pools.fit_budget`; caller holds ``_lock``)."""
+        fit_budget(list(self.pools.values()), pool, num_blocks,
+                   self.config.host_blocks * self.identity.bytes_per_block)
+
     def _save_into(self, pool: Pool, fmt: str, k: torch.Tensor, v: torch.Tensor,
                    keys: Sequence[bytes], index: list[int], tenant: str,
                    labels: Sequence[BlockLabel]) -> bool:
         """Encode blocks ``index`` into ``pool`` (caller holds ``_lock``); False: no room."""
         ident, cache = pool.identity, pool.cache
+        self._fit_budget(pool, len(index))
         with cache.locked():
             ids = cache.allocate(len(index), pool.save_tier, tenant=tenant)
             if ids is None:

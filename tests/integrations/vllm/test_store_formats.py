@@ -411,3 +411,35 @@ def test_signed_mixed_format_shadow_on_s3_recovers_and_refuses_a_resigned_unknow
     after = restarted.read(keys, "default")
     assert before is not None and after is not None and after[0].shape[1] == 11
     assert torch.equal(after[0], before[0][:, :11]) and torch.equal(after[1], before[1][:, :11])
+
+
+def test_the_store_evicts_across_pools_by_semantic_priority(model: Path,
+                                                            tmp_path: Path) -> None:
+    # one byte budget for the whole store (host_blocks blocks of the key identity's
+    # format): a save into one pool evicts the lowest-priority block of ANY pool
+    config = dataclasses.replace(_config(tmp_path), host_blocks=8, shadow_url="")
+    store = ConnectorStore(vllm_cache_identity(str(model), BS), config)
+    budget = 8 * store.identity.bytes_per_block
+    late = _keys(store, 2, offset=0)
+    mid = _keys(store, 4, offset=10_000)
+    front = _keys(store, 1, offset=20_000)
+    assert store.save(*_kv(2, seed=1), late, "default",
+                      [BlockLabel("current_time", 1.0, fmt="int8")] * 2).stored == late
+    assert store.save(*_kv(4, seed=2), mid, "default",
+                      [BlockLabel("memories", 0.9, fmt="tq4")] * 4).stored == mid
+    # 2 int8 + 4 tq4 blocks fit; one tq4 block more does not: the oldest current_time
+    # block (priority 10, in the int8 pool) goes, not a memory of the tq4 pool
+    result = store.save(*_kv(1, seed=3), front, "default",
+                        [BlockLabel("axioms", 1.0, fmt="tq4")])
+    assert result.stored == front and result.failed == []
+    (gone,) = result.removed  # one of the two (saved together: a tie)
+    assert gone in late and result.removed_layers == ["current_time"]
+    assert set(store.keys()) == {*late, *mid, *front} - {gone}
+    held = sum(row["bytes"] for row in store.format_stats().values())
+    assert held <= budget
+    # a save that cannot fit even after every evictable block is gone fails cleanly
+    big = _keys(store, 9, offset=30_000)
+    result = store.save(*_kv(9, seed=4), big, "default",
+                        [BlockLabel("axioms", 1.0, fmt="tq4")] * 9)
+    assert result.stored == [] and result.failed == big
+    assert sum(row["bytes"] for row in store.format_stats().values()) <= budget
