@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,24 +92,29 @@ class Pool:
                    pins=PrefixPinManager(cache), save_tier=tier)
 
 
-def fit_budget(pools: Sequence[Pool], pool: Pool, num_blocks: int, budget: int) -> None:
+def fit_budget(pools: Sequence[Pool], pool: Pool, num_blocks: int, budget: int,
+               protect: Mapping[int, set[int]] | None = None) -> bool:
     """Evict across ``pools``, lowest semantic priority first, until ``num_blocks`` more
     blocks of ``pool`` fit ``budget`` bytes of DDR (host) tier.
 
     Each pool's tier could hold the whole budget, so without this a pool would evict
-    its own higher-priority blocks while another kept lower ones. When even every
-    evictable block would not make room, nothing is evicted (the save then fails). On
-    CUDA the device tier spills by each pool's own policy, as before.
+    its own higher-priority blocks while another kept lower ones. ``protect`` maps
+    ``id(pool)`` to block ids never evicted here (the blocks the same save just
+    stored). Returns False, evicting nothing, when even every other evictable block
+    would not make room (the save then fails). On CUDA the device tier spills by each
+    pool's own policy, as before.
     """
     tier = pool.save_tier
     if tier is not Tier.HOST:
-        return
+        return True
     held = sum(p.cache.num_used(tier) * p.identity.bytes_per_block for p in pools)
     excess = held + num_blocks * pool.identity.bytes_per_block - budget
     if excess <= 0:
-        return
+        return True
+    protect = protect or {}
     candidates = [(p.cache.policy.priority(meta), p, meta.block_id) for p in pools
-                  for meta in p.cache.metadata.eviction_order(tier, p.cache.policy)]
+                  for meta in p.cache.metadata.eviction_order(tier, p.cache.policy,
+                                                              exclude=protect.get(id(p), ()))]
     candidates.sort(key=lambda c: c[0])  # stable: ties keep each pool's own order
     victims: dict[int, list[int]] = {}
     freed = 0
@@ -119,12 +124,13 @@ def fit_budget(pools: Sequence[Pool], pool: Pool, num_blocks: int, budget: int) 
         victims.setdefault(id(victim_pool), []).append(bid)
         freed += victim_pool.identity.bytes_per_block
     if freed < excess:
-        return
+        return False
     for p in pools:
         if id(p) in victims:
             p.cache.remove_blocks(victims[id(p)])
             p.cache.stats.evictions += len(victims[id(p)])
             p.dirty = True
+    return True
 
 
 def pool_identity(base: CacheIdentity, fmt: str, key_offsets: torch.Tensor | None = None

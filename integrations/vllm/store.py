@@ -473,9 +473,10 @@ class ConnectorStore:
             stored: list[int] = []
             failed: list[int] = []
             stored_at = time.monotonic()
+            mine: dict[int, set[int]] = {}  # id(pool) -> block ids this save stored
             for fmt, index in groups.items():
                 pool = self._save_pool(fmt, k, index)
-                if self._save_into(pool, fmt, k, v, keys, index, tenant, labels):
+                if self._save_into(pool, fmt, k, v, keys, index, tenant, labels, mine):
                     stored.extend(index)
                 else:
                     failed.extend(index)
@@ -495,23 +496,28 @@ class ConnectorStore:
                         self._unshadowed.pop(key, None)
         return result
 
-    def _fit_budget(self, pool: Pool, num_blocks: int) -> None:
+    def _fit_budget(self, pool: Pool, num_blocks: int,
+                    protect: dict[int, set[int]]) -> bool:
         """Make room for ``num_blocks`` blocks of ``pool`` within the store's byte budget
         (``host_blocks`` blocks of the key identity's format), evicting across pools
-        (see :func:`.pools.fit_budget`; caller holds ``_lock``)."""
-        fit_budget(list(self.pools.values()), pool, num_blocks,
-                   self.config.host_blocks * self.identity.bytes_per_block)
+        but never ``protect`` (see :func:`.pools.fit_budget`; caller holds ``_lock``)."""
+        return fit_budget(list(self.pools.values()), pool, num_blocks,
+                          self.config.host_blocks * self.identity.bytes_per_block, protect)
 
     def _save_into(self, pool: Pool, fmt: str, k: torch.Tensor, v: torch.Tensor,
                    keys: Sequence[bytes], index: list[int], tenant: str,
-                   labels: Sequence[BlockLabel]) -> bool:
-        """Encode blocks ``index`` into ``pool`` (caller holds ``_lock``); False: no room."""
+                   labels: Sequence[BlockLabel], protect: dict[int, set[int]]) -> bool:
+        """Encode blocks ``index`` into ``pool`` (caller holds ``_lock``); False: no room.
+        ``protect`` (``id(pool)`` -> block ids) holds this save's blocks, which making
+        room never evicts; the new ones are added to it."""
         ident, cache = pool.identity, pool.cache
-        self._fit_budget(pool, len(index))
+        if not self._fit_budget(pool, len(index), protect):
+            return False
         with cache.locked():
             ids = cache.allocate(len(index), pool.save_tier, tenant=tenant)
             if ids is None:
                 return False
+            protect.setdefault(id(pool), set()).update(ids)
             slots = torch.tensor([cache.metadata.get(b).slot for b in ids], dtype=torch.int64,
                                  device=cache.device)
             bs = ident.block_size

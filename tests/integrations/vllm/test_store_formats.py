@@ -443,3 +443,19 @@ def test_the_store_evicts_across_pools_by_semantic_priority(model: Path,
                         [BlockLabel("axioms", 1.0, fmt="tq4")] * 9)
     assert result.stored == [] and result.failed == big
     assert sum(row["bytes"] for row in store.format_stats().values()) <= budget
+
+
+def test_a_save_never_evicts_its_own_blocks_to_fit_the_budget(model: Path,
+                                                              tmp_path: Path) -> None:
+    # budget: 4 tq4 blocks of bytes; one save of an fp16 block (~3.6 tq4 blocks, the
+    # lowest priority) then a tq4 one: the second group may not evict the first
+    config = dataclasses.replace(_config(tmp_path), host_blocks=4, shadow_url="")
+    store = ConnectorStore(vllm_cache_identity(str(model), BS), config)
+    keys = _keys(store, 2)
+    result = store.save(*_kv(2, seed=5), keys, "default",
+                        [BlockLabel("current_time", 1.0, fmt="fp16"),
+                         BlockLabel("axioms", 1.0, fmt="tq4")])
+    assert result.stored == keys[:1] and result.failed == keys[1:] and result.removed == []
+    assert store.keys() == keys[:1]
+    held = sum(row["bytes"] for row in store.format_stats().values())
+    assert held <= 4 * store.identity.bytes_per_block
