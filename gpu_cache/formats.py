@@ -104,7 +104,8 @@ def encode_into(fmt: str, k: torch.Tensor, v: torch.Tensor, token_slots: torch.T
 
     Args:
         fmt: the format of the view's cache (its identity's codec).
-        k, v: ``[n_tokens, H, D]`` float tensors.
+        k: keys ``[n_tokens, H, D]``, float.
+        v: values, the same shape.
         token_slots: int64 ``[n_tokens]``, ``slot * block_size + pos`` into the view's
             flattened ``[num_blocks * block_size, ...]``; negative entries are skipped.
         view: one layer of a tier (:meth:`TQGPUCache.layer_view`).

@@ -26,12 +26,16 @@ __all__ = [
     "BlockLabel",
     "ConnectorConfig",
     "ConnectorConfigError",
+    "PrecisionError",
+    "PrecisionPolicy",
     "RequestPlanner",
     "kv_transfer_config",
     "semantic_params",
 ]
 
 _LAZY = {"BlockLabel": "integrations.vllm.planning",
+         "PrecisionError": "integrations.vllm.precision",
+         "PrecisionPolicy": "integrations.vllm.precision",
          "RequestPlanner": "integrations.vllm.planning",
          "semantic_params": "integrations.vllm.planning"}
 
