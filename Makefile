@@ -23,7 +23,7 @@ help:
 	@echo "                semantic+ooda, and a device-size sweep (~12 min on 2 cores)"
 	@echo "make bench-agent-vllm  a LangChain agent on vLLM, 4 cache configurations (~15 min)"
 	@echo "make bench-vllm  vLLM answers and TTFT after a restart, 8 agent prompts, per connector"
-	@echo "                precision policy (7: all-tq4 .. native, the ablation; ~25-35 min)"
+	@echo "                precision policy (7: all-tq4 .. native, the ablation; ~20 min)"
 	@echo "make bench-decode  decode tokens/s at 1K/6K/16K: contextkit vs llama.cpp on the same"
 	@echo "                GGUF (builds .venv-llamacpp first, ~5-15 min once; then ~40 min on an idle machine)"
 	@echo "make docs       set up, then build the API reference into site/ (mkdocs --strict:"
