@@ -219,5 +219,8 @@ def decode_blocks(fmt: str, exported: dict[str, torch.Tensor], codec: TQ4Codec,
         if tuple(key_offsets.shape) != (num_layers, heads, dim):
             raise CodecInputError(f"key_offsets must be [L={num_layers}, H={heads}, D={dim}], "
                                   f"got {tuple(key_offsets.shape)}; use cache.key_offsets")
-        k = k + key_offsets.to(dev, torch.float32)[:, None, None]
+        mu = key_offsets.to(dev, torch.float32)[:, None, None]
+        # every format but native decodes into a fresh tensor: add in place there
+        # (native's .float() is the exported tensor itself)
+        k = k + mu if fmt == "native" else k.add_(mu)
     return k, v

@@ -36,6 +36,7 @@ __all__ = [
     "fit_budget",
     "format_summary",
     "pool_identity",
+    "pool_suffix",
     "server_sessions",
     "session_name",
 ]
@@ -226,16 +227,9 @@ def combine_results(results: Sequence[ShadowResult]) -> ShadowResult | None:
 
 def decode_pool_blocks(pool: Pool, exported: dict[str, torch.Tensor]
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pool's exported blocks as float32 K/V, key offsets added back in place (the
-    decoded keys of an offset pool, tq4 or int8, are a fresh tensor: one pass over
-    them instead of a copy)."""
-    k, v = formats.decode_blocks(pool.fmt, exported, pool.cache.codec)
-    offsets = pool.cache.key_offsets
-    if offsets is not None:
-        if pool.fmt not in OFFSET_FORMATS:  # decoded in place of the exported bytes
-            k = k.clone()
-        k.add_(offsets.to(k.device, torch.float32)[:, None, None])
-    return k, v
+    """A pool's exported blocks as float32 K/V, its key offsets added back."""
+    return formats.decode_blocks(pool.fmt, exported, pool.cache.codec,
+                                 pool.cache.key_offsets)
 
 
 def assemble_parts(parts: list[tuple[list[int], torch.Tensor, torch.Tensor]], n: int

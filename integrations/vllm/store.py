@@ -49,6 +49,7 @@ from integrations.vllm.pools import (
     fit_budget,
     format_summary,
     pool_identity,
+    pool_suffix,
     server_sessions,
     session_name,
 )
@@ -155,7 +156,7 @@ class ConnectorStore:
     def _pool(self, identity: CacheIdentity, offsets: torch.Tensor | None) -> Pool:
         """The pool of ``identity``, created (and shadowed, when shadowing) if new."""
         with self._lock:
-            pool = self.pools.get(_suffix(self.identity, identity))
+            pool = self.pools.get(pool_suffix(self.identity, identity))
             if pool is not None:
                 if pool.identity != identity:  # an 8-hex-digit digest prefix collision
                     raise CacheIdentityError(f"pool {pool.name!r} already holds another "
@@ -607,7 +608,4 @@ class ConnectorStore:
         self.num_loaded += n
         return [(positions, *decode_pool_blocks(pool, data)) for pool, positions, data in exported]
 
-
-def _suffix(base: CacheIdentity, identity: CacheIdentity) -> str:
-    return session_name("", base, identity)
 
