@@ -1,57 +1,112 @@
 """contextkit: context middleware that gives agents semantic control of the KV cache.
 
-The layered prompt builder, cache-aware pipeline, engine and tier manager live
-here; the cache itself is :mod:`gpu_cache`. Public names are imported lazily, so
-``import contextkit`` stays cheap (torch and transformers load on first use).
+The rooms, lowest first (each imports only the ones before it; see docs/map.md):
+
+- :mod:`contextkit.config`: one configuration for every component, shared errors;
+- :mod:`contextkit.metrics`: Prometheus metrics of the pipeline and the engine;
+- :mod:`contextkit.prompt`: layers, structured prompts and markup, layer order;
+- :mod:`contextkit.engine`: the embedded engine over the block cache;
+- :mod:`contextkit.pipeline`: one agent call, embedded or on a served model;
+- :mod:`contextkit.loop`: the work between turns (tier manager, reservations);
+- :mod:`contextkit.workloads`: deterministic agent workloads;
+- :mod:`contextkit.bench` and :mod:`contextkit.cli`: the benchmarks and the command.
+
+The cache itself is :mod:`gpu_cache`. Public names are imported lazily, so ``import
+contextkit`` stays cheap (torch and transformers load on first use). The module paths
+of earlier releases (``contextkit.layers``, ``contextkit.tiers``, ``contextkit.remote``
+...) still import, as the modules that now hold them.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
+from types import ModuleType
 from typing import Any
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Engine": "contextkit.engine",
-    "GenerationResult": "contextkit.engine",
-    "CacheFullError": "contextkit.engine",
-    "TokenIdError": "contextkit.engine",
-    "TokenSpan": "contextkit.engine",
-    "CacheAwareContextPipeline": "contextkit.pipeline",
-    "CallReport": "contextkit.pipeline",
-    "PipelineResult": "contextkit.pipeline",
-    "TurnPlan": "contextkit.pipeline",
-    "MultiAgentWorkload": "contextkit.agents",
-    "MemoryReservations": "contextkit.reservations",
-    "MemoryCandidate": "contextkit.reservations",
-    "ReservationStats": "contextkit.reservations",
-    "BackgroundPrefiller": "contextkit.reservations",
-    "PrefillOutcome": "contextkit.reservations",
-    "cache_aware": "contextkit.pipeline",
-    "LayerConfig": "contextkit.layers",
-    "LayerSpec": "contextkit.layers",
-    "DEFAULT_LAYERS": "contextkit.layers",
-    "PromptLine": "contextkit.prompt",
-    "PromptSection": "contextkit.prompt",
-    "StructuredPrompt": "contextkit.prompt",
-    "PromptFormatError": "contextkit.prompt",
-    "SpilloverQueue": "contextkit.prompt",
-    "synthesize_for_budget": "contextkit.prompt",
-    "AgentReplay": "contextkit.replay",
-    "ContextTierManager": "contextkit.tiers",
-    "TierCacheBridge": "contextkit.tiers",
-    "TierManagerConfig": "contextkit.tiers",
-    "Thresholds": "contextkit.tiers",
-    "ThresholdPolicy": "contextkit.tiers",
-    "ContextTier": "contextkit.tiers",
-    "CycleMetrics": "contextkit.tiers",
-    "ServedModel": "contextkit.remote",
-    "RenderedPrompt": "contextkit.remote",
-    "LabelRangeError": "contextkit.remote",
+    "Engine": "contextkit.engine.engine",
+    "GenerationResult": "contextkit.engine.engine",
+    "CacheFullError": "contextkit.engine.engine",
+    "TokenIdError": "contextkit.engine.engine",
+    "TokenSpan": "contextkit.engine.engine",
+    "CacheAwareContextPipeline": "contextkit.pipeline.pipeline",
+    "CallReport": "contextkit.pipeline.pipeline",
+    "PipelineResult": "contextkit.pipeline.pipeline",
+    "TurnPlan": "contextkit.pipeline.pipeline",
+    "MultiAgentWorkload": "contextkit.workloads.agents",
+    "MemoryReservations": "contextkit.loop.reservations",
+    "MemoryCandidate": "contextkit.loop.reservations",
+    "ReservationStats": "contextkit.loop.reservations",
+    "BackgroundPrefiller": "contextkit.engine.background",
+    "PrefillOutcome": "contextkit.engine.background",
+    "cache_aware": "contextkit.pipeline.pipeline",
+    "LayerConfig": "contextkit.prompt.layers",
+    "LayerSpec": "contextkit.prompt.layers",
+    "DEFAULT_LAYERS": "contextkit.prompt.layers",
+    "PromptLine": "contextkit.prompt.markup",
+    "PromptSection": "contextkit.prompt.markup",
+    "StructuredPrompt": "contextkit.prompt.markup",
+    "PromptFormatError": "contextkit.prompt.markup",
+    "SpilloverQueue": "contextkit.prompt.markup",
+    "synthesize_for_budget": "contextkit.prompt.markup",
+    "AgentReplay": "contextkit.workloads.replay",
+    "ContextTierManager": "contextkit.loop.tiers",
+    "TierCacheBridge": "contextkit.loop.tiers",
+    "TierManagerConfig": "contextkit.loop.tiers",
+    "Thresholds": "contextkit.loop.tiers",
+    "ThresholdPolicy": "contextkit.loop.tiers",
+    "ContextTier": "contextkit.loop.tiers",
+    "CycleMetrics": "contextkit.loop.tiers",
+    "ServedModel": "contextkit.pipeline.served.model",
+    "RenderedPrompt": "contextkit.pipeline.served.model",
+    "LabelRangeError": "contextkit.pipeline.served.model",
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]
+
+#: Module paths of earlier releases -> where the module lives now. ``import
+#: contextkit.layers`` gives the very module object ``contextkit.prompt.layers``.
+_MOVED = {
+    "contextkit.agents": "contextkit.workloads.agents",
+    "contextkit.demo": "contextkit.cli.demo",
+    "contextkit.layers": "contextkit.prompt.layers",
+    "contextkit.models": "contextkit.engine.models",
+    "contextkit.remote": "contextkit.pipeline.served.model",
+    "contextkit.replay": "contextkit.workloads.replay",
+    "contextkit.reservations": "contextkit.loop.reservations",
+    "contextkit.status": "contextkit.cli.status",
+    "contextkit.tiers": "contextkit.loop.tiers",
+}
+
+_OWN_SPECS: dict[str, Any] = {}
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves a module path of :data:`_MOVED` to the module that now holds it."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in _MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> ModuleType:
+        module = importlib.import_module(_MOVED[spec.name])
+        _OWN_SPECS[module.__name__] = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # Nothing to run (it was imported under its own name), but the import system
+        # gave it the old path's spec: give it back its own.
+        module.__spec__ = _OWN_SPECS[module.__name__]
+
+
+if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModuleFinder())
 
 
 def __getattr__(name: str) -> Any:

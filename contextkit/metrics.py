@@ -13,7 +13,7 @@ Labels stay bounded: ``layer`` takes the source layers of the configured prompt 
 tenants seen (later ones share ``"other"``).
 
 Every figure equals the sum of the per-call reports it comes from: a call's
-:class:`~contextkit.pipeline.CallReport` is counted once when it is built
+:class:`~contextkit.pipeline.pipeline.CallReport` is counted once when it is built
 (:meth:`ContextkitMetrics.record_build`) and once more when the engine ran it
 (:meth:`ContextkitMetrics.record_generate`).
 
@@ -30,8 +30,8 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from contextkit._reports import CallReport
-    from contextkit._types import GenerationResult
+    from contextkit.pipeline.reports import CallReport
+    from contextkit.engine.types import GenerationResult
 
 __all__ = ["ContextkitMetrics", "TenantLabels", "default_metrics", "resolve", "serve"]
 

@@ -3,7 +3,7 @@
 The agent is Atlas, the SRE assistant of contextkit's replay: a ten-layer system prompt
 rebuilt on every call (time and platform state change each turn). ``create_agent`` runs
 it on ``ChatOpenAI(base_url=<server>/v1)``; the pipeline is attached to the model the
-server serves (:class:`~contextkit.remote.ServedModel`: the same tokenizer and chat
+server serves (:class:`~contextkit.pipeline.served.model.ServedModel`: the same tokenizer and chat
 template), so every request carries, in ``extra_body``, the layer, importance and pin
 flag of every token range and ``cache_salt`` = the tenant, for contextkit's vLLM
 connector; the volatile layers go in a trailing system message after the history.
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from pydantic import SecretStr
 
     from contextkit import AgentReplay, CacheAwareContextPipeline
-    from contextkit.remote import ServedModel
+    from contextkit.pipeline.served.model import ServedModel
     from integrations.langchain import ContextKitCallbackHandler, ContextKitMiddleware
 
     served = (ServedModel(args.model_dir, name=args.model) if args.model_dir

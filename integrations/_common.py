@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from contextkit.engine import Engine, GenerationResult
-from contextkit.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport
-from contextkit.prompt import coerce_prompt, has_markers, render_marked
+from contextkit.engine.engine import Engine, GenerationResult
+from contextkit.pipeline.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport
+from contextkit.prompt.markup import coerce_prompt, has_markers, render_marked
 
 __all__ = [
     "CallLog",
@@ -91,7 +91,7 @@ def split_system_text(pipeline: CacheAwareContextPipeline, raw: object,
 
 def layers_in(text: str, pipeline: CacheAwareContextPipeline | None = None) -> list[str]:
     """Layer names whose markers open in ``text`` (in order)."""
-    from contextkit.layers import LayerConfig
+    from contextkit.prompt.layers import LayerConfig
 
     config = pipeline.config if pipeline is not None else LayerConfig()
     if not has_markers(text, config):
@@ -183,7 +183,7 @@ class _TextStream:
 
 
 class EngineChat:
-    """Run chat messages on a contextkit :class:`~contextkit.engine.Engine`.
+    """Run chat messages on a contextkit :class:`~contextkit.engine.engine.Engine`.
 
     Args:
         engine: the embedded engine.

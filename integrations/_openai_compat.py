@@ -1,11 +1,11 @@
 """What the integrations share for OpenAI-compatible servers (vLLM's ``/v1/chat/completions``).
 
-A pipeline attached to a :class:`~contextkit.remote.ServedModel` lays a chat request out
+A pipeline attached to a :class:`~contextkit.pipeline.served.model.ServedModel` lays a chat request out
 as the embedded engine does (the stable and changing layers in the main system message,
 the volatile layers in a trailing system message after the history, before the current
-user turn), labels the request's token ranges (:meth:`~contextkit.pipeline.
+user turn), labels the request's token ranges (:meth:`~contextkit.pipeline.pipeline.
 CacheAwareContextPipeline.request_fields`) and records the usage the server reports
-(:meth:`~contextkit.pipeline.CacheAwareContextPipeline.record_usage`). The frameworks
+(:meth:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline.record_usage`). The frameworks
 differ only in their message types; the rules live here.
 
 Nothing here imports LangChain, LlamaIndex or openai.
@@ -17,7 +17,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from contextkit.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport
+from contextkit.pipeline.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport
 from integrations._common import usage_from
 
 __all__ = ["merge_extra_body", "record_served_usage", "system_texts", "trailing_index"]
@@ -29,7 +29,7 @@ def system_texts(built: BuiltPrompt, trailing_system: bool = True) -> tuple[str,
     """``(main, trailing)`` system message texts of a built prompt.
 
     ``main`` holds the stable and changing layers, ``trailing`` the volatile ones (the
-    same texts as :meth:`~contextkit.pipeline.CacheAwareContextPipeline.openai_messages`).
+    same texts as :meth:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline.openai_messages`).
     With ``trailing_system=False`` (providers that reject a second system message)
     everything is in ``main`` (:attr:`BuiltPrompt.text`) and ``trailing`` is empty.
     """

@@ -26,7 +26,7 @@ Adopting contextkit in a ``create_agent`` agent::
   model with an ``extra_body`` field) the layout is the embedded engine's instead:
   the volatile layers go in a trailing system message after the history, so the
   server's prefix cache reuses the conversation too; with the pipeline attached to
-  a :class:`~contextkit.remote.ServedModel` (a vLLM server), every call also carries
+  a :class:`~contextkit.pipeline.served.model.ServedModel` (a vLLM server), every call also carries
   the request fields of contextkit's vLLM connector in ``extra_body`` (layer,
   importance and pin of every token range, ``cache_salt`` = the tenant) and the
   server's reported usage goes into the call's report.
@@ -41,7 +41,7 @@ LangChain over a vLLM server::
 
     from langchain_openai import ChatOpenAI
     from contextkit import CacheAwareContextPipeline
-    from contextkit.remote import ServedModel
+    from contextkit.pipeline.served.model import ServedModel
 
     served = ServedModel("/models/Qwen2.5-7B-Instruct", name="qwen")  # what vLLM serves
     pipeline = CacheAwareContextPipeline(served=served)
@@ -59,7 +59,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from contextkit._extras import require
+from contextkit.config.errors import require
 
 require("langchain.agents", "langchain")
 require("langchain_core", "langchain")
@@ -81,10 +81,10 @@ from langchain_core.outputs import (  # noqa: E402
 )
 from pydantic import ConfigDict, Field  # noqa: E402
 
-from contextkit.engine import Engine  # noqa: E402
-from contextkit.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport  # noqa: E402
-from contextkit.prompt import has_markers  # noqa: E402
-from contextkit.remote import LabelRangeError  # noqa: E402
+from contextkit.engine.engine import Engine  # noqa: E402
+from contextkit.pipeline.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport  # noqa: E402
+from contextkit.prompt.markup import has_markers  # noqa: E402
+from contextkit.pipeline.served.model import LabelRangeError  # noqa: E402
 from integrations._common import (  # noqa: E402
     CallLog,
     ChatRun,
@@ -201,7 +201,7 @@ class ContextKitMiddleware(AgentMiddleware):
             (its innermost ``tenant_scope``, else its default tenant). The model call
             runs inside ``pipeline.tenant_scope(tenant)``, so the chat model and any
             pipeline read inside it mean the same tenant (see *Tenants* in
-            :mod:`contextkit.pipeline`).
+            :mod:`contextkit.pipeline.pipeline`).
         cache_control: the breakpoint put on the stable block (Anthropic's format);
             ``None`` for providers that reject extra block keys (their automatic
             prefix caching still sees the stable prefix first).
@@ -220,14 +220,14 @@ class ContextKitMiddleware(AgentMiddleware):
     engine's layout: the main system message (stable and changing layers, as plain
     text), the history, a trailing system message with the volatile layers, then the
     current user turn and its tool rounds. With the pipeline attached to a
-    :class:`~contextkit.remote.ServedModel`, the call's ``extra_body`` also carries
-    :meth:`~contextkit.pipeline.CacheAwareContextPipeline.request_fields` computed
+    :class:`~contextkit.pipeline.served.model.ServedModel`, the call's ``extra_body`` also carries
+    :meth:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline.request_fields` computed
     on exactly the messages the model sends (merged over the model's own
     ``extra_body``; ``kv_transfer_params`` key by key), and the usage the server
     reports (prompt and cached tokens) is recorded in the call's report
     (``pipeline.last_report()``). A model whose name is not the served model's, or
     messages the served model cannot render exactly, raise
-    :class:`~contextkit.remote.LabelRangeError` rather than send wrong labels.
+    :class:`~contextkit.pipeline.served.model.LabelRangeError` rather than send wrong labels.
     """
 
     def __init__(self, pipeline: CacheAwareContextPipeline,
@@ -451,7 +451,7 @@ class ContextKitChatModel(BaseChatModel):
     Its fields are passed by keyword: ``ContextKitChatModel(engine=engine)``.
 
     Attributes:
-        engine: the :class:`~contextkit.engine.Engine` (e.g. ``Engine.from_pretrained()``).
+        engine: the :class:`~contextkit.engine.engine.Engine` (e.g. ``Engine.from_pretrained()``).
         pipeline: the pipeline the :class:`ContextKitMiddleware` uses; with it, system
             messages the middleware built are laid out the pipeline's way.
         tenant: tenant for prompts that did not come through the middleware.

@@ -22,7 +22,7 @@ Adopting contextkit in a LlamaIndex chat engine::
   in ``raw["usage"]`` (``prompt_tokens_details.cached_tokens`` = reused tokens).
 - :class:`ContextKitOpenAILike` wraps an OpenAI-compatible LLM (``OpenAILike(
   is_chat_model=True)`` or ``OpenAI``) pointed at a vLLM server: with a pipeline
-  attached to the served model (:class:`~contextkit.remote.ServedModel`) it lays each
+  attached to the served model (:class:`~contextkit.pipeline.served.model.ServedModel`) it lays each
   chat out as the embedded engine does (volatile layers in a trailing system message
   after the history), sends the request fields of contextkit's vLLM connector in
   ``extra_body`` (layer, importance and pin of every token range, ``cache_salt`` = the
@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from contextkit._extras import require
+from contextkit.config.errors import require
 
 require("llama_index.core", "llamaindex")
 
@@ -66,10 +66,10 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM  # noqa: E402
 from pydantic import Field, PrivateAttr  # noqa: E402
 
-from contextkit.engine import Engine  # noqa: E402
-from contextkit.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport  # noqa: E402
-from contextkit.prompt import has_markers  # noqa: E402
-from contextkit.remote import LabelRangeError  # noqa: E402
+from contextkit.engine.engine import Engine  # noqa: E402
+from contextkit.pipeline.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport  # noqa: E402
+from contextkit.prompt.markup import has_markers  # noqa: E402
+from contextkit.pipeline.served.model import LabelRangeError  # noqa: E402
 from integrations._common import (  # noqa: E402
     CallLog,
     ChatRun,
@@ -118,7 +118,7 @@ class ContextKitLLM(CustomLLM):
     """A LlamaIndex LLM on contextkit's embedded engine (greedy decoding, streaming).
 
     Args:
-        engine: the :class:`~contextkit.engine.Engine`.
+        engine: the :class:`~contextkit.engine.engine.Engine`.
         pipeline: builds layered system prompts (optional).
         build_system_message: called with the chat messages on every chat; its
             result (marker string, mapping or StructuredPrompt) replaces the system
@@ -273,7 +273,7 @@ class ContextKitOpenAILike(CustomLLM):
             history (default); ``False`` keeps every layer in the leading one.
 
     Every chat sends the pipeline's layout and, in ``extra_body``,
-    :meth:`~contextkit.pipeline.CacheAwareContextPipeline.request_fields` computed on
+    :meth:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline.request_fields` computed on
     exactly the message dicts LlamaIndex sends (its converter joins a message's text
     blocks with ``""``); ``llm.additional_kwargs["extra_body"]`` and a per-call
     ``extra_body`` are kept underneath. The usage the server reports (non-streaming, or

@@ -5,7 +5,7 @@ attached to the served model lays out and labels.
 
     import openai
     from contextkit import CacheAwareContextPipeline
-    from contextkit.remote import ServedModel
+    from contextkit.pipeline.served.model import ServedModel
     from integrations.openai import record_usage, request_kwargs
 
     served = ServedModel("/models/Qwen2.5-7B-Instruct", name="qwen")  # what vLLM serves
@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from contextkit.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport
+from contextkit.pipeline.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport
 from integrations._openai_compat import merge_extra_body, record_served_usage
 
 __all__ = ["record_usage", "request_kwargs"]
@@ -44,13 +44,13 @@ def request_kwargs(pipeline: CacheAwareContextPipeline,
     """``{"messages": [...], "extra_body": {...}}`` for ``client.chat.completions.create``.
 
     Args:
-        pipeline: a pipeline attached to a :class:`~contextkit.remote.ServedModel`.
+        pipeline: a pipeline attached to a :class:`~contextkit.pipeline.served.model.ServedModel`.
         conversation: OpenAI-format messages without the system prompt (the history,
             the current user turn, its tool rounds).
         tenant: the call's tenant (default: the pipeline's rule); sent as ``cache_salt``.
         system: a layered system prompt to build first (``[LAYER]`` text, a mapping or a
             ``StructuredPrompt``); default: the tenant's last built prompt.
-        built: a :meth:`~contextkit.pipeline.CacheAwareContextPipeline.build` result to
+        built: a :meth:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline.build` result to
             use instead.
         tools: the request's ``tools`` (passed to the chat template as vLLM does); send
             the same list as ``tools=``.

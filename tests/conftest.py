@@ -13,7 +13,7 @@ import pytest
 import torch
 
 if TYPE_CHECKING:
-    from contextkit.engine import Engine
+    from contextkit.engine.engine import Engine
 
 if not torch.cuda.is_available():
     # Triton reads this when it is first imported: run kernels on CPU tensors.
@@ -27,7 +27,7 @@ def engine() -> Engine:
 
     Loaded once per test session, shared by the contextkit and integrations suites.
     """
-    from contextkit.engine import Engine
+    from contextkit.engine.engine import Engine
 
     return Engine.from_pretrained(num_device_blocks=128, num_host_blocks=128)
 

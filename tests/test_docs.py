@@ -23,6 +23,13 @@ API_DIR = ROOT / "docs" / "api"
 # integrations.vllm.connector is what vLLM loads from --kv-transfer-config.
 SURFACES = [
     "contextkit",
+    "contextkit.config",
+    "contextkit.prompt",
+    "contextkit.engine",
+    "contextkit.pipeline",
+    "contextkit.loop",
+    "contextkit.workloads",
+    "contextkit.cli",
     "gpu_cache",
     "memory_graph",
     "shadow",

@@ -4,6 +4,12 @@ Each benchmark is a module in this package exposing ``HELP`` (one line),
 ``add_arguments(parser)`` and ``run(args) -> dict``. ``run`` prints a human table
 through :func:`contextkit.bench._common.print_table` and returns the JSON-able result;
 the CLI prints that result as the last stdout line when ``--json`` is given.
+
+The bench room sits on top of contextkit's others: it may import every room
+(workloads included) and :mod:`memory_graph`, :mod:`shadow`, :mod:`gpu_cache`; only the
+CLI imports it. Benchmarks that need vLLM start their drivers (in
+:mod:`integrations.vllm.bench`) as subprocesses by module name, so contextkit never
+imports integrations.
 """
 
 from __future__ import annotations

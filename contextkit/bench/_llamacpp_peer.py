@@ -180,7 +180,7 @@ class _Slot:
         self.call(self._load, n_ctx)
 
     def _load(self, peer: LlamaCppPeer, n_ctx: int) -> dict[str, Any]:
-        from contextkit import models
+        from contextkit.engine import models
 
         directory, name = models.smollm2_gguf()
         info = peer.load(directory / name, n_ctx=n_ctx, threads=self.args.threads,

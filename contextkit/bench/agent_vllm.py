@@ -224,13 +224,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not vllm_installed() or importlib.util.find_spec("langchain_openai") is None:
         raise SystemExit("contextkit bench agent-vllm runs inside the vLLM virtualenv: "
                          "`make test-vllm` creates .venv-vllm, then "
-                         "`.venv-vllm/bin/python -m contextkit.cli bench agent-vllm --json`")
+                         "`.venv-vllm/bin/python -m contextkit.cli.main bench agent-vllm --json`")
     work = Path(args.dir or tempfile.mkdtemp(prefix="ck-bench-agent-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
     raw_path = work / "raw.json"
     # the driver runs by module name (contextkit imports nothing from integrations);
     # its progress goes to stderr
-    cmd = [sys.executable, "-m", "integrations.vllm.agent_bench", "--out", str(raw_path),
+    cmd = [sys.executable, "-m", "integrations.vllm.bench.agent_bench", "--out", str(raw_path),
            "--dir", str(work), "--turns", str(args.turns), "--scale", str(args.scale),
            "--max-tokens", str(args.max_tokens), "--max-model-len", str(args.max_model_len)]
     if args.model:

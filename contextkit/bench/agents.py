@@ -1,19 +1,19 @@
 """``contextkit bench agents``: many agents sharing a cache too small for all of them.
 
-The workload is :class:`contextkit.agents.MultiAgentWorkload` (6 agents of 3 tenants
+The workload is :class:`contextkit.workloads.agents.MultiAgentWorkload` (6 agents of 3 tenants
 by default, ten-layer prompts of 1.5K-3K tokens, a seeded schedule of round-robin
 passes, bursts and agents that return after long pauses). One engine is loaded; each
 policy runs the whole schedule on its own fresh cache of identical sizes
-(:meth:`~contextkit.engine.Engine.sibling`), one pipeline per agent, in one process:
+(:meth:`~contextkit.engine.engine.Engine.sibling`), one pipeline per agent, in one process:
 
 - ``lru``: eviction by recency only (``eviction_policy="lru"``), no pins, no tier
   manager;
 - ``semantic``: eviction by layer priority and importance, each agent's stable prefix
   pinned, no tier manager;
-- ``semantic+ooda``: the same plus a :class:`~contextkit.tiers.ContextTierManager`
+- ``semantic+ooda``: the same plus a :class:`~contextkit.loop.tiers.ContextTierManager`
   that knows every agent's blocks (the pipelines register them) and the schedule's
   look-ahead: between turns it runs one OODA cycle, then
-  :meth:`~contextkit.tiers.ContextTierManager.prefetch` makes the room the turn needs
+  :meth:`~contextkit.loop.tiers.ContextTierManager.prefetch` makes the room the turn needs
   (blocks no agent is due to read first, then the lowest effective priority, the agent
   due furthest among equals) and warms the blocks the turn reuses. That time
   is reported as ``ooda_cycle_ms``, never inside a TTFT, and every prefetch finishes
@@ -32,7 +32,7 @@ Figures (all computed from the per-step rows by :func:`policy_figures` and
 *warm* steps (the agent's second turn on: a first turn is the same cold prefill under
 every policy); hit rates over all steps: ``device_hit_rate`` is reused tokens already
 on the device over prompt tokens, ``host_hit_rate`` reused tokens the request brought
-up from the host tier (:attr:`~contextkit.engine.GenerationResult.warmed_tokens`) over
+up from the host tier (:attr:`~contextkit.engine.engine.GenerationResult.warmed_tokens`) over
 prompt tokens; blocks and bytes moved between tiers; ``pinned_blocks_evicted`` counts
 blocks pinned when a step began that were off the device when it ended (must be 0).
 """
@@ -61,8 +61,8 @@ from contextkit.bench._common import (
 )
 
 if TYPE_CHECKING:
-    from contextkit.agents import MultiAgentWorkload
-    from contextkit.engine import Engine
+    from contextkit.workloads.agents import MultiAgentWorkload
+    from contextkit.engine.engine import Engine
 
 __all__ = ["HELP", "POLICIES", "Sizes", "add_arguments", "check_args", "dry_build",
            "parse_sweep", "percentile", "plan_sizes", "policy_figures", "run",
@@ -231,7 +231,7 @@ def dry_build(engine: Engine, workload: MultiAgentWorkload, steps: int
               ) -> tuple[list[int], dict[str, int], dict[str, int]]:
     """Every step's prompt tokens, laid out as the run will (no model run), and per
     agent its largest prompt and stable prefix in blocks."""
-    from contextkit.pipeline import CacheAwareContextPipeline
+    from contextkit.pipeline.pipeline import CacheAwareContextPipeline
 
     bs = engine.cache.block_size
     pipes = {a.name: CacheAwareContextPipeline(engine, tenant=a.tenant, agent=a.name,
@@ -277,8 +277,8 @@ def run_policy(engine: Engine, workload: MultiAgentWorkload, policy: str, sizes:
         ``tiers`` (capacity, used, free) at the end and ``leak_free`` (free + used ==
         capacity in every tier, every tracked block in the metadata).
     """
-    from contextkit.pipeline import CacheAwareContextPipeline
-    from contextkit.tiers import ContextTierManager, TierManagerConfig
+    from contextkit.pipeline.pipeline import CacheAwareContextPipeline
+    from contextkit.loop.tiers import ContextTierManager, TierManagerConfig
     from gpu_cache import Tier
     from gpu_cache.config import PinConfig
 
@@ -520,8 +520,8 @@ def summarize(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     check_args(args)
-    from contextkit.agents import MultiAgentWorkload
-    from contextkit.engine import Engine
+    from contextkit.workloads.agents import MultiAgentWorkload
+    from contextkit.engine.engine import Engine
 
     started = time.perf_counter()
     workload = MultiAgentWorkload(args.agents, num_tenants=args.tenants, steps=args.steps,

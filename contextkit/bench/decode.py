@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from contextkit._settings import WEIGHT_FORMATS
+from contextkit.config.settings import WEIGHT_FORMATS
 from contextkit.bench._common import (
     _number,
     machine_info,
@@ -134,9 +134,9 @@ def context_prompts(engine: Any, contexts: Sequence[int], scale: float = 1.0
     pipeline assembles it). A context too short for the user turn keeps only the
     assistant header after the cut system prompt.
     """
-    from contextkit._chatml import _ChatML
-    from contextkit.pipeline import CacheAwareContextPipeline
-    from contextkit.replay import AgentReplay
+    from contextkit.prompt.chatml import _ChatML
+    from contextkit.pipeline.pipeline import CacheAwareContextPipeline
+    from contextkit.workloads.replay import AgentReplay
 
     longest = max(contexts)
     while True:
@@ -170,7 +170,7 @@ def context_prompts(engine: Any, contexts: Sequence[int], scale: float = 1.0
 
 # ---------------------------------------------------------------------- engines
 def _load_engine(args: argparse.Namespace, device_blocks: int) -> Any:
-    from contextkit.engine import Engine
+    from contextkit.engine.engine import Engine
 
     return Engine.from_pretrained(num_device_blocks=device_blocks, num_host_blocks=2048,
                                   weight_format=args.weights)
@@ -231,8 +231,8 @@ def _memcpy_gbps() -> float:
 def _replay(engine: Any, slot: _Slot, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Per turn: contextkit's cached TTFT, then llama.cpp's prefix-reuse TTFT on the
     identical ids (alternated, never together)."""
-    from contextkit.pipeline import CacheAwareContextPipeline
-    from contextkit.replay import AgentReplay
+    from contextkit.pipeline.pipeline import CacheAwareContextPipeline
+    from contextkit.workloads.replay import AgentReplay
 
     replay = AgentReplay(args.turns, scale=args.scale)
     pipeline = CacheAwareContextPipeline(engine)
@@ -332,7 +332,7 @@ def _weights_fidelity(engine: Any, args: argparse.Namespace) -> dict[str, Any] |
     fmt = engine.weight_format
     if args.fidelity_turns == 0 or fmt == "float32":
         return None
-    from contextkit._weights import fidelity, replay_prompts
+    from contextkit.engine.weights import fidelity
     from contextkit.bench.ttft import HELD_OUT
 
     reference = engine.sibling("native", weight_format="float32", num_device_blocks=16,
@@ -497,3 +497,26 @@ def plot_decode(result: dict[str, Any], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def replay_prompts(engine: Any, turns: int = 3, *, scale: float = 1.0) -> list[list[int]]:
+    """Prompt ids of the first ``turns`` turns of the agent replay (the layered system
+    prompt and the conversation so far, chat template applied), as the pipeline
+    assembles them; earlier turns' replies are ``engine``'s own (greedy, 32 tokens)."""
+    from contextkit.pipeline.pipeline import CacheAwareContextPipeline
+    from contextkit.workloads.replay import AgentReplay
+
+    replay = AgentReplay(turns, scale=scale)
+    pipeline = CacheAwareContextPipeline(engine)
+    build = pipeline.wrap(replay.build_system_message)
+    history: list[tuple[str, str]] = []
+    prompts = []
+    for t in range(turns):
+        turn = replay.turn(t)
+        build(t)
+        ids, _, _ = pipeline.assemble(turn.user_message, history)
+        prompts.append(list(ids))
+        if t + 1 < turns:
+            reply = engine.generate(ids, max_new_tokens=32, use_cache=False)
+            history += [("user", turn.user_message), ("assistant", reply.text)]
+    return prompts

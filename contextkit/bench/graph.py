@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
     from contextkit.bench._common import machine_info, print_table
-    from contextkit.models import load_tokenizer
+    from contextkit.engine.models import load_tokenizer
     from gpu_cache import CacheConfig, CacheIdentity, Tier, TQGPUCache
     from memory_graph import GraphBlockReserver, MemoryGraph, SentenceTransformerEmbedder
 

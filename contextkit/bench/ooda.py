@@ -26,7 +26,7 @@ from contextkit.bench._common import (
     positive_int,
     print_table,
 )
-from contextkit.tiers import ContextTier, ContextTierManager, TierManagerConfig
+from contextkit.loop.tiers import ContextTier, ContextTierManager, TierManagerConfig
 from gpu_cache import CacheConfig, CacheIdentity, Tier, TQGPUCache
 
 __all__ = ["HELP", "add_arguments", "run"]

@@ -138,7 +138,7 @@ def attn_cosine_real(num_tokens: int, seed: int, num_queries: int = 64,
     Key offsets (gpu_cache.calibration) are calibrated on a disjoint text, as a
     deployment would calibrate once per model; the uncentered figure is reported too.
     """
-    from contextkit.models import load_model, load_tokenizer
+    from contextkit.engine.models import load_model, load_tokenizer
     from gpu_cache.calibration import mean_key_offsets
 
     tokenizer = load_tokenizer()

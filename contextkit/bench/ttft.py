@@ -1,6 +1,6 @@
 """``contextkit bench ttft``: TTFT over the agent replay, with and without contextkit.
 
-Every turn of the replay (:class:`contextkit.replay.AgentReplay`) is served four
+Every turn of the replay (:class:`contextkit.workloads.replay.AgentReplay`) is served four
 ways by the same model in one process:
 
 - **contextkit**: the cache-aware pipeline on the TQ4 cache (stable prefix pinned,
@@ -14,7 +14,7 @@ ways by the same model in one process:
   of the very same tokens is (``speedup_native_cached_p50``).
 
 ``flop_ratio_p50`` is the median FLOP count of a full prefill over that of the
-reused one (:meth:`~contextkit.engine.Engine.prefill_flops`): what the reuse can buy
+reused one (:meth:`~contextkit.engine.engine.Engine.prefill_flops`): what the reuse can buy
 when both runs reach the same share of the machine's peak, the ceiling that the
 measured ``speedup_p50`` is read against.
 
@@ -37,10 +37,10 @@ Think time and reservations: the memories layer comes from a seeded
 embedder). Between two turns the user reads the reply and types (``--think-s``,
 default 30 s: reading a 32-token reply and typing the next 20-40-word message).
 During that window, and only then, the pipeline's
-:class:`~contextkit._reservation.MemoryReservations` work in the background: the next
+:class:`~contextkit.loop.reservations.MemoryReservations` work in the background: the next
 prompt with unchanged memories (the conversation extended by the exchange just
 finished) into the device tier, and for the ``--reserve-candidates`` memory
-neighborhoods :meth:`~contextkit.replay.AgentReplay.memory_candidates` predicts from
+neighborhoods :meth:`~contextkit.workloads.replay.AgentReplay.memory_candidates` predicts from
 the conversation so far, the prompt with those memories, TQ4 into the host (DDR) tier
 under a reservation. The bench waits until that work is done or the think time is
 up, with nothing else running; every measured request runs with background work held
@@ -163,7 +163,7 @@ def run_replay(
         memory_graph: a :class:`memory_graph.MemoryGraph` for the memories layer
             (seeded here with the replay's memories; the replay's scripted memories
             and no prediction without one).
-        engine: a TQ4 :class:`~contextkit.engine.Engine` to use (loaded otherwise).
+        engine: a TQ4 :class:`~contextkit.engine.engine.Engine` to use (loaded otherwise).
         on_turn: called with each turn's record as it completes.
         reserve: background work between turns (history extension and memory
             reservations); off: every turn computes what its cache lacks, as before.
@@ -171,9 +171,9 @@ def run_replay(
         think_s: the think window before each turn (>= 2): the longest the bench
             waits for the background work, with nothing else running.
     """
-    from contextkit.engine import Engine
-    from contextkit.pipeline import CacheAwareContextPipeline
-    from contextkit.replay import AgentReplay
+    from contextkit.engine.engine import Engine
+    from contextkit.pipeline.pipeline import CacheAwareContextPipeline
+    from contextkit.workloads.replay import AgentReplay
 
     if turns < 1:
         raise ValueError(f"turns must be >= 1, got {turns}")
@@ -338,7 +338,7 @@ def _median_of(records: list[dict[str, Any]], key: str) -> float | None:
 def _reservations(engine: Any, replay: Any, candidates: int) -> Any:
     """The pipeline's background work between turns: history extension, and memory
     reservations predicted by ``replay.memory_candidates`` (none without a graph)."""
-    from contextkit._reservation import MemoryReservations
+    from contextkit.loop.reservations import MemoryReservations
     from memory_graph import GraphBlockReserver
 
     reserver = GraphBlockReserver(engine.cache, engine.count_tokens, graph=replay.memory_graph)

@@ -3,7 +3,7 @@ per precision policy of the connector.
 
 Runs inside the vLLM virtualenv (``make test-vllm`` creates ``.venv-vllm``). The
 prompts are ``--prompts`` turns of the agent replay (layered system prompt,
-conversation, user message; :mod:`contextkit.bench._vllm_prompts`), each with its
+conversation, user message; :mod:`contextkit.workloads.vllm_prompts`), each with its
 layer labels and its own ``cache_salt``. For each policy of ``--policies`` (see
 :data:`contextkit.bench._vllm_report.POLICIES`), in its own work folder:
 
@@ -25,7 +25,7 @@ the same next token? ``vs_fp16`` is the stored bytes per token over fp16's.
 
 The top-level keys of the old single-policy bench are the default policy's
 (``importance``, the server's default), with ``acceptance``: issue 17's targets.
-The vLLM processes are started by module name (``integrations.vllm.harness``), so
+The vLLM processes are started by module name (``integrations.vllm.bench.harness``), so
 contextkit imports nothing from integrations.
 """
 
@@ -101,8 +101,8 @@ def build_prompts(num: int, prompt_tokens: int, model_dir: str | None = None
     """
     import gc
 
-    from contextkit.bench._vllm_prompts import agent_prompts
-    from contextkit.engine import Engine, tokenizer_fingerprint
+    from contextkit.workloads.vllm_prompts import agent_prompts
+    from contextkit.engine.engine import Engine, tokenizer_fingerprint
 
     engine = Engine.from_pretrained(num_device_blocks=8, num_host_blocks=8)
     try:
@@ -142,13 +142,13 @@ def _policy_run(name: str, work: Path, model_dir: str, prompts_file: Path,
     config = policy_config(name, {
         "block_size": args.block_size, "shadow_url": f"file://{pdir / 'shadow'}",
         "local_store": f"file://{pdir / 'local'}", "stats_path": str(pdir / "stats.jsonl")})
-    harness = [sys.executable, "-m", "integrations.vllm.harness", "--model", model_dir,
+    harness = [sys.executable, "-m", "integrations.vllm.bench.harness", "--model", model_dir,
                "--connector-config", json.dumps(config), "--prompts", str(prompts_file),
                "--max-tokens", str(args.max_tokens), "--block-size", str(args.block_size)]
     t0 = time.perf_counter()
     _run([*harness, "--out", str(pdir / "cold.json")], pdir / "cold.log")
     t1 = time.perf_counter()
-    _run([sys.executable, "-m", "contextkit.cli", "recover", "--for-vllm", "--model", model_dir,
+    _run([sys.executable, "-m", "contextkit.cli.main", "recover", "--for-vllm", "--model", model_dir,
           "--connector-config", json.dumps(config), "--json", "--no-progress"],
          pdir / "recover.log")
     recovery = json.loads((pdir / "recover.log").read_text().strip().splitlines()[-1])
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.model:
         model_dir = args.model
     else:
-        from contextkit import models
+        from contextkit.engine import models
 
         model_dir = str(models._convert_once())
     work = Path(args.dir or tempfile.mkdtemp(prefix="ck-bench-vllm-"))

@@ -87,7 +87,7 @@ class ConnectorConfig:
     model_id: str = ""
     endpoint_url: str | None = None
     default_source_layer: str = "user_turn"
-    # Typed Any: contextkit.config passes it through as given (a TOML table, a JSON
+    # Typed Any: contextkit.config.loading passes it through as given (a TOML table, a JSON
     # mapping, or an environment variable's text), and __post_init__ checks it.
     precision: Any = dataclasses.field(default_factory=dict, hash=False)
 

@@ -70,8 +70,8 @@ def model_shape(model_dir: str) -> tuple[int, int, int]:
 
 @lru_cache(maxsize=8)
 def _tokenizer_id(tokenizer_dir: str) -> str:
-    from contextkit._extras import require
-    from contextkit.engine import tokenizer_fingerprint
+    from contextkit.config.errors import require
+    from contextkit.engine.engine import tokenizer_fingerprint
 
     transformers = require("transformers", "model")
     return tokenizer_fingerprint(transformers.AutoTokenizer.from_pretrained(tokenizer_dir))

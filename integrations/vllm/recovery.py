@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from contextkit.status import require_store
+from contextkit.cli.status import require_store
 from gpu_cache import CacheConfig, CacheIdentity, CacheIdentityError, TQGPUCache
 from gpu_cache.config import NO_PIN_QUOTA
 from integrations.vllm.config import ConnectorConfig

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from contextkit.config import ConfigError, load_config
-from contextkit.engine import Engine
-from contextkit.pipeline import CacheAwareContextPipeline
-from contextkit.tiers import ContextTierManager, TierManagerConfig
+from contextkit.engine.engine import Engine
+from contextkit.pipeline.pipeline import CacheAwareContextPipeline
+from contextkit.loop.tiers import ContextTierManager, TierManagerConfig
 from gpu_cache.calibration import key_offset_digest
 from gpu_cache.config import PinConfig
 
@@ -229,7 +229,7 @@ def _shadow_a_session(fresh: Callable[..., Engine], config_path: Path) -> str:
 def test_the_shadow_section_opens_the_store_and_signs_with_its_key(
         tmp_path: Path, fresh: Callable[..., Engine],
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    from contextkit.cli import main
+    from contextkit.cli.main import main
     from shadow import load_manifest
 
     store = tmp_path / "shadow"
@@ -275,7 +275,7 @@ def test_the_shadow_section_opens_the_store_and_signs_with_its_key(
 
 def test_a_configured_store_that_does_not_exist_is_one_line_naming_the_file(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from contextkit.cli import main
+    from contextkit.cli.main import main
 
     path = tmp_path / "c.toml"
     path.write_text(f'[shadow]\nurl = "file://{tmp_path / "nope"}"\n')
@@ -318,7 +318,7 @@ def s3_endpoint() -> Iterator[str]:
 def test_the_s3_endpoint_of_the_file_reaches_the_shadow_and_status(
         tmp_path: Path, fresh: Callable[..., Engine], s3_endpoint: str,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from contextkit.cli import main
+    from contextkit.cli.main import main
 
     path = tmp_path / "contextkit.yaml"
     path.write_text(f"shadow:\n  url: s3://{BUCKET}/prod\n  endpoint_url: {s3_endpoint}\n"
@@ -351,7 +351,7 @@ def test_the_s3_endpoint_of_the_file_reaches_the_shadow_and_status(
 def test_cache_dir_from_a_file_is_where_the_packaged_model_is_read(tmp_path: Path) -> None:
     """``[cache] dir`` reaches Engine.from_config (it used to be read only from
     $CONTEXTKIT_CACHE_DIR): a damaged conversion under that directory is what fails."""
-    from contextkit import models
+    from contextkit.engine import models
 
     converted = models._converted_dir()  # the conversion the session already made
     models._convert_once()

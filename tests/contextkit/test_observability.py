@@ -14,11 +14,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from contextkit.cli import main
-from contextkit.engine import Engine
-from contextkit.layers import LayerConfig, LayerSpec
+from contextkit.cli.main import main
+from contextkit.engine.engine import Engine
+from contextkit.prompt.layers import LayerConfig, LayerSpec
 from contextkit.metrics import ContextkitMetrics, serve
-from contextkit.pipeline import CacheAwareContextPipeline, PipelineResult
+from contextkit.pipeline.pipeline import CacheAwareContextPipeline, PipelineResult
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def test_a_long_layer_spills_with_a_report_field_and_one_warning_per_layer(
     # The case: a 9,000-word [AXIOMS] layer, far over its 400-token budget.
     words = [f"rule{i}" for i in range(9000)]
     huge = [" ".join(words[i:i + 30]) for i in range(0, 9000, 30)]
-    with caplog.at_level(logging.WARNING, logger="contextkit.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="contextkit.pipeline.pipeline"):
         first = pipeline.build(prompt(0, axioms=huge)).report
         second = pipeline.build(prompt(1, axioms=huge)).report
     assert first.spilled_by_layer["axioms"] > 250 and first.spilled_by_layer["neurons"] > 0

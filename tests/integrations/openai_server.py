@@ -10,7 +10,7 @@ The prompt ids are what vLLM renders for ``/v1/chat/completions`` with an HF tok
 (the recipe of the research notes, verified against a live vLLM 0.32 server): the
 messages' text parts joined with ``"\\n"``, the served model's chat template with
 ``add_generation_prompt=True``, then the tokenizer without special tokens. It is kept
-here on its own, apart from :class:`contextkit.remote.ServedModel`, so the tests compare
+here on its own, apart from :class:`contextkit.pipeline.served.model.ServedModel`, so the tests compare
 contextkit's ranges with an independent oracle. ``cached_tokens`` is what vLLM's prefix
 cache would hit: the longest prefix shared with an earlier prompt of the same
 ``cache_salt``, whole blocks only, at least one token left to compute.

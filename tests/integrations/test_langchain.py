@@ -15,7 +15,7 @@ from langchain_core.messages import AIMessage, BaseMessage, SystemMessage
 from langchain_core.tools import tool
 
 from contextkit import CacheAwareContextPipeline
-from contextkit.prompt import PromptFormatError
+from contextkit.prompt.markup import PromptFormatError
 from integrations._common import usage_from
 from integrations.langchain import (
     METADATA_KEY,
@@ -308,6 +308,6 @@ def test_the_model_call_runs_in_the_middleware_tenants_scope(
     assert pipeline.resolve_tenant() == "default"  # every scope was left
     assert pipeline.last_report("acme").call == 1  # type: ignore[union-attr]
     assert pipeline.last_report("globex").call == 1  # type: ignore[union-attr]
-    with caplog.at_level(logging.WARNING, logger="contextkit.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="contextkit.pipeline.pipeline"):
         assert pipeline.last_report() is None
     assert any("'acme'" in r.getMessage() for r in caplog.records)

@@ -48,7 +48,7 @@ def test_contextkit_imports_without_the_frameworks() -> None:
                                                ("integrations.llamaindex", "llamaindex")])
 def test_integration_without_its_extra_names_the_extra(module: str, extra: str) -> None:
     proc = run(f"""
-        from contextkit._extras import MissingExtraError
+        from contextkit.config.errors import MissingExtraError
         try:
             import {module}
         except MissingExtraError as exc:

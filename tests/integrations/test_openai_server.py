@@ -79,7 +79,7 @@ def test_the_fake_server_tokenizes_like_chat_completions(openai_server: FakeOpen
                      json={"model": SERVED_NAME, "messages": messages}).json()
     assert got["tokens"] == ids and got["count"] == len(ids)
     # contextkit's renderer agrees with this independent one, checked over HTTP
-    from contextkit.remote import ServedModel
+    from contextkit.pipeline.served.model import ServedModel
 
     served = ServedModel.packaged(name=SERVED_NAME, base_url=openai_server.base_url)
     assert served.render(messages).token_ids == ids
@@ -89,7 +89,7 @@ def test_the_fake_server_tokenizes_like_chat_completions(openai_server: FakeOpen
 # ---------------------------------------------------------------------- helpers
 def served_pipeline() -> Any:
     from contextkit import CacheAwareContextPipeline
-    from contextkit.remote import ServedModel
+    from contextkit.pipeline.served.model import ServedModel
 
     return CacheAwareContextPipeline(served=ServedModel.packaged(name=SERVED_NAME))
 
@@ -411,7 +411,7 @@ def test_a_server_with_another_chat_template_ignores_the_labels(
     from langchain_openai import ChatOpenAI
     from pydantic import SecretStr
 
-    from contextkit.remote import LabelRangeError, ServedModel
+    from contextkit.pipeline.served.model import LabelRangeError, ServedModel
     from integrations.langchain import ContextKitMiddleware
 
     other = ServedModel.packaged(name=SERVED_NAME).chat_template.replace(
@@ -441,7 +441,7 @@ def test_labels_for_another_model_are_refused_before_sending(
     from llama_index.llms.openai_like import OpenAILike
     from pydantic import SecretStr
 
-    from contextkit.remote import LabelRangeError
+    from contextkit.pipeline.served.model import LabelRangeError
     from integrations.langchain import ContextKitMiddleware
     from integrations.llamaindex import ContextKitOpenAILike
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from openai_server import SERVED_NAME, FakeOpenAIServer
 
-from contextkit.remote import LabelRangeError, ServedModel
+from contextkit.pipeline.served.model import LabelRangeError, ServedModel
 
 MESSAGES = [{"role": "system", "content": "[AXIOMS]\nNever invent facts.\n[/AXIOMS]"},
             {"role": "user", "content": "Is checkout slow? ¿Por qué? 🚦"}]

@@ -61,7 +61,7 @@ def embedder() -> SentenceTransformerEmbedder:
 
 @pytest.fixture(scope="session")
 def count_tokens() -> Callable[[str], int]:
-    from contextkit.models import load_tokenizer
+    from contextkit.engine.models import load_tokenizer
 
     tokenizer = load_tokenizer()
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False))

@@ -189,7 +189,7 @@ def test_prometheus_metrics_from_two_steps() -> None:
     # `contextkit status --metrics URL` reads the same names: served over real HTTP
     from prometheus_client import start_http_server
 
-    from contextkit._scrape import scrape_metrics
+    from contextkit.cli.scrape import scrape_metrics
 
     server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
     try:
@@ -204,7 +204,7 @@ def test_prometheus_metrics_from_two_steps() -> None:
     assert connector["evicted_blocks"] == {"chat": 2, OTHER: 1}
     assert connector["shadow_lag_seconds"] == 0.0
     assert connector["label_mismatches"] == 1
-    from contextkit._scrape import format_metrics
+    from contextkit.cli.scrape import format_metrics
 
     assert "label mismatches 1" in " ".join(format_metrics(status).split())
 

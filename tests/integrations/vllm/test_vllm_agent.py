@@ -120,7 +120,7 @@ class Connector:
 
     def records(self, n: int, timeout: float = 60.0) -> list[dict[str, Any]]:
         """The next ``n`` per-request records (written as requests finish)."""
-        from integrations.vllm.harness import read_stats
+        from integrations.vllm.bench.harness import read_stats
 
         got: list[dict[str, Any]] = []
         deadline = time.monotonic() + timeout
@@ -185,7 +185,7 @@ def identity_digest(model_dir: str) -> bytes:
 def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[Any, Connector]]:
     from integrations.vllm.config import ConnectorConfig
-    from integrations.vllm.harness import OpenAIServer
+    from integrations.vllm.bench.harness import OpenAIServer
 
     work = tmp_path_factory.mktemp("agent")
     config = ConnectorConfig(
@@ -220,7 +220,7 @@ def test_handmade_spans_reach_the_connector_through_the_openai_server(
         server: tuple[Any, Connector], identity_digest: bytes) -> None:
     import openai
 
-    from contextkit.remote import ServedModel
+    from contextkit.pipeline.served.model import ServedModel
     from integrations.vllm.planning import semantic_params
 
     srv, connector = server
@@ -352,7 +352,7 @@ def test_langchain_agent_drives_the_connector_by_layer(
     from pydantic import SecretStr
 
     from contextkit import CacheAwareContextPipeline
-    from contextkit.remote import ServedModel
+    from contextkit.pipeline.served.model import ServedModel
     from gpu_cache import DEFAULT_SOURCE_PRIORITY, PINNABLE_SOURCES
     from integrations.langchain import ContextKitMiddleware
 

