@@ -30,8 +30,8 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from contextkit.pipeline.reports import CallReport
     from contextkit.engine.types import GenerationResult
+    from contextkit.pipeline.reports import CallReport
 
 __all__ = ["ContextkitMetrics", "TenantLabels", "default_metrics", "resolve", "serve"]
 

@@ -83,8 +83,8 @@ from pydantic import ConfigDict, Field  # noqa: E402
 
 from contextkit.engine.engine import Engine  # noqa: E402
 from contextkit.pipeline.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport  # noqa: E402
-from contextkit.prompt.markup import has_markers  # noqa: E402
 from contextkit.pipeline.served.model import LabelRangeError  # noqa: E402
+from contextkit.prompt.markup import has_markers  # noqa: E402
 from integrations._common import (  # noqa: E402
     CallLog,
     ChatRun,

@@ -68,8 +68,8 @@ from pydantic import Field, PrivateAttr  # noqa: E402
 
 from contextkit.engine.engine import Engine  # noqa: E402
 from contextkit.pipeline.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport  # noqa: E402
-from contextkit.prompt.markup import has_markers  # noqa: E402
 from contextkit.pipeline.served.model import LabelRangeError  # noqa: E402
+from contextkit.prompt.markup import has_markers  # noqa: E402
 from integrations._common import (  # noqa: E402
     CallLog,
     ChatRun,

@@ -230,7 +230,8 @@ def test_contextkit_top_folder_holds_only_faces_config_and_metrics() -> None:
         path = ROOT / "contextkit" / room
         if path.is_dir():
             doc = ast.get_docstring(ast.parse((path / "__init__.py").read_text()))
-            assert doc and "import" in doc, f"contextkit/{room}/__init__.py: say what it owns and may import"
+            assert doc and "import" in doc, (
+                f"contextkit/{room}/__init__.py: say what the room owns and may import")
 
 
 def test_no_module_over_600_lines() -> None:
@@ -248,6 +249,7 @@ def test_old_module_paths_still_import_as_the_new_modules() -> None:
     for old, new in contextkit._MOVED.items():
         assert importlib.import_module(old) is importlib.import_module(new), old
     from contextkit.layers import LayerConfig
+
     from contextkit.prompt import LayerConfig as FromFace
 
     assert LayerConfig is FromFace

@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 
-from contextkit.config.settings import WEIGHT_FORMATS
 from contextkit.bench._common import (
     _number,
     machine_info,
@@ -53,6 +52,7 @@ from contextkit.bench._common import (
     print_table,
 )
 from contextkit.bench._llamacpp_peer import LlamaCppError, LlamaCppPeer, _Slot
+from contextkit.config.settings import WEIGHT_FORMATS
 from gpu_cache.kernels import cpu_decode
 
 __all__ = ["DEFAULT_CONTEXTS", "HELP", "LlamaCppError", "LlamaCppPeer", "add_arguments",
@@ -134,8 +134,8 @@ def context_prompts(engine: Any, contexts: Sequence[int], scale: float = 1.0
     pipeline assembles it). A context too short for the user turn keeps only the
     assistant header after the cut system prompt.
     """
-    from contextkit.prompt.chatml import _ChatML
     from contextkit.pipeline.pipeline import CacheAwareContextPipeline
+    from contextkit.prompt.chatml import _ChatML
     from contextkit.workloads.replay import AgentReplay
 
     longest = max(contexts)
@@ -332,8 +332,8 @@ def _weights_fidelity(engine: Any, args: argparse.Namespace) -> dict[str, Any] |
     fmt = engine.weight_format
     if args.fidelity_turns == 0 or fmt == "float32":
         return None
-    from contextkit.engine.weights import fidelity
     from contextkit.bench.ttft import HELD_OUT
+    from contextkit.engine.weights import fidelity
 
     reference = engine.sibling("native", weight_format="float32", num_device_blocks=16,
                                num_host_blocks=16)

@@ -101,8 +101,8 @@ def build_prompts(num: int, prompt_tokens: int, model_dir: str | None = None
     """
     import gc
 
-    from contextkit.workloads.vllm_prompts import agent_prompts
     from contextkit.engine.engine import Engine, tokenizer_fingerprint
+    from contextkit.workloads.vllm_prompts import agent_prompts
 
     engine = Engine.from_pretrained(num_device_blocks=8, num_host_blocks=8)
     try:
@@ -148,7 +148,7 @@ def _policy_run(name: str, work: Path, model_dir: str, prompts_file: Path,
     t0 = time.perf_counter()
     _run([*harness, "--out", str(pdir / "cold.json")], pdir / "cold.log")
     t1 = time.perf_counter()
-    _run([sys.executable, "-m", "contextkit.cli.main", "recover", "--for-vllm", "--model", model_dir,
+    _run([sys.executable, "-m", "contextkit.cli", "recover", "--for-vllm", "--model", model_dir,
           "--connector-config", json.dumps(config), "--json", "--no-progress"],
          pdir / "recover.log")
     recovery = json.loads((pdir / "recover.log").read_text().strip().splitlines()[-1])

@@ -237,8 +237,8 @@ def _reservation_line(r: dict[str, Any]) -> str:
 
 def _agents_run(engine: Any, steps: int, max_new_tokens: int, out: Path) -> dict[str, Any]:
     """A short multi-agent run with the tier manager's look-ahead prefetch."""
-    from contextkit.workloads.agents import MultiAgentWorkload
     from contextkit.bench.agents import dry_build, plan_sizes, policy_figures, run_policy
+    from contextkit.workloads.agents import MultiAgentWorkload
 
     workload = MultiAgentWorkload(AGENTS, num_tenants=TENANTS, steps=steps, scale=0.2)
     tokens, prompt_blocks, stable_blocks = dry_build(engine, workload, steps)

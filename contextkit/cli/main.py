@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 from typing import Any
 
-from contextkit.config.errors import MissingExtraError
 from contextkit.bench import BENCHMARKS, load
 from contextkit.config import ConfigError
+from contextkit.config.errors import MissingExtraError
 from contextkit.engine.engine import CacheFullError
-from contextkit.prompt.layers import UnknownLayerError
 from contextkit.engine.models import ModelNotInstalledError
+from contextkit.prompt.layers import UnknownLayerError
 from contextkit.prompt.markup import PromptFormatError
 from gpu_cache import GPUCacheError
 from shadow import ShadowError

@@ -34,12 +34,12 @@ import dataclasses
 import enum
 import importlib
 import json
-from importlib import metadata
 import os
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 

@@ -23,8 +23,8 @@ __all__ = ["CacheSettings", "EngineSettings", "MetricsSettings", "PipelineSettin
            "ShadowSettings"]
 
 
-#: The weight formats of :class:`contextkit.engine.engine.Engine` (:mod:`contextkit.engine.weights`),
-#: the reference first.
+#: The weight formats of :class:`contextkit.engine.Engine`
+#: (:mod:`contextkit.engine.weights`), the reference first.
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
 
 

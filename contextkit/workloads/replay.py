@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
+from contextkit.prompt.markup import PromptLine, PromptSection, StructuredPrompt, render_marked
 from contextkit.workloads.replay_content import (
     _AFFECT,
     _AWARENESS_BASE,
@@ -71,7 +72,6 @@ from contextkit.workloads.replay_memories import (
     _Memory,
     _memory_slots,
 )
-from contextkit.prompt.markup import PromptLine, PromptSection, StructuredPrompt, render_marked
 
 if TYPE_CHECKING:
     from contextkit.loop.reservations import MemoryCandidate

@@ -1,4 +1,4 @@
-"""Content of the agent replay (:mod:`contextkit.workloads.replay`): vocabulary, script, stable layers.
+"""Content of the agent replay (:mod:`~contextkit.workloads.replay`): vocabulary, script, layers.
 
 The tables and small helpers the replay's generators draw from: the platform's
 services and people, the 20-message script with its topics and memory queries, the

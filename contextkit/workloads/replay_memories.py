@@ -1,4 +1,4 @@
-"""Memories of the agent replay (:mod:`contextkit.workloads.replay`): templates, slots, general facts.
+"""Memories of the agent replay (:mod:`~contextkit.workloads.replay`): templates, slots, facts.
 
 Each topic has a handful of episode/decision templates filled from a seeded slot
 draw (:func:`_memory_slots`); general memories fit several topics. The replay turns

@@ -18,8 +18,8 @@ import pytest
 
 from contextkit.config import ConfigError, load_config
 from contextkit.engine.engine import Engine
-from contextkit.pipeline.pipeline import CacheAwareContextPipeline
 from contextkit.loop.tiers import ContextTierManager, TierManagerConfig
+from contextkit.pipeline.pipeline import CacheAwareContextPipeline
 from gpu_cache.calibration import key_offset_digest
 from gpu_cache.config import PinConfig
 

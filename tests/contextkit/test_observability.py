@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from contextkit.cli.main import main
 from contextkit.engine.engine import Engine
-from contextkit.prompt.layers import LayerConfig, LayerSpec
 from contextkit.metrics import ContextkitMetrics, serve
 from contextkit.pipeline.pipeline import CacheAwareContextPipeline, PipelineResult
+from contextkit.prompt.layers import LayerConfig, LayerSpec
 
 pytestmark = pytest.mark.slow
 

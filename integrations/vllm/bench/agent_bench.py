@@ -166,7 +166,7 @@ def _server(model_dir: str, work: Path, name: str, config: Any, args: argparse.N
 
 
 def _recover(model_dir: str, config: Any, log: Path) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "contextkit.cli.main", "recover", "--for-vllm", "--model",
+    cmd = [sys.executable, "-m", "contextkit.cli", "recover", "--for-vllm", "--model",
            model_dir, "--connector-config", json.dumps(config.to_extra_config()), "--json",
            "--no-progress"]
     with log.open("w") as f:

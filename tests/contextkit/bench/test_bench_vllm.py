@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 from contextkit.bench import _vllm_report
-from contextkit.workloads import vllm_prompts as _vllm_prompts
 from contextkit.bench import vllm as bench_vllm
 from contextkit.bench._vllm_report import (
     ACCEPTANCE,
@@ -31,6 +30,7 @@ from contextkit.bench._vllm_report import (
     stored_bytes,
 )
 from contextkit.prompt.layers import LayerConfig
+from contextkit.workloads import vllm_prompts as _vllm_prompts
 
 PROMPT_TOKENS = 2048
 NUM_PROMPTS = 3

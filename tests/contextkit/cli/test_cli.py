@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "contextkit.cli.main", *argv], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "contextkit.cli", *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
 
 

@@ -465,7 +465,7 @@ def test_debug_flag_reraises_wherever_it_is_given(where: str, tmp_path: Path) ->
 
 def test_a_subprocess_error_is_one_line_without_traceback(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "contextkit.cli.main", "status", "--store",
+        [sys.executable, "-m", "contextkit.cli", "status", "--store",
          f"file://{tmp_path / 'missing'}"], cwd=ROOT, capture_output=True, text=True,
         timeout=300, env={**os.environ, "CONTEXTKIT_SHADOW_URL": ""})
     assert proc.returncode == 2 and proc.stdout == ""

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import pytest
 
-from contextkit.prompt.layers import DEFAULT_LAYERS, LayerConfig, LayerSpec, UnknownLayerError
 from contextkit.engine.models import load_tokenizer
+from contextkit.prompt.layers import DEFAULT_LAYERS, LayerConfig, LayerSpec, UnknownLayerError
 from contextkit.prompt.markup import (
     PromptFormatError,
     PromptLine,

@@ -6,17 +6,17 @@ from collections.abc import Callable
 
 import pytest
 
-from contextkit.workloads.agents import AgentSpec, AgentStep, MultiAgentWorkload
 from contextkit.engine.engine import Engine
-from contextkit.prompt.layers import LayerConfig
 from contextkit.engine.models import load_tokenizer
 from contextkit.pipeline.pipeline import CacheAwareContextPipeline
+from contextkit.prompt.layers import LayerConfig
 from contextkit.prompt.markup import (
     StructuredPrompt,
     coerce_prompt,
     render_marked,
     synthesize_for_budget,
 )
+from contextkit.workloads.agents import AgentSpec, AgentStep, MultiAgentWorkload
 from contextkit.workloads.replay import REPLAY_LAYERS, AgentReplay
 from gpu_cache import validate_name, validate_tenant
 

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import pytest
 
-from contextkit.prompt.layers import DEFAULT_LAYERS, LayerConfig
 from contextkit.engine.models import load_tokenizer
+from contextkit.prompt.layers import DEFAULT_LAYERS, LayerConfig
 from contextkit.prompt.markup import StructuredPrompt, parse_marked, synthesize_for_budget
 from contextkit.workloads.replay import REPLAY_LAYERS, AgentReplay
 

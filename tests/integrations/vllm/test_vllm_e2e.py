@@ -70,7 +70,7 @@ def serve(model: str, config: dict[str, Any], prompts: list[list[int]], out: Pat
 
 def recover(model: str, config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     proc = subprocess.run(
-        [sys.executable, "-m", "contextkit.cli.main", "recover", "--for-vllm", "--model", model,
+        [sys.executable, "-m", "contextkit.cli", "recover", "--for-vllm", "--model", model,
          "--connector-config", json.dumps(config), "--json", "--no-progress"],
         capture_output=True, text=True, env=_env(), cwd=ROOT, check=False)
     assert proc.stdout.strip(), proc.stderr
