@@ -253,3 +253,58 @@ def test_old_module_paths_still_import_as_the_new_modules() -> None:
     from contextkit.prompt import LayerConfig as FromFace
 
     assert LayerConfig is FromFace
+
+
+# A timed assertion fails on a busy machine: tests assert tokens reused or computed, and
+# speed is measured by `contextkit bench`. This catches a comparison between two timings
+# (or a timing and a bound other than 0) in an assert.
+_TIMED = re.compile(r"\b(?:\w*ttft\w*|\w*speedup\w*|\w+_ms|\w+_seconds|elapsed\w*)\b")
+
+
+def _words(node: ast.AST) -> list[str]:
+    """Names, attributes and string keys in an expression (not file names)."""
+    words = []
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name):
+            words.append(sub.id)
+        elif isinstance(sub, ast.Attribute):
+            words.append(sub.attr)
+        elif isinstance(sub, ast.Constant) and isinstance(sub.value, str) and "." not in sub.value:
+            words.append(sub.value)
+    return words
+
+
+def _timed_asserts(source: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Assert):
+            continue
+        for compare in ast.walk(node.test):
+            if not isinstance(compare, ast.Compare) or not any(
+                    isinstance(op, (ast.Lt, ast.LtE, ast.Gt, ast.GtE)) for op in compare.ops):
+                continue
+            operands = [compare.left, *compare.comparators]
+            timed = [o for o in operands if any(
+                _TIMED.fullmatch(word) for word in _words(o))]
+            zero = [o for o in operands if isinstance(o, ast.Constant) and o.value == 0]
+            if timed and len(operands) - len(zero) > 1:
+                found.append(ast.unparse(compare))
+    return found
+
+
+def test_the_timed_assert_finder_finds_them() -> None:
+    assert _timed_asserts("assert r['ttft_ms'] < base['ttft_ms'] / 5")
+    assert _timed_asserts("assert result['speedup_p50'] > 1.5")
+    assert not _timed_asserts("assert r['ttft_ms'] > 0 and r['prompt_tokens'] > 1000")
+    assert not _timed_asserts("assert reused > computed")
+
+
+def test_no_test_asserts_a_duration_or_a_speed_ratio() -> None:
+    allowed = {  # orderings that hold by construction, not by speed
+        "gen.total_ms > gen.ttft_ms > 0",
+        "result['query_p95_ms'] >= result['query_p50_ms'] > 0",
+    }
+    timed = {f"{path.relative_to(ROOT)}: {expr}"
+             for path in (ROOT / "tests").rglob("test_*.py")
+             for expr in _timed_asserts(path.read_text()) if expr not in allowed}
+    assert not timed, sorted(timed)

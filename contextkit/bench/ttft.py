@@ -492,6 +492,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_ms_prefix_cache": [round(r["ttft_ms_prefix_cache"], 1) for r in records],
         "reused_tokens": [r["reused_tokens"] for r in records],
         "computed_tokens": [r["computed_tokens"] for r in records],
+        "reused_tokens_prefix_cache": [r["reused_tokens_prefix_cache"] for r in records],
         "prefix_broken_by": [r["prefix_broken_by"] for r in records],
         "flop_ratio": [round(r["flop_ratio"], 3) for r in records],
         "background_cpu_s": [round(r["background_cpu_s"], 3) for r in records],

@@ -62,7 +62,6 @@ def test_demo_runs_shadows_and_restarts_warm(tmp_path: Path, capsys: pytest.Capt
     assert rec2["prompt_tokens"] == rec["prompt_tokens"]
     assert rec2["computed_tokens"] <= 16
     assert rec2["reply"] == rec["reply"]
-    assert rec2["ttft_ms_contextkit"] < rec2["ttft_ms_baseline"] / 5
 
 
 def test_status_on_an_empty_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
