@@ -1,8 +1,8 @@
 """The ``contextkit`` command: ``demo``, ``status``, ``recover``, ``config show``, ``bench``.
 
-Owns the argument parser and the exit codes (``main``), the demo (``demo``), the
-status of a shadow store (``status``) and the reading of a ``/metrics`` page
-(``scrape``). ``contextkit.cli:main`` is the console script; ``python -m
+Owns the argument parser, the commands and the exit codes (``commands``), the demo
+(``demo``), the status of a shadow store (``status``) and the reading of a
+``/metrics`` page (``scrape``). ``contextkit.cli:main`` is the console script; ``python -m
 contextkit.cli`` runs it too. It sits on top: it may import every room and
 :mod:`contextkit.bench`; nothing in contextkit imports it.
 """
@@ -13,12 +13,12 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "main": "contextkit.cli.main",
-    "build_parser": "contextkit.cli.main",
-    "run_command": "contextkit.cli.main",
-    "EXIT_BUG": "contextkit.cli.main",
-    "EXIT_INTERRUPTED": "contextkit.cli.main",
-    "EXIT_USER_ERROR": "contextkit.cli.main",
+    "main": "contextkit.cli.commands",
+    "build_parser": "contextkit.cli.commands",
+    "run_command": "contextkit.cli.commands",
+    "EXIT_BUG": "contextkit.cli.commands",
+    "EXIT_INTERRUPTED": "contextkit.cli.commands",
+    "EXIT_USER_ERROR": "contextkit.cli.commands",
 }
 
 __all__ = sorted(_EXPORTS)

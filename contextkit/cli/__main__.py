@@ -2,6 +2,6 @@
 
 import sys
 
-from contextkit.cli.main import main
+from contextkit.cli.commands import main
 
 sys.exit(main())

@@ -166,7 +166,7 @@ def test_connector_config_reads_the_same_sources() -> None:
 def test_config_show_prints_sources_and_fails_in_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from contextkit.cli.main import main
+    from contextkit.cli.commands import main
 
     path = tmp_path / "c.yaml"
     path.write_text("pins:\n  tenant_share: 0.5\n")

@@ -229,7 +229,7 @@ def _shadow_a_session(fresh: Callable[..., Engine], config_path: Path) -> str:
 def test_the_shadow_section_opens_the_store_and_signs_with_its_key(
         tmp_path: Path, fresh: Callable[..., Engine],
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    from contextkit.cli.main import main
+    from contextkit.cli.commands import main
     from shadow import load_manifest
 
     store = tmp_path / "shadow"
@@ -275,7 +275,7 @@ def test_the_shadow_section_opens_the_store_and_signs_with_its_key(
 
 def test_a_configured_store_that_does_not_exist_is_one_line_naming_the_file(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from contextkit.cli.main import main
+    from contextkit.cli.commands import main
 
     path = tmp_path / "c.toml"
     path.write_text(f'[shadow]\nurl = "file://{tmp_path / "nope"}"\n')
@@ -318,7 +318,7 @@ def s3_endpoint() -> Iterator[str]:
 def test_the_s3_endpoint_of_the_file_reaches_the_shadow_and_status(
         tmp_path: Path, fresh: Callable[..., Engine], s3_endpoint: str,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from contextkit.cli.main import main
+    from contextkit.cli.commands import main
 
     path = tmp_path / "contextkit.yaml"
     path.write_text(f"shadow:\n  url: s3://{BUCKET}/prod\n  endpoint_url: {s3_endpoint}\n"

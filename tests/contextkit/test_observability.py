@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from contextkit.cli.main import main
+from contextkit.cli.commands import main
 from contextkit.engine.engine import Engine
 from contextkit.metrics import ContextkitMetrics, serve
 from contextkit.pipeline.pipeline import CacheAwareContextPipeline, PipelineResult

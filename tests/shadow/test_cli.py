@@ -88,7 +88,7 @@ def test_key_offsets_travel_with_the_session_and_are_checked(store_url, tmp_path
 
 # ---------------------------------------------------------------- issue 19
 def _main(argv, capsys):
-    from contextkit.cli.main import main
+    from contextkit.cli.commands import main
 
     code = main(argv)
     out, err = capsys.readouterr()

@@ -328,7 +328,7 @@ def test_reading_a_missing_local_store_is_an_error_writing_creates_it(tmp_path):
 
 
 def test_recover_sweep_never_deletes_files_that_are_not_shadow_blobs(tmp_path) -> None:
-    from contextkit.cli.main import main
+    from contextkit.cli.commands import main
 
     (tmp_path / "project").mkdir()
     (tmp_path / "project" / "main.py").write_text("x")

@@ -21,7 +21,7 @@ from contextkit.bench.agents import (
     policy_figures,
     speedups,
 )
-from contextkit.cli.main import main
+from contextkit.cli.commands import main
 from contextkit.engine.engine import Engine
 from gpu_cache import Tier
 

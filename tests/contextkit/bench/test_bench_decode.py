@@ -21,7 +21,7 @@ import pytest
 
 from contextkit.bench import decode
 from contextkit.bench.decode import LlamaCppError, LlamaCppPeer, parse_contexts
-from contextkit.cli.main import build_parser, main
+from contextkit.cli.commands import build_parser, main
 
 # A stand-in for the llama.cpp virtualenv's python: ignores the worker path it is given
 # and speaks the worker's protocol; DIE_AT names the op (and its count) that kills it.

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from contextkit.cli.main import main
+from contextkit.cli.commands import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from contextkit.bench import BENCHMARKS
-from contextkit.cli.main import build_parser, main
+from contextkit.cli.commands import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -68,3 +68,15 @@ def test_bench_tiers_json_counts_four_copies_whatever_the_layers(
     assert result["copies_per_move"] == 4
     assert result["copies_per_move_by_layers"] == {"32": 4, "1": 4}
     assert result["warm_gbps"] > 0 and result["memcpy_gbps"] > 0
+
+
+def test_the_console_script_is_the_main_function() -> None:
+    """``contextkit`` (pyproject's console script ``contextkit.cli:main``) runs the CLI."""
+    from importlib import metadata
+
+    (script,) = [ep for ep in metadata.entry_points(group="console_scripts")
+                 if ep.name == "contextkit"]
+    assert script.value == "contextkit.cli:main"
+    entry = script.load()
+    assert callable(entry) and entry is main
+    assert entry(["config", "show", "--json"]) == 0

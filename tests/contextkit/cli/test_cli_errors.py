@@ -22,8 +22,8 @@ import moto.server as moto_server
 import pytest
 import torch
 
-from contextkit.cli import main as cli
-from contextkit.cli.main import main
+from contextkit.cli import commands as cli
+from contextkit.cli.commands import main
 from gpu_cache import TENSOR_NAMES, CacheConfig, CacheIdentity, Tier, TQGPUCache
 from shadow import CacheShadow, ShadowConfig, ShadowStoreError
 

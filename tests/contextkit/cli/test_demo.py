@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from contextkit.cli.main import main
+from contextkit.cli.commands import main
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from contextkit.bench import load
-from contextkit.cli.main import main
+from contextkit.cli.commands import main
 from contextkit.prompt.markup import SpilledLine, SpilloverQueue
 from contextkit.loop.tiers import (
     Action,
