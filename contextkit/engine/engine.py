@@ -18,16 +18,16 @@ that every layer's K/V goes through :class:`gpu_cache.TQGPUCache`:
 - ``use_cache=False`` is the plain baseline: a full prefill into contiguous K/V,
   nothing looked up or stored.
 
-The forward pass is checked against transformers' own (``tests/contextkit/
+The forward pass is checked against transformers' own (``tests/contextkit/engine/
 test_engine.py``). Weights are shared between engines built from one model
 (:meth:`Engine.sibling`), so a benchmark can compare cache formats in one process.
 
-The pieces live in private modules: ``_llama`` (weights and shapes), ``_loading``
-(loading a model), ``_attention`` (flash passes and log-sum-exp merging), ``_kv``
-(per-request K/V views over the cache), ``_weights`` (weight formats), ``_decode``
-(the one-token decode step), ``_sequence`` (a request's blocks: reuse,
-allocation, labels, registration), ``_inputs`` (checks of token ids) and ``_types``
-(results and errors); their public names are re-exported here.
+The pieces are the engine room's other modules: ``llama`` (weights and shapes),
+``loading`` (loading a model), ``attention`` (flash passes and log-sum-exp merging),
+``kv`` (per-request K/V views over the cache), ``weights`` (weight formats), ``decode``
+(the one-token decode step), ``sequence`` (a request's blocks through
+:class:`gpu_cache.RequestBlockManager`), ``flops`` (prefill cost), ``inputs`` (checks of
+token ids) and ``types`` (results and errors); their public names are re-exported here.
 """
 
 from __future__ import annotations
@@ -36,21 +36,28 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from contextkit.engine.attention import _rotate
-from contextkit.engine.background import ForegroundGate, PrefillOutcome, PrefillPreempted, foreground
+from contextkit.engine.background import (
+    ForegroundGate,
+    PrefillOutcome,
+    PrefillPreempted,
+    foreground,
+)
 from contextkit.engine.background import prefill_prefix as _prefill_prefix
 from contextkit.engine.decode import decode_step
+from contextkit.engine.flops import prefill_flops
 from contextkit.engine.inputs import CALIBRATION_TEXT, check_token_ids
 from contextkit.engine.kv import _check_overlay, _ContiguousKV, _PagedKV
 from contextkit.engine.llama import UnsupportedModelError, _Model, tokenizer_fingerprint
 from contextkit.engine.loading import load_pretrained
-from contextkit.engine.sequence import close_sequence, open_sequence
+from contextkit.engine.sequence import SequenceBlocks, close_sequence, open_sequence
 from contextkit.engine.types import CacheFullError, GenerationResult, TokenIdError, TokenSpan
 from contextkit.engine.weights import WEIGHT_FORMATS, check_weight_format
 from contextkit.metrics import ContextkitMetrics
@@ -65,7 +72,6 @@ from gpu_cache import (
 from gpu_cache._errors import CacheIdentityError
 from gpu_cache.calibration import key_offset_digest, mean_key_offsets
 from gpu_cache.config import PinConfig
-from gpu_cache.hashing import BlockHash
 
 __all__ = [
     "KV_FORMATS",
@@ -304,27 +310,9 @@ class Engine:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def prefill_flops(self, prompt_tokens: int, reused_tokens: int = 0) -> int:
-        """Floating-point operations of a prefill that reuses the first
-        ``reused_tokens`` and computes the rest, up to the first token's logits.
-
-        Counts the projections and MLP of every computed token (2 per weight), the
-        attention scores and weighted values of each computed token over the keys
-        it sees (``4 * heads * head_dim`` per key and layer) and the LM head of the
-        last token; norms, RoPE and softmax are left out (a few percent). The ratio
-        of two counts is the speedup a reuse can give when both runs reach the same
-        fraction of the machine's peak.
-        """
-        if not 0 <= reused_tokens < prompt_tokens:
-            raise ValueError(f"need 0 <= reused_tokens < prompt_tokens, got {reused_tokens} "
-                             f"and {prompt_tokens}")
-        m = self.model
-        weights = sum(w.qkv.numel() + w.o.numel() + w.gate_up.numel() + w.down.numel()
-                      for w in m.layers)
-        computed = prompt_tokens - reused_tokens
-        # token j (0-based) attends to keys 0..j: sum over the computed tokens
-        keys_seen = computed * reused_tokens + computed * (computed + 1) // 2
-        attention = 4 * m.num_layers * m.num_heads * m.head_dim * keys_seen
-        return 2 * weights * computed + attention + 2 * m.lm_head.numel()
+        """Floating-point operations of a prefill that reuses the first ``reused_tokens``
+        (see :func:`contextkit.engine.flops.prefill_flops`)."""
+        return prefill_flops(self.model, prompt_tokens, reused_tokens)
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -375,10 +363,13 @@ class Engine:
         """Rows of the model's embedding: valid token ids are ``[0, vocab_size)``."""
         return int(self.model.embed.shape[0])
 
-    def _token_ids(self, token_ids: Sequence[int], what: str = "token_ids") -> list[int]:
+    def check_token_ids(self, token_ids: Sequence[int], what: str = "token_ids") -> list[int]:
+        """``token_ids`` as a list, each checked to be in ``[0, vocab_size)``."""
         return check_token_ids(token_ids, self.vocab_size, what)
 
-    def _check_prompt(self, ids: Sequence[int], extra: int) -> None:
+    def check_prompt(self, ids: Sequence[int], extra: int) -> None:
+        """Raise ValueError for an empty prompt or one that with ``extra`` new tokens
+        exceeds :attr:`max_positions`."""
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
         total = len(ids) + extra
@@ -388,17 +379,24 @@ class Engine:
                 f"{self.max_positions} positions; shorten the prompt (lower layer "
                 "budgets) or max_new_tokens")
 
-    def _open_sequence(self, ids: Sequence[int], extra: int, tenant: str,
-                       spans: Sequence[TokenSpan] | None, reuse: bool,
-                       max_reuse: int | None = None,
-                       ) -> tuple[list[int], list[int], list[BlockHash], int, int]:
-        """:func:`contextkit.engine.sequence.open_sequence` on this engine's cache."""
-        return open_sequence(self.cache, ids, extra, tenant, spans, reuse, max_reuse)
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the engine's (reentrant) lock: nothing else runs the model meanwhile."""
+        with self._lock:
+            yield
 
-    def _close_sequence(self, block_ids: list[int], all_ids: Sequence[int], written: int,
-                        tenant: str, keys: Sequence[BlockHash], first_new: int) -> None:
-        """:func:`contextkit.engine.sequence.close_sequence` on this engine's cache."""
-        close_sequence(self.cache, block_ids, all_ids, written, tenant, keys, first_new)
+    @property
+    def foreground_gate(self) -> ForegroundGate:
+        """Counts the foreground requests waiting for :meth:`locked` (background yields)."""
+        return self._foreground
+
+    def prefill_into(self, seq: SequenceBlocks, ids: Sequence[int], *,
+                     should_stop: Callable[[], bool] | None = None) -> None:
+        """Compute the K/V of ``ids`` past ``seq.cached_tokens`` into ``seq``'s blocks
+        (no float residual window); ``should_stop`` raises :class:`PrefillPreempted`."""
+        cached = seq.cached_tokens
+        kv = self._paged(seq.block_ids, cached, ids, cached, seq.tenant, residual=0)
+        self._forward(ids[cached:], cached, kv, should_stop=should_stop)
 
     def _paged(self, block_ids: list[int], cached: int, prompt: Sequence[int],
                compute_start: int, tenant: str, residual: int | None = None,
@@ -492,20 +490,18 @@ class Engine:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         validate_tenant(tenant)
-        ids = self._token_ids(token_ids)
-        self._check_prompt(ids, max_new_tokens)
+        ids = self.check_token_ids(token_ids)
+        self.check_prompt(ids, max_new_tokens)
         with foreground(self):
             t0 = time.perf_counter()
+            seq: SequenceBlocks | None = None
             if not use_cache:
                 kv: _ContiguousKV | _PagedKV = _ContiguousKV(self.model.num_layers)
                 cached = warmed = 0
-                block_ids: list[int] = []
-                new_ids: list[int] = []
-                keys: list[BlockHash] = []
             else:
-                block_ids, new_ids, keys, cached, warmed = self._open_sequence(
-                    ids, max_new_tokens, tenant, spans, reuse)
-                kv = self._paged(block_ids, cached, ids, min(cached, len(ids) - 1), tenant)
+                seq = open_sequence(self.cache, ids, max_new_tokens, tenant, spans, reuse)
+                cached, warmed = seq.cached_tokens, seq.warmed_tokens
+                kv = self._paged(seq.block_ids, cached, ids, min(cached, len(ids) - 1), tenant)
             written = len(ids)
             out: list[int] = []
             try:
@@ -523,9 +519,8 @@ class Engine:
                     if on_token is not None:
                         stop = bool(on_token(token))
             finally:
-                if use_cache:
-                    self._close_sequence(block_ids, ids + out, written, tenant, keys,
-                                         len(block_ids) - len(new_ids))
+                if seq is not None:
+                    close_sequence(self.cache, seq, ids + out, written)
             total = time.perf_counter() - t0
         result = GenerationResult(
             text=self.decode(out), token_ids=out, prompt_tokens=len(ids),
@@ -534,7 +529,7 @@ class Engine:
             ttft_ms=ttft * 1000, total_ms=total * 1000,
             blocks_per_tier=self._blocks_per_tier(tenant) if use_cache else {},
             kv_format=self.kv_format if use_cache else "native",
-            block_ids=block_ids, first_logits=first_logits,
+            block_ids=seq.block_ids if seq is not None else [], first_logits=first_logits,
             warmed_tokens=min(warmed, start) if use_cache else 0)
         if (metrics := resolve_metrics(self.metrics)) is not None:
             metrics.record_generation(result)
@@ -571,22 +566,23 @@ class Engine:
             InvalidNameError: a tenant that breaks :func:`gpu_cache.validate_tenant`.
         """
         validate_tenant(tenant)
-        prompt = self._token_ids(prompt_ids, "prompt_ids")
-        target = self._token_ids(target_ids, "target_ids")
+        prompt = self.check_token_ids(prompt_ids, "prompt_ids")
+        target = self.check_token_ids(target_ids, "target_ids")
         if not target:
             raise ValueError("target_ids is empty")
         ids = prompt + target
-        self._check_prompt(ids, 0)
+        self.check_prompt(ids, 0)
         with foreground(self):
             if not use_cache:
                 logits = self._prefill(ids, 0, _ContiguousKV(self.model.num_layers),
                                        all_logits=True)
                 return logits[len(prompt) - 1 : len(ids) - 1]
-            block_ids, new_ids, keys, cached, _ = self._open_sequence(
-                ids, 0, tenant, None, True, max_reuse=max_reuse_tokens)
+            seq = open_sequence(self.cache, ids, 0, tenant, None, True,
+                                max_reuse=max_reuse_tokens)
             try:
+                cached = seq.cached_tokens
                 start = min(cached, len(prompt) - 1)
-                kv = self._paged(block_ids, cached, prompt, start, tenant, residual_tokens,
+                kv = self._paged(seq.block_ids, cached, prompt, start, tenant, residual_tokens,
                                  sink_tokens)
                 first = self._prefill(prompt, start, kv)
                 if len(target) == 1:
@@ -594,7 +590,6 @@ class Engine:
                 kv.fresh = False  # target tokens read their own K/V back, as decode does
                 rest = self._forward(target[:-1], len(prompt), kv, all_logits=True)
             finally:
-                self._close_sequence(block_ids, ids, len(ids) - 1, tenant, keys,
-                                     len(block_ids) - len(new_ids))
+                close_sequence(self.cache, seq, ids, len(ids) - 1)
             return torch.cat([first[None], rest])
 

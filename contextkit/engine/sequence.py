@@ -2,30 +2,56 @@
 afterwards register the full blocks by key and free the others.
 
 Functions of the cache alone, used by :class:`contextkit.engine.engine.Engine` for every
-request it serves from the cache.
+request it serves from the cache; the block steps themselves are
+:class:`gpu_cache.RequestBlockManager`'s, the engine's policy (pins give way, a full
+device tier raises :class:`CacheFullError`) is here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from contextkit.engine.types import CacheFullError, TokenSpan
-from gpu_cache import PrefixPinManager, Tier, TQGPUCache
+from gpu_cache import BlockAnnotation, PrefixPinManager, RequestBlockManager, Tier, TQGPUCache
 from gpu_cache.hashing import BlockHash
 
-__all__ = ["close_sequence", "open_sequence"]
+__all__ = ["SequenceBlocks", "close_sequence", "open_sequence"]
+
+
+@dataclass(slots=True)
+class SequenceBlocks:
+    """A request's blocks while it runs: what :func:`open_sequence` gives and
+    :func:`close_sequence` takes back.
+
+    Attributes:
+        tenant: whose blocks these are (keys are salted with it).
+        block_ids: the request's blocks in order, the reused prefix first; each holds
+            one reference until :func:`close_sequence`.
+        new_block_ids: those allocated for the request (the rest were reused).
+        keys: the keys of the prompt's full blocks.
+        cached_tokens: prompt tokens whose K/V was reused (reused blocks' tokens).
+        warmed_tokens: of those, the tokens the open brought up from the host tier.
+    """
+
+    tenant: str
+    block_ids: list[int]
+    new_block_ids: list[int]
+    keys: list[BlockHash]
+    cached_tokens: int
+    warmed_tokens: int
+
+    @property
+    def first_new_idx(self) -> int:
+        """Index in ``block_ids`` of the first block allocated for the request."""
+        return len(self.block_ids) - len(self.new_block_ids)
 
 
 def open_sequence(cache: TQGPUCache, ids: Sequence[int], extra: int, tenant: str,
                   spans: Sequence[TokenSpan] | None, reuse: bool,
-                  max_reuse: int | None = None,
-                  ) -> tuple[list[int], list[int], list[BlockHash], int, int]:
+                  max_reuse: int | None = None) -> SequenceBlocks:
     """Find reusable blocks (at most ``max_reuse`` tokens' worth) and allocate the
-    rest; every block is acquired.
-
-    Returns:
-        ``(block_ids, new_ids, keys, cached_tokens, warmed_tokens)``: ``warmed_tokens``
-        of the cached tokens were on the host tier and brought up by this call.
+    rest for ``ids`` plus ``extra`` new tokens; every block is acquired.
 
     Raises:
         CacheFullError: the device tier cannot hold the sequence; nothing changed.
@@ -33,11 +59,11 @@ def open_sequence(cache: TQGPUCache, ids: Sequence[int], extra: int, tenant: str
     bs = cache.block_size
     need = -(-(len(ids) + extra) // bs)
     capacity = cache.capacity(Tier.DEVICE)
+    blocks = RequestBlockManager(cache)
     with cache.locked():
         keys = cache.block_keys(ids, tenant)
-        hits = cache.lookup(keys, tenant) if reuse else []
-        if max_reuse is not None:
-            hits = hits[: max(0, max_reuse) // bs]
+        max_blocks = None if max_reuse is None else max(0, max_reuse) // bs
+        hits = blocks.lookup(keys, tenant, max_blocks=max_blocks) if reuse else []
         pins = PrefixPinManager(cache)
         pins.release_idle(protect=hits)
         if need > capacity:
@@ -57,28 +83,17 @@ def open_sequence(cache: TQGPUCache, ids: Sequence[int], extra: int, tenant: str
                 f"{bs} tokens, but only {room} of the device tier's {capacity} are not "
                 "pinned; raise num_device_blocks or shorten the prompt. Nothing cached was "
                 "dropped")
-        cache.acquire(hits)
-        host = [b for b in hits if cache.metadata.get(b).tier is Tier.HOST]
-        if host and cache.warm_blocks(host) is None:
-            # Could not bring them up: keep the device-resident run, recompute the rest.
-            first = hits.index(host[0])
-            cache.release(hits[first:])
-            hits = hits[:first]
-            host = []
-        new = cache.allocate(need - len(hits), Tier.DEVICE, tenant=tenant,
-                             source_layer="user_turn")
-        if new is None:
-            cache.release(hits)
+        got = blocks.allocate(need, tenant, reuse=hits, source_layer="user_turn",
+                              annotations=_annotations(bs, need, len(ids), spans), hold=True)
+        if got is None:
             raise CacheFullError(
-                f"could not free {need - len(hits)} device blocks for a {len(ids)}-token "
-                "prompt (the rest are pinned or in use); raise num_device_blocks. Nothing "
-                "cached was dropped")
-        cache.acquire(new)
-        block_ids = hits + new
-        _annotate(cache, block_ids, len(hits), len(ids), tenant, spans)
-        cache.metadata.chain(block_ids)  # what stays cached is a prefix
-        cache.metadata.touch(hits)
-    return block_ids, new, keys, len(hits) * bs, len(host) * bs
+                f"could not free the device blocks a {len(ids)}-token prompt needs beyond "
+                f"its {len(hits)} cached ones (the rest are pinned or in use); raise "
+                "num_device_blocks. Nothing cached was dropped")
+        cache.metadata.chain(got.block_ids)  # what stays cached is a prefix
+    return SequenceBlocks(tenant=tenant, block_ids=got.block_ids,
+                          new_block_ids=got.new_block_ids, keys=keys,
+                          cached_tokens=got.num_reused * bs, warmed_tokens=got.num_warmed * bs)
 
 
 def _pinned_outside(cache: TQGPUCache, hits: Sequence[int]) -> int:
@@ -87,41 +102,51 @@ def _pinned_outside(cache: TQGPUCache, hits: Sequence[int]) -> int:
     return sum(1 for m in cache.metadata.pinned() if m.block_id not in mine)
 
 
-def _annotate(cache: TQGPUCache, block_ids: Sequence[int], first: int, prompt_len: int,
-              tenant: str, spans: Sequence[TokenSpan] | None) -> None:
-    bs = cache.block_size
+def _annotations(bs: int, num_blocks: int, prompt_len: int,
+                 spans: Sequence[TokenSpan] | None) -> list[BlockAnnotation]:
+    """Per block: the layer and importance of the span covering most of it (else a
+    user turn's), its token range and how many prompt tokens it holds."""
     ordered = sorted(spans or (), key=lambda s: s.start)
-    for j in range(first, len(block_ids)):
+    out = []
+    for j in range(num_blocks):
         lo, hi = j * bs, (j + 1) * bs
         layer, importance = "user_turn", 0.5
         best = 0
-        for span in ordered:  # the span covering most of the block names it
+        for span in ordered:
             overlap = min(hi, span.end) - max(lo, span.start)
             if overlap > best:
                 best, layer, importance = overlap, span.source_layer, span.importance
-        cache.metadata.annotate(
-            block_ids[j], source_layer=layer, importance=importance, token_range=(lo, hi),
-            tenant_slug=tenant, num_tokens=max(0, min(bs, prompt_len - lo)))
+        out.append(BlockAnnotation(source_layer=layer, importance=importance,
+                                   token_range=(lo, hi),
+                                   num_tokens=max(0, min(bs, prompt_len - lo))))
+    return out
 
 
-def close_sequence(cache: TQGPUCache, block_ids: list[int], all_ids: Sequence[int],
-                   written: int, tenant: str, keys: Sequence[BlockHash],
-                   first_new: int) -> None:
-    """Register the full written blocks by key, free the rest, drop references."""
+def close_sequence(cache: TQGPUCache, seq: SequenceBlocks, all_ids: Sequence[int],
+                   written: int) -> None:
+    """Register the full written blocks of ``seq`` by key, free the rest, drop references.
+
+    Args:
+        cache: the cache :func:`open_sequence` opened ``seq`` in.
+        seq: the open sequence.
+        all_ids: the prompt plus the tokens generated after it.
+        written: tokens of ``all_ids`` whose K/V is in the blocks.
+    """
     bs = cache.block_size
+    tenant, block_ids, keys = seq.tenant, seq.block_ids, list(seq.keys)
     full = written // bs
     if full > len(keys):  # blocks the reply filled: extend the key chain
         parent = keys[-1] if keys else None
-        keys = [*keys, *cache.block_keys(list(all_ids[len(keys) * bs : full * bs]), tenant,
-                                         parent=parent)]
+        keys += cache.block_keys(list(all_ids[len(keys) * bs : full * bs]), tenant,
+                                 parent=parent)
+    first = seq.first_new_idx
+    # new blocks from ``done`` on are partial (or were never written)
+    done = min(len(block_ids), max(first, full))
     with cache.locked():
         cache.release(block_ids)
-        drop = []
-        for j in range(first_new, len(block_ids)):
-            if j < full and not cache.lookup([keys[j]], tenant):
-                cache.set_key(block_ids[j], keys[j])
-                cache.metadata.annotate(block_ids[j], num_tokens=bs)
-            else:  # a partial block, or an equal block already exists
-                drop.append(block_ids[j])
+        # an equal block already cached keeps its key; this one is dropped
+        drop = set(RequestBlockManager(cache).set_keys(block_ids[first:done], keys[first:done],
+                                                       tenant=tenant))
+        drop.update(block_ids[done:])
         if drop:
-            cache.remove_blocks(drop)
+            cache.remove_blocks([b for b in block_ids[first:] if b in drop])

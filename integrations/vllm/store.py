@@ -7,7 +7,9 @@ them durable. Each block goes to the pool of its label's format (``BlockLabel.fm
 chosen by the precision policy); ``tq4`` and ``int8`` pools subtract per-head key
 offsets calibrated on the first big save (loaded keys are always the keys). Free of
 vLLM imports: the connector hands it K/V as
-``[num_layers, n, block_size, num_kv_heads, head_dim]``.
+``[num_layers, n, block_size, num_kv_heads, head_dim]``. Blocks are allocated,
+labelled and keyed through :class:`gpu_cache.RequestBlockManager`; the shadow
+metrics (bytes, lag) are kept by :class:`.shadow_lag.ShadowAccounting`.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from typing import Any
 import torch
 
 from gpu_cache import (
+    BlockAnnotation,
     BlockStateError,
     CacheIdentity,
     CacheIdentityError,
     InvalidNameError,
     PinCapacityError,
     PrefixPinManager,
+    RequestBlockManager,
     TQGPUCache,
     formats,
     validate_tenant,
@@ -53,6 +57,7 @@ from integrations.vllm.pools import (
     server_sessions,
     session_name,
 )
+from integrations.vllm.shadow_lag import ShadowAccounting
 from integrations.vllm.snapshots import (
     LOCAL_SESSION,
     local_session_keys,
@@ -137,10 +142,7 @@ class ConnectorStore:
         self.num_saved = 0
         self.num_loaded = 0
         self.stats = StatsRecorder(layer_names(config.default_source_layer))
-        # shadow accounting (metrics), under its own lock: never waits for a save
-        self._stats_lock = threading.Lock()
-        self._unshadowed: dict[bytes, float] = {}  # key -> monotonic time stored, oldest first
-        self._shadow_bytes = 0
+        self._shadow_lag = ShadowAccounting()  # metrics; never waits for a save
         self._pool(identity, None)  # the key identity's pool: small saves, old sessions
 
     # ------------------------------------------------------------------ pools
@@ -375,22 +377,8 @@ class ConnectorStore:
             except BaseException:
                 pool.dirty = True
                 raise
-            self._note_shadow(pool, shadow)
+            self._shadow_lag.note(pool, shadow)
         return combine_results(results)
-
-    def _note_shadow(self, pool: Pool, shadow: CacheShadow) -> None:
-        """Count a pool's last shadow result once, and clear the keys its manifest holds."""
-        result, manifest = shadow.last_result, shadow.manifest
-        with self._stats_lock:
-            if result is not None and result is not pool.counted_result:
-                pool.counted_result = result
-                self._shadow_bytes += result.bytes_written + result.manifest_bytes
-            if manifest is not None and manifest is not pool.seen_manifest:
-                pool.seen_manifest = manifest
-                if self._unshadowed:
-                    for record in manifest.blocks:
-                        if record.key is not None:
-                            self._unshadowed.pop(bytes.fromhex(record.key), None)
 
     def shadow_stats(self, now: float | None = None) -> tuple[int, float]:
         """Shadow bytes written since the last call, and the shadow lag in seconds.
@@ -398,21 +386,9 @@ class ConnectorStore:
         The lag is the age of the oldest stored block that no committed manifest holds
         yet (0 when none is pending or there is no shadow). Shadows the periodic job
         ran are counted from each shadow's last result, polled here and after every
-        :meth:`shadow_now`.
+        :meth:`shadow_now` (see :class:`.shadow_lag.ShadowAccounting`).
         """
-        shadowed = False
-        for pool in list(self.pools.values()):
-            shadow = pool.shadow
-            if shadow is not None:
-                shadowed = True
-                self._note_shadow(pool, shadow)
-        now = time.monotonic() if now is None else now
-        with self._stats_lock:
-            nbytes, self._shadow_bytes = self._shadow_bytes, 0
-            if not shadowed or not self._unshadowed:
-                return nbytes, 0.0
-            oldest = next(iter(self._unshadowed.values()))
-        return nbytes, max(0.0, now - oldest)
+        return self._shadow_lag.take(list(self.pools.values()), now)
 
     def take_stats(self) -> dict[str, Any] | None:
         """The worker side's metrics since the last call (see :mod:`.metrics`); with a
@@ -490,11 +466,7 @@ class ConnectorStore:
                                     [self._sources[key] for key in result.stored])
             self.stats.count_layers("evicted_blocks", result.removed_layers)
             if self.shadowing:
-                with self._stats_lock:
-                    for key in result.stored:
-                        self._unshadowed[key] = stored_at
-                    for key in result.removed:
-                        self._unshadowed.pop(key, None)
+                self._shadow_lag.saved(result.stored, result.removed, stored_at)
         return result
 
     def _fit_budget(self, pool: Pool, num_blocks: int,
@@ -512,16 +484,21 @@ class ConnectorStore:
         ``protect`` (``id(pool)`` -> block ids) holds this save's blocks, which making
         room never evicts; the new ones are added to it."""
         ident, cache = pool.identity, pool.cache
+        bs = ident.block_size
         if not self._fit_budget(pool, len(index), protect):
             return False
         with cache.locked():
-            ids = cache.allocate(len(index), pool.save_tier, tenant=tenant)
-            if ids is None:
+            blocks = RequestBlockManager(cache)
+            got = blocks.allocate(len(index), tenant, tier=pool.save_tier, annotations=[
+                BlockAnnotation(source_layer=labels[i].source_layer,
+                                importance=labels[i].importance, num_tokens=bs)
+                for i in index])
+            if got is None:
                 return False
+            ids = got.block_ids
             protect.setdefault(id(pool), set()).update(ids)
             slots = torch.tensor([cache.metadata.get(b).slot for b in ids], dtype=torch.int64,
                                  device=cache.device)
-            bs = ident.block_size
             token_slots = (slots[:, None] * bs + torch.arange(bs, device=cache.device)).reshape(-1)
             sel = torch.tensor(index, dtype=torch.int64, device=k.device)
             shape = (-1, ident.num_kv_heads, ident.head_dim)
@@ -532,16 +509,12 @@ class ConnectorStore:
                                     cache.layer_view(layer, pool.save_tier), cache.codec,
                                     key_offset=cache.key_offset(layer))
             pool.dirty = True
+            blocks.set_keys(ids, [BlockHash(keys[i]) for i in index])  # K/V written: findable
             to_pin = []
             for bid, i in zip(ids, index, strict=True):
-                label = labels[i]
-                cache.metadata.annotate(bid, source_layer=label.source_layer,
-                                        importance=label.importance, tenant_slug=tenant,
-                                        num_tokens=bs)
-                cache.set_key(bid, BlockHash(keys[i]))
                 self._ids[keys[i]] = (pool, bid)
-                self._sources[keys[i]] = label.source_layer
-                if label.pinned:
+                self._sources[keys[i]] = labels[i].source_layer
+                if labels[i].pinned:
                     to_pin.append(bid)
             if to_pin:
                 try:

@@ -242,7 +242,7 @@ def test_a_foreground_request_mid_prefill_is_served_first(fresh: Callable[..., E
             if self.calls == (1 + layers) + 2:
                 in_second_chunk.set()
                 waited = 0
-                while eng._foreground.waiting == 0 and waited < 3000:
+                while eng.foreground_gate.waiting == 0 and waited < 3000:
                     threading.Event().wait(0.01)
                     waited += 1
                 events.append("request queued")

@@ -14,9 +14,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from contextkit.engine.engine import Engine
 from contextkit.engine.kv import _PagedKV
 from contextkit.engine.sequence import close_sequence, open_sequence
-from contextkit.engine.engine import Engine
 from gpu_cache.kernels import cpu_decode
 
 PROMPT = (
@@ -41,9 +41,9 @@ class TorchPathKV(_PagedKV):
 def greedy(engine: Engine, ids: list[int], num_new: int, kv_cls: type[_PagedKV],
            residual: int, sink: int) -> tuple[list[int], torch.Tensor]:
     """Prefill, then ``num_new - 1`` decode steps; tokens and logits of every step."""
-    block_ids, new_ids, keys, cached, _ = open_sequence(engine.cache, ids, num_new, "default",
-                                                        None, reuse=False)
-    kv = kv_cls(engine.cache, block_ids, cached, max(0, len(ids) - residual), sink)
+    seq = open_sequence(engine.cache, ids, num_new, "default", None, reuse=False)
+    kv = kv_cls(engine.cache, seq.block_ids, seq.cached_tokens, max(0, len(ids) - residual),
+                sink)
     tokens: list[int] = []
     logits = [engine._prefill(ids, 0, kv)]
     written = len(ids)
@@ -55,8 +55,7 @@ def greedy(engine: Engine, ids: list[int], num_new: int, kv_cls: type[_PagedKV],
             written = pos + 1
             tokens.append(int(torch.argmax(logits[-1])))
     finally:
-        close_sequence(engine.cache, block_ids, ids + tokens, written, "default", keys,
-                       len(block_ids) - len(new_ids))
+        close_sequence(engine.cache, seq, ids + tokens, written)
     return tokens, torch.stack(logits)
 
 
@@ -91,10 +90,9 @@ def test_engine_generate_decodes_through_the_fused_kernel(
 def test_window_buffers_grow_by_doubling_and_keep_their_rows(
         fresh: Callable[..., Engine]) -> None:
     engine = fresh("tq4", device=16, host=4)
-    block_ids, new_ids, keys, cached, _ = open_sequence(engine.cache, list(range(40)), 200,
-                                                        "default", None, reuse=False)
+    seq = open_sequence(engine.cache, list(range(40)), 200, "default", None, reuse=False)
     try:
-        kv = _PagedKV(engine.cache, block_ids, cached, window_start=0, sink=0)
+        kv = _PagedKV(engine.cache, seq.block_ids, seq.cached_tokens, window_start=0, sink=0)
         h, d = engine.cache.identity.num_kv_heads, engine.cache.identity.head_dim
         gen = torch.Generator().manual_seed(0)
         rows_k, rows_v, caps = [], [], set()
@@ -116,5 +114,4 @@ def test_window_buffers_grow_by_doubling_and_keep_their_rows(
         with pytest.raises(RuntimeError, match="contiguous"):
             kv._keep(0, k, v, start + 1)
     finally:
-        close_sequence(engine.cache, block_ids, list(range(40)), 0, "default", keys,
-                       len(block_ids) - len(new_ids))
+        close_sequence(engine.cache, seq, list(range(40)), 0)

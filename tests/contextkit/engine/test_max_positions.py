@@ -30,8 +30,8 @@ def test_a_longer_limit_lets_a_request_pass_the_trained_context(
     long = fresh("native", device=8, host=8, max_positions=16_500)
     ids = [1] * 9000
     with pytest.raises(ValueError, match="exceeds the model's 8192 positions"):
-        trained._check_prompt(ids, 48)
-    long._check_prompt(ids, 48)  # accepted: RoPE runs on past 8192
+        trained.check_prompt(ids, 48)
+    long.check_prompt(ids, 48)  # accepted: RoPE runs on past 8192
 
 
 def test_max_positions_must_be_positive(engine: Engine) -> None:

@@ -161,11 +161,47 @@ def test_each_format_forward_is_the_float32_forward_of_its_weights(
     spread = (ref - ref.mean(dim=-1, keepdim=True)).pow(2).mean().sqrt()
     err = (got - ref).pow(2).mean().sqrt()
     assert err / spread < 0.05, f"{fmt}: relative RMS error {float(err / spread):.4f}"
-    agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
-    assert agree >= 0.95, f"{fmt}: top-1 agreement {agree:.3f}"
+    # The argmax may differ only where the reference's top two logits are within the
+    # error of each other (a near-tie): at every position whose lead is over four RMS
+    # errors, it is the same. (A share of agreeing positions would count near-ties, which
+    # depend on the CPU's bf16 kernels: AMX and AVX-512 BF16 round differently.)
+    assert_same_argmax_where_decided(got, ref, err, fmt)
     # ... and against float32 weights, the same argmax at most positions.
     exact = _logits(f32, ids)
     assert float((got.argmax(-1) == exact.argmax(-1)).float().mean()) >= 0.85
+
+
+def assert_same_argmax_where_decided(got: torch.Tensor, ref: torch.Tensor,
+                                     err: torch.Tensor, fmt: str) -> None:
+    """``got`` and ``ref`` ``[T, V]`` pick the same token wherever ``ref`` decides."""
+    top2 = ref.topk(2, dim=-1).values
+    decided = (top2[:, 0] - top2[:, 1]) > 4 * err
+    assert int(decided.sum()) >= ref.shape[0] // 2, f"{fmt}: too few decided positions"
+    same = got.argmax(-1) == ref.argmax(-1)
+    assert bool(same[decided].all()), (
+        f"{fmt}: argmax differs at decided positions {decided.nonzero().flatten().tolist()}")
+
+
+def close_logits(got: torch.Tensor, ref: torch.Tensor, fmt: str) -> None:
+    """Float32: a few ulps (the same kernels; RoPE's rounding order). Reduced formats:
+    5 % RMS of the logits' spread (see the forward test)."""
+    if fmt == "float32":
+        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+        return
+    spread = (ref - ref.mean()).pow(2).mean().sqrt()
+    err = (got - ref).pow(2).mean().sqrt()
+    assert err / spread < 0.05, f"{fmt}: relative RMS error {float(err / spread):.4f}"
+
+
+def same_pick(got: torch.Tensor, ref: torch.Tensor, fmt: str) -> None:
+    """One position's logits ``[V]``: the same argmax, or (reduced formats, a near-tie)
+    a token whose reference logit is within four RMS errors of the best."""
+    if int(got.argmax()) == int(ref.argmax()):
+        return
+    assert fmt != "float32", "float32: the decode step picked another token"
+    err = (got - ref).pow(2).mean().sqrt()
+    assert float(ref.max() - ref[int(got.argmax())]) <= 4 * float(err), (
+        f"{fmt}: picked {int(got.argmax())}, not within the error of {int(ref.argmax())}")
 
 
 def _stacked(per_layer: list[torch.Tensor | None]) -> torch.Tensor:
@@ -184,22 +220,31 @@ def test_the_decode_step_computes_what_the_forward_computes(
     pos = len(ids) - 1
     ref = eng._forward(ids[-1:], pos, kv_a)
     got = decode_step(eng.model, ids[-1], pos, kv_b, eng.scale)
-    # Same kernels and weights; only RoPE's rounding order differs (a few float32
-    # ulps), which the reduced formats' bf16 results may round one bf16 step apart
-    # (2^-8 relative: 2^-7 of the largest logit covers a step at any logit).
-    tol = 1e-5 if fmt == "float32" else 2.0 ** -7
-    assert (got - ref).abs().max() <= tol * ref.abs().max()
-    assert int(got.argmax()) == int(ref.argmax())
+    # Same weights; for float32 the same kernels, only RoPE's rounding order differs (a
+    # few float32 ulps). The reduced formats' bf16 GEMMs are oneDNN's, which picks its
+    # kernel by shape and CPU: on AMX CPUs the two paths measured 2^-6.7 of the largest
+    # logit apart (2^-7.7 with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16), so their bound is
+    # the forward test's (bf16 roundings adding through the layers, 5 % RMS of the
+    # spread), and the pick may differ only at a near-tie.
+    close_logits(got, ref, fmt)
+    same_pick(got, ref, fmt)
     # The first layer's V does not go through RoPE: identical; later layers carry the
     # ulps of the residual stream.
     ka, kb, va, vb = (_stacked(kv) for kv in (kv_a.k, kv_b.k, kv_a.v, kv_b.v))
     assert torch.equal(va[0], vb[0])
-    assert torch.allclose(ka, kb, rtol=1e-5, atol=1e-5)
-    assert torch.allclose(va, vb, rtol=1e-5, atol=1e-5)
-    # ... and the next position too (the RoPE table row of another position).
-    ref2 = eng._forward([int(ref.argmax())], pos + 1, kv_a)
-    got2 = decode_step(eng.model, int(got.argmax()), pos + 1, kv_b, eng.scale)
-    assert (got2 - ref2).abs().max() <= tol * ref2.abs().max()
+    if fmt == "float32":
+        assert torch.allclose(ka, kb, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(va, vb, rtol=1e-5, atol=1e-5)
+    else:  # per layer, within the bf16 roundings of the residual stream (as the logits)
+        for a, b in ((ka, kb), (va, vb)):
+            rel = (a - b).flatten(1).pow(2).mean(1).sqrt() / a.flatten(1).pow(2).mean(1).sqrt()
+            assert float(rel.max()) < 0.05, f"{fmt}: K/V relative RMS {float(rel.max()):.4f}"
+    # ... and the next position too (the RoPE table row of another position), fed the
+    # same token on both paths.
+    token = int(ref.argmax())
+    ref2 = eng._forward([token], pos + 1, kv_a)
+    got2 = decode_step(eng.model, token, pos + 1, kv_b, eng.scale)
+    close_logits(got2, ref2, fmt)
 
 
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS)

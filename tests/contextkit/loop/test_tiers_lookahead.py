@@ -97,14 +97,13 @@ def run_call(cache: TQGPUCache, manager: ContextTierManager | None, agent: str, 
         spans.append(TokenSpan(len(ids), len(ids) + len(tokens), layer, 0.5))
         ids.extend(tokens)
     warmed_before = cache.stats.blocks_warmed
-    opened = open_sequence(cache, ids, 0, tenant, spans, reuse=True)
-    block_ids, keys, cached = opened[0], opened[2], opened[3]
+    seq = open_sequence(cache, ids, 0, tenant, spans, reuse=True)
     warmed_by_open = cache.stats.blocks_warmed - warmed_before
-    close_sequence(cache, block_ids, ids, len(ids), tenant, keys, cached // BS)
-    chain = cache.lookup(keys, tenant)
+    close_sequence(cache, seq, ids, len(ids))
+    chain = cache.lookup(seq.keys, tenant)
     if manager is not None:
         register_call(manager, cache, agent, tenant, chain)
-    return cached, chain, warmed_by_open
+    return seq.cached_tokens, chain, warmed_by_open
 
 
 # ---------------------------------------------------------------------- segments
