@@ -1,10 +1,17 @@
 """The loop room: the work between an agent's turns.
 
-Owns the OODA tier manager (``tiers``, its vocabulary in ``tier_types``, its
-columnar item store ``table``, its look-ahead ``lookahead``, its Prometheus export
-``prometheus``) and the bridge that moves KV blocks when an item's tier changes
-(``bridge``); and the memory neighborhoods reserved and prefilled ahead of need
-(``reservations``), which ride on the engine's background prefiller.
+Owns the OODA tier manager (``tiers``, a facade over parts it owns: its vocabulary in
+``tier_types``, its items in ``table``, its Observe, Orient and Decide computations in
+``ooda``, its look-ahead ``lookahead``, its Prometheus export ``prometheus``) and the
+bridge that moves KV blocks when an item's tier changes (``bridge``); and the memory
+neighborhoods reserved and prefilled ahead of need (``reservations``), which ride on
+the engine's background prefiller.
+
+The pipeline below reaches this room only through Protocols it declares and this room
+implements: :class:`~contextkit.pipeline.registration.SegmentRegistry`
+(:class:`ContextTierManager`) and :class:`~contextkit.pipeline.hooks.TurnHooks`
+(:class:`MemoryReservations`, which uses the pipeline as a
+:class:`~contextkit.pipeline.hooks.TurnPipeline`).
 
 May import: :mod:`contextkit.pipeline` (through its public methods and Protocols),
 :mod:`contextkit.prompt`, :mod:`contextkit.engine`, config and metrics,

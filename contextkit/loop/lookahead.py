@@ -11,8 +11,10 @@ agent's host blocks so its turn finds them on the device. Orient adds a due term
 to the score (:meth:`_due_term_locked`), so scheduled cycles keep the next agents'
 items promoted and let the never-due ones sink.
 
-:class:`_LookaheadMixin` is a base of :class:`contextkit.loop.tiers.ContextTierManager`
-(its public import path); it works on the manager's item table and block owners.
+:class:`Lookahead` is a part of :class:`contextkit.loop.tiers.ContextTierManager`, which
+owns one and delegates its public methods to it (their public docs are the manager's);
+it works on the manager's :class:`~contextkit.loop.table.ItemStore`, handed to it with
+the manager's locks.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
-from contextkit.loop.table import _ItemTable
+from contextkit.loop.table import ItemStore
 from contextkit.loop.tier_types import (
     _KINDS,
     Action,
@@ -109,7 +111,7 @@ def _victim_order(cache: TQGPUCache, items: Sequence[_Candidate], tier: Tier,
 def _plan_and_move(cache: TQGPUCache, mine: Sequence[_Candidate],
                    others: Sequence[_Candidate], need_blocks: int, horizon: int,
                    report: PrefetchReport, reuse: Sequence[int] = ()) -> None:
-    """Spill, archive and warm for :meth:`_LookaheadMixin.prefetch`; hold the cache lock.
+    """Spill, archive and warm for :meth:`Lookahead.prefetch`; hold the cache lock.
 
     Every move goes into free slots, so the cache itself never evicts anything here:
     warms fill free device slots and free host slots, spills fill free host slots and
@@ -171,27 +173,26 @@ def _plan_and_move(cache: TQGPUCache, mine: Sequence[_Candidate],
                           for item_id, bid in warm[wi:])
 
 
-class _LookaheadMixin:
-    """Segments, look-ahead and prefetch for :class:`contextkit.loop.tiers.ContextTierManager`."""
+class Lookahead:
+    """Segments, look-ahead and prefetch of a
+    :class:`~contextkit.loop.tiers.ContextTierManager` (see the module doc).
 
-    # The manager's state this mixin works on (set by ContextTierManager.__init__).
-    cache: TQGPUCache | None
-    config: TierManagerConfig
-    clock: Callable[[], float]
-    _table: _ItemTable
-    _owner: dict[int, int]
-    _lock: threading.Lock
-    _cycle_lock: threading.Lock
-    _closed: bool
+    Args:
+        items: the manager's items (read and changed under ``lock``).
+        config: the manager's settings (``lookahead_weight``, ``protect_horizon``).
+        clock: the manager's wall clock (a segment's last access).
+        lock: the manager's item lock; never held while taking the cache lock.
+        cycle_lock: the manager's cycle lock: a prefetch runs one at a time with cycles.
+    """
 
-    if TYPE_CHECKING:
-        def _add_locked(self, item_id: str, kind: ItemKind, tier: ContextTier, tenant: str,
-                        block_ids: tuple[int, ...], relevance: float, payload: object,
-                        last_access: float) -> None: ...
-
-    def _init_lookahead(self) -> None:
+    def __init__(self, items: ItemStore, config: TierManagerConfig, clock: Callable[[], float],
+                 lock: threading.Lock, cycle_lock: threading.Lock) -> None:
+        self.items = items
+        self.config = config
+        self.clock = clock
+        self._lock = lock
+        self._cycle_lock = cycle_lock
         self._lookahead: dict[str, int | None] = {}
-        self._row_agents: dict[int, frozenset[str]] = {}  # rows with agents only
         self._agent_items: dict[str, list[str]] = {}  # item ids of an agent's latest call
         self._agent_tenant: dict[str, str] = {}  # from set_lookahead(tenants=)
         self._volatile: set[str] = set()  # segments that replaced the agent's previous ones
@@ -200,29 +201,8 @@ class _LookaheadMixin:
     # ------------------------------------------------------------------ segments
     def register_segments(self, agent: str, tenant: str,
                           segments: Sequence[tuple[str, float, Sequence[int]]]) -> list[str]:
-        """Track the blocks of one call of ``agent`` as prompt segments.
-
-        Each ``(layer, importance, block_ids)`` becomes an item of kind
-        :attr:`ItemKind.SEGMENT` in the prompt tier, ``relevance=importance``, payload a
-        :class:`SegmentInfo`. Blocks another item owns already (another agent of the
-        tenant sharing the organisation's layers, or this agent's previous call) are
-        not owned twice: they count as an access of their owner, which gains
-        ``agent``. A segment without unowned blocks creates no item. Items of the
-        agent's previous call that this call does not touch lose ``agent``. Block ids
-        no longer in the cache are ignored.
-
-        A new segment of a layer the agent's previous call also had (its text changed
-        since: the system state, the time, the conversation) is *volatile*: it will
-        most likely change again before it is reused, so prefetch moves it away as if
-        no agent were due, before the stable blocks of agents that are.
-
-        Returns:
-            The ids of the items touched (new or existing), in prompt order.
-
-        Raises:
-            InvalidNameError: ``agent`` or ``tenant`` breaks the naming rule.
-            ValueError: an importance outside ``[0, 1]``.
-        """
+        """See :meth:`ContextTierManager.register_segments
+        <contextkit.loop.tiers.ContextTierManager.register_segments>`."""
         validate_name(agent, "agent")
         validate_tenant(tenant)
         parsed = []
@@ -231,11 +211,12 @@ class _LookaheadMixin:
                 raise ValueError(f"importance of segment {layer!r} must be within [0, 1], "
                                  f"got {importance}")
             parsed.append((str(layer), float(importance), [int(b) for b in block_ids]))
-        metadata = None if self.cache is None else self.cache.metadata
+        items = self.items
+        metadata = None if items.cache is None else items.cache.metadata
         now = self.clock()
         with self._lock:
-            self._reconcile_locked()
-            t, owner = self._table, self._owner
+            items.reconcile()
+            t, owner, row_agents = items.table, items.owner, items.row_agents
             touched: dict[str, None] = {}  # an ordered set
             new: set[str] = set()
             for layer, importance, block_ids in parsed:
@@ -251,8 +232,8 @@ class _LookaheadMixin:
                 item_id = segment_id(tenant, unowned)
                 row = t.row_of.get(item_id)
                 if row is None:
-                    self._add_locked(item_id, ItemKind.SEGMENT, ContextTier.PROMPT, tenant,
-                                     tuple(unowned), importance, SegmentInfo(layer), now)
+                    items.add(item_id, ItemKind.SEGMENT, ContextTier.PROMPT, tenant,
+                              tuple(unowned), importance, SegmentInfo(layer), now)
                     new.add(item_id)
                 else:  # the same blocks again (after a failed call): adopt them
                     t.blocks[row] += tuple(unowned)
@@ -264,7 +245,7 @@ class _LookaheadMixin:
                 if item_id not in new:
                     t.hits[row] += 1
                     t.last_access[row] = max(t.last_access[row], now)
-                self._set_agents_locked(row, self._row_agents.get(row, frozenset()) | {agent})
+                self._set_agents_locked(row, row_agents.get(row, frozenset()) | {agent})
             before = [t.payload[t.row_of[i]] for i in self._agent_items.get(agent, ())
                       if i in t.row_of]
             seen = {info.layer for info in before if isinstance(info, SegmentInfo)}
@@ -275,40 +256,30 @@ class _LookaheadMixin:
             for item_id in self._agent_items.get(agent, ()):
                 row = t.row_of.get(item_id)
                 if item_id not in touched and row is not None:
-                    self._set_agents_locked(row, self._row_agents.get(row, frozenset())
-                                            - {agent})
+                    self._set_agents_locked(row, row_agents.get(row, frozenset()) - {agent})
             self._agent_items[agent] = list(touched)
         return list(touched)
 
     def _set_agents_locked(self, row: int, agents: frozenset[str]) -> None:
         if agents:
-            self._row_agents[row] = agents
+            self.items.row_agents[row] = agents
         else:
-            self._row_agents.pop(row, None)
-        info = self._table.payload[row]
+            self.items.row_agents.pop(row, None)
+        info = self.items.table.payload[row]
         if isinstance(info, SegmentInfo) and info.agents != agents:
-            self._table.payload[row] = SegmentInfo(info.layer, agents)
+            self.items.table.payload[row] = SegmentInfo(info.layer, agents)
 
     def agent_items(self, agent: str) -> list[str]:
         """Ids of the items of ``agent``'s latest registered call, in prompt order."""
         with self._lock:
-            return [i for i in self._agent_items.get(agent, ()) if i in self._table.row_of]
+            return [i for i in self._agent_items.get(agent, ())
+                    if i in self.items.table.row_of]
 
     # ------------------------------------------------------------------ look-ahead
     def set_lookahead(self, due: Mapping[str, int | None], *,
                       tenants: Mapping[str, str] | None = None) -> None:
-        """Replace the look-ahead: agent -> steps until its next turn (1 = the next
-        step; ``None`` or absent: not expected again).
-
-        ``tenants`` (agent -> tenant) lets an agent that has not run yet protect its
-        tenant's blocks: its first turn reuses the organisation's layers other agents
-        of the tenant registered, so every item of that tenant counts as due no later
-        than that agent.
-
-        Raises:
-            InvalidNameError: an agent name that breaks the naming rule.
-            ValueError: steps that are not an integer >= 0.
-        """
+        """See :meth:`ContextTierManager.set_lookahead
+        <contextkit.loop.tiers.ContextTierManager.set_lookahead>`."""
         clean: dict[str, int | None] = {}
         for agent, steps in due.items():
             validate_name(agent, "agent")
@@ -334,12 +305,13 @@ class _LookaheadMixin:
         with self._lock:
             return dict(self._lookahead)
 
-    def _due_term_locked(self, n: int) -> np.ndarray | None:
-        """``lookahead_weight / steps`` per row for items of a due agent, else 0."""
+    def due_term_locked(self, n: int) -> np.ndarray | None:
+        """``lookahead_weight / steps`` per row (of ``n``) for items of a due agent, else 0;
+        ``None`` when no agent is due (hold the lock)."""
         weight = self.config.lookahead_weight
         if not self._lookahead or weight == 0:
             return None
-        row_of = self._table.row_of
+        row_of = self.items.table.row_of
         inverse = np.zeros(n)
         for agent, steps in self._lookahead.items():
             if steps is None:
@@ -352,56 +324,16 @@ class _LookaheadMixin:
         return inverse * weight
 
     # ------------------------------------------------------------------ prefetch
-    def prefetch(self, agent: str, *, need_blocks: int = 0,
-                 blocks: Sequence[int] = ()) -> PrefetchReport:
-        """Get the cache ready for ``agent``'s turn, now (between turns).
-
-        1. Make ``need_blocks`` device blocks free *beyond* the room the warm in
-           step 3 takes, by spilling the unpinned, unused blocks of other agents'
-           items: first those no agent is due to read (items no agent's latest call
-           holds, of agents the look-ahead does not expect, volatile segments), then
-           the lowest effective layer priority, the agent due furthest among equals
-           (see ``_victim_order``).
-        2. When the host tier must make room for those spills, free host blocks the
-           same way, never those of ``agent`` or of agents due within
-           ``config.protect_horizon`` steps; spill only what then fits.
-        3. Warm every host-tier block of ``agent``'s items (its latest call) to the
-           device, in prompt order; what finds no room stays (skipped, ``tier_full``).
-
-        ``blocks`` are the cached blocks the turn will reuse, when the caller knows them
-        (:meth:`CacheAwareContextPipeline.plan_turn
-        <contextkit.pipeline.pipeline.CacheAwareContextPipeline.plan_turn>` looks the assembled
-        prompt up; with ``need_blocks=plan.need_blocks``): they are warmed first and
-        are never spilled or archived, whoever owns them (an agent's first turn reuses
-        its organisation's blocks, registered by another agent), and they replace step
-        3: the agent's other blocks (its last call's volatile tail) are not warmed and
-        count as blocks no agent is due to read.
-
-        Warms and spills alternate into free slots, so the host blocks archived are
-        the net room the spills need beyond what the warms give back, and the cache
-        never evicts anything on prefetch's behalf. Pinned and in-use blocks never
-        move; they are reported as skipped. Prefetch moves bytes, not items: an
-        item's context tier (where it stands in the context) changes only by a
-        cycle's decisions, so a cycle does not warm back what prefetch spilled; a
-        segment whose every block was archived is dropped. Runs one at a time with
-        the OODA cycle.
-
-        Raises:
-            InvalidNameError: ``agent`` breaks the naming rule.
-            ValueError: a negative ``need_blocks``.
-            RuntimeError: the manager is closed.
-        """
-        validate_name(agent, "agent")
-        if need_blocks < 0:
-            raise ValueError(f"need_blocks must be >= 0, got {need_blocks}")
-        if self._closed:
-            raise RuntimeError("this ContextTierManager is closed; create a new one")
+    def prefetch(self, agent: str, need_blocks: int, blocks: Sequence[int]) -> PrefetchReport:
+        """See :meth:`ContextTierManager.prefetch
+        <contextkit.loop.tiers.ContextTierManager.prefetch>` (which checks the arguments
+        and that the manager is open)."""
         report = PrefetchReport(agent, started_at=time.perf_counter())
-        cache = self.cache
+        cache = self.items.cache
         if cache is not None:
             with self._cycle_lock:
                 with self._lock:
-                    self._reconcile_locked()
+                    self.items.reconcile()
                     mine, others = self._candidates_locked(agent)
                     if blocks:  # exactly what the turn reuses: the rest of the agent's
                         # last call (its volatile tail) will not be read again
@@ -413,7 +345,7 @@ class _LookaheadMixin:
                                    self.config.protect_horizon, report, blocks)
                     report.bytes_moved = cache.stats.bytes_moved - before
                 with self._lock:
-                    self._forget_blocks(report.removed)
+                    self.items.forget_blocks(report.removed)
                     self._prefetch_counts.update(
                         calls=1, warmed=len(report.warmed), spilled=len(report.spilled),
                         removed=len(report.removed))
@@ -426,7 +358,7 @@ class _LookaheadMixin:
 
     def _candidates_locked(self, agent: str) -> tuple[list[_Candidate], list[_Candidate]]:
         """The agent's items in prompt order, and every other item with blocks."""
-        t, lookahead = self._table, self._lookahead
+        t, lookahead, row_agents = self.items.table, self._lookahead, self.items.row_agents
         reservation = _KINDS.index(ItemKind.RESERVATION)
         mine_ids = self._agent_items.get(agent, [])
         mine_rows = {t.row_of[i] for i in mine_ids if i in t.row_of}
@@ -441,7 +373,7 @@ class _LookaheadMixin:
             blocks = t.blocks[row]
             if not blocks or t.kind[row] == reservation:  # the reserver holds those
                 continue
-            agents = self._row_agents.get(row, frozenset())
+            agents = row_agents.get(row, frozenset())
             steps = [s for a in agents if (s := lookahead.get(a)) is not None]
             if t.tenant[row] in unseen:
                 steps.append(unseen[t.tenant[row]])
@@ -454,47 +386,11 @@ class _LookaheadMixin:
         mine = [by_row[t.row_of[i]] for i in mine_ids
                 if i in t.row_of and t.row_of[i] in by_row]
         others = [c for row, c in by_row.items()
-                  if row not in mine_rows and agent not in self._row_agents.get(row, ())]
+                  if row not in mine_rows and agent not in row_agents.get(row, ())]
         return mine, others
 
-    # ------------------------------------------------------------------ rows and blocks
-    def _reconcile_locked(self) -> None:
-        """Forget owned blocks the cache no longer holds (evicted or freed by others)."""
-        if self.cache is None or not self._owner:
-            return
-        metadata = self.cache.metadata
-        gone = [b for b in self._owner if b not in metadata]
-        if gone:
-            self._forget_blocks(gone)
-
-    def _forget_blocks(self, block_ids: Iterable[int]) -> None:
-        """Drop blocks from their owners; a segment left without blocks is dropped."""
-        t = self._table
-        emptied = set()
-        for bid in block_ids:
-            row = self._owner.pop(bid, None)
-            if row is not None:
-                t.blocks[row] = tuple(b for b in t.blocks[row] if b != bid)
-                if not t.blocks[row]:
-                    emptied.add(row)
-        segment = _KINDS.index(ItemKind.SEGMENT)
-        for row in emptied:
-            if t.alive[row] and t.kind[row] == segment:
-                self._drop_row_locked(row)
-
-    def _drop_row_locked(self, row: int) -> None:
-        t = self._table
-        for bid in t.blocks[row]:
-            self._owner.pop(bid, None)
-        item_id = t.ids[row]
-        if item_id is not None:
-            del t.row_of[item_id]
-        t.ids[row], t.blocks[row], t.payload[row] = None, (), None
-        t.alive[row] = False
-        t.free_rows.append(row)
-        self._row_agents.pop(row, None)
-
-    def _take_prefetch_counts_locked(self) -> dict[str, int]:
+    def take_prefetch_counts_locked(self) -> dict[str, int]:
+        """The prefetch counts since the last call (hold the lock; a cycle takes them)."""
         counts = dict(self._prefetch_counts)
         self._prefetch_counts.clear()
         return counts

@@ -46,17 +46,18 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from contextkit.engine.background import BackgroundPrefiller, PrefillOutcome, prefill_prefix
-from contextkit.prompt.chatml import _ChatML
 from contextkit.engine.types import TokenSpan
+from contextkit.prompt.chatml import _ChatML
 from contextkit.prompt.markup import PromptLine, PromptSection, StructuredPrompt
 
 if TYPE_CHECKING:
-    from contextkit.pipeline.reports import BuiltPrompt
     from contextkit.engine.engine import Engine
-    from contextkit.pipeline.pipeline import CacheAwareContextPipeline
+    from contextkit.loop.tiers import ContextTierManager
+    from contextkit.pipeline.hooks import TurnPipeline
+    from contextkit.pipeline.reports import BuiltPrompt
     from memory_graph import GraphBlockReserver
 
 __all__ = ["MemoryCandidate", "MemoryReservations", "ReservationStats"]
@@ -138,7 +139,8 @@ class _Live:
 
 
 class MemoryReservations:
-    """Reserve and prefill the next turn's likely prompts between turns.
+    """Reserve and prefill the next turn's likely prompts between turns (the pipeline's
+    :class:`~contextkit.pipeline.hooks.TurnHooks`).
 
     Args:
         engine: the pipeline's engine (its cache holds the blocks).
@@ -182,7 +184,7 @@ class MemoryReservations:
         self._tl = threading.local()
 
     # ------------------------------------------------------------------ after a reply
-    def after_reply(self, pipeline: CacheAwareContextPipeline,
+    def after_reply(self, pipeline: TurnPipeline,
                     history: Sequence[tuple[str, str]], *, tenant: str,
                     built: BuiltPrompt) -> list[Future[Any]]:
         """Queue the background work for the next turn (returns its futures).
@@ -231,7 +233,7 @@ class MemoryReservations:
             self._stats.preempted += int(out.preempted)
         return out
 
-    def _cut(self, pipeline: CacheAwareContextPipeline, history: Sequence[tuple[str, str]],
+    def _cut(self, pipeline: TurnPipeline, history: Sequence[tuple[str, str]],
              tenant: str, built: BuiltPrompt) -> tuple[list[int], list[TokenSpan]]:
         """The next turn's prompt up to where it will differ (the trailing message or,
         without one, the next user message), with its spans."""
@@ -244,7 +246,7 @@ class MemoryReservations:
         kept = [replace(s, end=min(s.end, cut)) for s in spans if s.start < cut]
         return ids[:cut], kept
 
-    def _extend(self, pipeline: CacheAwareContextPipeline, history: Sequence[tuple[str, str]],
+    def _extend(self, pipeline: TurnPipeline, history: Sequence[tuple[str, str]],
                 tenant: str, built: BuiltPrompt, stop: Callable[[], bool]) -> PrefillOutcome | None:
         if stop():
             return None
@@ -255,7 +257,7 @@ class MemoryReservations:
             self._stats.extension_tokens += out.computed_tokens
         return out
 
-    def preview_for(self, pipeline: CacheAwareContextPipeline, built: BuiltPrompt,
+    def preview_for(self, pipeline: TurnPipeline, built: BuiltPrompt,
                     candidate: MemoryCandidate, *, tenant: str) -> BuiltPrompt:
         """``built`` with the memories layer replaced by ``candidate``, laid out as the
         next :meth:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline.build` would (the
@@ -275,7 +277,7 @@ class MemoryReservations:
         return pipeline.preview(StructuredPrompt(tuple(sections)), tenant=tenant,
                                 changed=changed)
 
-    def _reserve(self, pipeline: CacheAwareContextPipeline, history: Sequence[tuple[str, str]],
+    def _reserve(self, pipeline: TurnPipeline, history: Sequence[tuple[str, str]],
                  tenant: str, built: BuiltPrompt, stop: Callable[[], bool]) -> list[str]:
         """Predict, then prefill and adopt the best candidates; their reservation ids."""
         if stop():
@@ -304,7 +306,7 @@ class MemoryReservations:
                 break
         return made
 
-    def _adopt(self, pipeline: CacheAwareContextPipeline, cand: MemoryCandidate,
+    def _adopt(self, pipeline: TurnPipeline, cand: MemoryCandidate,
                out: PrefillOutcome, tenant: str, text: str) -> str | None:
         if not out.block_ids:
             return None
@@ -320,7 +322,8 @@ class MemoryReservations:
         live = _Live(res.reservation_id, tenant, cand.key, text,
                      len(res.block_ids) * self.engine.cache.block_size,
                      block_ids=res.block_ids)
-        tiers = pipeline.tiers
+        # A pipeline's tier registry that reservations meet is the loop's manager.
+        tiers = cast("ContextTierManager | None", pipeline.tiers)
         if tiers is not None:
             try:
                 live.item_id, live.tiers = tiers.track_reservation(res), tiers

@@ -34,19 +34,20 @@ prompt segments (:meth:`ContextTierManager.register_segments`), the schedule say
 who is due next (:meth:`ContextTierManager.set_lookahead`), Orient adds a due term,
 and :meth:`ContextTierManager.prefetch` makes room from the blocks nobody is due to
 read and the lowest effective priorities, and warms the next agent's blocks before
-its turn (``_tier_lookahead``).
+its turn (``lookahead``).
 
-The value types (tiers, items, decisions, :class:`TierManagerConfig`, reports) live
-in ``_tier_types``, the bridge in ``_tier_bridge``, the columnar item table in
-``_tier_table``, the look-ahead in ``_tier_lookahead`` and the Prometheus export in
-``_tier_prometheus``; every public name is re-exported here, its import path.
-:meth:`ContextTierManager.from_config` reads the ``tiers`` section of
-:mod:`contextkit.config`.
+The manager is a facade over parts it owns: the value types (tiers, items, decisions,
+:class:`TierManagerConfig`, reports) live in ``tier_types``, the items and the blocks
+they own in ``table`` (an :class:`~contextkit.loop.table.ItemStore`), the Observe,
+Orient and Decide computations in ``ooda``, the look-ahead in ``lookahead`` (a
+:class:`~contextkit.loop.lookahead.Lookahead` the manager delegates to), the bridge in
+``bridge`` and the Prometheus export in ``prometheus``; every public name is
+re-exported here, its import path. :meth:`ContextTierManager.from_config` reads the
+``tiers`` section of :mod:`contextkit.config`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -54,7 +55,7 @@ import os
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,12 +64,12 @@ import numpy as np
 
 from contextkit.config.errors import require
 from contextkit.loop.bridge import TierCacheBridge
-from contextkit.loop.lookahead import _LookaheadMixin
+from contextkit.loop.lookahead import Lookahead
+from contextkit.loop.ooda import decide, ingest, orient
+from contextkit.loop.ooda import spilled_line_id as spilled_line_id  # its import path
 from contextkit.loop.prometheus import _Prometheus
-from contextkit.loop.table import _ItemTable
+from contextkit.loop.table import ItemStore
 from contextkit.loop.tier_types import (
-    _KIND_CODE,
-    _KINDS,
     Action,
     ActReport,
     BlockSkip,
@@ -86,7 +87,7 @@ from contextkit.loop.tier_types import (
     TierManagerConfig,
 )
 from contextkit.prompt.markup import SpilledLine, SpilloverQueue
-from gpu_cache import Tier, TQGPUCache
+from gpu_cache import Tier, TQGPUCache, validate_name
 
 if TYPE_CHECKING:
     from memory_graph import ReservationResult
@@ -114,13 +115,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def spilled_line_id(line: SpilledLine) -> str:
-    """Stable item id of a spilled line (the same line spilled again is the same item)."""
-    digest = hashlib.sha256(f"{line.layer}\0{line.text}".encode()).hexdigest()[:16]
-    return f"line:{line.layer}:{digest}"
-
-
-class ContextTierManager(_LookaheadMixin):
+class ContextTierManager:
     """Keeps items in context tiers by an OODA cycle; see the module docstring.
 
     Args:
@@ -134,7 +129,8 @@ class ContextTierManager(_LookaheadMixin):
 
     Use :meth:`start` for the scheduled cycle, :meth:`run_once` for one cycle now,
     and :meth:`close` (or ``with``) to stop. Many agents: :meth:`register_segments`,
-    :meth:`set_lookahead`, :meth:`prefetch`. Thread-safe.
+    :meth:`set_lookahead`, :meth:`prefetch` (the look-ahead part the manager owns).
+    Thread-safe.
     """
 
     def __init__(self, cache: TQGPUCache | None = None, *,
@@ -151,8 +147,7 @@ class ContextTierManager(_LookaheadMixin):
         self.spillover = spillover
         self.clock = clock
         self._thresholds = self.config.thresholds
-        self._table = _ItemTable()
-        self._owner: dict[int, int] = {}  # block id -> row
+        self._items = ItemStore(self.cache)
         self._lock = threading.Lock()  # item table; never held while taking the cache lock
         self._cycle_lock = threading.Lock()  # one cycle at a time
         self._history: deque[CycleMetrics] = deque(maxlen=self.config.history)
@@ -166,7 +161,7 @@ class ContextTierManager(_LookaheadMixin):
         self.last_error: BaseException | None = None
         self.last_report: CycleReport | None = None
         self._prom = _Prometheus(registry) if prometheus else None
-        self._init_lookahead()
+        self._ahead = Lookahead(self._items, self.config, clock, self._lock, self._cycle_lock)
 
     @classmethod
     def from_config(cls, cache: TQGPUCache | None = None, config: Any = None, *,
@@ -210,31 +205,9 @@ class ContextTierManager(_LookaheadMixin):
                 another item already owns.
         """
         with self._lock:
-            self._add_locked(item_id, kind, ContextTier(tier), tenant, tuple(block_ids),
-                             relevance, payload,
-                             self.clock() if last_access is None else last_access)
-
-    def _add_locked(self, item_id: str, kind: ItemKind, tier: ContextTier, tenant: str,
-                    block_ids: tuple[int, ...], relevance: float, payload: object,
-                    last_access: float) -> None:
-        t = self._table
-        if item_id in t.row_of:
-            raise ValueError(f"item {item_id!r} is already tracked; remove_item() it first")
-        if not 0.0 <= relevance <= 1.0:
-            raise ValueError(f"relevance must be within [0, 1], got {relevance}")
-        taken = [b for b in block_ids if b in self._owner]
-        if taken:
-            raise ValueError(f"blocks {taken} already belong to another item; an item's "
-                             "blocks are its own")
-        row = t.new_row()
-        t.row_of[item_id] = row
-        t.ids[row], t.tenant[row], t.blocks[row], t.payload[row] = (
-            item_id, tenant, block_ids, payload)
-        t.alive[row], t.kind[row], t.tier[row] = True, _KIND_CODE[kind], int(tier)
-        t.relevance[row], t.freq[row], t.hits[row] = relevance, 0.0, 0.0
-        t.last_access[row], t.score[row] = last_access, 0.0
-        for bid in block_ids:
-            self._owner[bid] = row
+            self._items.add(item_id, kind, ContextTier(tier), tenant, tuple(block_ids),
+                            relevance, payload,
+                            self.clock() if last_access is None else last_access)
 
     def track_reservation(self, result: ReservationResult, *, relevance: float = 0.5) -> str:
         """Track a :class:`memory_graph.ReservationResult` as a working-memory item.
@@ -252,33 +225,33 @@ class ContextTierManager(_LookaheadMixin):
     def remove_item(self, item_id: str) -> TierItem:
         """Stop tracking an item (its blocks stay in the cache); returns its last state."""
         with self._lock:
-            row = self._row(item_id)
-            item = self._table.snapshot(row)
-            self._drop_row_locked(row)
+            row = self._items.row(item_id)
+            item = self._items.table.snapshot(row)
+            self._items.drop_row(row)
             return item
 
     def record_access(self, item_id: str, count: int = 1) -> None:
         """Count ``count`` uses of an item now (blocks attended are counted by Observe)."""
         with self._lock:
-            row = self._row(item_id)
-            self._table.hits[row] += count
-            self._table.last_access[row] = max(self._table.last_access[row], self.clock())
+            t, row = self._items.table, self._items.row(item_id)
+            t.hits[row] += count
+            t.last_access[row] = max(t.last_access[row], self.clock())
 
     def set_relevance(self, item_id: str, relevance: float) -> None:
         if not 0.0 <= relevance <= 1.0:
             raise ValueError(f"relevance must be within [0, 1], got {relevance}")
         with self._lock:
-            self._table.relevance[self._row(item_id)] = relevance
+            self._items.table.relevance[self._items.row(item_id)] = relevance
 
     def get(self, item_id: str) -> TierItem:
         """A snapshot of an item. Raises KeyError for an unknown id."""
         with self._lock:
-            return self._table.snapshot(self._row(item_id))
+            return self._items.table.snapshot(self._items.row(item_id))
 
     def items(self, tier: ContextTier | None = None) -> list[TierItem]:
         """Snapshots of every item (of one tier)."""
         with self._lock:
-            t = self._table
+            t = self._items.table
             mask = t.alive[: t.size].copy()
             if tier is not None:
                 mask &= t.tier[: t.size] == int(tier)
@@ -289,21 +262,15 @@ class ContextTierManager(_LookaheadMixin):
             return self._tier_counts_locked()
 
     def _tier_counts_locked(self) -> dict[str, int]:
-        t = self._table
+        t = self._items.table
         counts = np.bincount(t.tier[: t.size][t.alive[: t.size]], minlength=3)
         return {tier.name.lower(): int(counts[tier]) for tier in ContextTier}
 
     def __len__(self) -> int:
-        return len(self._table.row_of)
+        return len(self._items.table.row_of)
 
     def __contains__(self, item_id: object) -> bool:
-        return item_id in self._table.row_of
-
-    def _row(self, item_id: str) -> int:
-        try:
-            return self._table.row_of[item_id]
-        except KeyError:
-            raise KeyError(f"item {item_id!r} is not tracked; add_item() it first") from None
+        return item_id in self._items.table.row_of
 
     @property
     def thresholds(self) -> Thresholds:
@@ -331,18 +298,23 @@ class ContextTierManager(_LookaheadMixin):
         lines, blocks = self._observe()
         t1 = time.perf_counter()
         with self._lock:
-            accesses = self._ingest(lines, blocks)
-            self._orient(started)
+            accesses = ingest(self._items, lines, blocks, self.config.spilled_line_tier)
+            table = self._items.table
+            elapsed = (0.0 if self._last_cycle_at is None
+                       else max(0.0, started - self._last_cycle_at))
+            self._last_cycle_at = started
+            orient(table, self.config, started, elapsed,
+                   self._ahead.due_term_locked(table.size))
             t2 = time.perf_counter()
-            decisions = self._decide()
+            decisions, self._last_actions = decide(table, self.config, self._thresholds)
             items_by_tier = self._tier_counts_locked()
-            num_items = len(self._table.row_of)
-            prefetch = self._take_prefetch_counts_locked()
+            num_items = len(table.row_of)
+            prefetch = self._ahead.take_prefetch_counts_locked()
         t3 = time.perf_counter()
         act = self.bridge.act(decisions)
         with self._lock:  # and what the cache evicted to make room for the warms
-            self._forget_blocks(act.removed + act.gone)
-            self._reconcile_locked()
+            self._items.forget_blocks(act.removed + act.gone)
+            self._items.reconcile()
         before = self._thresholds
         suggestion = self.bridge.suggest_thresholds(before, self.config.thresholds)
         if suggestion is not None and suggestion.applied:
@@ -391,102 +363,6 @@ class ContextTierManager(_LookaheadMixin):
                                    count=len(metas))
         return lines, (ids, attended)
 
-    def _ingest(self, lines: list[SpilledLine], blocks: tuple[np.ndarray, np.ndarray]) -> int:
-        """Fold observations into the table; returns the accesses observed."""
-        t = self._table
-        accesses = 0
-        for line in lines:
-            item_id = spilled_line_id(line)
-            row = t.row_of.get(item_id)
-            if row is None:
-                self._add_locked(item_id, ItemKind.SPILLED_LINE, self.config.spilled_line_tier,
-                                 "default", (), min(1.0, max(0.0, line.importance)), line,
-                                 line.spilled_at)
-            else:  # spilled again: in demand
-                t.hits[row] += 1
-                t.last_access[row] = max(t.last_access[row], line.spilled_at)
-                t.relevance[row] = max(t.relevance[row], min(1.0, line.importance))
-                accesses += 1
-        ids, attended = blocks
-        if not self._owner:
-            return accesses
-        owner = self._owner
-        rows = np.fromiter((owner.get(b, -1) for b in ids.tolist()), dtype=np.int64,
-                           count=ids.size)
-        mine = rows >= 0
-        if mine.any():
-            latest = np.full(t.size, -np.inf)
-            np.maximum.at(latest, rows[mine], attended[mine])
-            seen = latest[: t.size] > t.last_access[: t.size]
-            t.hits[: t.size][seen] += 1
-            t.last_access[: t.size][seen] = latest[seen]
-            accesses += int(np.count_nonzero(seen))
-        if int(np.count_nonzero(mine)) < len(owner) and self.cache is not None:
-            # Owned blocks missing from the snapshot: freed by someone else, or added
-            # after it; only the ones gone from the cache now are forgotten.
-            present = set(ids[mine].tolist())
-            gone = [b for b in owner if b not in present and b not in self.cache.metadata]
-            self._forget_blocks(gone)
-        return accesses
-
-    def _orient(self, now: float) -> None:
-        """Score every row: weighted frequency, recency, relevance (and the due term)."""
-        cfg, t, n = self.config, self._table, self._table.size
-        elapsed = 0.0 if self._last_cycle_at is None else max(0.0, now - self._last_cycle_at)
-        self._last_cycle_at = now
-        freq = t.freq[:n]
-        freq *= 2.0 ** (-elapsed / cfg.frequency_half_life_s)
-        freq += t.hits[:n]
-        t.hits[:n] = 0.0
-        idle = np.maximum(now - t.last_access[:n], 0.0)
-        score = t.score[:n]
-        np.exp2(idle * (-1.0 / cfg.recency_half_life_s), out=score)
-        score *= cfg.recency_weight
-        score += cfg.frequency_weight * -np.expm1(freq * (-1.0 / cfg.frequency_scale))
-        score += cfg.relevance_weight * t.relevance[:n]
-        due = self._due_term_locked(n)
-        if due is not None:  # the agents due next keep their items up
-            score += due
-
-    def _decide(self) -> list[Decision]:
-        """Promote / demote / archive lists; applies the tier changes to the table."""
-        cfg, t, n, th = self.config, self._table, self._table.size, self._thresholds
-        alive, tier, score = t.alive[:n], t.tier[:n], t.score[:n]
-        promote = np.flatnonzero(alive & (tier > 0) & (score >= th.promote))
-        demote = np.flatnonzero(alive & (tier == 0) & (score < th.demote))
-        archive = np.flatnonzero(alive & (tier == 1) & (score < th.archive))
-        if cfg.max_prompt_items is not None:
-            into_prompt = promote[tier[promote] == 1]
-            room = cfg.max_prompt_items - (int(np.count_nonzero(alive & (tier == 0)))
-                                           - demote.size)
-            if into_prompt.size > max(room, 0):
-                best_first = into_prompt[np.argsort(-score[into_prompt], kind="stable")]
-                promote = np.setdiff1d(promote, best_first[max(room, 0):])
-        rows = np.concatenate([promote, demote, archive])
-        codes = np.repeat(np.arange(3, dtype=np.int8), [promote.size, demote.size, archive.size])
-        limits = np.array([th.promote, th.demote, th.archive])[codes]
-        cap = cfg.max_moves_per_cycle
-        if cap is not None and rows.size > cap:
-            keep = np.sort(np.argpartition(-np.abs(score[rows] - limits), cap - 1)[:cap])
-            rows, codes, limits = rows[keep], codes[keep], limits[keep]
-        counts = np.bincount(codes, minlength=3)
-        self._last_actions = {a.value: int(n) for a, n in zip(Action, counts, strict=True) if n}
-        if rows.size == 0:
-            return []
-        from_tier = tier[rows].copy()
-        to_tier = np.where(codes == 0, from_tier - 1, from_tier + 1).astype(np.int8)
-        tier[rows] = to_tier
-        actions = (Action.PROMOTE, Action.DEMOTE, Action.ARCHIVE)
-        tiers = tuple(ContextTier)
-        ids, kinds, blocks, tenants, payloads = t.ids, t.kind, t.blocks, t.tenant, t.payload
-        return [
-            Decision(ids[r] or "", _KINDS[k], actions[c], tiers[f], tiers[to], s, lim,
-                     blocks[r], tenants[r], payloads[r])
-            for r, k, c, f, to, s, lim in zip(
-                rows.tolist(), kinds[rows].tolist(), codes.tolist(), from_tier.tolist(),
-                to_tier.tolist(), score[rows].tolist(), limits.tolist(), strict=True)
-        ]
-
     def _log(self, report: CycleReport) -> None:
         m = report.metrics
         if logger.isEnabledFor(logging.DEBUG):
@@ -500,6 +376,104 @@ class ContextTierManager(_LookaheadMixin):
                    "%.1f ms%s", m.cycle, m.num_items, m.items_by_tier, m.actions,
                    m.blocks_moved, m.blocks_skipped, m.duration_s * 1e3,
                    f"; {m.threshold_reason}" if m.threshold_reason else "")
+
+    # ------------------------------------------------------------------ many agents
+    def register_segments(self, agent: str, tenant: str,
+                          segments: Sequence[tuple[str, float, Sequence[int]]]) -> list[str]:
+        """Track the blocks of one call of ``agent`` as prompt segments.
+
+        Each ``(layer, importance, block_ids)`` becomes an item of kind
+        :attr:`ItemKind.SEGMENT` in the prompt tier, ``relevance=importance``, payload a
+        :class:`SegmentInfo`. Blocks another item owns already (another agent of the
+        tenant sharing the organisation's layers, or this agent's previous call) are
+        not owned twice: they count as an access of their owner, which gains
+        ``agent``. A segment without unowned blocks creates no item. Items of the
+        agent's previous call that this call does not touch lose ``agent``. Block ids
+        no longer in the cache are ignored.
+
+        A new segment of a layer the agent's previous call also had (its text changed
+        since: the system state, the time, the conversation) is *volatile*: it will
+        most likely change again before it is reused, so prefetch moves it away as if
+        no agent were due, before the stable blocks of agents that are.
+
+        Returns:
+            The ids of the items touched (new or existing), in prompt order.
+
+        Raises:
+            InvalidNameError: ``agent`` or ``tenant`` breaks the naming rule.
+            ValueError: an importance outside ``[0, 1]``.
+        """
+        return self._ahead.register_segments(agent, tenant, segments)
+
+    def agent_items(self, agent: str) -> list[str]:
+        """Ids of the items of ``agent``'s latest registered call, in prompt order."""
+        return self._ahead.agent_items(agent)
+
+    def set_lookahead(self, due: Mapping[str, int | None], *,
+                      tenants: Mapping[str, str] | None = None) -> None:
+        """Replace the look-ahead: agent -> steps until its next turn (1 = the next
+        step; ``None`` or absent: not expected again).
+
+        ``tenants`` (agent -> tenant) lets an agent that has not run yet protect its
+        tenant's blocks: its first turn reuses the organisation's layers other agents
+        of the tenant registered, so every item of that tenant counts as due no later
+        than that agent.
+
+        Raises:
+            InvalidNameError: an agent name that breaks the naming rule.
+            ValueError: steps that are not an integer >= 0.
+        """
+        self._ahead.set_lookahead(due, tenants=tenants)
+
+    def lookahead(self) -> dict[str, int | None]:
+        """The look-ahead set by :meth:`set_lookahead` (a copy)."""
+        return self._ahead.lookahead()
+
+    def prefetch(self, agent: str, *, need_blocks: int = 0,
+                 blocks: Sequence[int] = ()) -> PrefetchReport:
+        """Get the cache ready for ``agent``'s turn, now (between turns).
+
+        1. Make ``need_blocks`` device blocks free *beyond* the room the warm in
+           step 3 takes, by spilling the unpinned, unused blocks of other agents'
+           items: first those no agent is due to read (items no agent's latest call
+           holds, of agents the look-ahead does not expect, volatile segments), then
+           the lowest effective layer priority, the agent due furthest among equals
+           (see ``_victim_order``).
+        2. When the host tier must make room for those spills, free host blocks the
+           same way, never those of ``agent`` or of agents due within
+           ``config.protect_horizon`` steps; spill only what then fits.
+        3. Warm every host-tier block of ``agent``'s items (its latest call) to the
+           device, in prompt order; what finds no room stays (skipped, ``tier_full``).
+
+        ``blocks`` are the cached blocks the turn will reuse, when the caller knows them
+        (:meth:`CacheAwareContextPipeline.plan_turn
+        <contextkit.pipeline.pipeline.CacheAwareContextPipeline.plan_turn>` looks the assembled
+        prompt up; with ``need_blocks=plan.need_blocks``): they are warmed first and
+        are never spilled or archived, whoever owns them (an agent's first turn reuses
+        its organisation's blocks, registered by another agent), and they replace step
+        3: the agent's other blocks (its last call's volatile tail) are not warmed and
+        count as blocks no agent is due to read.
+
+        Warms and spills alternate into free slots, so the host blocks archived are
+        the net room the spills need beyond what the warms give back, and the cache
+        never evicts anything on prefetch's behalf. Pinned and in-use blocks never
+        move; they are reported as skipped. Prefetch moves bytes, not items: an
+        item's context tier (where it stands in the context) changes only by a
+        cycle's decisions, so a cycle does not warm back what prefetch spilled; a
+        segment whose every block was archived is dropped. Runs one at a time with
+        the OODA cycle.
+
+        Raises:
+            InvalidNameError: ``agent`` breaks the naming rule.
+            ValueError: a negative ``need_blocks``.
+            RuntimeError: the manager is closed.
+        """
+        validate_name(agent, "agent")
+        if need_blocks < 0:
+            raise ValueError(f"need_blocks must be >= 0, got {need_blocks}")
+        if self._closed:
+            raise RuntimeError("this ContextTierManager is closed; create a new one")
+        return self._ahead.prefetch(agent, need_blocks, blocks)
 
     # ------------------------------------------------------------------ reporting
     def metrics(self) -> list[CycleMetrics]:

@@ -1,16 +1,21 @@
 """The pipeline room: one agent call from a layered prompt to the cache and back.
 
-Owns :class:`CacheAwareContextPipeline` (``pipeline``): budgets and layer order
-applied to ``build_system_message``, the cache lookup and generation on an embedded
-engine, and the calls' reports (``reports``); tenants and per-tenant views
-(``tenancy``); stable-prefix pins (``pins``); the blocks of a call registered with a
-tier manager through a Protocol the loop implements (``registration``); and the path
-to a served model (``served``: the model as a vLLM server renders it, the request
-fields that label token ranges for the connector, and the wire format they use).
+Owns :class:`CacheAwareContextPipeline` (``pipeline``), a facade over parts it owns
+and delegates to: budgets and layer order applied to ``build_system_message`` and a
+turn's token layout (``building``), tenants and per-tenant views (``tenancy``), and the
+path to a served model (``served``: the model as a vLLM server renders it, the request
+fields that label token ranges for the connector, and the wire format they use,
+``served.wire``); with the cache lookup and generation on an embedded engine, the
+calls' reports (``reports``) and stable-prefix pins (``pins``).
+
+The loop above is reached through Protocols declared here and implemented there: the
+blocks of a call registered with a tier manager (``registration``:
+:class:`~contextkit.pipeline.registration.SegmentRegistry`), and the work around a turn
+(``hooks``: :class:`TurnHooks`, which the pipeline's ``reservations=`` implements, and
+:class:`TurnPipeline`, what those hooks may use of the pipeline).
 
 May import: :mod:`contextkit.prompt`, :mod:`contextkit.engine`, config and metrics,
-:mod:`gpu_cache`. The loop above reaches it through its public methods; it never
-imports the loop.
+:mod:`gpu_cache`. It never imports the loop.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ _EXPORTS = {
     "ServedModel": "contextkit.pipeline.served.model",
     "RenderedPrompt": "contextkit.pipeline.served.model",
     "LabelRangeError": "contextkit.pipeline.served.model",
+    "TurnHooks": "contextkit.pipeline.hooks",
+    "TurnPipeline": "contextkit.pipeline.hooks",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -21,7 +21,9 @@ later call supersedes the earlier, as a restarted process does).
 
 The holdings are process-local, one ledger per cache (shared by every pipeline over
 that engine); the pins themselves stay in the cache's block metadata, where quotas,
-the idle TTL and reclaiming apply as before (:mod:`gpu_cache.pinning`).
+the idle TTL and reclaiming apply as before (:mod:`gpu_cache.pinning`). What this module
+needs of a pipeline is passed in plain: its pin manager, and a liveness probe (a weak
+reference to the pipeline) that tells whether the agent is live.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from contextkit.engine.types import TokenSpan
@@ -39,12 +41,17 @@ from gpu_cache.metadata import PINNABLE_SOURCES, BlockHash
 logger = logging.getLogger("contextkit.pipeline.pipeline")
 
 
+#: Whether an agent is live: returns ``None`` once what keeps it live (its pipeline) is
+#: gone, as a ``weakref.ref`` to that does.
+Liveness = Callable[[], object | None]
+
+
 @dataclass
 class _Holding:
     """One agent's latest stable prefix: the blocks (with their keys, so a recycled
-    block id is not mistaken for the prefix's) and the pipeline that holds them."""
+    block id is not mistaken for the prefix's) and whether its holder is live."""
 
-    holder: weakref.ref[object]
+    alive: Liveness
     blocks: dict[int, BlockHash]
 
 
@@ -55,17 +62,18 @@ class _PinLedger:
         self._holdings: dict[tuple[str, str], _Holding] = {}
         self._warned: set[tuple[str, str]] = set()
 
-    def hold(self, tenant: str, agent: str, holder: object,
+    def hold(self, tenant: str, agent: str, alive: Liveness,
              blocks: dict[int, BlockHash]) -> None:
-        """Make ``blocks`` the agent's holding (replacing its previous one)."""
-        self._holdings[(tenant, agent)] = _Holding(weakref.ref(holder), dict(blocks))
+        """Make ``blocks`` the agent's holding (replacing its previous one) while
+        ``alive()`` is not ``None``."""
+        self._holdings[(tenant, agent)] = _Holding(alive, dict(blocks))
 
     def held(self, cache: TQGPUCache, tenant: str) -> set[int]:
         """Block ids of ``tenant`` that a live agent holds (forgetting dead agents)."""
         out: set[int] = set()
         for owner in [o for o in self._holdings if o[0] == tenant]:
             holding = self._holdings[owner]
-            if holding.holder() is None:
+            if holding.alive() is None:
                 del self._holdings[owner]
                 continue
             for bid, key in holding.blocks.items():
@@ -85,7 +93,7 @@ class _PinLedger:
     def agents(self, tenant: str) -> list[str]:
         """Names of the tenant's live agents holding a prefix."""
         return sorted(agent for (t, agent), h in self._holdings.items()
-                      if t == tenant and h.holder() is not None)
+                      if t == tenant and h.alive() is not None)
 
 
 _LEDGERS: weakref.WeakKeyDictionary[TQGPUCache, _PinLedger] = weakref.WeakKeyDictionary()
@@ -125,10 +133,18 @@ def check_pin_quota(pins: PrefixPinManager, tenant: str, spans: Sequence[TokenSp
             "build the pipeline with pin_stable=False. Nothing was computed")
 
 
-def pin_stable(pins: PrefixPinManager, holder: object, tenant: str, agent: str,
+def pin_stable(pins: PrefixPinManager, alive: Liveness, tenant: str, agent: str,
                block_ids: Sequence[int], stable_end: int) -> tuple[str, str]:
     """Pin this call's stable prefix for ``agent`` and release the tenant's pins that
     no live agent holds (see the module doc).
+
+    Args:
+        pins: the pin manager over the engine's cache.
+        alive: the agent's liveness probe (``weakref.ref(pipeline)``): its holding
+            counts while the probe returns an object.
+        tenant: the call's tenant; agent: its agent name.
+        block_ids: the call's blocks in prompt order; stable_end: where the stable
+            prefix ends (tokens).
 
     Returns:
         ``(pin_state, reason)``: ``("pinned", "")`` or ``("unpinned", why)``.
@@ -145,7 +161,7 @@ def pin_stable(pins: PrefixPinManager, holder: object, tenant: str, agent: str,
                 break
             wanted[bid] = meta.key
         ledger = ledger_for(cache)
-        ledger.hold(tenant, agent, holder, wanted)
+        ledger.hold(tenant, agent, alive, wanted)
         pins.unpin_tenant(tenant, keep=ledger.held(cache, tenant))
         if not wanted:
             return "unpinned", ("the stable prefix fills no whole block of a pinnable "

@@ -80,46 +80,42 @@ manager as per-layer segments of that agent (:mod:`contextkit.pipeline.registrat
 
 from __future__ import annotations
 
-import contextvars
 import functools
-import hashlib
 import logging
-import struct
 import threading
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from contextkit.prompt.chatml import _ChatML
-from contextkit.prompt.ordering import (
-    BOUNDARY,
-    first_difference,
-    order_sections,
-    section_text,
+from contextkit.engine.engine import Engine, TokenSpan
+from contextkit.metrics import ContextkitMetrics
+from contextkit.pipeline.building import PromptBuilder, assemble_turn
+from contextkit.pipeline.pins import check_pin_quota, pin_stable
+from contextkit.pipeline.registration import register_call
+from contextkit.pipeline.reports import (
+    BuiltPrompt,
+    CallReport,
+    PipelineResult,
+    TurnPlan,
+    _LazyMetrics,
+    fill_report,
 )
+from contextkit.pipeline.served.model import ServedModel
+from contextkit.pipeline.served.requests import ServedRequests
+from contextkit.pipeline.tenancy import TenantViews, _check_tenant
+from contextkit.prompt.chatml import _ChatML
+from contextkit.prompt.layers import LayerConfig, LayerSpec
+from contextkit.prompt.markup import SpilloverQueue
 from contextkit.prompt.ordering import (
     VOLATILE_THRESHOLD as VOLATILE_THRESHOLD,  # re-exported: its import path
 )
-from contextkit.pipeline.pins import check_pin_quota, pin_stable
-from contextkit.pipeline.registration import register_call
-from contextkit.pipeline.reports import BuiltPrompt, CallReport, PipelineResult, TurnPlan, fill_report
-from contextkit.pipeline.served.requests import _ServedPipeline
-from contextkit.pipeline.tenancy import _check_tenant, _TenantState, _TenantViews
-from contextkit.engine.engine import Engine, TokenSpan
-from contextkit.prompt.layers import LayerConfig, LayerSpec
-from contextkit.metrics import ContextkitMetrics
-from contextkit.metrics import resolve as resolve_metrics
-from contextkit.prompt.markup import (
-    PromptSection,
-    SpilloverQueue,
-    coerce_prompt,
-    synthesize_for_budget,
-)
-from contextkit.pipeline.served.model import ServedModel
 from gpu_cache import PrefixPinManager, validate_name
+from gpu_cache.metadata import BlockMeta
 
 if TYPE_CHECKING:
-    from contextkit.loop.reservations import MemoryReservations
-    from contextkit.loop.tiers import ContextTierManager
+    from contextkit.pipeline.hooks import TurnHooks
+    from contextkit.pipeline.registration import SegmentRegistry
 
 __all__ = [
     "BuiltPrompt",
@@ -134,10 +130,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 logger = logging.getLogger(__name__)
 
-_ROLES = ("user", "assistant", "system", "tool")
 
-
-class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
+class CacheAwareContextPipeline:
     """Layered prompts in, cache-aware prompts and cache control out.
 
     Args:
@@ -160,9 +154,15 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
             pipeline per agent over one shared engine (and tier manager) is the
             multi-agent setup: pins are held per agent (see :mod:`contextkit.pipeline.pins`).
         reservations: memory neighborhoods prefilled in the background between turns
-            (:class:`contextkit.loop.reservations.MemoryReservations`): :meth:`generate`
-            calls its ``before_turn`` before the engine runs (a hit is
+            (:class:`contextkit.loop.reservations.MemoryReservations`, or any
+            :class:`~contextkit.pipeline.hooks.TurnHooks`): :meth:`generate` calls its
+            ``before_turn`` before the engine runs (a hit is
             ``CallReport.reservation_hit``) and its ``after_reply`` after.
+
+    The tenant views, the served-model requests and the prompt building are parts the
+    pipeline owns (:mod:`~contextkit.pipeline.tenancy`,
+    :mod:`~contextkit.pipeline.served.requests`, :mod:`~contextkit.pipeline.building`);
+    its methods delegate to them.
     """
 
     def __init__(
@@ -178,9 +178,9 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
         volatility_alpha: float = 0.3,
         spillover: SpilloverQueue | None = None,
         metrics: ContextkitMetrics | bool | None = None,
-        tiers: ContextTierManager | None = None,
+        tiers: SegmentRegistry | None = None,
         agent: str | None = None,
-        reservations: MemoryReservations | None = None,
+        reservations: TurnHooks | None = None,
     ) -> None:
         if engine is not None and served is not None:
             raise ValueError("pass either engine= (the embedded engine) or served= (a vLLM "
@@ -193,7 +193,7 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
         self.engine = engine
         self.served = served
         self.config = layers or LayerConfig()
-        self.tenant = _check_tenant(tenant)
+        tenant = _check_tenant(tenant)
         self.agent = validate_name(agent, "agent") if agent is not None else None
         self.tiers = tiers
         self.reservations = reservations
@@ -202,23 +202,28 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
         self.pin_stable = pin_stable
         self.alpha = volatility_alpha
         self.spillover = spillover if spillover is not None else SpilloverQueue()
-        self._states: dict[str, _TenantState] = {}
         self._lock = threading.RLock()
-        self._metrics_arg = metrics
-        self._metrics: ContextkitMetrics | None = None
-        self._spill_warned: set[str] = set()
-        self._scope: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-            f"contextkit_tenant_{id(self):x}", default=None)
-        self._hinted_readers = False
+        self._metrics = _LazyMetrics(metrics)
+        self._pins: PrefixPinManager | None = None
         if engine is not None:
             _ChatML.check(engine.tokenizer)
             self._pins = PrefixPinManager(engine.cache)
+        self._tenants = TenantViews(self.config, tenant, self._lock, attached=self.attached,
+                                    cache=engine.cache if engine is not None else None,
+                                    pins=self._pins)
+        source = engine if engine is not None else served
+        self._encode = source.encode if source is not None else None
+        self._builder = PromptBuilder(
+            self.config, self._encode, self._tenants, self.spillover, expanded=self.attached,
+            reorder=reorder, trailing_message=trailing_message, alpha=volatility_alpha,
+            metrics=self._metrics.get)
+        self._served = ServedRequests(served, self.config, self._tenants, self._metrics.get)
 
     @classmethod
     def from_config(cls, engine: Engine | dict[str, Any] | None = None, config: Any = None,
                     *, served: ServedModel | None = None, layers: LayerConfig | None = None,
                     spillover: SpilloverQueue | None = None,
-                    tiers: ContextTierManager | None = None, agent: str | None = None,
+                    tiers: SegmentRegistry | None = None, agent: str | None = None,
                     **overrides: Any) -> CacheAwareContextPipeline:
         """A pipeline set up by a configuration's ``pipeline`` section (default tenant,
         ordering, trailing message, pinning, volatility) and ``metrics.enabled``.
@@ -289,7 +294,7 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
             PromptFormatError: unknown or unbalanced layer markers, or an unsupported
                 return type (nothing is recorded).
         """
-        return self._build(raw, self.resolve_tenant(tenant), commit=True)
+        return self._builder.build(raw, self.resolve_tenant(tenant), commit=True)
 
     def preview(self, raw: object, *, tenant: str | None = None,
                 changed: Sequence[str] | None = None) -> BuiltPrompt:
@@ -303,111 +308,14 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
         Raises:
             PromptFormatError: as for :meth:`build`.
         """
-        return self._build(raw, self.resolve_tenant(tenant), commit=False, changed=changed)
-
-    def _build(self, raw: object, tenant: str, *, commit: bool,
-               changed: Sequence[str] | None = None) -> BuiltPrompt:
-        prompt = coerce_prompt(raw, self.config)
-        count = self._count_tokens
-        sections: list[PromptSection] = []
-        spilled: dict[str, int] = {}
-        layer_tokens: dict[str, int] = {}
-        for section in prompt.sections:
-            spec = self.config.get(section.layer)
-            budget = self.budget(spec)
-            kept, over = synthesize_for_budget(section.lines, budget, count, layer=spec.name,
-                                               spillover=self.spillover if commit else None)
-            if over and commit:
-                spilled[spec.name] = spilled.get(spec.name, 0) + len(over)
-                self._warn_spill(spec.name, len(over), len(section.lines), budget)
-            sections.append(PromptSection(spec.name, tuple(kept)))
-            layer_tokens[spec.name] = count("\n".join(line.text for line in kept))
-        with self._lock:
-            state = self._state(tenant) if commit else \
-                self._states.get(tenant) or _TenantState(self.config)
-            # Each section is rendered and tokenized once per call; the hash, the
-            # change report and assemble() all reuse these ids.
-            texts = {s.layer: section_text(s) for s in sections}
-            section_ids = {layer: tuple(self._encode(t)) for layer, t in texts.items()}
-            first = state.calls == 0
-            diff = [name for name, text in texts.items()
-                    if first or state.last_texts.get(name) != text]
-            rates = dict(state.rates)
-            if not first:
-                for name in texts:
-                    hit = 1.0 if name in (diff if changed is None else changed) else 0.0
-                    rates[name] = (1 - self.alpha) * rates[name] + self.alpha * hit
-            main, trailing = order_sections(sections, rates, self.config, reorder=self.reorder,
-                                            trailing_message=self.trailing_message)
-            stable_ids = self._encode(_ChatML.open("system"))
-            stable_layers: list[str] = []
-            for sec in main:
-                if not self.config.get(sec.layer).stable:
-                    break
-                stable_ids += section_ids[sec.layer]
-                stable_layers.append(sec.layer)
-            stable_hash = hashlib.sha256(
-                struct.pack(f"<{len(stable_ids)}i", *stable_ids)).hexdigest()
-            # The boundary between the main and the trailing message is a segment
-            # too: a layer moving across it changes the token layout.
-            segments = [*((sec.layer, section_ids[sec.layer]) for sec in main),
-                        (BOUNDARY, ()),
-                        *((sec.layer, section_ids[sec.layer]) for sec in trailing)]
-            broken = first_difference(state.last_segments, segments) if not first \
-                else "first_call"
-            report = CallReport(
-                call=state.calls + 1, tenant=tenant, stable_hash=stable_hash,
-                stable_changed=not first and stable_hash != state.stable_hash,
-                changed_layers=diff, prefix_broken_by=broken,
-                layer_order=[s.layer for s in main], trailing_layers=[s.layer for s in trailing],
-                layer_tokens=layer_tokens, spilled_lines=sum(spilled.values()),
-                spilled_by_layer=spilled)
-            # Sections end with a newline; the returned text does not.
-            text = "".join(texts[sec.layer] for sec in (*main, *trailing))[:-1]
-            built = BuiltPrompt(tuple(main), tuple(trailing), text, report, section_ids,
-                                texts, tuple(stable_layers))
-            if not commit:
-                return built
-            state.rates = rates
-            state.calls += 1
-            state.last_texts = texts
-            state.last_segments = segments
-            state.stable_hash = stable_hash
-            state.last = built
-        metrics = self.metrics
-        if metrics is not None:
-            metrics.record_build(report)
-        return built
-
-    def _warn_spill(self, layer: str, spilled: int, lines: int, budget: int) -> None:
-        """Warn the first time a layer spills (the report counts every call)."""
-        with self._lock:
-            if layer in self._spill_warned:
-                return
-            self._spill_warned.add(layer)
-        logger.warning(
-            "layer %s: %d of its %d lines are over its budget of %d tokens and were "
-            "spilled (left out of the prompt; see CallReport.spilled_by_layer). Shorten "
-            "the layer or raise its budget (LayerConfig.with_budgets); this warning is "
-            "given once per layer", layer, spilled, lines, budget)
+        return self._builder.build(raw, self.resolve_tenant(tenant), commit=False,
+                                   changed=changed)
 
     @property
     def metrics(self) -> ContextkitMetrics | None:
         """Where this pipeline's figures are recorded (``metrics=`` at construction;
         default: :func:`contextkit.metrics.default_metrics`); ``None``: nowhere."""
-        if self._metrics is None and self._metrics_arg is not False:
-            self._metrics = resolve_metrics(self._metrics_arg)
-            if self._metrics is None:
-                self._metrics_arg = False
-        return self._metrics
-
-    def _count_tokens(self, text: str) -> int:
-        return len(self._encode(text))
-
-    def _encode(self, text: str) -> list[int]:
-        source = self.engine if self.engine is not None else self.served
-        assert source is not None
-        return source.encode(text)
+        return self._metrics.get()
 
     # ------------------------------------------------------------------ assembling
     def assemble(
@@ -433,62 +341,16 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
         Raises:
             RuntimeError: no prompt built yet (call the wrapped function first).
         """
-        if self.engine is None:
+        if self.engine is None or self._encode is None:
             return [], [], 0
         tenant = self.resolve_tenant(tenant)
         if built is None:
-            with self._lock:
-                built = self._state(tenant).last
+            built = self._tenants.last(tenant)
         if built is None:
             raise RuntimeError("no system prompt built for tenant "
                                f"{tenant!r} yet; call the wrapped build_system_message first")
-        main, trailing = list(built.main), list(built.trailing)
-        if user_order:
-            order = {spec.name: i for i, spec in enumerate(self.config)}
-            main, trailing = sorted(main + trailing, key=lambda s: order[s.layer]), []
-        ids: list[int] = []
-        spans: list[TokenSpan] = []
-        stable_end = 0
-        in_stable = True
-
-        def add(text: str, layer: str | None = None, importance: float = 0.5,
-                piece: Sequence[int] | None = None) -> None:
-            piece = self._encode(text) if piece is None else piece
-            if layer is not None:
-                spans.append(TokenSpan(len(ids), len(ids) + len(piece), layer, importance))
-            ids.extend(piece)
-
-        def add_system(sections: Sequence[PromptSection]) -> None:
-            nonlocal stable_end, in_stable
-            add(_ChatML.open("system"))
-            for s in sections:
-                spec = self.config.get(s.layer)
-                imp = max((line.importance for line in s.lines), default=0.5)
-                add("", spec.source, imp, piece=built.section_ids[s.layer])
-                if in_stable and spec.stable:
-                    stable_end = len(ids)
-                else:
-                    in_stable = False
-            add(_ChatML.close())
-
-        def add_turns(turns: Sequence[tuple[str, str]]) -> None:
-            for role, text in turns:
-                if role not in _ROLES:
-                    raise ValueError(f"message role must be one of {', '.join(_ROLES)}, "
-                                     f"got {role!r}")
-                add(_ChatML.open(role))
-                add(text + _ChatML.close(), "user_turn", 0.3)
-
-        add_system(main)
-        in_stable = False
-        add_turns(history)
-        if trailing:
-            add_system(trailing)
-        if user_message is not None:
-            add_turns([("user", user_message)])
-        add_turns(after)
-        add(_ChatML.open("assistant"))
-        return ids, spans, stable_end
+        return assemble_turn(built, self.config, self._encode, user_message, history,
+                             user_order=user_order, after=after)
 
     # ------------------------------------------------------------------ generation
     def plan_turn(self, user_message: str | None = None, *,
@@ -549,15 +411,15 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
             raise ValueError(f"this prompt was built for tenant {built.report.tenant!r}, not "
                              f"{tenant!r}; tenants never share blocks")
         agent = self.agent if self.agent is not None else tenant
-        with self._lock:
-            built = built if built is not None else self._state(tenant).last
+        if built is None:
+            built = self._tenants.last(tenant)
         ahead = self.reservations
         # Outside the pipeline's lock: it stops background work that may wait on it.
         hit = ahead.before_turn(built, tenant=tenant) if ahead and built else None
         with self._lock:
             ids, spans, stable_end = self.assemble(user_message, history, tenant=tenant,
                                                    built=built, after=after)
-            assert built is not None
+            assert built is not None and self._pins is not None
             if self.pin_stable:
                 check_pin_quota(self._pins, tenant, spans, stable_end)
             result = self.engine.generate(ids, max_new_tokens=max_new_tokens, tenant=tenant,
@@ -565,7 +427,7 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
             report = built.report
             if self.pin_stable:
                 report.pin_state, report.pin_reason = pin_stable(
-                    self._pins, self, tenant, agent, result.block_ids, stable_end)
+                    self._pins, weakref.ref(self), tenant, agent, result.block_ids, stable_end)
             else:
                 report.pin_state, report.pin_reason = "off", ""
             fill_report(report, result, spans, hit)
@@ -581,6 +443,144 @@ class CacheAwareContextPipeline(_ServedPipeline, _TenantViews):
             ahead.after_reply(self, [*history, *turn, *after, ("assistant", result.text)],
                               tenant=tenant, built=built)
         return PipelineResult(result.text, result, report)
+
+    # ------------------------------------------------------------------ tenants
+    @property
+    def tenant(self) -> str:
+        """The default tenant (see *Tenants* above)."""
+        return self._tenants.default
+
+    @tenant.setter
+    def tenant(self, tenant: str) -> None:
+        self._tenants.default = _check_tenant(tenant)
+
+    def tenant_scope(self, tenant: str) -> AbstractContextManager[str]:
+        """Make ``tenant`` the tenant of every call and read on this pipeline, in this
+        thread or task, that names none (see *Tenants* above; scopes nest).
+
+        The LangChain and LlamaIndex integrations enter one for each model call with the
+        tenant they resolved, so what runs inside agrees with them.
+
+        Raises:
+            InvalidNameError: a tenant that breaks :func:`gpu_cache.validate_tenant`.
+        """
+        return self._tenants.scope(tenant)
+
+    def resolve_tenant(self, tenant: str | None = None) -> str:
+        """The tenant a call or read means: ``tenant`` when given, else the innermost
+        :meth:`tenant_scope`, else the pipeline's default (:attr:`tenant`).
+
+        Raises:
+            InvalidNameError: a tenant that breaks :func:`gpu_cache.validate_tenant`.
+        """
+        return self._tenants.resolve(tenant)
+
+    def cached_blocks(self, tenant: str | None = None) -> list[BlockMeta]:
+        """Metadata of the tenant's blocks in the cache (empty without a cache)."""
+        return self._tenants.cached_blocks(tenant)
+
+    def pinned_blocks(self, tenant: str | None = None, *,
+                      all_tenants: bool = False) -> list[int]:
+        """Ids of the pinned blocks of ``tenant`` (default: the pipeline's own), or of
+        every tenant with ``all_tenants=True`` (empty without a cache)."""
+        return self._tenants.pinned_blocks(tenant, all_tenants=all_tenants)
+
+    def blocks_by_layer(self, tenant: str | None = None) -> dict[str, int]:
+        """Cached blocks per source layer for a tenant (empty without a cache)."""
+        return self._tenants.blocks_by_layer(tenant)
+
+    def last_built(self, tenant: str | None = None) -> BuiltPrompt | None:
+        """The tenant's latest :meth:`build` result (``None`` when not attached or before
+        any)."""
+        return self._tenants.last_built(tenant)
+
+    def last_report(self, tenant: str | None = None) -> CallReport | None:
+        """The tenant's latest call's report (``None`` when not attached or before any).
+
+        The tenant is resolved as everywhere (:meth:`resolve_tenant`): a call an
+        integration made for a tenant taken from its runtime context is read with
+        ``last_report(that_tenant)``, inside ``tenant_scope(that_tenant)``, or from the
+        reply's metadata (``response_metadata["contextkit"]``). Reading a tenant with no
+        call while other tenants have some logs a hint saying so, once.
+        """
+        return self._tenants.last_report(tenant)
+
+    def volatility(self, tenant: str | None = None) -> dict[str, float]:
+        """Learned change rate per layer (empty when not attached)."""
+        return self._tenants.volatility(tenant)
+
+    # ------------------------------------------------------------------ served model
+    def openai_messages(self, conversation: Sequence[Mapping[str, Any]], *,
+                        tenant: str | None = None,
+                        built: BuiltPrompt | None = None) -> list[dict[str, Any]]:
+        """The chat request's messages, laid out as the embedded engine lays out a turn.
+
+        ``conversation`` is the OpenAI-format messages without the system prompt: the
+        history, the current user turn and any tool rounds after it. The result is the
+        main system message (the stable and changing layers), the history, a trailing
+        system message with the volatile layers (none when there are none, or with
+        ``trailing_message=False``), then the last user message and everything after
+        it. A system message's content is its sections' ``[LAYER]...[/LAYER]`` texts, one
+        per line (the same text as :attr:`BuiltPrompt.text`'s parts); the main one is
+        sent even when empty, so no template injects a default system prompt. ``built`` picks a
+        :meth:`build` result (default: the tenant's last).
+
+        Raises:
+            RuntimeError: nothing built for the tenant yet.
+            ValueError: a conversation item is not a message dict with a role, or
+                ``built`` belongs to another tenant.
+        """
+        return self._served.openai_messages(conversation, tenant=tenant, built=built)
+
+    def request_fields(self, messages: Sequence[Mapping[str, Any]], *,
+                       tenant: str | None = None, built: BuiltPrompt | None = None,
+                       tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+        """The body fields that label a ``/v1/chat/completions`` request for contextkit's
+        vLLM connector: ``{"kv_transfer_params": {"contextkit": {...}}, "cache_salt":
+        tenant}`` (pass them as the client's ``extra_body``).
+
+        ``messages`` is exactly what will be sent (normally :meth:`openai_messages`'
+        output; any list that holds each built section verbatim works), ``tools`` the
+        request's tools. The spans are ``[start, end, source_layer, importance, pinned]``
+        in the server's prompt ids (:meth:`ServedModel.render`): one per built section
+        (``pinned``: a stable-prefix layer of a pinnable source, with ``pin_stable``)
+        and one per other message (``user_turn``, 0.3). A span owns the tokens whose
+        first character lies between the end of the previous span's text and the end
+        of its own text, so the spans tile the prompt from token 0 through the last
+        message's content: the chat markup before a text belongs to it, and a token
+        merging across a boundary belongs to the text its first character is in. The
+        markup after the last message (and the generation prompt) is in no span.
+
+        Raises:
+            RuntimeError: the pipeline is not attached to a served model, or nothing is
+                built for the tenant yet.
+            LabelRangeError: a built section is not in ``messages`` verbatim, or the
+                messages cannot be rendered exactly (see :meth:`ServedModel.render`).
+            InvalidNameError: a tenant vLLM refuses as ``cache_salt`` (it contains ``@``).
+        """
+        return self._served.request_fields(messages, pin=self.pin_stable, tenant=tenant,
+                                           built=built, tools=tools)
+
+    def record_usage(self, report_or_tenant: CallReport | str | None, prompt_tokens: int,
+                     cached_tokens: int) -> CallReport:
+        """Fill a call's report from the usage the server reported (``prompt_tokens``
+        and ``prompt_tokens_details.cached_tokens``): prompt, reused and computed tokens,
+        the reuse ratio and, when the counts are those of the tenant's last
+        :meth:`request_fields`, the reused and computed tokens per layer (also counted in
+        ``contextkit_pipeline_prompt_tokens``).
+
+        ``report_or_tenant``: the call's report, or a tenant (``None``: the resolved
+        tenant) whose last report is meant.
+
+        Returns:
+            The report.
+
+        Raises:
+            RuntimeError: no report for the tenant yet.
+            ValueError: counts that are not ints with ``0 <= cached_tokens <=
+                prompt_tokens``.
+        """
+        return self._served.record_usage(report_or_tenant, prompt_tokens, cached_tokens)
 
 
 def cache_aware(pipeline: CacheAwareContextPipeline) -> Callable[[F], F]:

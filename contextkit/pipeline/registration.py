@@ -3,7 +3,8 @@
 
 After each ``generate`` the call's full, keyed blocks of its tenant are grouped into
 runs of one source layer (the cache's block metadata), in prompt order, and handed to
-:meth:`ContextTierManager.register_segments <contextkit.loop.tiers.ContextTierManager.register_segments>`
+:meth:`ContextTierManager.register_segments
+<contextkit.loop.tiers.ContextTierManager.register_segments>`
 as ``(layer, importance, block_ids)`` segments, the importance of a run being the
 highest of its blocks'. The manager then knows every agent's blocks: which layer they
 hold, how important they are, and which agents use them.

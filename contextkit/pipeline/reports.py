@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from contextkit.engine.types import GenerationResult, TokenSpan
+from contextkit.metrics import ContextkitMetrics
+from contextkit.metrics import resolve as resolve_metrics
 from contextkit.prompt.markup import PromptSection
 
 __all__ = ["BuiltPrompt", "CallReport", "PipelineResult", "fill_report"]
@@ -206,3 +208,20 @@ def fill_report(report: CallReport, result: GenerationResult, spans: Sequence[To
     report.reused_by_layer, report.computed_by_layer = _tokens_by_layer(
         spans, result.prompt_tokens, result.reused_tokens)
     report.reservation_hit = reservation_hit
+
+
+class _LazyMetrics:
+    """Where a pipeline's figures go, resolved on first use: ``metrics=`` at
+    construction (default: :func:`contextkit.metrics.default_metrics`; ``False``:
+    nowhere). Shared by the pipeline and the parts that record for it."""
+
+    def __init__(self, arg: ContextkitMetrics | bool | None) -> None:
+        self._arg = arg
+        self._metrics: ContextkitMetrics | None = None
+
+    def get(self) -> ContextkitMetrics | None:
+        if self._metrics is None and self._arg is not False:
+            self._metrics = resolve_metrics(self._arg)
+            if self._metrics is None:
+                self._arg = False
+        return self._metrics

@@ -1,6 +1,7 @@
-"""Tenants of a pipeline: which tenant a call or read means, and per-tenant views of
-the cache (the :class:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline` methods that take
-``tenant=``; see *Tenants* in :mod:`contextkit.pipeline.pipeline`)."""
+"""Tenants of a pipeline: which tenant a call or read means, each tenant's state, and
+the per-tenant views of the cache (:class:`TenantViews`, owned by
+:class:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline`, whose methods that take
+``tenant=`` delegate to it; see *Tenants* in :mod:`contextkit.pipeline.pipeline`)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,12 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from contextkit.prompt.layers import LayerConfig
-from gpu_cache import PrefixPinManager, validate_tenant
+from gpu_cache import PrefixPinManager, TQGPUCache, validate_tenant
 from gpu_cache.metadata import BlockMeta
 
 if TYPE_CHECKING:
-    from contextkit.pipeline.reports import BuiltPrompt, CallReport
     from contextkit.engine.types import TokenSpan
-    from contextkit.engine.engine import Engine
-    from contextkit.pipeline.served.model import ServedModel
+    from contextkit.pipeline.reports import BuiltPrompt, CallReport
 
 logger = logging.getLogger("contextkit.pipeline.pipeline")
 
@@ -40,100 +39,102 @@ class _TenantState:
         self.last_request: tuple[CallReport, int, list[TokenSpan]] | None = None
 
 
-class _TenantViews:
-    """Tenant resolution and the per-tenant reads of a pipeline."""
+class TenantViews:
+    """A pipeline's tenants: which one a call or read means, each one's state, and the
+    per-tenant reads of the cache.
 
-    engine: Engine | None
-    served: ServedModel | None
-    config: LayerConfig
-    tenant: str
-    _lock: threading.RLock
-    _states: dict[str, _TenantState]
-    _pins: PrefixPinManager
-    _scope: contextvars.ContextVar[str | None]
-    _hinted_readers: bool
+    Args:
+        config: the pipeline's layers (a new tenant's change rates start from them).
+        default: the pipeline's default tenant.
+        lock: the pipeline's lock; a tenant's state is read and changed under it.
+        attached: whether the pipeline has an engine or a served model (reads of a
+            pipeline without either are empty).
+        cache: the engine's cache (``None`` without an engine).
+        pins: the pin manager over ``cache``.
+    """
 
-    def _state(self, tenant: str) -> _TenantState:
+    def __init__(self, config: LayerConfig, default: str, lock: threading.RLock, *,
+                 attached: bool, cache: TQGPUCache | None = None,
+                 pins: PrefixPinManager | None = None) -> None:
+        self.config = config
+        self.default = _check_tenant(default)
+        self.lock = lock
+        self.attached = attached
+        self.cache = cache
+        self.pins = pins
+        self._states: dict[str, _TenantState] = {}
+        self._scope: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+            f"contextkit_tenant_{id(self):x}", default=None)
+        self._hinted_readers = False
+
+    # ------------------------------------------------------------------ state
+    def state(self, tenant: str) -> _TenantState:
+        """The tenant's state, made on first use (hold :attr:`lock`)."""
         state = self._states.get(tenant)
         if state is None:
             state = self._states[tenant] = _TenantState(self.config)
         return state
 
+    def peek(self, tenant: str) -> _TenantState:
+        """The tenant's state, or a fresh one that is not kept (hold :attr:`lock`)."""
+        return self._states.get(tenant) or _TenantState(self.config)
+
+    def last(self, tenant: str) -> BuiltPrompt | None:
+        """The tenant's latest build (``None`` before any)."""
+        with self.lock:
+            return self.state(tenant).last
+
+    # ------------------------------------------------------------------ resolution
     @contextlib.contextmanager
-    def tenant_scope(self, tenant: str) -> Iterator[str]:
-        """Make ``tenant`` the tenant of every call and read on this pipeline, in this
-        thread or task, that names none (see *Tenants* above; scopes nest).
-
-        The LangChain and LlamaIndex integrations enter one for each model call with the
-        tenant they resolved, so what runs inside agrees with them.
-
-        Raises:
-            InvalidNameError: a tenant that breaks :func:`gpu_cache.validate_tenant`.
-        """
+    def scope(self, tenant: str) -> Iterator[str]:
+        """See :meth:`CacheAwareContextPipeline.tenant_scope`."""
         token = self._scope.set(_check_tenant(tenant))
         try:
             yield tenant
         finally:
             self._scope.reset(token)
 
-    def resolve_tenant(self, tenant: str | None = None) -> str:
-        """The tenant a call or read means: ``tenant`` when given, else the innermost
-        :meth:`tenant_scope`, else the pipeline's default (:attr:`tenant`).
-
-        Raises:
-            InvalidNameError: a tenant that breaks :func:`gpu_cache.validate_tenant`.
-        """
+    def resolve(self, tenant: str | None = None) -> str:
+        """See :meth:`CacheAwareContextPipeline.resolve_tenant`."""
         if tenant is not None:
             return _check_tenant(tenant)
         scoped = self._scope.get()
-        return scoped if scoped is not None else self.tenant
+        return scoped if scoped is not None else self.default
 
+    # ------------------------------------------------------------------ views
     def cached_blocks(self, tenant: str | None = None) -> list[BlockMeta]:
-        """Metadata of the tenant's blocks in the cache (empty without a cache)."""
-        if self.engine is None:
+        if self.cache is None:
             return []
-        tenant = self.resolve_tenant(tenant)
-        return [m for m in self.engine.cache.metadata.all() if m.tenant_slug == tenant]
+        tenant = self.resolve(tenant)
+        return [m for m in self.cache.metadata.all() if m.tenant_slug == tenant]
 
     def pinned_blocks(self, tenant: str | None = None, *,
                       all_tenants: bool = False) -> list[int]:
-        """Ids of the pinned blocks of ``tenant`` (default: the pipeline's own), or of
-        every tenant with ``all_tenants=True`` (empty without a cache)."""
-        if self.engine is None:
+        if self.pins is None:
             return []
         if all_tenants:
-            return self._pins.pinned_ids()
-        return self._pins.pinned_ids(self.resolve_tenant(tenant))
+            return self.pins.pinned_ids()
+        return self.pins.pinned_ids(self.resolve(tenant))
 
     def blocks_by_layer(self, tenant: str | None = None) -> dict[str, int]:
-        """Cached blocks per source layer for a tenant (empty without a cache)."""
         out: dict[str, int] = {}
         for meta in self.cached_blocks(tenant):
             out[meta.source_layer] = out.get(meta.source_layer, 0) + 1
         return dict(sorted(out.items()))
 
     def last_built(self, tenant: str | None = None) -> BuiltPrompt | None:
-        """The tenant's latest :meth:`build` result (``None`` when not attached or before
-        any)."""
-        if self.engine is None and self.served is None:
+        if not self.attached:
             return None
-        with self._lock:
-            return self._state(self.resolve_tenant(tenant)).last
+        return self.last(self.resolve(tenant))
 
     def last_report(self, tenant: str | None = None) -> CallReport | None:
-        """The tenant's latest call's report (``None`` when not attached or before any).
-
-        The tenant is resolved as everywhere (:meth:`resolve_tenant`): a call an
-        integration made for a tenant taken from its runtime context is read with
-        ``last_report(that_tenant)``, inside ``tenant_scope(that_tenant)``, or from the
-        reply's metadata (``response_metadata["contextkit"]``). Reading a tenant with no
-        call while other tenants have some logs a hint saying so, once.
-        """
-        if self.engine is None and self.served is None:
+        """The tenant's latest report; reading a tenant with no call while other
+        tenants have some logs a hint saying so, once."""
+        if not self.attached:
             return None
         named = tenant is not None or self._scope.get() is not None
-        resolved = self.resolve_tenant(tenant)
-        with self._lock:
+        resolved = self.resolve(tenant)
+        with self.lock:
             state = self._states.get(resolved)
             last = state.last if state is not None else None
             others = sorted(t for t, s in self._states.items() if s.last is not None)
@@ -149,8 +150,7 @@ class _TenantViews:
         return last.report if last else None
 
     def volatility(self, tenant: str | None = None) -> dict[str, float]:
-        """Learned change rate per layer (empty when not attached)."""
-        if self.engine is None and self.served is None:
+        if not self.attached:
             return {}
-        with self._lock:
-            return dict(self._state(self.resolve_tenant(tenant)).rates)
+        with self.lock:
+            return dict(self.state(self.resolve(tenant)).rates)

@@ -11,18 +11,31 @@ corrupt) surfaces as a load error, which vLLM recomputes.
 Block keys are contextkit's (:func:`gpu_cache.hash_token_blocks`): a SHA-256 chain
 over the cache identity, the tenant (vLLM's ``cache_salt``) and the token ids, so the
 same tokens of another tenant or model never match.
+
+The labels a request carries (contextkit's entry of ``kv_transfer_params``: the spans,
+the pin flag, the prompt's fingerprint, precision keys) are defined once, in
+:mod:`contextkit.pipeline.served.wire`, which the pipeline writes with and the planner
+reads with; :func:`semantic_params` writes them for a client without a pipeline.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from contextkit.pipeline.served.wire import (
+    PARAMS_KEY,
+    WireSpan,
+    decode_fingerprint,
+    decode_precision,
+    decode_spans,
+    encode_labels,
+    labels_entry,
+    prompt_fingerprint,
+)
 from gpu_cache import PINNABLE_SOURCES, hash_block_tokens
 from integrations.vllm.metrics import StatsRecorder, layer_names
 from integrations.vllm.precision import (
@@ -49,8 +62,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
-#: Key of contextkit's entry in a request's ``kv_transfer_params``.
-PARAMS_KEY = "contextkit"
+# The wire format (PARAMS_KEY, the spans, the fingerprint) is the pipeline's:
+# contextkit.pipeline.served.wire, re-exported here for the connector's callers.
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,14 +138,6 @@ class StepRequest:
     block_ids: Sequence[int]  # the request's vLLM blocks, in order
 
 
-def prompt_fingerprint(token_ids: Sequence[int]) -> tuple[int, str]:
-    """``(prompt_tokens, prompt_sha256)`` of prompt ids: their count and the SHA-256 hex
-    of the ids packed as little-endian int32 (what a labelled request carries so the
-    connector can tell its spans were computed for this very prompt)."""
-    ids = [int(t) for t in token_ids]
-    return len(ids), hashlib.sha256(struct.pack(f"<{len(ids)}i", *ids)).hexdigest()
-
-
 def semantic_params(spans: Iterable[tuple[Any, ...]], *, pin: bool = False,
                     prompt_token_ids: Sequence[int] | None = None,
                     precision: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -160,31 +165,30 @@ def semantic_params(spans: Iterable[tuple[Any, ...]], *, pin: bool = False,
         ValueError: a bad span; :class:`~integrations.vllm.precision.PrecisionError`
             (a ValueError): an unknown precision key or format.
     """
-    out: list[list[Any]] = []
+    out: list[WireSpan] = []
     for span in spans:
         start, end, layer = int(span[0]), int(span[1]), str(span[2])
         importance = float(span[3]) if len(span) > 3 else 0.5
         if not 0 <= start <= end or not 0.0 <= importance <= 1.0:
             raise ValueError(f"bad span {span!r}: need 0 <= start <= end, importance in [0, 1]")
-        out.append([start, end, layer, importance, *([bool(span[4])] if len(span) > 4 else [])])
-    ours: dict[str, Any] = {"spans": out, "pin": bool(pin)}
-    if prompt_token_ids is not None:
-        ours["prompt_tokens"], ours["prompt_sha256"] = prompt_fingerprint(prompt_token_ids)
+        out.append(WireSpan(start, end, layer, importance,
+                            bool(span[4]) if len(span) > 4 else None))
+    keys = None
     if precision is not None:
         # checked here so the client hears of a typo; sent as plain JSON values
         checked = PrecisionPolicy.from_mapping(precision, PrecisionPolicy()).to_dict()
-        ours["precision"] = {key: checked[key] for key in precision}
-    return {PARAMS_KEY: ours}
+        keys = {key: checked[key] for key in precision}
+    return encode_labels(out, pin=pin, prompt_token_ids=prompt_token_ids, precision=keys)
 
 
 def label_mismatch(params: Mapping[str, Any] | None, prompt_token_ids: Sequence[int]
                    ) -> str | None:
     """Why the labels in ``params`` do not belong to this prompt, or None when they do
     (or carry no fingerprint: the old form is trusted as before)."""
-    ours = params.get(PARAMS_KEY) if isinstance(params, Mapping) else None
+    ours = labels_entry(params)
     if not isinstance(ours, Mapping):
         return None
-    expected_n, expected_sha = ours.get("prompt_tokens"), ours.get("prompt_sha256")
+    expected_n, expected_sha = decode_fingerprint(ours)
     if expected_n is None and expected_sha is None:
         return None
     n, sha = prompt_fingerprint(prompt_token_ids)
@@ -203,26 +207,23 @@ def labels_from_params(params: Mapping[str, Any] | None, first_block: int, num_b
     Malformed params are logged and ignored (the request must not fail over labels).
     """
     default = BlockLabel(default_layer)
-    ours = (params or {}).get(PARAMS_KEY) if isinstance(params, Mapping) else None
+    ours = labels_entry(params)
     if not ours:
         return [default] * num_blocks
     try:
-        pin = bool(ours.get("pin", False))
-        spans = []
-        for s in ours.get("spans", []):
-            layer = str(s[2])
-            pinned = bool(s[4]) if len(s) > 4 else pin and layer in PINNABLE_SOURCES
-            spans.append((int(s[0]), int(s[1]), layer, float(s[3]), pinned))
-    except (TypeError, ValueError, IndexError, AttributeError):
+        pin, sent = decode_spans(ours)
+    except (TypeError, ValueError, IndexError, AttributeError, KeyError):
         logger.warning("ignoring malformed kv_transfer_params[%r]: %r", PARAMS_KEY, ours)
         return [default] * num_blocks
     labels = []
     for b in range(first_block, first_block + num_blocks):
         pos = b * block_size
         label = default
-        for start, end, layer, importance, pinned in spans:
-            if start <= pos < end:
-                label = BlockLabel(layer, importance, pinned)
+        for span in sent:
+            if span.start <= pos < span.end:
+                pinned = (span.pinned if span.pinned is not None
+                          else pin and span.source_layer in PINNABLE_SOURCES)
+                label = BlockLabel(span.source_layer, span.importance, pinned)
                 break
         labels.append(label)
     return labels
@@ -311,8 +312,8 @@ class RequestPlanner:
                         ) -> PrecisionPolicy:
         """The server's policy with the request's ``precision`` keys over it; a bad
         override is logged and ignored (a request never fails over it)."""
-        ours = params.get(PARAMS_KEY) if isinstance(params, Mapping) else None
-        override = ours.get("precision") if isinstance(ours, Mapping) else None
+        ours = labels_entry(params)
+        override = decode_precision(ours) if isinstance(ours, Mapping) else None
         if override is None:
             return self.policy
         try:

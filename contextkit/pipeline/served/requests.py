@@ -1,33 +1,30 @@
 """A pipeline attached to a served model: the OpenAI-format layout of a chat request,
 the request fields that label its token ranges for contextkit's vLLM connector, and the
-usage the server reports back (the :class:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline`
-methods ``openai_messages``, ``request_fields`` and ``record_usage``)."""
+usage the server reports back (:class:`ServedRequests`, owned by
+:class:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline`, whose methods
+``openai_messages``, ``request_fields`` and ``record_usage`` delegate to it; the fields'
+wire format is :mod:`contextkit.pipeline.served.wire`)."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import struct
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from contextkit.pipeline.reports import BuiltPrompt, CallReport, _tokens_by_layer
-from contextkit.pipeline.tenancy import _check_tenant, _TenantState
 from contextkit.engine.types import TokenSpan
-from contextkit.prompt.layers import LayerConfig
+from contextkit.pipeline.reports import BuiltPrompt, CallReport, _tokens_by_layer
 from contextkit.pipeline.served.model import LabelRangeError, ServedModel
+from contextkit.pipeline.served.wire import WireSpan, encode_labels
+from contextkit.pipeline.tenancy import TenantViews, _check_tenant
+from contextkit.prompt.layers import LayerConfig
 from gpu_cache import InvalidNameError
 from gpu_cache.metadata import PINNABLE_SOURCES
 
 if TYPE_CHECKING:
-    from contextkit.engine.engine import Engine
     from contextkit.metrics import ContextkitMetrics
 
 logger = logging.getLogger("contextkit.pipeline.pipeline")
 
-#: The connector's key in ``kv_transfer_params`` (integrations/vllm/planning.py).
-PARAMS_KEY = "contextkit"
 #: Source layer and importance of conversation messages (as the embedded engine labels them).
 TURN_LAYER, TURN_IMPORTANCE = "user_turn", 0.3
 #: Characters vLLM refuses in ``cache_salt`` (with more than 128 characters).
@@ -48,23 +45,26 @@ def cache_salt(tenant: str) -> str:
     return tenant
 
 
-class _ServedPipeline:
-    """The served-model side of a pipeline (mixed into CacheAwareContextPipeline)."""
+class ServedRequests:
+    """The served-model side of a pipeline: chat layouts, request fields, usage.
 
-    engine: Engine | None
-    served: ServedModel | None
-    config: LayerConfig
-    pin_stable: bool
-    _lock: threading.RLock
+    Args:
+        served: the model a vLLM server serves (``None``: :meth:`request_fields`
+            refuses; the layout and the usage work for an embedded engine too).
+        config: the pipeline's layers.
+        tenants: the pipeline's tenants (their last builds and requests).
+        metrics: where the per-layer token counts go (``None`` from it: nowhere).
+    """
 
-    if TYPE_CHECKING:  # provided by _TenantViews and the pipeline
-        def resolve_tenant(self, tenant: str | None = None) -> str: ...
-        def _state(self, tenant: str) -> _TenantState: ...
-        @property
-        def metrics(self) -> ContextkitMetrics | None: ...
+    def __init__(self, served: ServedModel | None, config: LayerConfig, tenants: TenantViews,
+                 metrics: Callable[[], ContextkitMetrics | None]) -> None:
+        self.served = served
+        self.config = config
+        self.tenants = tenants
+        self.metrics = metrics
 
-    def _built_for(self, tenant: str | None,
-                   built: BuiltPrompt | None) -> tuple[str, BuiltPrompt]:
+    def built_for(self, tenant: str | None,
+                  built: BuiltPrompt | None) -> tuple[str, BuiltPrompt]:
         """The tenant of a call and the prompt it uses (the tenant's last by default).
 
         Raises:
@@ -72,11 +72,10 @@ class _ServedPipeline:
             ValueError: ``built`` belongs to another tenant.
         """
         if tenant is None:
-            tenant = built.report.tenant if built is not None else self.resolve_tenant()
+            tenant = built.report.tenant if built is not None else self.tenants.resolve()
         tenant = _check_tenant(tenant)
         if built is None:
-            with self._lock:
-                built = self._state(tenant).last
+            built = self.tenants.last(tenant)
             if built is None:
                 raise RuntimeError(f"no system prompt built for tenant {tenant!r} yet; call "
                                    "the wrapped build_system_message (or pipeline.build) first")
@@ -88,24 +87,8 @@ class _ServedPipeline:
     def openai_messages(self, conversation: Sequence[Mapping[str, Any]], *,
                         tenant: str | None = None,
                         built: BuiltPrompt | None = None) -> list[dict[str, Any]]:
-        """The chat request's messages, laid out as the embedded engine lays out a turn.
-
-        ``conversation`` is the OpenAI-format messages without the system prompt: the
-        history, the current user turn and any tool rounds after it. The result is the
-        main system message (the stable and changing layers), the history, a trailing
-        system message with the volatile layers (none when there are none, or with
-        ``trailing_message=False``), then the last user message and everything after
-        it. A system message's content is its sections' ``[LAYER]...[/LAYER]`` texts, one
-        per line (the same text as :attr:`BuiltPrompt.text`'s parts); the main one is
-        sent even when empty, so no template injects a default system prompt. ``built`` picks a
-        :meth:`build` result (default: the tenant's last).
-
-        Raises:
-            RuntimeError: nothing built for the tenant yet.
-            ValueError: a conversation item is not a message dict with a role, or
-                ``built`` belongs to another tenant.
-        """
-        _, built = self._built_for(tenant, built)
+        """See :meth:`CacheAwareContextPipeline.openai_messages`."""
+        _, built = self.built_for(tenant, built)
         turns = []
         for i, m in enumerate(conversation):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
@@ -124,37 +107,16 @@ class _ServedPipeline:
             out.append(system(built.trailing))
         return out + turns[cut:]
 
-    def request_fields(self, messages: Sequence[Mapping[str, Any]], *,
+    def request_fields(self, messages: Sequence[Mapping[str, Any]], *, pin: bool,
                        tenant: str | None = None, built: BuiltPrompt | None = None,
                        tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
-        """The body fields that label a ``/v1/chat/completions`` request for contextkit's
-        vLLM connector: ``{"kv_transfer_params": {"contextkit": {...}}, "cache_salt":
-        tenant}`` (pass them as the client's ``extra_body``).
-
-        ``messages`` is exactly what will be sent (normally :meth:`openai_messages`'
-        output; any list that holds each built section verbatim works), ``tools`` the
-        request's tools. The spans are ``[start, end, source_layer, importance, pinned]``
-        in the server's prompt ids (:meth:`ServedModel.render`): one per built section
-        (``pinned``: a stable-prefix layer of a pinnable source, with ``pin_stable``)
-        and one per other message (``user_turn``, 0.3). A span owns the tokens whose
-        first character lies between the end of the previous span's text and the end
-        of its own text, so the spans tile the prompt from token 0 through the last
-        message's content: the chat markup before a text belongs to it, and a token
-        merging across a boundary belongs to the text its first character is in. The
-        markup after the last message (and the generation prompt) is in no span.
-
-        Raises:
-            RuntimeError: the pipeline is not attached to a served model, or nothing is
-                built for the tenant yet.
-            LabelRangeError: a built section is not in ``messages`` verbatim, or the
-                messages cannot be rendered exactly (see :meth:`ServedModel.render`).
-            InvalidNameError: a tenant vLLM refuses as ``cache_salt`` (it contains ``@``).
-        """
+        """See :meth:`CacheAwareContextPipeline.request_fields`; ``pin``: the pipeline's
+        ``pin_stable``."""
         served = self.served
         if served is None:
             raise RuntimeError("request_fields needs a pipeline attached to a served model: "
                                "CacheAwareContextPipeline(served=ServedModel(model_dir))")
-        tenant, built = self._built_for(tenant, built)
+        tenant, built = self.built_for(tenant, built)
         salt = cache_salt(tenant)
         rendered = served.render(messages, tools)
         contents = served.content_spans(messages, tools, rendered)
@@ -181,50 +143,30 @@ class _ServedPipeline:
                 end += 1
             spec = self.config.get(section.layer)
             importance = max((line.importance for line in section.lines), default=0.5)
-            pinned = (self.pin_stable and section.layer in stable
-                      and spec.source in PINNABLE_SOURCES)
+            pinned = pin and section.layer in stable and spec.source in PINNABLE_SOURCES
             labelled.append((contents[k][0] + at, contents[k][0] + end, spec.source,
                              float(importance), pinned))
             holders.add(k)
         labelled += [(a, b, TURN_LAYER, TURN_IMPORTANCE, False)
                      for k, (a, b) in enumerate(contents) if k not in holders]
         labelled.sort(key=lambda s: (s[0], s[1]))
-        spans: list[list[Any]] = []
+        spans: list[WireSpan] = []
         gap = 0
         for a, b, layer, importance, pinned in labelled:
             start, end = rendered.first_token_at(min(gap, a)), rendered.first_token_at(b)
             if end > start:
-                spans.append([start, end, layer, importance, pinned])
+                spans.append(WireSpan(start, end, layer, importance, pinned))
             gap = max(gap, b)
         ids = rendered.token_ids
-        digest = hashlib.sha256(struct.pack(f"<{len(ids)}i", *ids)).hexdigest()
-        with self._lock:
-            self._state(tenant).last_request = (
-                built.report, len(ids), [TokenSpan(s[0], s[1], s[2], s[3]) for s in spans])
-        return {"kv_transfer_params": {PARAMS_KEY: {
-                    "spans": spans, "pin": self.pin_stable, "prompt_tokens": len(ids),
-                    "prompt_sha256": digest}},
+        with self.tenants.lock:
+            self.tenants.state(tenant).last_request = (built.report, len(ids), [
+                TokenSpan(s.start, s.end, s.source_layer, s.importance) for s in spans])
+        return {"kv_transfer_params": encode_labels(spans, pin=pin, prompt_token_ids=ids),
                 "cache_salt": salt}
 
     def record_usage(self, report_or_tenant: CallReport | str | None, prompt_tokens: int,
                      cached_tokens: int) -> CallReport:
-        """Fill a call's report from the usage the server reported (``prompt_tokens``
-        and ``prompt_tokens_details.cached_tokens``): prompt, reused and computed tokens,
-        the reuse ratio and, when the counts are those of the tenant's last
-        :meth:`request_fields`, the reused and computed tokens per layer (also counted in
-        ``contextkit_pipeline_prompt_tokens``).
-
-        ``report_or_tenant``: the call's report, or a tenant (``None``: the resolved
-        tenant) whose last report is meant.
-
-        Returns:
-            The report.
-
-        Raises:
-            RuntimeError: no report for the tenant yet.
-            ValueError: counts that are not ints with ``0 <= cached_tokens <=
-                prompt_tokens``.
-        """
+        """See :meth:`CacheAwareContextPipeline.record_usage`."""
         for name, value in (("prompt_tokens", prompt_tokens), ("cached_tokens", cached_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0 (the server's usage), got "
@@ -235,15 +177,14 @@ class _ServedPipeline:
         if isinstance(report_or_tenant, CallReport):
             report = report_or_tenant
         else:
-            tenant = self.resolve_tenant(report_or_tenant)
-            with self._lock:
-                last = self._state(tenant).last
+            tenant = self.tenants.resolve(report_or_tenant)
+            last = self.tenants.last(tenant)
             if last is None:
                 raise RuntimeError(f"no call for tenant {tenant!r} yet; build a prompt and "
                                    "send a request first")
             report = last.report
-        with self._lock:
-            state = self._state(report.tenant)
+        with self.tenants.lock:
+            state = self.tenants.state(report.tenant)
             request = state.last_request
             report.prompt_tokens = prompt_tokens
             report.reused_tokens = cached_tokens
@@ -256,7 +197,7 @@ class _ServedPipeline:
                 report.reused_by_layer, report.computed_by_layer = {}, {}
                 logger.debug("tenant %s: usage of a request whose fields were not computed "
                              "here; no per-layer split", report.tenant)
-        metrics = self.metrics
+        metrics = self.metrics()
         if metrics is not None:
             for kind, by_layer in (("reused", report.reused_by_layer),
                                    ("computed", report.computed_by_layer)):

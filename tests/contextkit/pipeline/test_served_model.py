@@ -29,10 +29,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from contextkit.engine.engine import Engine
-from contextkit.prompt.layers import LayerConfig, LayerSpec
 from contextkit.metrics import ContextkitMetrics
 from contextkit.pipeline.pipeline import CacheAwareContextPipeline
 from contextkit.pipeline.served.model import LabelRangeError, RenderedPrompt, ServedModel
+from contextkit.pipeline.served.wire import PARAMS_KEY, WireSpan
+from contextkit.prompt.layers import LayerConfig, LayerSpec
 from gpu_cache import InvalidNameError
 from gpu_cache.metadata import PINNABLE_SOURCES
 
@@ -107,8 +108,12 @@ def decode(served: ServedModel, ids: list[int]) -> str:
                                        clean_up_tokenization_spaces=False))
 
 
-def spans_of(fields: dict[str, Any]) -> list[list[Any]]:
-    return fields["kv_transfer_params"]["contextkit"]["spans"]
+def spans_of(fields: dict[str, Any]) -> list[WireSpan]:
+    """The request's spans, read as the connector reads them."""
+    sent = fields["kv_transfer_params"][PARAMS_KEY]["spans"]
+    spans = [WireSpan.decode(s) for s in sent]
+    assert [s.encode() for s in spans] == sent  # each one whole, pinned flag included
+    return spans
 
 
 def expected_pieces(pipeline: CacheAwareContextPipeline, messages: list[dict[str, Any]]
@@ -254,14 +259,14 @@ def test_every_span_decodes_to_its_layer_or_message(served: ServedModel) -> None
     spans = spans_of(fields)
     # The spans tile the prompt from token 0; after the last one only the markup that
     # closes it and the generation prompt are left.
-    assert spans[0][0] == 0
-    assert all(s[1] == t[0] for s, t in itertools.pairwise(spans))
+    assert spans[0].start == 0
+    assert all(s.end == t.start for s, t in itertools.pairwise(spans))
     want = expected_pieces(pipeline, messages)
-    assert [(s[2], decode(served, ids[s[0]:s[1]])) for s in spans] == want
-    assert decode(served, ids[spans[-1][1]:]) == f"{END}\n{START}assistant\n"
+    assert [(s.source_layer, decode(served, ids[s.start:s.end])) for s in spans] == want
+    assert decode(served, ids[spans[-1].end:]) == f"{END}\n{START}assistant\n"
     # Importance as the engine labels it: a section's highest line, turns 0.3.
     for span in spans:
-        assert span[3] == (0.3 if span[2] == "user_turn" else 0.5)
+        assert span.importance == (0.3 if span.source_layer == "user_turn" else 0.5)
 
 
 def test_pins_only_on_the_stable_prefix(served: ServedModel) -> None:
@@ -270,16 +275,16 @@ def test_pins_only_on_the_stable_prefix(served: ServedModel) -> None:
     fields = pipeline.request_fields(pipeline.openai_messages([{"role": "user", "content": "hi"}]))
     spans = spans_of(fields)
     assert fields["kv_transfer_params"]["contextkit"]["pin"] is True
-    pinned = [s[2] for s in spans if s[4]]
+    pinned = [s.source_layer for s in spans if s.pinned]
     assert pinned == ["axioms", "identity", "rules", "capabilities"]
     assert set(pinned) <= PINNABLE_SOURCES
-    assert all(not s[4] for s in spans if s[2] not in pinned)
+    assert all(s.pinned is False for s in spans if s.source_layer not in pinned)
 
     off = served_pipeline(served, pin_stable=False)
     off.build(layered(0))
     fields = off.request_fields(off.openai_messages([{"role": "user", "content": "hi"}]))
     assert fields["kv_transfer_params"]["contextkit"]["pin"] is False
-    assert not any(s[4] for s in spans_of(fields))
+    assert all(s.pinned is False for s in spans_of(fields))
 
     # In the user's order a stable layer after a changing one is not in the stable
     # prefix (its blocks' keys change with the layer before it): not pinned.
@@ -289,7 +294,7 @@ def test_pins_only_on_the_stable_prefix(served: ServedModel) -> None:
     plain = served_pipeline(served, layers=config, reorder=False)
     plain.build({"axioms": ["a"], "current_time": ["t"], "identity": ["i"]})
     fields = plain.request_fields(plain.openai_messages([{"role": "user", "content": "hi"}]))
-    assert [(s[2], s[4]) for s in spans_of(fields)] == [
+    assert [(s.source_layer, s.pinned) for s in spans_of(fields)] == [
         ("axioms", True), ("current_time", False), ("identity", False), ("user_turn", False)]
 
 
@@ -355,7 +360,7 @@ def test_sections_found_anywhere_verbatim(served: ServedModel) -> None:
     fields = pipeline.request_fields(messages)
     rendered = served.render(messages)
     spans = spans_of(fields)
-    texts = [decode(served, rendered.token_ids[s[0]:s[1]]) for s in spans]
+    texts = [decode(served, rendered.token_ids[s.start:s.end]) for s in spans]
     assert texts[0] == (f"{START}system\nYou are a helpful AI assistant named SmolLM, trained "
                         f"by Hugging Face{END}\n{START}user\n(" + built.section_texts["axioms"])
     order = [s.layer for s in built.main]
@@ -364,7 +369,8 @@ def test_sections_found_anywhere_verbatim(served: ServedModel) -> None:
     last = built.section_texts[order[-1]][:-1]
     assert texts[-2] == last + ")"  # the token "])" starts in the section: it is its
     assert texts[-1] == f" ok{END}\n{START}assistant\nyes"
-    assert [s[2] for s in spans] == [pipeline.config.get(x).source for x in order] + ["user_turn"]
+    assert [s.source_layer for s in spans] == [pipeline.config.get(x).source
+                                               for x in order] + ["user_turn"]
 
 
 # ---------------------------------------------------------------------- the pipeline

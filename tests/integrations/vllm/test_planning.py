@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from contextkit.pipeline.served.wire import (
+    PARAMS_KEY,
+    WireSpan,
+    encode_labels,
+    prompt_fingerprint,
+)
 from gpu_cache import CacheIdentity, hash_token_blocks
-from integrations.vllm import ConnectorConfig, ConnectorConfigError, kv_transfer_config
+from integrations.vllm import ConnectorConfig, ConnectorConfigError, kv_transfer_config, planning
 from integrations.vllm.planning import (
     RequestPlanner,
     StepRequest,
     WorkerReport,
+    label_mismatch,
     labels_from_params,
     semantic_params,
 )
@@ -139,6 +148,23 @@ def _fingerprinted(spans: list[list[object]], ids: list[int]) -> dict[str, objec
     return {"contextkit": {"spans": spans, "pin": True, "prompt_tokens": len(ids),
                            "prompt_sha256": hashlib.sha256(
                                struct.pack(f"<{len(ids)}i", *ids)).hexdigest()}}
+
+
+def test_both_sides_speak_one_wire_format() -> None:
+    """The connector reads what the pipeline's wire module writes, and semantic_params
+    writes the same bytes (the literal form above is what travels)."""
+    sent = [[0, 8, "axioms", 1.0, True], [8, 18, "memories", 0.4, False]]
+    literal = _fingerprinted(sent, TOKENS)
+    spans = [WireSpan.decode(s) for s in sent]
+    assert encode_labels(spans, pin=True, prompt_token_ids=TOKENS) == literal
+    assert json.dumps(semantic_params([tuple(s) for s in sent], pin=True,
+                                      prompt_token_ids=TOKENS)) == json.dumps(literal)
+    assert planning.PARAMS_KEY is PARAMS_KEY and planning.prompt_fingerprint is \
+        prompt_fingerprint
+    assert label_mismatch(literal, TOKENS) is None
+    assert [(lab.source_layer, lab.pinned) for lab in labels_from_params(
+        literal, 0, 4, BS, "user_turn")] == [("axioms", True), ("axioms", True),
+                                              ("memories", False), ("memories", False)]
 
 
 def test_span_pinned_flag_pins_per_span() -> None:

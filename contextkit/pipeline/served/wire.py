@@ -1,0 +1,130 @@
+"""The wire format between a pipeline and contextkit's vLLM connector: contextkit's
+entry in a request's ``kv_transfer_params`` (one definition, imported by both sides).
+
+A labelled request carries::
+
+    {"kv_transfer_params": {"contextkit": {
+        "spans": [[start, end, source_layer, importance, pinned], ...],
+        "pin": bool, "prompt_tokens": int, "prompt_sha256": str,
+        "precision": {...}}}}
+
+``spans`` label token ranges of the prompt (:class:`WireSpan`, a JSON list read by
+position; ``pinned`` is optional: without it the request's ``pin`` decides for
+pinnable layers); ``prompt_tokens`` and ``prompt_sha256`` fingerprint the prompt the
+ranges were computed on (:func:`prompt_fingerprint`); ``precision`` is a request's
+precision policy keys over the server's. The pipeline writes it
+(:meth:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline.request_fields`), as
+does :func:`integrations.vllm.planning.semantic_params`; the connector's planner reads
+it (:mod:`integrations.vllm.planning`).
+
+Standard library only: the connector's scheduler side imports it without torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+__all__ = [
+    "PARAMS_KEY",
+    "WireSpan",
+    "decode_fingerprint",
+    "decode_precision",
+    "decode_spans",
+    "encode_labels",
+    "labels_entry",
+    "prompt_fingerprint",
+]
+
+#: contextkit's key in a request's ``kv_transfer_params``.
+PARAMS_KEY = "contextkit"
+
+
+class WireSpan(NamedTuple):
+    """One labelled token range, as it travels: ``[start, end, source_layer,
+    importance]`` plus ``pinned`` when the sender decides the pin per span.
+
+    Attributes:
+        start, end: the token range ``[start, end)`` in the server's prompt ids.
+        source_layer: the layer the range holds (``user_turn`` for the conversation).
+        importance: in ``[0, 1]``.
+        pinned: pin the range's blocks; ``None``: not sent (the request's ``pin``
+            decides, for pinnable layers).
+    """
+
+    start: int
+    end: int
+    source_layer: str
+    importance: float = 0.5
+    pinned: bool | None = None
+
+    def encode(self) -> list[Any]:
+        """The JSON list form (``pinned`` only when set)."""
+        head: list[Any] = [self.start, self.end, self.source_layer, self.importance]
+        return head if self.pinned is None else [*head, self.pinned]
+
+    @classmethod
+    def decode(cls, item: Sequence[Any]) -> WireSpan:
+        """A span from its JSON list form.
+
+        Raises:
+            TypeError, ValueError, IndexError: not a list of at least four values of
+                the right kinds.
+        """
+        return cls(int(item[0]), int(item[1]), str(item[2]), float(item[3]),
+                   bool(item[4]) if len(item) > 4 else None)
+
+
+def prompt_fingerprint(token_ids: Sequence[int]) -> tuple[int, str]:
+    """``(prompt_tokens, prompt_sha256)`` of prompt ids: their count and the SHA-256 hex
+    of the ids packed as little-endian int32 (what a labelled request carries so the
+    connector can tell its spans were computed for this very prompt)."""
+    ids = [int(t) for t in token_ids]
+    return len(ids), hashlib.sha256(struct.pack(f"<{len(ids)}i", *ids)).hexdigest()
+
+
+def encode_labels(spans: Iterable[WireSpan], *, pin: bool,
+                  prompt_token_ids: Sequence[int] | None = None,
+                  precision: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """contextkit's entry of ``kv_transfer_params``, keyed: ``{PARAMS_KEY: {...}}``.
+
+    Args:
+        spans: the labelled ranges.
+        pin: pin the blocks of pinnable layers in spans without their own flag.
+        prompt_token_ids: the prompt the ranges were computed on (its fingerprint is
+            sent; ``None``: none is).
+        precision: precision policy keys over the server's, as plain JSON values.
+    """
+    ours: dict[str, Any] = {"spans": [span.encode() for span in spans], "pin": bool(pin)}
+    if prompt_token_ids is not None:
+        ours["prompt_tokens"], ours["prompt_sha256"] = prompt_fingerprint(prompt_token_ids)
+    if precision is not None:
+        ours["precision"] = dict(precision)
+    return {PARAMS_KEY: ours}
+
+
+def labels_entry(params: object) -> Any:
+    """contextkit's entry of ``kv_transfer_params`` as sent (``None`` when there is none,
+    or when ``params`` is not a mapping); the readers below take it apart."""
+    return params.get(PARAMS_KEY) if isinstance(params, Mapping) else None
+
+
+def decode_spans(entry: Any) -> tuple[bool, list[WireSpan]]:
+    """The request's ``pin`` and its spans, from an entry.
+
+    Raises:
+        TypeError, ValueError, IndexError, AttributeError, KeyError: a malformed entry.
+    """
+    return bool(entry.get("pin", False)), [WireSpan.decode(s) for s in entry.get("spans", [])]
+
+
+def decode_fingerprint(entry: Mapping[str, Any]) -> tuple[Any, Any]:
+    """``(prompt_tokens, prompt_sha256)`` as sent (each ``None`` when absent)."""
+    return entry.get("prompt_tokens"), entry.get("prompt_sha256")
+
+
+def decode_precision(entry: Mapping[str, Any]) -> Any:
+    """The request's precision policy keys as sent (``None`` when absent)."""
+    return entry.get("precision")
