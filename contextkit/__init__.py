@@ -23,6 +23,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -107,6 +108,28 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
     sys.meta_path.append(_MovedModuleFinder())
+
+
+def _lazy_face(
+    package: str, exports: Mapping[str, str],
+) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
+    """``__getattr__``, ``__dir__`` and ``__all__`` of a face whose names load on use.
+
+    ``exports`` maps each public name to the module that defines it; the module is
+    imported when the name is first read (PEP 562), so importing the face stays cheap.
+    """
+    names = sorted(exports)
+
+    def getattr_(name: str) -> Any:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(module), name)
+
+    def dir_() -> list[str]:
+        return list(names)
+
+    return getattr_, dir_, names
 
 
 def __getattr__(name: str) -> Any:

@@ -9,8 +9,7 @@ contextkit.cli`` runs it too. It sits on top: it may import every room and
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from contextkit import _lazy_face
 
 _EXPORTS = {
     "main": "contextkit.cli.commands",
@@ -21,15 +20,4 @@ _EXPORTS = {
     "EXIT_USER_ERROR": "contextkit.cli.commands",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__, __all__ = _lazy_face(__name__, _EXPORTS)

@@ -15,8 +15,7 @@ face (or :mod:`contextkit.engine.models`) does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from contextkit import _lazy_face
 
 _EXPORTS = {
     "Engine": "contextkit.engine.engine",
@@ -37,15 +36,4 @@ _EXPORTS = {
     "load_tokenizer": "contextkit.engine.models",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__, __all__ = _lazy_face(__name__, _EXPORTS)

@@ -20,8 +20,7 @@ May import: :mod:`contextkit.prompt`, :mod:`contextkit.engine`, config and metri
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from contextkit import _lazy_face
 
 _EXPORTS = {
     "CacheAwareContextPipeline": "contextkit.pipeline.pipeline",
@@ -37,15 +36,4 @@ _EXPORTS = {
     "TurnPipeline": "contextkit.pipeline.hooks",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__, __all__ = _lazy_face(__name__, _EXPORTS)

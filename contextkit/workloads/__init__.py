@@ -11,8 +11,7 @@ May import every room below it (prompt, engine, pipeline, loop) and
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from contextkit import _lazy_face
 
 _EXPORTS = {
     "AgentReplay": "contextkit.workloads.replay",
@@ -23,15 +22,4 @@ _EXPORTS = {
     "AgentStep": "contextkit.workloads.agents",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__, __all__ = _lazy_face(__name__, _EXPORTS)
