@@ -1,8 +1,10 @@
 """shadow: crash-safe cold-tier shadow of the TQ4 block cache to NVMe (file://) or S3.
 
 Stores are picked by URL scheme; sessions are described by an atomically replaced
-manifest over immutable segment blobs; recovery verifies per-block checksums and
-restores blocks into the host tier, re-pinning stable prefixes.
+manifest over immutable segment blobs, never rewritten under a name; recovery checks
+that the manifest is the newest generation the store records (:mod:`shadow.freshness`),
+verifies every block (a keyed MAC with ``CONTEXTKIT_SHADOW_KEY`` set, CRC-32 without)
+and restores blocks into the host tier, re-pinning stable prefixes.
 """
 
 from shadow._errors import (

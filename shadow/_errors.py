@@ -5,7 +5,9 @@ from __future__ import annotations
 __all__ = [
     "BlobNotFoundError",
     "CorruptShadowError",
+    "InvalidKeyError",
     "InvalidSessionIdError",
+    "RollbackShadowError",
     "ShadowError",
     "ShadowStoreError",
     "TamperedShadowError",
@@ -19,6 +21,11 @@ class ShadowError(Exception):
 
 class InvalidSessionIdError(ShadowError, ValueError):
     """A session id that could escape the store root or is not a plain name."""
+
+
+class InvalidKeyError(ShadowError, ValueError):
+    """A MAC key that cannot be used (not valid UTF-8 text); the message names where it
+    came from."""
 
 
 class ShadowStoreError(ShadowError, RuntimeError):
@@ -38,6 +45,16 @@ class TamperedShadowError(CorruptShadowError):
 
     Someone (or something) changed it after it was written, or it was written with
     another key; the session is refused and nothing of it is imported.
+    """
+
+
+class RollbackShadowError(TamperedShadowError):
+    """A manifest older than the newest generation the store records for its session.
+
+    ``head.json`` (written after every commit) or ``index.json`` name a later generation:
+    an older copy of the manifest was put back (a replay, or a restore from a backup).
+    Its MAC may check out; it is still refused unless the operator accepts the older
+    state (``accept_rollback=True``, ``contextkit recover --accept-rollback``).
     """
 
 

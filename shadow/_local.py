@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import ctypes
 import errno
 import io
@@ -12,6 +13,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -43,6 +45,34 @@ def _aligned(view: memoryview, offset: int) -> bool:
     return address % _PAGE == 0
 
 
+#: What to do about the OS errors a store directory raises.
+_ADVICE = {
+    errno.ENOSPC: "free space on that filesystem, or point the shadow at another store",
+    errno.EDQUOT: "raise the disk quota, free space, or point the shadow at another store",
+    errno.EROFS: "the filesystem is read-only: mount it read-write (contextkit recover "
+                 "reads a read-only store; --no-sweep skips its cleanup)",
+    errno.EACCES: "check the permissions of the store directory",
+    errno.EPERM: "check the permissions of the store directory",
+    errno.EIO: "the disk reported an I/O error: check it (dmesg, smartctl)",
+}
+
+
+@contextlib.contextmanager
+def store_errors(url: str, what: str, key: str) -> Iterator[None]:
+    """Turn an ``OSError`` of a store operation into a one-line :class:`ShadowStoreError`
+    naming the store, the object, the operation and what to do."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        code = errno.errorcode.get(exc.errno or 0, "")
+        advice = _ADVICE.get(exc.errno or 0, "check the store directory and its filesystem")
+        raise ShadowStoreError(f"cannot {what} {url}/{key}: {reason}"
+                               f"{f' ({code})' if code else ''}; {advice}") from None
+
+
 def fsync_dir(path: Path) -> None:
     """fsync a directory so a rename or new entry in it is durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -52,39 +82,64 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+#: A durable writer starts the disk's writeback every this many bytes (see _LocalWriter).
+_WRITEBACK_BYTES = 16 * 1024 * 1024
+
+
 class _LocalWriter(BlobWriter):
-    """Writes ``<key>.tmp-<pid>-<token>``, then fsyncs and renames it onto ``key``."""
+    """Writes ``<key>.tmp-<pid>-<token>``, then fsyncs and renames it onto ``key``.
+
+    With ``fsync`` on, writeback of what was written is started every
+    :data:`_WRITEBACK_BYTES` (``posix_fadvise(DONTNEED)`` starts it without waiting,
+    and lets the pages go once clean: a shadow is not read back soon). Otherwise the
+    kernel would hold gigabytes dirty until the final fsync, and the disk would sit idle
+    while the shadow computes its checksums and MACs.
+    """
 
     def __init__(self, store: LocalStore, key: str) -> None:
         self.key = key
         self.bytes_written = 0
+        self._url = store.url
         self._final = store._path(key)
-        self._final.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = self._final.with_name(
             f"{self._final.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
         self._fsync = store.config.fsync
-        self._file: io.FileIO | None = open(self._tmp, "wb", buffering=0)  # noqa: SIM115
+        self._flushed = 0  # bytes whose writeback was started
+        with store_errors(self._url, "write", key):
+            self._final.parent.mkdir(parents=True, exist_ok=True)
+            self._file: io.FileIO | None = open(self._tmp, "wb", buffering=0)  # noqa: SIM115
 
     def write(self, data: Any) -> None:
         assert self._file is not None, "write after commit/abort"
         view = memoryview(data).cast("B")
-        while view:  # raw files may write short
-            n = self._file.write(view)
-            assert n is not None
-            view = view[n:]
-            self.bytes_written += n
+        with store_errors(self._url, "write", self.key):
+            while view:  # raw files may write short
+                n = self._file.write(view)
+                assert n is not None
+                view = view[n:]
+                self.bytes_written += n
+            if self._fsync and self.bytes_written - self._flushed >= _WRITEBACK_BYTES \
+                    and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self._file.fileno(), self._flushed,
+                                 self.bytes_written - self._flushed, os.POSIX_FADV_DONTNEED)
+                self._flushed = self.bytes_written
 
     def commit(self) -> int:
         assert self._file is not None, "commit after commit/abort"
         f, self._file = self._file, None
-        try:
+        with store_errors(self._url, "write", self.key):
+            try:
+                if self._fsync:
+                    os.fsync(f.fileno())
+            finally:
+                f.close()
+            try:
+                os.replace(self._tmp, self._final)
+            except OSError:
+                self._tmp.unlink(missing_ok=True)
+                raise
             if self._fsync:
-                os.fsync(f.fileno())
-        finally:
-            f.close()
-        os.replace(self._tmp, self._final)
-        if self._fsync:
-            fsync_dir(self._final.parent)
+                fsync_dir(self._final.parent)
         return self.bytes_written
 
     def abort(self) -> None:
@@ -150,11 +205,16 @@ class LocalStore(ShadowStore):
 
     def get(self, key: str) -> bytes:
         try:
-            return self._path(key).read_bytes()
+            with store_errors(self.url, "read", key):
+                return self._path(key).read_bytes()
         except FileNotFoundError:
             raise BlobNotFoundError(f"{self.url}/{key} does not exist") from None
 
     def read_into(self, key: str, offset: int, buffer: memoryview) -> int:
+        with store_errors(self.url, "read", key):
+            return self._read_into(key, offset, buffer)
+
+    def _read_into(self, key: str, offset: int, buffer: memoryview) -> int:
         view = memoryview(buffer).cast("B")
         direct = self._direct_ok and _aligned(view, offset)
         fd = self._read_fd(key, direct)
@@ -167,7 +227,7 @@ class LocalStore(ShadowStore):
                     raise
                 # The filesystem takes O_DIRECT opens but not these reads: stop trying.
                 self._direct_ok = False
-                return total + self.read_into(key, offset + total, view[total:])
+                return total + self._read_into(key, offset + total, view[total:])
             if not n:
                 break
             total += n
@@ -221,7 +281,8 @@ class LocalStore(ShadowStore):
 
     def size(self, key: str) -> int | None:
         try:
-            return self._path(key).stat().st_size
+            with store_errors(self.url, "stat", key):
+                return self._path(key).stat().st_size
         except FileNotFoundError:
             return None
 
@@ -231,7 +292,8 @@ class LocalStore(ShadowStore):
                 cached = self._read_fds.pop(slot, None)
                 if cached is not None:
                     os.close(cached[0])
-        self._path(key).unlink(missing_ok=True)
+        with store_errors(self.url, "delete", key):
+            self._path(key).unlink(missing_ok=True)
 
     def list(self, prefix: str = "") -> list[str]:
         base = self.root
@@ -273,5 +335,6 @@ class LocalStore(ShadowStore):
         """
         stale = self.list_unfinished(prefix)
         for key in stale:
-            (self.root / key).unlink(missing_ok=True)
+            with store_errors(self.url, "delete", key):
+                (self.root / key).unlink(missing_ok=True)
         return len(stale)

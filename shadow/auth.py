@@ -1,24 +1,37 @@
-"""Keys of authenticated shadows: where the MAC key comes from, and how to describe it.
+"""Keys of authenticated shadows: where the MAC key comes from, what it covers, and how
+to describe it.
 
-A shadow's manifests and index carry an HMAC-SHA256 over their whole content when a
-key is configured. The key is per deployment: every writer and every reader of a store
-must hold the same one. It comes from configuration (``ShadowConfig.auth_key``, a
-recovery argument) or, when none is given, from the environment variable
-:data:`KEY_ENV` (``CONTEXTKIT_SHADOW_KEY``).
+With a key configured, a shadow's manifests, ``index.json`` and each session's
+``head.json`` carry an HMAC-SHA256 over their whole content, and every block record
+carries a MAC over the block's bytes (:func:`block_mac`): the SHA-256 of each of its
+tensor slices, bound to the key, the cache identity, the session, the block's tenant and
+content key, and its position (segment and slot). Recovery checks it before the block is
+imported, so a writer of the store who rewrites a block's bytes (and forges its CRC-32)
+gets the block skipped, never served.
+
+The key is per deployment: every writer and every reader of a store must hold the same
+one. It comes from configuration (``ShadowConfig.auth_key``, a recovery argument) or,
+when none is given, from the environment variable :data:`KEY_ENV`
+(``CONTEXTKIT_SHADOW_KEY``): any UTF-8 text, e.g. ``openssl rand -hex 32``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
 import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from shadow._errors import TamperedShadowError, UnauthenticatedShadowError
+from gpu_cache import TENSOR_NAMES
+from shadow._errors import InvalidKeyError, TamperedShadowError, UnauthenticatedShadowError
 
-__all__ = ["KEY_ENV", "MAC_ALG", "canonical", "describe_auth", "key_id", "resolve_key",
-           "sign", "verify"]
+__all__ = ["BLOCK_MAC_HEX", "KEY_ENV", "KEY_STEP", "MAC_ALG", "BlockBinding", "block_mac",
+           "canonical", "describe_auth", "key_id", "resolve_key", "sign", "tensor_digest",
+           "tensor_digests", "verify"]
 
 #: Environment variable holding the shadow MAC key (any non-empty string).
 KEY_ENV = "CONTEXTKIT_SHADOW_KEY"
@@ -26,6 +39,11 @@ MAC_ALG = "hmac-sha256"
 #: Prefixed to every MACed document, with its kind, so a MAC of one kind of document
 #: (a manifest) is never valid for another (the index).
 _DOMAIN = b"contextkit-shadow mac v1\n"
+_BLOCK_DOMAIN = b"contextkit-shadow block mac v1\n"
+#: Hex digits of a block MAC kept in a record: HMAC-SHA256 truncated to 128 bits.
+BLOCK_MAC_HEX = 32
+#: The one documented step that makes a deployment's shadows authenticated.
+KEY_STEP = f"export {KEY_ENV}=$(openssl rand -hex 32)"
 
 
 def resolve_key(explicit: bytes | str | None = None) -> bytes | None:
@@ -33,12 +51,23 @@ def resolve_key(explicit: bytes | str | None = None) -> bytes | None:
 
     A ``str`` is UTF-8 encoded. An empty key (explicit or from the environment) counts
     as no key at all, so an exported-but-empty variable never authenticates anything.
+
+    Raises:
+        InvalidKeyError: the key (or the variable) is not valid UTF-8 text.
     """
     if explicit is not None:
-        key = explicit.encode() if isinstance(explicit, str) else bytes(explicit)
-        return key or None
-    env = os.environ.get(KEY_ENV, "")
-    return env.encode() or None
+        if isinstance(explicit, str):
+            return _utf8(explicit, "the shadow key (ShadowConfig.auth_key, shadow.key)") or None
+        return bytes(explicit) or None
+    return _utf8(os.environ.get(KEY_ENV, ""), f"${KEY_ENV}") or None
+
+
+def _utf8(text: str, what: str) -> bytes:
+    try:
+        return text.encode()
+    except UnicodeEncodeError:  # lone surrogates: non-UTF-8 bytes in the environment
+        raise InvalidKeyError(f"{what} is not valid UTF-8 text; set it to a UTF-8 string, e.g. "
+                         f"{KEY_STEP}") from None
 
 
 def describe_auth(key: bytes | None) -> str:
@@ -48,8 +77,11 @@ def describe_auth(key: bytes | None) -> str:
     SHA-256) tells two deployments' keys apart.
     """
     if not key:
-        return f"unauthenticated (no key; set {KEY_ENV} to sign and check manifests)"
-    return f"authenticated (HMAC-SHA256, key fingerprint {key_id(key)})"
+        return ("unauthenticated (unsigned: whoever can write the store can change what is "
+                "recovered; fine for one machine's own file:// store - to sign manifests and "
+                f"blocks: {KEY_STEP})")
+    return (f"authenticated (HMAC-SHA256 of manifests and every block's bytes, key "
+            f"fingerprint {key_id(key)})")
 
 
 def key_id(key: bytes) -> str:
@@ -112,3 +144,52 @@ def verify(doc: dict[str, Any], key: bytes | None, kind: str, where: str) -> boo
             f"{where}: MAC does not match its content (modified after it was written); "
             "refused - restore the session from a trusted copy or delete it")
     return True
+
+
+# ---------------------------------------------------------------------- block MACs
+@dataclass(frozen=True, slots=True)
+class BlockBinding:
+    """What a block's MAC binds its bytes to, besides the key.
+
+    Args:
+        identity: :meth:`gpu_cache.CacheIdentity.digest` of the session's cache.
+        session_id: the session whose manifest lists the block.
+        tenant: the block's tenant.
+        key: the block's content key (hex), ``None`` for a block still being filled.
+        segment: the name of the segment holding it (``seg-000003-1a2b3c4d``: unique,
+            never reused for other bytes).
+        slot: its index within the segment.
+    """
+
+    identity: bytes
+    session_id: str
+    tenant: str
+    key: str | None
+    segment: str
+    slot: int
+
+    def replace(self, **changes: Any) -> BlockBinding:
+        return dataclasses.replace(self, **changes)
+
+    def encode(self) -> bytes:
+        return canonical({"identity": self.identity.hex(), "session": self.session_id,
+                          "tenant": self.tenant, "key": self.key, "segment": self.segment,
+                          "slot": self.slot})
+
+
+def tensor_digest(data: Any) -> bytes:
+    """SHA-256 of one tensor slice of a block (any contiguous buffer)."""
+    return hashlib.sha256(data).digest()
+
+
+def tensor_digests(data: Mapping[str, Any]) -> tuple[bytes, ...]:
+    """SHA-256 of each tensor slice of a block, in :data:`gpu_cache.TENSOR_NAMES` order."""
+    return tuple(tensor_digest(data[name]) for name in TENSOR_NAMES)
+
+
+def block_mac(key: bytes, binding: BlockBinding, digests: Sequence[bytes]) -> str:
+    """The MAC of one block: HMAC-SHA256 under ``key`` of its binding and the SHA-256 of
+    each of its tensor slices (:func:`tensor_digests`), as :data:`BLOCK_MAC_HEX` hex
+    digits."""
+    message = _BLOCK_DOMAIN + binding.encode() + b"\n" + b"".join(digests)
+    return hmac.new(key, message, hashlib.sha256).hexdigest()[:BLOCK_MAC_HEX]

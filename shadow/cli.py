@@ -7,9 +7,13 @@ own cache).
 
 Before recovering, the store's debris is swept (:func:`shadow.debris.sweep_debris`:
 unreferenced blobs and temp files of sessions without a live writer, incomplete
-multipart uploads older than ``--debris-age``). Manifests are checked with the key in
-``$CONTEXTKIT_SHADOW_KEY``; without one, an ``s3://`` store is refused unless
-``--allow-unauthenticated`` is given, and the output says ``unauthenticated``.
+multipart uploads older than ``--debris-age``); what it cannot delete (a read-only
+store) is reported and recovery goes on. Manifests and blocks are checked with the key
+in ``$CONTEXTKIT_SHADOW_KEY``; without one, an ``s3://`` store is refused unless
+``--allow-unauthenticated`` is given, and the output says ``unauthenticated``. A session
+whose manifest is older than the newest generation the store records is refused as a
+rollback unless ``--accept-rollback`` is given. A verification cache that would not fit
+in memory is refused for its sessions before anything is allocated.
 """
 
 from __future__ import annotations
@@ -64,16 +68,44 @@ def add_recover_arguments(parser: argparse.ArgumentParser) -> None:
                              "lease are never swept")
     parser.add_argument("--no-sweep", action="store_true",
                         help="leave debris (unreferenced blobs, temp files, uploads) alone")
+    parser.add_argument("--accept-rollback", action="store_true",
+                        help="recover a session whose manifest is older than the newest "
+                             "generation the store records (a replayed or restored copy); "
+                             "refused by default")
 
 
-def _build_cache(identity: CacheIdentity, manifests: list[Manifest]) -> TQGPUCache:
-    """A cache for ``identity`` big enough for the sessions' blocks and pins."""
+def _available_memory() -> int:
+    """Bytes of memory available to a new allocation (``MemAvailable``)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 62  # unknown: do not refuse
+
+
+def _cache_config(manifests: list[Manifest]) -> CacheConfig:
+    """Tiers big enough for the sessions' blocks and pins."""
     num_blocks = sum(len(m.blocks) for m in manifests)
     num_pinned = sum(1 for m in manifests for b in m.blocks if b.pinned)
-    return TQGPUCache(identity, CacheConfig(
-            pins=NO_PIN_QUOTA, num_device_blocks=max(16, num_pinned + 16),
-                                            num_host_blocks=max(16, num_blocks)),
-                      key_offsets=manifests[0].key_offsets_tensor())
+    return CacheConfig(pins=NO_PIN_QUOTA, num_device_blocks=max(16, num_pinned + 16),
+                       num_host_blocks=max(16, num_blocks))
+
+
+def _too_big(identity: CacheIdentity, config: CacheConfig) -> str | None:
+    """Why a verification cache of ``config`` would not fit in memory, or ``None``."""
+    need = (config.num_device_blocks + config.num_host_blocks) * identity.bytes_per_block
+    have = _available_memory()
+    if need <= 0.8 * have:
+        return None
+    return (f"recovering it needs a verification cache of {need / 1e9:,.1f} GB, more than "
+            f"the {have / 1e9:,.1f} GB of memory available; recover fewer sessions at a time "
+            "(--session ID), or recover into the serving process's cache")
 
 
 def run_recover(args: argparse.Namespace, cache: TQGPUCache | None = None) -> dict[str, Any]:
@@ -93,6 +125,7 @@ def run_recover(args: argparse.Namespace, cache: TQGPUCache | None = None) -> di
     url = args.store or default_store_url()
     key = resolve_key() or b""  # b"": decided here, no second look at the environment
     allow = bool(getattr(args, "allow_unauthenticated", False))
+    accept_rollback = bool(getattr(args, "accept_rollback", False))
     store = open_store(url, StoreConfig(endpoint_url=getattr(args, "endpoint_url", None)),
                        create=False)
     report = RecoveryReport()
@@ -106,7 +139,8 @@ def run_recover(args: argparse.Namespace, cache: TQGPUCache | None = None) -> di
         manifests: dict[str, Manifest] = {}
         for sid in wanted:
             try:
-                manifests[sid] = load_manifest(store, sid, key=key)
+                manifests[sid] = load_manifest(store, sid, key=key,
+                                               accept_rollback=accept_rollback)
             except (ShadowError, CacheIdentityError) as exc:
                 report.errors[sid] = str(exc)
         caches: dict[CacheIdentity, TQGPUCache] = {}
@@ -114,7 +148,16 @@ def run_recover(args: argparse.Namespace, cache: TQGPUCache | None = None) -> di
             groups: dict[CacheIdentity, list[Manifest]] = {}
             for m in manifests.values():
                 groups.setdefault(m.identity, []).append(m)
-            caches = {ident: _build_cache(ident, ms) for ident, ms in groups.items()}
+            for ident, ms in groups.items():
+                config = _cache_config(ms)
+                why = _too_big(ident, config)
+                if why is None:
+                    caches[ident] = TQGPUCache(ident, config,
+                                               key_offsets=ms[0].key_offsets_tensor())
+                    continue
+                for m in ms:  # nothing was allocated for them
+                    report.errors[m.session_id] = why
+                    del manifests[m.session_id]
         total_blocks = sum(len(m.blocks) for m in manifests.values())
         with tqdm(total=total_blocks, unit="blk", desc="recover", file=sys.stderr,
                   disable=getattr(args, "no_progress", False)) as bar:
@@ -122,7 +165,8 @@ def run_recover(args: argparse.Namespace, cache: TQGPUCache | None = None) -> di
                 target = cache if cache is not None else caches[m.identity]
                 try:
                     report.merge(recover_session(store, sid, target, progress=bar.update,
-                                                 key=key, allow_unauthenticated=allow))
+                                                 key=key, allow_unauthenticated=allow,
+                                                 accept_rollback=accept_rollback))
                 except (ShadowError, CacheIdentityError) as exc:
                     report.errors[sid] = str(exc)
     finally:
@@ -140,6 +184,13 @@ def run_recover(args: argparse.Namespace, cache: TQGPUCache | None = None) -> di
     if debris.deleted or debris.aborted_uploads:
         out.write(f"  swept {len(debris.deleted)} stale blobs/temp files and aborted "
                   f"{len(debris.aborted_uploads)} incomplete uploads\n")
+    if debris.not_deleted:
+        first = next(iter(debris.not_deleted.values()))
+        out.write(f"  could not delete {len(debris.not_deleted)} stale object(s) ({first}); "
+                  "recovery went on - make the store writable to clean up, or pass "
+                  "--no-sweep to skip the sweep\n")
+    for sid, why in report.rollbacks.items():
+        out.write(f"  {sid}: ACCEPTED ROLLBACK - {why.split(';')[0]}\n")
     for sid, why in report.errors.items():
         out.write(f"  {sid}: {why}\n")
     out.flush()

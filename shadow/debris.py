@@ -15,7 +15,11 @@ process no longer exists is dead at once. The sweeper never touches a session wi
 live lease: not its blobs, not its temp files, not its uploads. So a writer must
 finish each shadow within its TTL (default: three shadow intervals, at least ten
 minutes). A session without a live lease is swept, but only against a manifest that
-loads and authenticates; a session whose manifest cannot be trusted is left alone.
+loads, authenticates and is the newest generation the store records; a session whose
+manifest cannot be trusted is left alone.
+
+A sweep never aborts: what it cannot delete (a read-only store, a denied delete) is
+reported in :attr:`DebrisReport.not_deleted` with the reason, and recovery goes on.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_cache import CacheIdentityError
-from shadow._errors import BlobNotFoundError, InvalidSessionIdError, ShadowError
+from shadow._errors import BlobNotFoundError, InvalidSessionIdError, ShadowError, ShadowStoreError
 from shadow._local import LocalStore
 from shadow.auth import resolve_key
 from shadow.manifest import validate_session_id
@@ -125,13 +129,27 @@ class DebrisReport:
     aborted_uploads: list[str] = field(default_factory=list)  # keys of aborted uploads
     live_sessions: list[str] = field(default_factory=list)  # held by a live lease
     untrusted: list[str] = field(default_factory=list)  # manifest unreadable or refused
+    not_deleted: dict[str, str] = field(default_factory=dict)  # debris left, and why
 
     def to_dict(self) -> dict[str, Any]:
+        first = next(iter(self.not_deleted.values()), None)
         return {"deleted": len(self.deleted), "aborted_uploads": len(self.aborted_uploads),
-                "live_sessions": list(self.live_sessions), "untrusted": list(self.untrusted)}
+                "live_sessions": list(self.live_sessions), "untrusted": list(self.untrusted),
+                "not_deleted": len(self.not_deleted), "not_deleted_reason": first}
+
+    def _remove(self, key: str, remove: Any) -> bool:
+        """Run ``remove()``; a failure is recorded, never raised (the sweep goes on)."""
+        try:
+            remove()
+        except (ShadowStoreError, OSError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            self.not_deleted[key] = reason
+            return False
+        return True
 
 
-_WRITER_FILE = re.compile(r"(seg-[0-9]{6}\.)?[kv]_(packed|norms)\.bin|" + re.escape(LEASE_NAME))
+_WRITER_FILE = re.compile(r"(seg-[0-9]{6}(-[0-9a-f]{16})?\.)?[kv]_(packed|norms)\.bin|"
+                          + re.escape(LEASE_NAME))
 
 
 def _is_writer_file(session_id: str, key: str) -> bool:
@@ -173,7 +191,11 @@ def abort_stale_uploads(store: ShadowStore, older_than_seconds: float = DEFAULT_
     for key, upload_id, _ in uploads:
         if _session_of(key) in live:
             continue
-        store.abort_upload(key, upload_id)
+        try:
+            store.abort_upload(key, upload_id)
+        except ShadowStoreError as exc:  # S3 lifecycle rules reap it; never fatal
+            logger.warning("could not abort the incomplete upload of %s: %s", key, exc)
+            continue
         aborted.append(key)
     if aborted:
         logger.info("%s: aborted %d incomplete multipart uploads", store.url, len(aborted))
@@ -191,10 +213,14 @@ def sweep_debris(store: ShadowStore, *, key: bytes | str | None = None,
     commit). Also temp files at the store root (the index's) and incomplete multipart
     uploads older than ``older_than_seconds``.
 
+    Nothing it fails to delete stops it: those are listed in ``not_deleted`` with the
+    reason (a read-only store: recover with ``--no-sweep``, or make it writable).
+
     Args:
         store: the store to sweep.
         key: the MAC key (default ``$CONTEXTKIT_SHADOW_KEY``); a session whose manifest
-            fails to load or authenticate is left untouched and listed in ``untrusted``.
+            fails to load, authenticate or prove fresh is left untouched and listed in
+            ``untrusted``.
         older_than_seconds: minimum age of temp files and uploads to remove.
         now: the current time (tests).
     """
@@ -238,16 +264,22 @@ def sweep_debris(store: ShadowStore, *, key: bytes | str | None = None,
         # Only names the writer itself produces, one level under the session: a
         # directory that merely looks like a session keeps every other file.
         stale = [k for k in by_session[sid] if k not in keep and _is_writer_file(sid, k)]
-        store.delete_many(stale)
-        report.deleted += [k for k in stale if not k.endswith(f"/{LEASE_NAME}")]
+        for k in stale:
+            if report._remove(k, lambda k=k: store.delete(k)) \
+                    and not k.endswith(f"/{LEASE_NAME}"):
+                report.deleted.append(k)
     if local is not None:
         for t in temps:
             sid = _session_of(t)
             if (sid is None or (sid not in live and sid not in report.untrusted)) \
-                    and (local.age(t) or 0.0) >= older_than_seconds:
-                local.remove_unfinished(t)
+                    and (local.age(t) or 0.0) >= older_than_seconds \
+                    and report._remove(t, lambda t=t: local.remove_unfinished(t)):
                 report.deleted.append(t)
     report.aborted_uploads = abort_stale_uploads(store, older_than_seconds, now=now)
+    if report.not_deleted:
+        logger.warning("%s: could not delete %d stale objects (first: %s); recovery goes on",
+                       store.url, len(report.not_deleted),
+                       next(iter(report.not_deleted.values())))
     if report.deleted or report.aborted_uploads:
         logger.info("%s: swept %d stale blobs and temp files, aborted %d uploads", store.url,
                     len(report.deleted), len(report.aborted_uploads))

@@ -4,8 +4,12 @@ Store layout::
 
     {root}/index.json                      sessions, for discovery (written last)
     {root}/{session_id}/manifest.json      the authoritative description of a session
-    {root}/{session_id}/k_packed.bin ...   segment 0: the first shadow
-    {root}/{session_id}/seg-000003.k_packed.bin ...   later segments (immutable)
+    {root}/{session_id}/head.json          its newest generation (see shadow.freshness)
+    {root}/{session_id}/seg-000003-<token>.k_packed.bin ...   segments (immutable)
+
+A segment's file names carry a random token, so no segment is ever written twice under
+one name, even by a writer that lost track of what was committed (format 1 named
+segment 0 ``k_packed.bin`` and later ones ``seg-000003.k_packed.bin``; still read).
 
 Blob layout ("block-major"): a segment holds one blob per tensor of
 :data:`gpu_cache.TENSOR_NAMES`. Inside a blob, blocks follow one another; block ``i``
@@ -14,18 +18,19 @@ and is stored as the C-contiguous array ``[num_layers, block_size, num_kv_heads,
 ...]`` (the cache's 5D tensor with the block axis taken out). So every block is one
 contiguous byte range with its own checksum, and new blocks append.
 
-A manifest names the segments it uses and, per block, its segment, byte offsets and
-per-tensor checksums; bytes in a segment that no block references are garbage left by
-removed blocks, reclaimed by compaction.
+A manifest names the segments it uses and, per block, its segment, byte offsets,
+per-tensor checksums and, with a key, the block's MAC (:func:`shadow.auth.block_mac`);
+bytes in a segment that no block references are garbage left by removed blocks,
+reclaimed by compaction.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import dataclasses
 import json
-import math
+import re
+import secrets
 import time
 import zlib
 from collections.abc import Mapping
@@ -40,7 +45,17 @@ from gpu_cache.calibration import key_offset_digest
 from gpu_cache.formats import FORMATS, tensor_specs
 from gpu_cache.ids import MAX_NAME_LENGTH, validate_name, validate_tenant
 from shadow._errors import CorruptShadowError, InvalidSessionIdError
-from shadow.auth import sign, verify
+from shadow._fields import (
+    FieldError,
+    int_field,
+    list_field,
+    mapping_field,
+    number_field,
+    parse_identity,
+    per_tensor_field,
+    validate_label,
+)
+from shadow.auth import BLOCK_MAC_HEX, sign, verify
 
 __all__ = [
     "FORMAT_NAME",
@@ -56,22 +71,30 @@ __all__ = [
     "block_shapes",
     "checksum",
     "manifest_key",
+    "new_segment_token",
+    "parse_identity",
     "segment_files",
+    "segment_name",
+    "validate_label",
     "validate_session_id",
 ]
 
 FORMAT_NAME = "contextkit-shadow"
-#: Version of the manifest format; readers refuse newer versions.
-FORMAT_VERSION = 1
+#: Version of the manifest format; readers refuse newer versions. 2: segment names carry
+#: a random token (never reused), block records a MAC (with a key).
+FORMAT_VERSION = 2
 INDEX_KEY = "index.json"
 MAX_SESSION_ID_LENGTH = MAX_NAME_LENGTH
 #: Checksum algorithm of block slices (zlib CRC-32, several GB/s, catches torn writes).
 CHECKSUM = "crc32"
 SEGMENT_KINDS = ("base", "incremental", "compaction")
-#: Upper bounds of identity sizes a manifest may name (far above any real model); a
-#: manifest beyond them is refused before anything is sized from it.
-_MAX_DIM = 1 << 16
 _KEY_HEX = 64  # block keys are SHA-256 digests
+_TOKEN_HEX = 16  # segment tokens: 64 random bits
+_TOKEN_IN_NAME = re.compile(f"seg-[0-9]{{6}}-([0-9a-f]{{{_TOKEN_HEX}}})\\.{TENSOR_NAMES[0]}\\.bin")
+_MAC = re.compile(f"[0-9a-f]{{{BLOCK_MAC_HEX}}}")
+_FieldError = FieldError
+_int, _number, _mapping, _list = int_field, number_field, mapping_field, list_field
+_per_tensor = per_tensor_field
 _NUMPY_OF = {torch.uint8: np.uint8, torch.int8: np.int8, torch.float16: np.float16,
              torch.float32: np.float32}
 
@@ -95,9 +118,21 @@ def manifest_key(session_id: str) -> str:
     return f"{validate_session_id(session_id)}/manifest.json"
 
 
-def segment_files(session_id: str, segment_id: int) -> dict[str, str]:
-    """Store keys of a segment's blobs; segment 0 uses the plain base names."""
-    stem = "" if segment_id == 0 else f"seg-{segment_id:06d}."
+def segment_name(segment_id: int, token: str = "") -> str:
+    """A segment's name: ``seg-000003-<token>``; without a token (format 1), the legacy
+    ``seg-000003`` (whose segment 0 had the plain base names)."""
+    return f"seg-{segment_id:06d}-{token}" if token else f"seg-{segment_id:06d}"
+
+
+def segment_files(session_id: str, segment_id: int, token: str = "") -> dict[str, str]:
+    """Store keys of a segment's blobs: ``{session}/seg-000003-<token>.k_packed.bin``...
+
+    Without a token, the names format 1 used (segment 0: ``k_packed.bin``...).
+    """
+    if token:
+        stem = f"{segment_name(segment_id, token)}."
+    else:
+        stem = "" if segment_id == 0 else f"seg-{segment_id:06d}."
     return {name: f"{session_id}/{stem}{name}.bin" for name in TENSOR_NAMES}
 
 
@@ -126,92 +161,41 @@ def checksum(data: Any) -> int:
     return zlib.crc32(data)
 
 
-class _FieldError(ValueError):
-    """A malformed manifest field; :meth:`Manifest.from_json` adds where and what to do."""
+def _token_of(files: dict[str, Any], session_id: str, segment_id: int) -> str:
+    """The token a segment's file names carry ("" for format 1's names); the caller
+    then checks every name against :func:`segment_files`."""
+    first = files.get(TENSOR_NAMES[0])
+    prefix = f"{session_id}/"
+    if isinstance(first, str) and first.startswith(prefix):
+        match = _TOKEN_IN_NAME.fullmatch(first[len(prefix):])
+        if match is not None:
+            return match.group(1)
+    return ""
 
 
-def _int(value: object, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
-    if type(value) is not int:  # bool is not an int here, nor is 1.0
-        raise _FieldError(f"{what} must be an integer, got {value!r:.40}")
-    if not lo <= value <= hi:
-        raise _FieldError(f"{what} = {value} is outside [{lo}, {hi}]")
-    return value
-
-
-def _number(value: object, what: str, lo: float, hi: float) -> float:
-    if type(value) not in (int, float):
-        raise _FieldError(f"{what} must be a number, got {value!r:.40}")
-    number = float(value)  # type: ignore[arg-type]
-    if not math.isfinite(number) or not lo <= number <= hi:
-        raise _FieldError(f"{what} = {number} is outside [{lo}, {hi}]")
-    return number
-
-
-def _text(value: object, what: str, *, empty: bool = False) -> str:
-    if not isinstance(value, str) or (not value and not empty) or len(value) > 1024 \
-            or not value.isprintable():
-        raise _FieldError(f"{what} must be a printable string, got {value!r:.40}")
-    return value
-
-
-def _mapping(value: object, what: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _FieldError(f"{what} must be an object, got {type(value).__name__}")
-    return value
-
-
-def _list(value: object, what: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise _FieldError(f"{what} must be a list, got {type(value).__name__}")
-    return value
-
-
-def _per_tensor(value: object, what: str, hi: int) -> dict[str, int]:
-    data = _mapping(value, what)
-    if set(data) != set(TENSOR_NAMES):
-        raise _FieldError(f"{what} must name exactly {list(TENSOR_NAMES)}")
-    return {n: _int(data[n], f"{what}.{n}", 0, hi) for n in TENSOR_NAMES}
-
-
-def parse_identity(value: object) -> CacheIdentity:
-    """A manifest's identity, every field type- and range-checked first.
-
-    Raises:
-        _FieldError: a field of the wrong type or out of range.
-        CacheIdentityError: unknown fields (a newer contextkit wrote it).
-    """
-    data = _mapping(value, "identity")
-    checked: dict[str, Any] = {}
-    for f in dataclasses.fields(CacheIdentity):
-        if f.name not in data:
-            continue
-        v = data[f.name]
-        if f.name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            checked[f.name] = _int(v, f"identity.{f.name}", 1, _MAX_DIM)
-        elif f.name in ("rotation_seed", "schema_version"):
-            checked[f.name] = _int(v, f"identity.{f.name}", 0, (1 << 64) - 1)
-        elif f.name == "model_id":
-            checked[f.name] = _text(v, "identity.model_id")
-        else:
-            checked[f.name] = _text(v, f"identity.{f.name}", empty=True)
-    unknown = set(data) - {f.name for f in dataclasses.fields(CacheIdentity)}
-    checked.update({k: data[k] for k in unknown})  # from_dict names them
-    try:
-        return CacheIdentity.from_dict(checked)
-    except ValueError as exc:  # __post_init__: odd head_dim, unknown codec
-        raise _FieldError(f"identity: {exc}") from None
+def new_segment_token() -> str:
+    """A random token that makes a segment's file names unique: a segment is never
+    rewritten under a name it (or any earlier writer) used, whatever the writer knows."""
+    return secrets.token_hex(_TOKEN_HEX // 2)
 
 
 @dataclass(slots=True)
 class SegmentRecord:
-    """One immutable set of four blobs."""
+    """One immutable set of four blobs, written once under names never used before."""
 
     segment_id: int
     files: dict[str, str]
     num_blocks: int
     kind: str = "incremental"  # "base", "incremental" or "compaction"
+    token: str = ""  # random, part of the file names ("" in format 1)
+
+    @property
+    def name(self) -> str:
+        """The segment's unique name (what block MACs bind a block's position to)."""
+        return segment_name(self.segment_id, self.token)
 
     def to_dict(self) -> dict[str, Any]:
+        # the token is not stored apart: the file names carry it (one source of truth)
         return {"id": self.segment_id, "files": self.files, "num_blocks": self.num_blocks,
                 "kind": self.kind}
 
@@ -230,13 +214,18 @@ class BlockRecord:
     segment_id: int
     offsets: dict[str, int]
     checksums: dict[str, int]
+    #: :func:`shadow.auth.block_mac` of its bytes (with a key; ``None`` unsigned)
+    mac: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "source_layer": self.source_layer,
-                "importance": self.importance, "token_range": list(self.token_range),
-                "tenant": self.tenant, "pinned": self.pinned, "num_tokens": self.num_tokens,
-                "segment": self.segment_id, "offsets": self.offsets,
-                "checksums": self.checksums}
+        doc = {"key": self.key, "source_layer": self.source_layer,
+               "importance": self.importance, "token_range": list(self.token_range),
+               "tenant": self.tenant, "pinned": self.pinned, "num_tokens": self.num_tokens,
+               "segment": self.segment_id, "offsets": self.offsets,
+               "checksums": self.checksums}
+        if self.mac is not None:
+            doc["mac"] = self.mac
+        return doc
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], block_size: int | None = None,
@@ -268,7 +257,11 @@ class BlockRecord:
         pinned = data["pinned"]
         if not isinstance(pinned, bool):
             raise _FieldError(f"{what}.pinned must be true or false, got {pinned!r:.40}")
-        return cls(key=key, source_layer=_text(data["source_layer"], f"{what}.source_layer"),
+        mac = data.get("mac")
+        if mac is not None and (not isinstance(mac, str) or not _MAC.fullmatch(mac)):
+            raise _FieldError(f"{what}.mac must be {BLOCK_MAC_HEX} hex digits")
+        return cls(key=key, source_layer=validate_label(data["source_layer"],
+                                                        f"{what}.source_layer"),
                    importance=_number(data["importance"], f"{what}.importance", 0.0, 1.0),
                    token_range=(start, end), tenant=tenant, pinned=pinned,
                    num_tokens=_int(data["num_tokens"], f"{what}.num_tokens", 0,
@@ -276,7 +269,7 @@ class BlockRecord:
                    segment_id=_int(data["segment"], f"{what}.segment"),
                    offsets=_per_tensor(data["offsets"], f"{what}.offsets", 1 << 62),
                    checksums=_per_tensor(data["checksums"], f"{what}.checksums",
-                                         0xFFFFFFFF))
+                                         0xFFFFFFFF), mac=mac)
 
     def meta_for_import(self) -> dict[str, object]:
         """The metadata dict :meth:`gpu_cache.TQGPUCache.import_blocks` takes."""
@@ -306,6 +299,19 @@ class Manifest:
     key_offsets: bytes | None = None
     #: whether the manifest read carried a MAC that checked out (not stored)
     authenticated: bool = False
+    #: block records that could not be read: manifest position -> why (not stored; the
+    #: other records, other tenants' included, are recovered)
+    bad_records: dict[int, str] = field(default_factory=dict)
+    #: why this manifest is older than the newest generation recorded for its session,
+    #: when the reader accepted that (not stored; see :mod:`shadow.freshness`)
+    rollback: str | None = None
+
+    def positions(self) -> list[int]:
+        """Each of :attr:`blocks`' position among all the records the manifest holds."""
+        if not self.bad_records:
+            return list(range(len(self.blocks)))
+        total = len(self.blocks) + len(self.bad_records)
+        return [i for i in range(total) if i not in self.bad_records]
 
     def key_offsets_tensor(self) -> torch.Tensor | None:
         """The key offsets as a tensor, for building a cache of this identity."""
@@ -390,7 +396,7 @@ class Manifest:
         if doc.get("format") != FORMAT_NAME:
             raise CorruptShadowError(f"{where} is not a {FORMAT_NAME} manifest")
         version = doc.get("format_version")
-        if type(version) is not int or version > FORMAT_VERSION:
+        if type(version) is not int or not 1 <= version <= FORMAT_VERSION:
             raise CorruptShadowError(f"{where} has format_version {version!r:.20}; this "
                                      f"contextkit reads up to {FORMAT_VERSION} - upgrade "
                                      "contextkit")
@@ -432,25 +438,27 @@ class Manifest:
             seg = _mapping(raw_seg, f"segments[{i}]")
             seg_id = _int(seg["id"], f"segments[{i}].id", 0, max(0, next_segment - 1))
             files = _mapping(seg["files"], f"segments[{i}].files")
-            if files != segment_files(session_id, seg_id):
+            token = _token_of(files, session_id, seg_id)
+            own = segment_files(session_id, seg_id, token)
+            if files != own:
                 raise _FieldError(f"segments[{i}].files must be this session's own blobs "
-                                  f"{sorted(segment_files(session_id, seg_id).values())}")
+                                  f"{sorted(own.values())}")
             kind = seg.get("kind", "incremental")
             if kind not in SEGMENT_KINDS:
                 raise _FieldError(f"segments[{i}].kind must be one of {SEGMENT_KINDS}")
             segments.append(SegmentRecord(
-                segment_id=seg_id, files=dict(files), kind=kind,
+                segment_id=seg_id, files=dict(files), kind=kind, token=token,
                 num_blocks=_int(seg["num_blocks"], f"segments[{i}].num_blocks", 0, 1 << 40)))
         if len({s.segment_id for s in segments}) != len(segments):
             raise _FieldError("segments lists a segment id twice")
-        blocks = [BlockRecord.from_dict(b, identity.block_size, f"blocks[{i}]")
-                  for i, b in enumerate(_list(doc["blocks"], "blocks"))]
+        blocks, bad = _parse_records(_list(doc["blocks"], "blocks"), identity.block_size)
         raw_offsets = doc.get("key_offsets")
         if raw_offsets is not None and not isinstance(raw_offsets, str):
             raise _FieldError("key_offsets must be base64 text or null")
         manifest = cls(session_id=session_id, identity=identity,
                        generation=_int(doc["generation"], "generation", 0),
                        segments=segments, blocks=blocks, next_segment=next_segment,
+                       bad_records=bad,
                        created_at=_number(doc["created_at"], "created_at", 0.0, 1e12),
                        updated_at=_number(doc["updated_at"], "updated_at", 0.0, 1e12),
                        key_offsets=(base64.b64decode(raw_offsets, validate=True)
@@ -468,10 +476,12 @@ class Manifest:
         return manifest
 
     def _check_consistent(self, where: str) -> None:
+        """Offsets within their segments, one slot per block (positions are those of
+        :meth:`positions`: the manifest's)."""
         sizes = self.block_nbytes
         by_id = {s.segment_id: s for s in self.segments}
         slots: set[tuple[int, int]] = set()
-        for i, b in enumerate(self.blocks):
+        for i, b in zip(self.positions(), self.blocks, strict=True):
             seg = by_id.get(b.segment_id)
             if seg is None:
                 raise CorruptShadowError(f"{where}: block {i} names segment {b.segment_id}, "
@@ -500,6 +510,25 @@ class Manifest:
                            num_blocks=len(self.blocks), num_bytes=self.num_bytes,
                            updated_at=self.updated_at, identity=self.identity,
                            authenticated=self.authenticated)
+
+
+def _parse_records(raw: list[Any], block_size: int) -> tuple[list[BlockRecord], dict[int, str]]:
+    """The block records that parse, and why each of the others does not.
+
+    One malformed record costs that block only: the session's other blocks (other
+    tenants' included) are still recovered.
+    """
+    blocks: list[BlockRecord] = []
+    bad: dict[int, str] = {}
+    for i, item in enumerate(raw):
+        what = f"blocks[{i}]"
+        try:
+            blocks.append(BlockRecord.from_dict(item, block_size, what))
+        except KeyError as exc:
+            bad[i] = f"{what} is missing field {exc}"
+        except (TypeError, ValueError) as exc:
+            bad[i] = f"{what} is malformed ({str(exc)[:160]})"
+    return blocks, bad
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,37 +2,44 @@
 
 Write protocol of one shadow (the manifest put is the commit point)::
 
-    1. new blocks -> one new immutable segment (four blobs), each streamed, fsynced
-       and renamed into place (or a completed multipart upload on S3)
-    2. manifest.json -> written to a temp name, fsynced, atomically replaced
-    3. index.json    -> updated last (a discovery hint)
-    4. segments the new manifest no longer references are deleted
+    1. new blocks -> one new immutable segment (four blobs) under names never used
+       before (a random token), each streamed, fsynced and renamed into place (or a
+       completed multipart upload on S3); with a key, each block record gets its MAC
+    2. manifest.json -> written to a temp name, fsynced, atomically replaced; its
+       generation is above every generation this writer or the store ever recorded
+    3. head.json     -> the committed generation and manifest digest (freshness)
+    4. index.json    -> updated last (a discovery hint)
+    5. segments the new manifest no longer references are deleted
 
 A crash before 2 leaves the previous manifest authoritative and at most some
-unreferenced blobs, which the next shadow overwrites or deletes. A block is
-matched to the previous shadow by its content key; keyed blocks are immutable in
-the cache (content addressing), so each is written once. Blocks without a key (still
-being filled) are written on every shadow. When unreferenced bytes exceed
-``compact_garbage_fraction`` of what the segments hold, the shadow rewrites every
-live block into one fresh segment (a compaction).
+unreferenced blobs, which the next writer (or ``contextkit recover``) deletes. A shadow
+that fails anywhere leaves the writer uncertain of what was committed (a manifest PUT
+whose response was lost may still have landed), so the next shadow first re-reads the
+committed manifest and removes what it does not reference; since segments are never
+rewritten under a name, nothing committed is ever overwritten. A block is matched to
+the previous shadow by its content key; keyed blocks are immutable in the cache (content
+addressing), so each is written once. Blocks without a key (still being filled) are
+written on every shadow. When unreferenced bytes exceed ``compact_garbage_fraction`` of
+what the segments hold, the shadow rewrites every live block into one fresh segment (a
+compaction). A shadow that would commit no block over a session that holds some commits
+nothing (a tenant filter that matches nothing never empties a session).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
-from gpu_cache import TENSOR_NAMES, BlockMeta, TQGPUCache
+from gpu_cache import BlockMeta, InvalidNameError, TQGPUCache, validate_tenant
 from shadow._errors import BlobNotFoundError, CorruptShadowError, TamperedShadowError
-from shadow.auth import KEY_ENV, resolve_key
+from shadow._segments import SegmentWriter
+from shadow.auth import KEY_STEP, resolve_key
 from shadow.debris import (
     DEFAULT_DEBRIS_AGE_S,
     LEASE_NAME,
@@ -40,15 +47,16 @@ from shadow.debris import (
     drop_lease,
     write_lease,
 )
+from shadow.freshness import HEAD_NAME, newest_known, write_head
 from shadow.manifest import (
     BlockRecord,
     Manifest,
     SegmentRecord,
     SessionInfo,
-    block_nbytes,
-    checksum,
     manifest_key,
+    new_segment_token,
     segment_files,
+    validate_label,
     validate_session_id,
 )
 from shadow.recovery import (
@@ -87,6 +95,13 @@ class ShadowConfig:
             (see :mod:`shadow.debris`); ``None``: three intervals, at least 600 s.
         upload_abort_after_seconds: at start, abort incomplete multipart uploads older
             than this (of this session, and of sessions without a live writer).
+        accept_rollback: open a session whose manifest is older than the newest
+            generation the store records (see :mod:`shadow.freshness`) instead of
+            refusing it; the next shadow commits above that newest generation.
+
+    Raises:
+        ValueError: a value out of range (naming the field), a tenant that breaks the
+            naming rule (:func:`gpu_cache.validate_tenant`).
     """
 
     interval_seconds: float = 60.0
@@ -98,20 +113,24 @@ class ShadowConfig:
     allow_unauthenticated: bool = False
     lease_ttl_seconds: float | None = None
     upload_abort_after_seconds: float = DEFAULT_DEBRIS_AGE_S
+    accept_rollback: bool = False
 
     def __post_init__(self) -> None:
-        if self.interval_seconds <= 0:
-            raise ValueError(f"interval_seconds must be > 0, got {self.interval_seconds}")
-        if self.chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
-        if not 0.0 < self.compact_garbage_fraction <= 1.0:
-            raise ValueError("compact_garbage_fraction must be within (0, 1], got "
-                             f"{self.compact_garbage_fraction}")
-        if self.lease_ttl_seconds is not None and self.lease_ttl_seconds <= 0:
-            raise ValueError(f"lease_ttl_seconds must be > 0, got {self.lease_ttl_seconds}")
-        if self.upload_abort_after_seconds < 0:
-            raise ValueError("upload_abort_after_seconds must be >= 0, got "
-                             f"{self.upload_abort_after_seconds}")
+        _seconds("interval_seconds", self.interval_seconds, positive=True)
+        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) \
+                or self.chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be an int >= 1, got {self.chunk_bytes!r}")
+        fraction = self.compact_garbage_fraction
+        if not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
+            raise ValueError(f"compact_garbage_fraction must be within (0, 1], got {fraction!r}")
+        if self.lease_ttl_seconds is not None:
+            _seconds("lease_ttl_seconds", self.lease_ttl_seconds, positive=True)
+        _seconds("upload_abort_after_seconds", self.upload_abort_after_seconds)
+        if self.tenant is not None:
+            try:
+                validate_tenant(self.tenant)
+            except InvalidNameError as exc:
+                raise ValueError(f"ShadowConfig.tenant: {exc}") from None
 
     @property
     def lease_ttl(self) -> float:
@@ -120,28 +139,39 @@ class ShadowConfig:
         return max(3.0 * self.interval_seconds, 600.0)
 
 
+def _seconds(name: str, value: object, *, positive: bool = False) -> None:
+    """A duration must be a finite number, > 0 (``positive``) or >= 0: NaN would compare
+    false everywhere and silently disable what it times."""
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and (value > 0 if positive else value >= 0))
+    if not ok:
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class ShadowResult:
-    """What one shadow wrote."""
+    """What one shadow wrote.
+
+    ``committed`` is false when the shadow committed nothing (no block to shadow over a
+    session that holds some): ``generation`` and ``num_blocks`` are then the committed
+    ones. ``blocks_left_out`` counts blocks whose labels a manifest cannot hold
+    (:func:`shadow.manifest.validate_label`), left out with a warning.
+    """
 
     session_id: str
     generation: int
-    num_blocks: int  # live blocks in the new manifest
+    num_blocks: int  # live blocks in the (new) manifest
     blocks_written: int
     bytes_written: int  # block bytes written (manifest and index excluded)
     manifest_bytes: int
     seconds: float
     compacted: bool
+    committed: bool = True
+    blocks_left_out: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}
-
-
-@dataclass(slots=True)
-class _Prepared:
-    metas: list[BlockMeta]
-    arrays: dict[str, np.ndarray]  # per tensor ``[n, L, BS, H, ...]`` C-contiguous
-    checksums: dict[str, list[int]]
 
 
 class CacheShadow:
@@ -170,6 +200,8 @@ class CacheShadow:
         CacheIdentityError: the existing session belongs to another identity.
         TamperedShadowError: a key is configured and the existing manifest fails its
             MAC (never overwritten: delete the session or fix the key).
+        RollbackShadowError: the existing manifest is older than the newest generation
+            the store records (unless ``config.accept_rollback``).
         UnauthenticatedShadowError: the existing manifest is signed and no key is set.
     """
 
@@ -195,9 +227,17 @@ class CacheShadow:
         self.last_error: BaseException | None = None
         self._key = resolve_key(self.config.auth_key)
         if self._key is None:
-            logger.warning("session %s: shadow manifests in %s are unauthenticated; set %s "
-                           "(or ShadowConfig.auth_key) so tampering is detected",
-                           self.session_id, self.store.url, KEY_ENV)
+            logger.warning("session %s: shadow manifests in %s are unauthenticated (unsigned: "
+                           "whoever can write the store can change what is recovered); to "
+                           "sign them: %s (or ShadowConfig.auth_key)",
+                           self.session_id, self.store.url, KEY_STEP)
+        self._segments = SegmentWriter(cache, self.store, self.session_id,
+                                       self.config.chunk_bytes, self._key)
+        #: the highest generation this writer committed, tried, or saw recorded: the
+        #: next commit is above it, so no generation is ever used twice
+        self._generation_floor = 0
+        #: a shadow failed: what was committed is uncertain until re-read
+        self._resync = False
         write_lease(self.store, self.session_id, self.config.lease_ttl)
         try:
             self._manifest = self._load_existing()
@@ -214,8 +254,14 @@ class CacheShadow:
 
     # ------------------------------------------------------------------ state
     def _load_existing(self) -> Manifest | None:
+        """The committed manifest (``None``: none), and the generation floor raised to the
+        newest generation the store records."""
+        key = self._key or b""
+        newest = newest_known(self.store, self.session_id, key=self._key)
+        self._generation_floor = max(self._generation_floor, newest.generation)
         try:
-            manifest = load_manifest(self.store, self.session_id, key=self._key or b"")
+            manifest = load_manifest(self.store, self.session_id, key=key,
+                                     accept_rollback=self.config.accept_rollback)
         except BlobNotFoundError:
             return None
         except TamperedShadowError:
@@ -226,6 +272,7 @@ class CacheShadow:
             return None
         self.cache.identity.check_compatible(
             manifest.identity, what=f"existing shadow session {self.session_id!r}")
+        self._generation_floor = max(self._generation_floor, manifest.generation)
         return manifest
 
     def _collect_garbage(self) -> None:
@@ -233,7 +280,8 @@ class CacheShadow:
 
         Assumes one writer per session (the documented contract).
         """
-        keep = {manifest_key(self.session_id), f"{self.session_id}/{LEASE_NAME}"}
+        keep = {manifest_key(self.session_id), f"{self.session_id}/{LEASE_NAME}",
+                f"{self.session_id}/{HEAD_NAME}"}
         if self._manifest is not None:
             keep |= {f for s in self._manifest.segments for f in s.files.values()}
         stale = [k for k in self.store.list(f"{self.session_id}/") if k not in keep]
@@ -319,7 +367,9 @@ class CacheShadow:
     def shadow_now(self) -> ShadowResult:
         """Shadow the cache now; returns what was written.
 
-        On any error the previous shadow stays authoritative and the error propagates.
+        On any error the error propagates and what was committed stays authoritative;
+        a manifest write whose acknowledgement was lost may have committed this shadow
+        after all, so the next shadow first re-reads the committed manifest.
         """
         with self._lock:
             result = self._shadow_locked()
@@ -327,25 +377,69 @@ class CacheShadow:
             self._awaiting_recovery = False
             return result
 
-    def _live_blocks(self) -> list[BlockMeta]:
+    def _live_blocks(self) -> tuple[list[BlockMeta], int]:
+        """The blocks to shadow, and how many were left out for labels a manifest cannot
+        hold (the reader would refuse them; nothing is written that cannot be read)."""
         tenant = self.config.tenant
-        metas = [m for m in self.cache.metadata.all()
-                 if tenant is None or m.tenant_slug == tenant]
-        return sorted(metas, key=lambda m: m.block_id)
+        metas, bad = [], []
+        for m in self.cache.metadata.all():
+            if tenant is not None and m.tenant_slug != tenant:
+                continue
+            try:
+                validate_label(m.source_layer, "source_layer")
+            except ValueError:
+                bad.append(m)
+                continue
+            metas.append(m)
+        if bad:
+            logger.warning("session %s: %d block(s) left out of the shadow: their source_layer "
+                           "is not a label a manifest can hold (first: %r); labels are 1-1024 "
+                           "printable characters", self.session_id, len(bad),
+                           bad[0].source_layer[:60])
+        return sorted(metas, key=lambda m: m.block_id), len(bad)
+
+    def _resync_after_failure(self) -> None:
+        """A shadow failed: re-read what is committed (a lost acknowledgement may have
+        committed it after all) and remove what it does not reference."""
+        self._manifest = self._load_existing()
+        self._collect_garbage()
+        self._resync = False
 
     def _shadow_locked(self) -> ShadowResult:
         start = time.perf_counter()
         # a shadow in progress always has a fresh lease: the sweep never takes its blobs
         write_lease(self.store, self.session_id, self.config.lease_ttl)
+        if self._resync:
+            self._resync_after_failure()
+        try:
+            return self._commit(start)
+        except BaseException:
+            self._resync = True
+            raise
+
+    def _commit(self, start: float) -> ShadowResult:
         cache, prev = self.cache, self._manifest
         identity = cache.identity
-        metas = self._live_blocks()
+        metas, left_out = self._live_blocks()
+        if not metas and prev is not None and prev.blocks:
+            logger.warning("session %s: no block%s to shadow; generation %d (%d blocks) stays "
+                           "committed (a shadow never empties a session)", self.session_id,
+                           f" of tenant {self.config.tenant}" if self.config.tenant else "",
+                           prev.generation, len(prev.blocks))
+            return ShadowResult(
+                session_id=self.session_id, generation=prev.generation,
+                num_blocks=len(prev.blocks), blocks_written=0, bytes_written=0,
+                manifest_bytes=0, seconds=time.perf_counter() - start, compacted=False,
+                committed=False, blocks_left_out=left_out)
         prev_by_key = {r.key: r for r in prev.blocks if r.key is not None} if prev else {}
         reuse: dict[int, BlockRecord] = {}
         new: list[BlockMeta] = []
         for m in metas:
             rec = prev_by_key.get(m.key.hex()) if m.key is not None else None
-            if rec is not None:
+            # a record is reused only as it was signed: same tenant, and with a key a MAC
+            # (format 1 had none: such blocks are written again, now with one)
+            if rec is not None and rec.tenant == m.tenant_slug \
+                    and (self._key is None or rec.mac is not None):
                 reuse[m.block_id] = rec
             else:
                 new.append(m)
@@ -363,10 +457,13 @@ class CacheShadow:
         written_records: dict[int, BlockRecord] = {}
         if new:
             kind = "compaction" if compacted else ("base" if segment_id == 0 else "incremental")
-            files = segment_files(self.session_id, segment_id)
-            written, new = self._write_segment(files, segment_id, new)
-            written_records = {r_id: rec for r_id, rec in written}
-            segments.append(SegmentRecord(segment_id, files, len(new), kind))
+            token = new_segment_token()
+            segment = SegmentRecord(segment_id, segment_files(self.session_id, segment_id, token),
+                                    0, kind, token)
+            written, new = self._segments.write(segment, new)
+            written_records = dict(written)
+            segment.num_blocks = len(new)
+            segments.append(segment)
             next_segment = segment_id + 1
         else:
             next_segment = segment_id
@@ -381,12 +478,14 @@ class CacheShadow:
                     key=old.key, source_layer=m.source_layer, importance=m.importance,
                     token_range=tuple(m.token_range), tenant=m.tenant_slug,  # type: ignore[arg-type]
                     pinned=m.pinned, num_tokens=m.num_tokens, segment_id=old.segment_id,
-                    offsets=old.offsets, checksums=old.checksums))
+                    offsets=old.offsets, checksums=old.checksums, mac=old.mac))
         used = {r.segment_id for r in records}
         segments = [s for s in segments if s.segment_id in used]
         now = time.time()
+        generation = max(prev.generation if prev else 0, self._generation_floor) + 1
+        self._generation_floor = generation  # tried is used: it may land late
         manifest = Manifest(session_id=self.session_id, identity=identity,
-                            generation=(prev.generation + 1) if prev else 1,
+                            generation=generation,
                             segments=segments, blocks=records, next_segment=next_segment,
                             created_at=prev.created_at if prev else now, updated_at=now,
                             key_offsets=self._key_offset_bytes(),
@@ -394,6 +493,25 @@ class CacheShadow:
         raw = manifest.to_json(self._key)
         self.store.put(manifest_key(self.session_id), raw)  # the commit point
         self._manifest = manifest
+        self._after_commit(manifest, raw, prev, segments)
+        result = ShadowResult(
+            session_id=self.session_id, generation=manifest.generation,
+            num_blocks=len(records), blocks_written=len(written_records),
+            bytes_written=len(written_records) * per_block, manifest_bytes=len(raw),
+            seconds=time.perf_counter() - start, compacted=compacted,
+            blocks_left_out=left_out)
+        logger.debug("shadowed session %s: %s", self.session_id, result)
+        return result
+
+    def _after_commit(self, manifest: Manifest, raw: bytes, prev: Manifest | None,
+                      segments: list[SegmentRecord]) -> None:
+        """Head, index, and the segments the new manifest dropped. The manifest is
+        committed: a failure here is logged, never raised (the head and the index lag
+        behind, which freshness allows; the next writer deletes the stale segments)."""
+        try:
+            write_head(self.store, self.session_id, manifest.generation, raw, self._key)
+        except Exception:
+            logger.warning("session %s: head update failed", self.session_id, exc_info=True)
         try:
             update_index(self.store, manifest.info(), key=self._key)
         except Exception:  # the manifest is committed; the index is only a hint
@@ -402,87 +520,18 @@ class CacheShadow:
             dropped = {s.segment_id for s in prev.segments} - {s.segment_id for s in segments}
             stale = [f for s in prev.segments if s.segment_id in dropped
                      for f in s.files.values()]
-            self.store.delete_many(stale)
-        result = ShadowResult(
-            session_id=self.session_id, generation=manifest.generation,
-            num_blocks=len(records), blocks_written=len(written_records),
-            bytes_written=len(written_records) * per_block, manifest_bytes=len(raw),
-            seconds=time.perf_counter() - start, compacted=compacted)
-        logger.debug("shadowed session %s: %s", self.session_id, result)
-        return result
+            try:
+                self.store.delete_many(stale)
+            except Exception:
+                logger.warning("session %s: could not delete %d dropped blobs; the next writer "
+                               "or `contextkit recover` removes them", self.session_id,
+                               len(stale), exc_info=True)
 
     def _key_offset_bytes(self) -> bytes | None:
         offsets = self.cache.key_offsets
         if offsets is None:
             return None
         return offsets.detach().to("cpu", torch.float32).numpy().astype("<f4").tobytes()
-
-    # ------------------------------------------------------------------ segment writing
-    def _prepare(self, metas: list[BlockMeta]) -> _Prepared:
-        """Copy blocks out block-major (``[n, L, BS, H, ...]``) with per-block checksums."""
-        cache = self.cache
-        # Blocks freed since the plan was made are dropped; export_blocks copies runs of
-        # consecutive slots with one strided copy each.
-        with cache.locked():
-            metas = [m for m in metas if m.block_id in cache.metadata]
-            n = len(metas)
-            exported = cache.export_blocks([m.block_id for m in metas], block_major=True)
-        arrays = {name: exported[name].numpy() for name in TENSOR_NAMES}
-        sums = {}
-        for name in TENSOR_NAMES:
-            rows = arrays[name].reshape(n, -1).view(np.uint8)
-            sums[name] = [checksum(rows[k]) for k in range(n)]
-        return _Prepared(metas, arrays, sums)
-
-    def _prepared_chunks(self, metas: list[BlockMeta]) -> Iterator[_Prepared]:
-        """Export and checksum chunk ``i + 1`` in a thread while chunk ``i`` is written."""
-        per_block = self.cache.bytes_per_block
-        step = max(1, self.config.chunk_bytes // per_block)
-        chunks = [metas[i:i + step] for i in range(0, len(metas), step)]
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shadow-export") as pool:
-            future = pool.submit(self._prepare, chunks[0])
-            for i in range(len(chunks)):
-                prepared = future.result()
-                if i + 1 < len(chunks):
-                    future = pool.submit(self._prepare, chunks[i + 1])
-                yield prepared
-
-    def _write_segment(
-        self, files: dict[str, str], segment_id: int, metas: Sequence[BlockMeta],
-    ) -> tuple[list[tuple[int, BlockRecord]], list[BlockMeta]]:
-        """Stream blocks into a segment's four blobs and commit them.
-
-        Returns:
-            ``(block id, record)`` per written block, and the blocks actually written
-            (blocks freed meanwhile are dropped).
-        """
-        sizes = block_nbytes(self.cache.identity)
-        writers = {name: self.store.open_writer(files[name]) for name in TENSOR_NAMES}
-        out: list[tuple[int, BlockRecord]] = []
-        written: list[BlockMeta] = []
-        try:
-            for prepared in self._prepared_chunks(list(metas)):
-                for name in TENSOR_NAMES:
-                    if sizes[name]:  # the empty norms of fp16/native stay empty blobs
-                        writers[name].write(prepared.arrays[name])
-                for i, m in enumerate(prepared.metas):
-                    idx = len(written) + i
-                    out.append((m.block_id, BlockRecord(
-                        key=m.key.hex() if m.key is not None else None,
-                        source_layer=m.source_layer, importance=m.importance,
-                        token_range=(int(m.token_range[0]), int(m.token_range[1])),
-                        tenant=m.tenant_slug, pinned=m.pinned, num_tokens=m.num_tokens,
-                        segment_id=segment_id,
-                        offsets={n: idx * sizes[n] for n in TENSOR_NAMES},
-                        checksums={n: prepared.checksums[n][i] for n in TENSOR_NAMES})))
-                written += prepared.metas
-            for name in TENSOR_NAMES:
-                writers[name].commit()
-        except BaseException:
-            for w in writers.values():
-                w.abort()
-            raise
-        return out, written
 
     # ------------------------------------------------------------------ discovery / recovery
     def discover_sessions(self) -> list[SessionInfo]:

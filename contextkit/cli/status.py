@@ -102,6 +102,12 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> None:
                              "engine)")
 
 
+def _signature(authenticated: bool) -> str:
+    if authenticated:
+        return "signed, MAC checked (each block's MAC is checked on recovery)"
+    return "unsigned (edits to it or its blocks would be recovered as they are)"
+
+
 def _age(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.0f} s ago"
@@ -160,7 +166,7 @@ def run_status(args: argparse.Namespace) -> dict[str, Any]:
         out.write(
             f"\n  {s['session_id']}  (generation {s['generation']}, {_age(s['age_s'])})\n"
             f"    model      {s['model']} [{s['codec']}], identity {s['identity']}\n"
-            f"    manifest   {'signed, MAC checked' if s['authenticated'] else 'unsigned'}\n"
+            f"    manifest   {_signature(s['authenticated'])}\n"
             f"    blocks     {s['blocks']:,} ({s['tokens']:,} tokens, "
             f"{s['bytes'] / 1e6:,.1f} MB{disk})\n"
             f"    pinned     {s['pinned_blocks']:,} (restored to the device tier on recovery)\n"

@@ -23,8 +23,10 @@ Values come from, lowest precedence first:
 4. code: the ``overrides`` mapping given to :func:`load_config`.
 
 A later source wins field by field. Unknown sections and keys are refused with the known
-ones listed, values are converted to the field's type and checked by the section's own
-validation; every error is one line that names the source and the key.
+ones listed, values are converted to the field's type and range-checked at load: every
+number must be finite, every duration (a field named ``*_s`` or ``*_seconds``) ``>= 0``,
+every string valid UTF-8; then the section's own validation runs. Every error is one
+line that names the key and the source of its value.
 :meth:`Config.describe` (``contextkit config show``) tells where each value came from.
 """
 
@@ -34,7 +36,9 @@ import dataclasses
 import enum
 import importlib
 import json
+import math
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -174,14 +178,20 @@ def _coerce(value: Any, tp: Any, where: str, from_text: bool) -> Any:
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         try:
             number = tp(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
+        if isinstance(number, float) and not math.isfinite(number):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         if tp is int and isinstance(value, float) and number != value:
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return number
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
+        try:
+            value.encode()
+        except UnicodeEncodeError:  # lone surrogates: non-UTF-8 bytes in the environment
+            raise ConfigError(f"{where}: not valid UTF-8 text; set it to UTF-8 text") from None
         return value
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         for member in tp:
@@ -195,16 +205,37 @@ def _coerce(value: Any, tp: Any, where: str, from_text: bool) -> Any:
     raise ConfigError(f"{where}: values of type {tp} cannot be configured")
 
 
-def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
+#: Durations by naming convention: ``interval_s``, ``idle_ttl_s``, ``interval_seconds``.
+_DURATION = re.compile(r".+_(s|seconds)")
+
+
+def _check_range(name: str, value: Any, where: str) -> Any:
+    """The range every section shares: a duration is never negative (NaN and infinities
+    are refused for every number by :func:`_coerce`)."""
+    if _DURATION.fullmatch(name) and isinstance(value, (int, float)) \
+            and not isinstance(value, bool) and value < 0:
+        raise ConfigError(f"{where}: a duration must be >= 0 seconds, got {value!r}")
+    return value
+
+
+def _build(cls: type, values: Mapping[str, Any], where: str,
+           sources: Mapping[str, str] | None = None) -> Any:
     kwargs: dict[str, Any] = {}
     fields = _fields(cls)
     for name, value in values.items():
         tp = fields[name]
-        kwargs[name] = _build(tp, value, f"{where}.{name}") if _is_dataclass_type(tp) else value
+        kwargs[name] = (_build(tp, value, f"{where}.{name}", sources)
+                        if _is_dataclass_type(tp) else value)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        # name the source of every value the message is about (a section's own check
+        # knows its field, not where the value came from)
+        named = [f"{where}.{name} from {sources[f'{where}.{name}']}" for name in fields
+                 if sources and f"{where}.{name}" in sources
+                 and re.search(rf"\b{re.escape(name)}\b", str(exc))]
+        origin = f" ({'; '.join(named)})" if named else ""
+        raise ConfigError(f"{where}: {exc}{origin}") from None
 
 
 # --------------------------------------------------------------------------- sources
@@ -269,7 +300,7 @@ class Config:
             obj = sections[section]
             raw = _raw(obj)
             _merge(raw, type(obj), values, section, "code", sources, False)
-            sections[section] = _build(type(obj), raw, section)
+            sections[section] = _build(type(obj), raw, section, sources)
         return Config(sections=sections, sources=sources)
 
 
@@ -312,7 +343,8 @@ def _merge(into: dict[str, Any], cls: type, values: Any, where: str, source: str
             nested = into.setdefault(name, {})
             _merge(nested, tp, value, key, source, sources, from_text)
         else:
-            into[name] = _coerce(value, tp, f"{key} ({source})", from_text)
+            at = f"{key} ({source})"
+            into[name] = _check_range(name, _coerce(value, tp, at, from_text), at)
             sources[key] = source
 
 
@@ -320,7 +352,14 @@ def _read_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"configuration file {str(path)!r} does not exist; fix --config or "
                           f"${CONFIG_ENV}")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"configuration file {str(path)!r} is not UTF-8 text (byte "
+                          f"{exc.start}); save it as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read configuration file {str(path)!r} "
+                          f"({exc.strerror or exc}); fix --config or ${CONFIG_ENV}") from None
     try:
         if path.suffix.lower() in (".yaml", ".yml"):
             import yaml
@@ -391,7 +430,8 @@ def _merge_env(into: dict[str, Any], cls: type, values: dict[str, Any], where: s
             _merge_env(into.setdefault(name, {}), tp, item, key, sources)
         else:
             text, var, from_text = item
-            into[name] = _coerce(text, tp, f"{key} (${var})", from_text)
+            at = f"{key} (${var})"
+            into[name] = _check_range(name, _coerce(text, tp, at, from_text), at)
             sources[key] = f"env {var}"
 
 
@@ -430,7 +470,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *,
         _merge_env(raw[section], classes[section], values, section, sources)
     if overrides:
         merge_tables(overrides, "code", False)
-    sections = {name: _build(cls, raw[name], name) for name, cls in classes.items()}
+    sections = {name: _build(cls, raw[name], name, sources) for name, cls in classes.items()}
     return Config(sections=sections, sources=sources)
 
 

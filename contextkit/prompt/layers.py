@@ -7,10 +7,33 @@ prefix that is pinned, and which change on every call (volatile).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
-__all__ = ["DEFAULT_LAYERS", "LayerConfig", "LayerSpec", "UnknownLayerError"]
+__all__ = ["DEFAULT_LAYERS", "LAYER_NAME", "LayerConfig", "LayerSpec", "UnknownLayerError",
+           "check_layer_name"]
+
+#: The one rule for layer names, aliases and sources: 1-64 ASCII letters, digits and
+#: ``_``, starting with a letter. A name is written as the marker ``[NAME]`` (upper
+#: case, :mod:`contextkit.prompt.markup`) and a source is stored as the ``source_layer``
+#: label of cache blocks and shadow manifests, so whatever a layer is called can be
+#: written and read back everywhere (every such name is a valid shadow label).
+LAYER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+_RULE = ("names are 1-64 ASCII letters, digits and '_', starting with a letter (written "
+         "as the marker [NAME], stored as a block label)")
+
+
+def check_layer_name(value: object, what: str) -> str:
+    """Return ``value`` if it follows :data:`LAYER_NAME`; ``what`` names it in the error.
+
+    Raises:
+        ValueError: one line naming ``what``, the value and the rule.
+    """
+    if not isinstance(value, str) or not LAYER_NAME.fullmatch(value):
+        raise ValueError(f"{what} must be a str of letters, digits and '_', got "
+                         f"{_shown(value)}; {_RULE}")
+    return value
 
 
 class UnknownLayerError(KeyError):
@@ -23,6 +46,8 @@ class UnknownLayerError(KeyError):
 @dataclass(frozen=True, slots=True)
 class LayerSpec:
     """One prompt layer.
+
+    Names, aliases and sources follow one rule, :data:`LAYER_NAME`.
 
     Args:
         name: canonical name, used in markers as ``[NAME]...[/NAME]`` (upper case).
@@ -43,9 +68,7 @@ class LayerSpec:
     aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name.replace("_", "").isalnum():
-            raise ValueError(f"layer name must be a str of letters, digits and '_', got "
-                             f"{_shown(self.name)}")
+        check_layer_name(self.name, "layer name")
         for budget in ("budget", "expanded_budget"):
             value = getattr(self, budget)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -58,12 +81,16 @@ class LayerSpec:
         if not isinstance(self.source, str):
             raise ValueError(f"layer {self.name!r}: source must be a str, got "
                              f"{_shown(self.source)}")
+        if self.source:
+            check_layer_name(self.source, f"layer {self.name!r}: source")
         if isinstance(self.aliases, list):
             object.__setattr__(self, "aliases", tuple(self.aliases))
         if not isinstance(self.aliases, tuple) or not all(
-                isinstance(a, str) and a for a in self.aliases):
+                isinstance(a, str) for a in self.aliases):
             raise ValueError(f"layer {self.name!r}: aliases must be a tuple of names, got "
                              f"{_shown(self.aliases)}")
+        for alias in self.aliases:
+            check_layer_name(alias, f"layer {self.name!r}: alias")
         if self.budget <= 0 or self.expanded_budget <= 0:
             raise ValueError(f"layer {self.name!r}: budgets must be > 0 tokens, got "
                              f"{self.budget} and {self.expanded_budget}")

@@ -183,3 +183,61 @@ def test_config_show_prints_sources_and_fails_in_one_line(
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "CONTEXTKIT_PINS_TENANT_SHARE" in err
     assert "Traceback" not in err
+
+
+# ------------------------------------------------- issue 33, item 8: ranges checked at load
+@pytest.mark.parametrize(("env", "setting"), [
+    ({"CONTEXTKIT_TIERS_INTERVAL_S": "nan"}, "tiers.interval_s"),
+    ({"CONTEXTKIT_TIERS_INTERVAL_S": "inf"}, "tiers.interval_s"),
+    ({"CONTEXTKIT_SHADOW_INTERVAL_SECONDS": "nan"}, "shadow.interval_seconds"),
+    ({"CONTEXTKIT_SHADOW_UPLOAD_ABORT_AFTER_SECONDS": "nan"},
+     "shadow.upload_abort_after_seconds"),
+    ({"CONTEXTKIT_TIERS_MISFIRE_GRACE_S": "-1"}, "tiers.misfire_grace_s"),
+    ({"CONTEXTKIT_PINS_IDLE_TTL_S": "-inf"}, "pins.idle_ttl_s"),
+    ({"CONTEXTKIT_TIERS_THRESHOLDS__PROMOTE": "nan"}, "tiers.thresholds.promote"),
+], ids=lambda v: v if isinstance(v, str) else next(iter(v.values())))
+def test_non_finite_and_negative_values_are_refused_at_load_naming_setting_and_source(
+        env: dict[str, str], setting: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env=env)
+    message = str(info.value)
+    assert setting in message and next(iter(env)) in message and "\n" not in message
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.5])
+def test_shadow_intervals_are_checked_in_code_too(value: float) -> None:
+    with pytest.raises(ConfigError, match=r"shadow\.interval_seconds.*\(code\)"):
+        load_config(env={}, overrides={"shadow": {"interval_seconds": value}})
+
+
+def test_a_section_check_names_the_source_of_the_value(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[shadow]\ninterval_seconds = 0\n")
+    with pytest.raises(ConfigError, match=rf"shadow\.interval_seconds.*file {path}"):
+        load_config(path, env={})
+
+
+def test_a_non_utf8_config_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b"[shadow]\nsession_id = \"caf\xe9\"\n")
+    with pytest.raises(ConfigError, match=rf"{path}.*UTF-8"):
+        load_config(path, env={})
+
+
+def test_a_non_utf8_key_variable_names_the_variable() -> None:
+    import os
+
+    raw = os.fsdecode(b"k\xff\xfe-key")  # what Python makes of non-UTF-8 environment bytes
+    with pytest.raises(ConfigError, match=r"CONTEXTKIT_SHADOW_KEY.*UTF-8"):
+        load_config(env={"CONTEXTKIT_SHADOW_KEY": raw})
+
+
+def test_a_non_utf8_key_variable_read_by_the_shadow_names_the_variable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from shadow.auth import resolve_key
+
+    monkeypatch.setenv("CONTEXTKIT_SHADOW_KEY", os.fsdecode(b"k\xff\xfe-key"))
+    with pytest.raises(ValueError, match=r"CONTEXTKIT_SHADOW_KEY.*UTF-8"):
+        resolve_key()

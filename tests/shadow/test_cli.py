@@ -187,3 +187,34 @@ def test_recover_of_s3_without_credentials_is_one_line(s3_endpoint, capsys,
                             s3_endpoint, "--no-progress"], capsys)
     assert code != 0 and "Traceback" not in out + err
     assert len(err.strip().splitlines()) == 1 and "AWS_ACCESS_KEY_ID" in err
+
+
+def test_status_and_recover_say_unsigned_and_the_one_step_to_sign(store_url, capsys,
+                                                                   monkeypatch):
+    """Issue 33, item 9: unsigned stays the file:// default, and users see what it means."""
+    import argparse
+
+    from shadow_testkit import KEY
+
+    from contextkit.cli.status import run_status
+
+    cache = make_cache()
+    add_blocks(cache, range(2))
+    with CacheShadow(cache, store_url, "s", config=ShadowConfig(autostart=False)) as sh:
+        sh.shadow_now()
+    step = "export CONTEXTKIT_SHADOW_KEY=$(openssl rand -hex 32)"
+    status = argparse.Namespace(store=store_url, endpoint_url=None, json=False, tenant=None,
+                                tier_status=None, metrics=None)
+    run_status(status)
+    out = capsys.readouterr().out
+    assert "unsigned" in out and step in out and "can change what is recovered" in out
+    code, out, _ = _main(["recover", "--store", store_url, "--no-progress"], capsys)
+    assert code == 0 and "unsigned" in out and step in out
+
+    monkeypatch.setenv("CONTEXTKIT_SHADOW_KEY", KEY.decode())
+    signed = store_url + "-signed"
+    with CacheShadow(cache, signed, "s", config=ShadowConfig(autostart=False)) as sh:
+        sh.shadow_now()
+    run_status(argparse.Namespace(**{**vars(status), "store": signed}))
+    out = capsys.readouterr().out
+    assert "every block" in out and "unsigned" not in out and step not in out

@@ -60,7 +60,9 @@ def test_session_id_containing_tmp_survives_its_writer_reopening(store_url):
     _shadow(store_url, "agent.tmp-1", range(6))
     CacheShadow(make_cache(), store_url, "agent.tmp-1", config=MANUAL).close()  # a restart
     store = open_store(store_url)
-    assert store.exists("agent.tmp-1/manifest.json") and store.exists("agent.tmp-1/k_packed.bin")
+    [segment] = load_manifest(store, "agent.tmp-1").segments
+    assert store.exists("agent.tmp-1/manifest.json")
+    assert all(store.exists(f) for f in segment.files.values())
     report = recover_session(store, "agent.tmp-1", make_cache())
     assert report.blocks == 6 and not report.skipped
 
@@ -195,7 +197,8 @@ def test_writer_with_a_key_refuses_to_overwrite_a_tampered_session(store_url, tm
 
 
 # ---------------------------------------------------------------- 3. validation first
-_BAD_FIELDS = {
+#: A malformed block record costs that block only (issue 33: never another tenant's).
+_BAD_RECORDS = {
     "importance above 1": lambda d: d["blocks"][0].update(importance=1.5),
     "importance not a number": lambda d: d["blocks"][0].update(importance="high"),
     "importance nan": lambda d: d["blocks"][0].update(importance=float("nan")),
@@ -210,6 +213,11 @@ _BAD_FIELDS = {
     "negative checksum": lambda d: d["blocks"][0]["checksums"].update(k_norms=-1),
     "short key": lambda d: d["blocks"][0].update(key="abcd"),
     "source layer a number": lambda d: d["blocks"][0].update(source_layer=5),
+    "record not an object": lambda d: d["blocks"].__setitem__(0, [1, 2]),
+    "record without a tenant": lambda d: d["blocks"][0].pop("tenant"),
+}
+#: A malformed manifest is refused whole, before anything is allocated.
+_BAD_FIELDS = {
     "model_id an object": lambda d: d["identity"].update(model_id={}),
     "rotation_seed null": lambda d: d["identity"].update(rotation_seed=None),
     "num_layers a string": lambda d: d["identity"].update(num_layers="2"),
@@ -218,6 +226,19 @@ _BAD_FIELDS = {
     "generation negative": lambda d: d.update(generation=-3),
     "blocks not a list": lambda d: d.update(blocks={"0": 1}),
 }
+
+
+@pytest.mark.parametrize("name", sorted(_BAD_RECORDS))
+def test_malformed_block_record_is_skipped_alone_before_any_allocation(name, store_url,
+                                                                       tmp_path):
+    _shadow(store_url, "m", range(6))
+    _edit(tmp_path / "shadow" / "m" / "manifest.json", _BAD_RECORDS[name])
+    dst = make_cache()
+    report = recover_session(open_store(store_url), "m", dst)
+    [skipped] = report.skipped
+    assert skipped.index == 0 and "blocks[0]" in skipped.reason and "\n" not in skipped.reason
+    assert report.blocks == 5 and report.block_ids["m"][0] is None
+    assert dst.num_used(Tier.HOST) == len(dst.metadata) == 5
 
 
 @pytest.mark.parametrize("name", sorted(_BAD_FIELDS))

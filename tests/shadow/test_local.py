@@ -8,7 +8,15 @@ import time
 
 import pytest
 import torch
-from shadow_testkit import MEDIUM, SMALL, add_blocks, add_prefix, exported_by_key, make_cache
+from shadow_testkit import (
+    MEDIUM,
+    SMALL,
+    add_blocks,
+    add_prefix,
+    exported_by_key,
+    make_cache,
+    segment_blob,
+)
 
 import shadow
 from gpu_cache import TENSOR_NAMES, CacheIdentity, CacheIdentityError, PrefixPinManager, Tier
@@ -49,8 +57,13 @@ def test_layout_and_manifest_fields(store_url, tmp_path):
     with CacheShadow(cache, store_url, "sess-1", config=MANUAL) as sh:
         sh.shadow_now()
     root = tmp_path / "shadow"
+    doc = json.loads((root / "sess-1" / "manifest.json").read_bytes())
+    [segment] = doc["segments"]
+    token = segment["files"]["k_packed"].split("-")[-1].split(".")[0]  # the names carry it
+    assert len(token) == 16
     assert sorted(os.listdir(root / "sess-1")) == sorted(
-        ["manifest.json", "k_packed.bin", "k_norms.bin", "v_packed.bin", "v_norms.bin"])
+        ["manifest.json", "head.json",
+         *(f"seg-000000-{token}.{n}.bin" for n in TENSOR_NAMES)])
     assert (root / "index.json").exists()
     doc = json.loads((root / "sess-1" / "manifest.json").read_bytes())
     assert CacheIdentity.from_dict(doc["identity"]) == SMALL
@@ -63,7 +76,7 @@ def test_layout_and_manifest_fields(store_url, tmp_path):
     assert set(first["checksums"]) == set(TENSOR_NAMES)
     assert [b["offsets"]["k_packed"] for b in doc["blocks"]] == [i * per["k_packed"]
                                                                   for i in range(8)]
-    assert (root / "sess-1" / "k_packed.bin").stat().st_size == 8 * per["k_packed"]
+    assert segment_blob(root, "sess-1", "k_packed").stat().st_size == 8 * per["k_packed"]
     index = json.loads((root / "index.json").read_bytes())
     assert index["sessions"]["sess-1"]["num_blocks"] == 8
 
@@ -156,7 +169,7 @@ def test_incremental_shadow_writes_only_changed_blocks(store_url):
         inc = sh.shadow_now()
     blob = {k: v for k, v in store.written.items() if k.endswith(".bin")}
     assert sum(blob.values()) == 4 * cache.bytes_per_block
-    assert all(k.startswith("inc/seg-000001.") for k in blob)
+    assert all(k.startswith("inc/seg-000001-") for k in blob)
     assert inc.blocks_written == 4 and inc.num_blocks == 400 and not inc.compacted
     # the manifest is rewritten each time but stays small next to the data
     assert store.bytes_written <= 0.04 * full_blob
@@ -183,7 +196,8 @@ def test_compaction_rewrites_live_blocks_and_drops_old_segments(store_url, tmp_p
         res = sh.shadow_now()
         assert res.compacted and res.blocks_written == 8
         files = sorted(os.listdir(tmp_path / "shadow" / "cmp"))
-        assert "k_packed.bin" not in files and "seg-000001.k_packed.bin" in files
+        assert not [f for f in files if f.startswith("seg-000000-")]
+        assert len([f for f in files if f.startswith("seg-000001-")]) == 4
     dst = make_cache()
     assert recover_session(open_store(store_url), "cmp", dst).blocks == 8
     assert exported_by_key(dst).keys() == exported_by_key(cache).keys()
@@ -282,7 +296,7 @@ def _shadow_sessions(store_url, sids, n=6):
 
 def test_truncated_blob_skips_only_the_cut_blocks(store_url, tmp_path):
     _shadow_sessions(store_url, ["cut", "fine"])
-    path = tmp_path / "shadow" / "cut" / "v_norms.bin"
+    path = segment_blob(tmp_path / "shadow", "cut", "v_norms")
     size = path.stat().st_size
     with open(path, "r+b") as f:
         f.truncate(size - size // 6 - 1)  # the last two blocks lose bytes
@@ -295,7 +309,7 @@ def test_truncated_blob_skips_only_the_cut_blocks(store_url, tmp_path):
 
 def test_flipped_byte_fails_its_checksum(store_url, tmp_path):
     _shadow_sessions(store_url, ["flip"])
-    path = tmp_path / "shadow" / "flip" / "k_packed.bin"
+    path = segment_blob(tmp_path / "shadow", "flip", "k_packed")
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 6 * 2 + 5] ^= 0xFF  # inside block 2
     path.write_bytes(bytes(raw))
@@ -324,12 +338,16 @@ def test_corrupt_session_is_reported_and_others_recover(damage, store_url, tmp_p
         doc["blocks"][0]["offsets"]["k_norms"] = 10**9
         path.write_text(json.dumps(doc))
     else:
-        (tmp_path / "shadow" / "bad" / "v_packed.bin").unlink()
+        segment_blob(tmp_path / "shadow", "bad", "v_packed").unlink()
     dst = make_cache()
     report = recover_sessions(open_store(store_url), dst)
     assert "good" in report.sessions
     if damage == "missing blob":
         assert report.num_skipped == 6 and "missing" in report.skipped[0].reason
+    elif damage == "missing field":  # one record: that block only (issue 33)
+        assert [s.index for s in report.skipped] == [1] and "checksums" in report.skipped[0].reason
+        assert "bad" in report.sessions and report.blocks == 11
+        return
     else:
         assert "bad" in report.errors and "bad" not in report.sessions
     assert report.blocks == 6

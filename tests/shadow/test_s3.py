@@ -56,10 +56,11 @@ def test_shadow_discover_recover_over_s3_with_multipart(s3_config, request):
         sh.shadow_now()
     assert calls.count("CompleteMultipartUpload") == 2  # k_packed and v_packed
     assert calls.count("UploadPart") == 4
-    # the manifest, then the index, then the writer's lease is released on close
-    assert calls[-4:] == ["PutObject", "GetObject", "PutObject", "DeleteObject"]
+    # the manifest, its head, then the index; the writer's lease is released on close
+    assert calls[-5:] == ["PutObject", "PutObject", "GetObject", "PutObject", "DeleteObject"]
     keys = store.list()
-    assert {"chat-1/manifest.json", "chat-1/k_packed.bin", "index.json"} <= set(keys)
+    assert {"chat-1/manifest.json", "chat-1/head.json", "index.json"} <= set(keys)
+    assert [k for k in keys if k.startswith("chat-1/seg-000000-") and k.endswith(".k_packed.bin")]
 
     infos = discover_sessions(store, key=KEY)
     assert [(i.session_id, i.num_blocks, i.authenticated) for i in infos] == [
@@ -129,7 +130,7 @@ def test_interrupted_multipart_upload_leaves_no_authoritative_manifest(s3_config
         sh.shadow_now()
     assert "CreateMultipartUpload" in calls and "UploadPart" in calls
     assert base.get("crash/manifest.json") == before  # still the old snapshot
-    assert not base.exists("crash/seg-000001.v_packed.bin")
+    assert not [k for k in base.list("crash/") if k.startswith("crash/seg-000001-")]
     report = recover_session(base, "crash", make_cache(MEDIUM, host_blocks=2048), key=KEY)
     assert report.blocks == 50 and not report.skipped
     # the next shadow (a restart) completes and supersedes it
