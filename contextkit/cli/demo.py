@@ -88,13 +88,14 @@ def run_demo(args: argparse.Namespace) -> int:
     from shadow import CacheShadow, ShadowConfig, ShadowError, discover_sessions, open_store
     from shadow.cli import default_store_url
 
+    # user errors: one line and exit status 2 (contextkit.cli.commands.run_command)
     if args.turns < 1:
-        raise SystemExit("contextkit demo: --turns must be >= 1")
+        raise ValueError(f"--turns must be >= 1, got {args.turns}")
     if not args.think_s >= 0:
-        raise SystemExit("contextkit demo: --think-s must be >= 0")
+        raise ValueError(f"--think-s must be >= 0, got {args.think_s}")
     if args.agent_steps and args.agent_steps < 2 * AGENTS:
-        raise SystemExit(f"contextkit demo: --agent-steps must be 0 (skip) or >= {2 * AGENTS} "
-                         f"(each of the {AGENTS} agents takes 2 turns)")
+        raise ValueError(f"--agent-steps must be 0 (skip) or >= {2 * AGENTS} (each of the "
+                         f"{AGENTS} agents takes 2 turns), got {args.agent_steps}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     store_url = args.store or default_store_url()
@@ -143,6 +144,7 @@ def run_demo(args: argparse.Namespace) -> int:
                         memory_graph=graph, prefix_cache=False, quality=False, on_turn=show,
                         reserve=not args.no_reserve, think_s=args.think_s)
     written = shadow.shadow_now()
+    signed = shadow.manifest is not None and shadow.manifest.authenticated
     shadow.close()
     store.close()
     graph.close()
@@ -162,13 +164,16 @@ def run_demo(args: argparse.Namespace) -> int:
         "recovered_blocks": recovered.get("blocks", 0),
         "reservations": _reservation_summary(result),
         "shadow": {"store": store_url, "session": SESSION_ID,
-                   "blocks": written.num_blocks, "bytes_written": written.bytes_written},
+                   "blocks": written.num_blocks, "bytes_written": written.bytes_written,
+                   "signed": signed},
     }
     if agents is not None:
         summary["agents"] = agents["summary"]
     (out / "demo.json").write_text(json.dumps({"summary": summary, "records": records,
                                                "volatility": result["volatility"],
-                                               "agents": agents["rows"] if agents else []},
+                                               "agents": agents["rows"] if agents else [],
+                                               "agents_reference":
+                                                   agents["reference_rows"] if agents else []},
                                               indent=2, sort_keys=True))
     png = plot_ttft(records, out / "ttft.png",
                     f"contextkit demo: SmolLM2-135M, {records[-1]['prompt_tokens']:,}-token prompt")
@@ -180,30 +185,76 @@ def run_demo(args: argparse.Namespace) -> int:
         f"TTFT median: full prefill {summary['ttft_ms_baseline_p50'] / 1000:.2f} s, contextkit "
         f"{summary['ttft_ms_contextkit_p50'] / 1000:.2f} s; median speedup over turns >= 2 "
         f"{summary['speedup_p50']:.1f}x; median KV reuse {summary['kv_reuse_ratio_p50']:.0%}.\n"
+        f"{_first_turn_line(records[0], summary['recovered_blocks'])}\n"
         f"{_decode_line(summary['decode_tps_p50'], args.max_new_tokens)}\n"
         f"Cache: {summary['pinned_blocks']} pinned blocks (the stable prefix); blocks per tier: "
         f"{tiers}. Restored at start: {summary['recovered_blocks']} blocks.\n"
         f"{_reservation_line(summary['reservations'])}\n"
-        f"Shadowed {written.num_blocks} blocks to {store_url} (session {SESSION_ID}); "
-        "see `contextkit status`.\n"
+        f"Shadowed {written.num_blocks} blocks to {store_url} (session {SESSION_ID}), "
+        f"{_signed_line(signed)}; see `contextkit status`.\n"
         f"Wrote {out / 'demo.json'} and {png}.\n")
     if agents is not None:
-        a = agents["summary"]
-        occupancy = ", ".join(f"{t} {v['used']}/{v['capacity']}" for t, v in a["tiers"].items())
-        sys.stdout.write(
-            f"\nMulti-agent: {a['agents']} agents of {a['tenants']} tenants, {a['steps']} steps "
-            f"on one cache (device tier {a['device_agents']} agents' prompts, host tier "
-            f"{a['host_agents']}).\n"
-            f"TTFT median {a['ttft_ms_p50'] / 1000:.2f} s; prompt tokens served from the device "
-            f"{a['device_hit_rate']:.0%}, brought up from the host {a['host_hit_rate']:.0%}.\n"
-            f"Prefetches: {a['prefetches']} (one before each turn, all finished before it "
-            f"began: {a['prefetch_before_generate']}), {a['prefetch_warmed_blocks']} blocks "
-            f"warmed, {a['prefetch_spilled_blocks']} spilled, {a['prefetch_removed_blocks']} "
-            f"archived; OODA median {a['ooda_ms_p50']:.1f} ms.\n"
-            f"Tier occupancy (blocks used/capacity): {occupancy}; pinned "
-            f"{a['pinned_blocks']}, pinned blocks evicted {a['pinned_blocks_evicted']}.\n"
-            f"Wrote {agents['plot']}.\n")
+        sys.stdout.write(_agents_text(agents["summary"], agents["plot"]))
     return 0
+
+
+def _agents_text(a: dict[str, Any], plot: str) -> str:
+    """The multi-agent run's summary: against its LRU reference; warms only when any."""
+    occupancy = ", ".join(f"{t} {v['used']}/{v['capacity']}" for t, v in a["tiers"].items())
+    ref = a["reference"]
+    cpu = (" On this CPU-only machine both tiers are host memory: a warm is a copy "
+           "between two RAM pools." if a["device"] == "cpu" else "")
+    if a["prefetch_warmed_blocks"] or a["host_hit_rate"]:
+        moves = (f"prompt tokens served from the device {a['device_hit_rate']:.0%}, brought "
+                 f"up from the host {a['host_hit_rate']:.0%}; prefetches warmed "
+                 f"{a['prefetch_warmed_blocks']} blocks, spilled "
+                 f"{a['prefetch_spilled_blocks']}, archived {a['prefetch_removed_blocks']}")
+    else:
+        moves = (f"prompt tokens served from the device {a['device_hit_rate']:.0%}; no "
+                 "prefetch had to warm a block (each due agent's blocks were already in the "
+                 f"device tier), {a['prefetch_spilled_blocks']} spilled, "
+                 f"{a['prefetch_removed_blocks']} archived")
+    return (
+        f"\nMulti-agent: {a['agents']} agents of {a['tenants']} tenants, {a['steps']} steps on "
+        f"one cache (device tier {a['device_agents']} agents' prompts, host tier "
+        f"{a['host_agents']}).{cpu}\n"
+        f"semantic + OODA prefetch: TTFT median {a['ttft_ms_p50'] / 1000:.2f} s, "
+        f"{a['computed_tokens']:,} prompt tokens computed; {moves}. {a['prefetches']} "
+        f"prefetches (one before each turn, all finished before it began: "
+        f"{a['prefetch_before_generate']}); OODA median {a['ooda_ms_p50']:.1f} ms.\n"
+        f"LRU reference (recency only, no pins, no prefetch), same steps: TTFT median "
+        f"{ref['ttft_ms_p50'] / 1000:.2f} s, {ref['computed_tokens']:,} prompt tokens "
+        f"computed, {ref['device_hit_rate']:.0%} from the device.\n"
+        f"Tier occupancy (blocks used/capacity): {occupancy}; pinned {a['pinned_blocks']}, "
+        f"pinned blocks evicted {a['pinned_blocks_evicted']}.\n"
+        f"Wrote {plot}.\n")
+
+
+def _signed_line(signed: bool) -> str:
+    """Whether the shadow is signed; unsigned says what that means and the one step."""
+    from shadow.auth import KEY_STEP
+
+    if signed:
+        return "signed (manifests and every block carry a MAC)"
+    return ("unsigned: fine for this machine's own store, but whoever can write it can "
+            f"change what is restored; to sign: {KEY_STEP}")
+
+
+def _first_turn_line(first: dict[str, Any], recovered_blocks: int) -> str:
+    """What turn 1 measured and why: cold, it pays for the cache; restored, it reuses."""
+    base, ours = first["ttft_ms_baseline"] / 1000, first["ttft_ms_contextkit"] / 1000
+    times = f"TTFT {ours:.2f} s with contextkit vs {base:.2f} s for the full prefill"
+    if first["reused_tokens"] == 0:
+        return (f"Turn 1 ({times}): nothing is cached yet, so contextkit prefills all "
+                f"{first['prompt_tokens']:,} tokens too, and also quantizes every block into "
+                "the TQ4 cache and pins the stable prefix; that is the cost it pays once. "
+                "Later turns reuse the cached prefix; run the demo again to start from its "
+                "shadow.")
+    return (f"Turn 1 ({times}): served from the {recovered_blocks} blocks restored from the "
+            f"shadow, reusing {first['reused_tokens']:,} of {first['prompt_tokens']:,} prompt "
+            f"tokens and computing {first['computed_tokens']:,}. Its reply may differ from a "
+            "cold run's: the restored KV is 4-bit TQ4, where a cold prefill attends over the "
+            "float KV it just computed.")
 
 
 def _decode_line(tps: float | None, max_new_tokens: int) -> str:
@@ -262,6 +313,12 @@ def _agents_run(engine: Any, steps: int, max_new_tokens: int, out: Path) -> dict
                      on_step=show)
     rows = run["rows"]
     figures = policy_figures(rows)
+    _say(f"the same {steps} steps on LRU (the reference: recency only, no pins, no "
+         "prefetch) ...")
+    reference = run_policy(engine, workload, "lru", sizes, steps=steps,
+                           max_new_tokens=max_new_tokens, prompt_tokens=tokens,
+                           progress=False)["rows"]
+    ref_figures = policy_figures(reference)
     prefetch = figures["prefetch"]
     summary = {
         "agents": AGENTS, "tenants": TENANTS, "steps": steps,
@@ -277,18 +334,35 @@ def _agents_run(engine: Any, steps: int, max_new_tokens: int, out: Path) -> dict
         "pinned_blocks": run["pinned_blocks"],
         "pinned_blocks_evicted": figures["pinned_blocks_evicted"],
         "leak_free": run["leak_free"],
+        "computed_tokens": sum(r["computed_tokens"] for r in rows),
+        # on a CPU-only machine the device tier is host memory too
+        "device": engine.cache.device.type,
+        "reference": {"policy": "lru",
+                      "ttft_ms_p50": statistics.median(r["ttft_ms"] for r in reference),
+                      "device_hit_rate": ref_figures["device_hit_rate"],
+                      "host_hit_rate": ref_figures["host_hit_rate"],
+                      "computed_tokens": sum(r["computed_tokens"] for r in reference)},
     }
-    plot = _plot_agents(rows, sizes.device_blocks, sizes.host_blocks, out / "agents.png")
-    return {"summary": summary, "rows": rows, "plot": str(plot)}
+    fig = agents_figure(rows, reference, sizes.device_blocks, sizes.host_blocks,
+                        cpu_only=summary["device"] == "cpu")
+    plot = out / "agents.png"
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(plot, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return {"summary": summary, "rows": rows, "reference_rows": reference, "plot": str(plot)}
 
 
-def _plot_agents(rows: list[dict[str, Any]], device_blocks: int, host_blocks: int,
-                 path: Path) -> Path:
-    """TTFT per step (bars, by agent) over the tiers' occupancy and the prefetched blocks."""
+def agents_figure(rows: list[dict[str, Any]], reference: list[dict[str, Any]],
+                  device_blocks: int, host_blocks: int, *, cpu_only: bool) -> Any:
+    """TTFT per step (bars by agent; the LRU reference as markers) over the tiers'
+    occupancy, and the blocks prefetched, drawn only when a prefetch warmed any."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     steps = [r["step"] + 1 for r in rows]
@@ -297,25 +371,29 @@ def _plot_agents(rows: list[dict[str, Any]], device_blocks: int, host_blocks: in
     colors = {name: f"C{i}" for i, name in enumerate(names)}
     top.bar(steps, [r["ttft_ms"] / 1000 for r in rows],
             color=[colors[r["agent"]] for r in rows])
+    handles: list[Any] = [Patch(color=colors[n], label=n) for n in names]
+    if reference:
+        top.plot([r["step"] + 1 for r in reference], [r["ttft_ms"] / 1000 for r in reference],
+                 "k_", markersize=18, markeredgewidth=2)
+        handles.append(Line2D([], [], color="k", marker="_", linestyle="none", markersize=12,
+                              label="LRU reference"))
     top.set_ylabel("time to first token (s)")
-    top.legend(handles=[Patch(color=colors[n], label=n) for n in names], fontsize=8,
-               ncol=len(names))
+    top.legend(handles=handles, fontsize=8, ncol=len(handles))
     top.set_title("contextkit demo: agents sharing one cache (semantic + OODA prefetch)",
                   fontsize=10)
     top.grid(axis="y", alpha=0.3)
+    tier = " (CPU only: both tiers are host memory)" if cpu_only else ""
     bottom.plot(steps, [100 * r["device_used"] / device_blocks for r in rows], "o-",
-                label="device tier used (%)")
+                label=f"device tier used (%){tier}")
     bottom.plot(steps, [100 * r["host_used"] / host_blocks for r in rows], "s-",
                 label="host tier used (%)")
-    bottom.bar(steps, [r["prefetch_warmed"] for r in rows], alpha=0.4, color="C2",
-               label="blocks prefetched (warmed)")
+    warmed = [r["prefetch_warmed"] for r in rows]
+    if any(warmed):
+        bottom.bar(steps, warmed, alpha=0.4, color="C2", label="blocks prefetched (warmed)")
     bottom.set_xlabel("step")
     bottom.set_ylabel("% of the tier / blocks")
     bottom.set_xticks(steps)
     bottom.grid(alpha=0.3)
     bottom.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig

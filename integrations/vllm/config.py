@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from contextkit.config import ConfigError, load_config
 from integrations.vllm.precision import FORMATS, PrecisionError, PrecisionPolicy, policy_for_codec
+
+if TYPE_CHECKING:
+    from gpu_cache.config import PinConfig
 
 __all__ = [
     "CONNECTOR_CLASS",
@@ -19,6 +23,7 @@ __all__ = [
     "ConnectorConfig",
     "ConnectorConfigError",
     "kv_transfer_config",
+    "pin_advice",
 ]
 
 #: What ``--kv-transfer-config`` names: the class and its module.
@@ -58,6 +63,10 @@ class ConnectorConfig:
         host_blocks: blocks of the DDR ("host") tier.
         device_blocks: blocks of the device tier (on CUDA, VRAM beside vLLM's own
             paged cache; pinned prefixes live there). On CPU both tiers are RAM.
+        pin_share: share of ``device_blocks`` one tenant's pinned blocks may take
+            (all tenants' pins together: ``max(pin_share, 0.75)``). A stable prefix
+            needing more is stored unpinned, and the log says how many blocks it
+            needs and what to raise (:func:`pin_advice`).
         device: device of the device tier; ``None`` picks CUDA when present.
         shadow_on_save: shadow after every completed save (in the save thread).
         shadow_interval_s: period of the background shadow (0: none).
@@ -71,6 +80,11 @@ class ConnectorConfig:
             of :class:`~integrations.vllm.precision.PrecisionPolicy` keys, e.g.
             ``{"layers": {"axioms": "fp16"}, "importance": [[0.8, "int8"]]}``; the
             effective policy is :attr:`policy`.
+        recover_strict: ``contextkit serve-vllm`` does not start vLLM when the
+            startup recovery reports an error (a session refused, a block skipped, a
+            store it cannot read); default: it says so and serves, recomputing what
+            was not restored. ``CONTEXTKIT_CONNECTOR_RECOVER_STRICT=1`` or
+            ``--strict`` set it; the connector itself ignores it.
     """
 
     block_size: int = 32
@@ -79,7 +93,8 @@ class ConnectorConfig:
     session_id: str = "vllm"
     local_store: str = dataclasses.field(default_factory=_default_local_store)
     host_blocks: int = 4096
-    device_blocks: int = 64
+    device_blocks: int = 128
+    pin_share: float = 0.5
     device: str | None = None
     shadow_on_save: bool = True
     shadow_interval_s: float = 0.0
@@ -90,6 +105,7 @@ class ConnectorConfig:
     # Typed Any: contextkit.config.loading passes it through as given (a TOML table, a JSON
     # mapping, or an environment variable's text), and __post_init__ checks it.
     precision: Any = dataclasses.field(default_factory=dict, hash=False)
+    recover_strict: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -105,6 +121,8 @@ class ConnectorConfig:
         if self.host_blocks < 1 or self.device_blocks < 1:
             raise ConnectorConfigError("host_blocks and device_blocks must be >= 1, got "
                                        f"{self.host_blocks} and {self.device_blocks}")
+        if not 0.0 < self.pin_share <= 1.0:
+            raise ConnectorConfigError(f"pin_share must be in (0, 1], got {self.pin_share}")
         if self.shadow_interval_s < 0:
             raise ConnectorConfigError(
                 f"shadow_interval_s must be >= 0, got {self.shadow_interval_s}")
@@ -113,6 +131,13 @@ class ConnectorConfig:
             if url and "://" not in url:
                 raise ConnectorConfigError(f"{name} must be a URL (file:///path or "
                                            f"s3://bucket/prefix), got {url!r}")
+
+    @property
+    def pins(self) -> PinConfig:
+        """The pin quotas of every pool: ``pin_share`` of its device tier per tenant."""
+        from gpu_cache.config import PinConfig  # lazily: this module stays numba-free
+
+        return PinConfig(tenant_share=self.pin_share, total_share=max(0.75, self.pin_share))
 
     @property
     def policy(self) -> PrecisionPolicy:
@@ -179,6 +204,31 @@ def _precision_mapping(value: object) -> dict[str, Any]:
         return json.loads(json.dumps(dict(value)))
     except (TypeError, ValueError) as exc:
         raise ConnectorConfigError(f"precision must hold JSON values only: {exc}") from None
+
+
+def pin_advice(config: ConnectorConfig, *, tenant: str, needed: int, quota: int,
+               pool_ratio: float = 1.0) -> str:
+    """One line: a tenant's stable prefix needs ``needed`` pinned blocks of a pool whose
+    per-tenant quota is ``quota``; which connector keys to raise, and to what.
+
+    Args:
+        config: the connector's configuration (``pin_share``, ``device_blocks``).
+        tenant: the tenant whose prefix was left unpinned.
+        needed: the pinned blocks the tenant would hold (held plus new).
+        quota: the pool's per-tenant quota.
+        pool_ratio: the pool's device blocks per ``device_blocks`` (1 for the pool of
+            ``codec``; a wider format's pool holds fewer blocks in the same bytes).
+    """
+    pool_blocks = config.device_blocks * pool_ratio
+    blocks = math.ceil(needed / (config.pin_share * pool_ratio))
+    share = math.ceil(needed / pool_blocks * 100) / 100
+    options = f"device_blocks to {blocks}"
+    if config.pin_share < share <= 1.0:
+        options = f"pin_share to {share:g} or {options}"
+    return (f"tenant {tenant!r}: pinning its stable prefix needs {needed} device blocks, "
+            f"over its quota of {quota} (pin_share={config.pin_share:g} of "
+            f"device_blocks={config.device_blocks}), so its blocks are stored unpinned; "
+            f"raise {options} in kv_connector_extra_config")
 
 
 def kv_transfer_config(config: ConnectorConfig) -> dict[str, Any]:

@@ -232,6 +232,7 @@ class ContextKitConnector(KVConnectorBase_V1):
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="contextkit-load")
         self._loader.submit(self.store.warm_up)  # JIT off the first request's path
         self._futures: list[Future[None]] = []
+        self._unpinned_tenants: set[str] = set()  # tenants told their prefix is unpinned
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = LAYOUTS["cpu" if current_platform.is_cpu() else "split"]
@@ -348,6 +349,12 @@ class ContextKitConnector(KVConnectorBase_V1):
             with self._lock:
                 self._report.failed.update(spec.keys)
             return
+        if result.unpinned is not None:
+            # once per tenant at WARNING: every later request of it would say the same
+            first = spec.tenant not in self._unpinned_tenants
+            self._unpinned_tenants.add(spec.tenant)
+            logger.log(logging.WARNING if first else logging.DEBUG, "request %s: %s",
+                       spec.req_id, result.unpinned)
         held = set(spec.keys) - set(result.failed)  # stored now, or already held
         with self._lock:
             report = self._report

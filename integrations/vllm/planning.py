@@ -54,6 +54,7 @@ __all__ = [
     "StepRequest",
     "WorkerReport",
     "label_mismatch",
+    "label_problem",
     "labels_from_params",
     "prompt_fingerprint",
     "semantic_params",
@@ -200,6 +201,46 @@ def label_mismatch(params: Mapping[str, Any] | None, prompt_token_ids: Sequence[
     return None
 
 
+def label_problem(params: Mapping[str, Any] | None, prompt_token_ids: Sequence[int]
+                  ) -> str | None:
+    """Why the connector cannot use the labels in ``params`` for this prompt, or None.
+
+    The labels are refused when they are malformed (not the wire format of
+    :mod:`contextkit.pipeline.served.wire`, a span with ``start > end`` or an importance
+    outside ``[0, 1]``), when a span runs past the end of the prompt, or when their
+    fingerprint says they were computed for another prompt (:func:`label_mismatch`).
+    A request without contextkit labels has no problem.
+    """
+    return (_malformed(labels_entry(params), len(prompt_token_ids))
+            or label_mismatch(params, prompt_token_ids))
+
+
+def _malformed(ours: Any, num_prompt: int) -> str | None:
+    """What is wrong with the shape of contextkit's entry (None: nothing, or no entry)."""
+    if ours is None:
+        return None
+    if not isinstance(ours, Mapping):
+        return f"kv_transfer_params[{PARAMS_KEY!r}] must be an object, got {_short(ours)}"
+    try:
+        _, spans = decode_spans(ours)
+    except (TypeError, ValueError, IndexError, AttributeError, KeyError):
+        return (f"malformed spans {_short(ours.get('spans'))}: each must be [start, end, "
+                "layer, importance(, pinned)]")
+    for span in spans:
+        if not 0 <= span.start <= span.end or not 0.0 <= span.importance <= 1.0:
+            return (f"bad span {span.encode()}: need 0 <= start <= end and importance "
+                    "in [0, 1]")
+        if span.end > num_prompt:
+            return (f"span {span.encode()} ends past the end of the prompt "
+                    f"({num_prompt} tokens)")
+    return None
+
+
+def _short(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def labels_from_params(params: Mapping[str, Any] | None, first_block: int, num_blocks: int,
                        block_size: int, default_layer: str) -> list[BlockLabel]:
     """Per block, the label of the span holding its first token (see :func:`semantic_params`).
@@ -296,11 +337,18 @@ class RequestPlanner:
                token_ids: Sequence[int], num_prompt_tokens: int) -> _RequestState:
         state = self._reqs.get(req_id)
         if state is None:
-            reason = label_mismatch(params, token_ids[:num_prompt_tokens])
+            # Bad labels are the client's mistake, but the request itself is fine: it is
+            # served without them (the scheduler cannot answer one request with an HTTP
+            # 400, and raising here would stop the engine for every request).
+            prompt = token_ids[:num_prompt_tokens]
+            reason, hint = _malformed(labels_entry(params), num_prompt_tokens), ""
+            if reason is None:
+                reason = label_mismatch(params, prompt)
+                hint = "; another model, tokenizer or chat template?"
             if reason is not None:
-                logger.warning("request %s: ignoring its contextkit labels (%s; another "
-                               "model, tokenizer or chat template?); its blocks get the "
-                               "default layer %r", req_id, reason, self.default_layer)
+                logger.warning("request %s: ignoring its contextkit labels (%s%s); its "
+                               "blocks get the default layer %r and nothing is pinned",
+                               req_id, reason, hint, self.default_layer)
                 self.stats.count("label_mismatches")
                 params = None
             state = _RequestState(tenant or DEFAULT_TENANT, params, num_prompt_tokens,

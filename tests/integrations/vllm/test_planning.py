@@ -221,3 +221,38 @@ def test_labels_for_another_prompt_are_refused(client_ids: list[int], reason: st
     assert "req-7" in warnings[0] and reason in warnings[0]
     stats = p.stats.take()
     assert stats is not None and stats["counters"]["label_mismatches"] == 1
+
+
+@pytest.mark.parametrize("ours, reason", [
+    ("junk", "must be an object"),
+    ({"spans": "junk"}, "malformed spans"),
+    ({"spans": [[0, 8, "axioms"]]}, "malformed spans"),
+    ({"spans": [[8, 4, "axioms", 1.0]]}, "0 <= start <= end"),
+    ({"spans": [[0, 8, "axioms", 2.0]], "pin": True}, "importance in [0, 1]"),
+    ({"spans": [[0, 8, "axioms", 1.0], [8, 30, "memories", 0.4]], "pin": True},
+     "ends past the end of the prompt (18 tokens)"),
+], ids=["not-an-object", "spans-not-a-list", "short-span", "start-after-end",
+        "importance-over-1", "span-past-the-prompt"])
+def test_bad_labels_are_served_without_them_and_named_with_the_request(
+        ours: object, reason: str, caplog: pytest.LogCaptureFixture) -> None:
+    # Served, not refused: the scheduler cannot answer one request with an error, so the
+    # request keeps its blocks with the default layer, one warning names it, and the
+    # label counter moves.
+    p = planner()
+    with caplog.at_level("WARNING", logger="integrations.vllm.planning"):
+        labels = _saved_labels(p, "req-9", TOKENS, {PARAMS_KEY: ours})
+    assert labels == [("user_turn", False)] * 4
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("request req-9: ignoring its contextkit labels")
+    assert reason in warnings[0]
+    stats = p.stats.take()
+    assert stats is not None and stats["counters"]["label_mismatches"] == 1
+
+
+def test_a_span_ending_at_the_prompt_end_is_fine(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="integrations.vllm.planning"):
+        labels = _saved_labels(planner(), "r", TOKENS, {PARAMS_KEY: {
+            "spans": [[0, 8, "axioms", 1.0], [8, 18, "memories", 0.4]], "pin": True}})
+    assert labels == [("axioms", True)] * 2 + [("memories", False)] * 2
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

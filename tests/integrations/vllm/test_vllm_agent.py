@@ -1,8 +1,8 @@
 """An agent on vLLM's OpenAI server: what contextkit's connector stored, block by block.
 
-One lifetime of ``python -m vllm.entrypoints.openai.api_server`` (vLLM's CPU build,
-the packaged SmolLM2, ``ContextKitConnector`` via ``--kv-transfer-config``) on
-127.0.0.1 serves every test of this module:
+One lifetime of vLLM's OpenAI server (vLLM's CPU build, the packaged SmolLM2,
+``ContextKitConnector`` via ``--kv-transfer-config``) on 127.0.0.1 serves every test of
+this module:
 
 1. a plain ``openai`` client request with hand-made ``kv_transfer_params`` spans: the
    connector stores its blocks under exactly the labels sent; a request whose
@@ -184,8 +184,8 @@ def identity_digest(model_dir: str) -> bytes:
 @pytest.fixture(scope="module")
 def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[Any, Connector]]:
-    from integrations.vllm.config import ConnectorConfig
     from integrations.vllm.bench.harness import OpenAIServer
+    from integrations.vllm.config import ConnectorConfig
 
     work = tmp_path_factory.mktemp("agent")
     config = ConnectorConfig(
