@@ -100,7 +100,8 @@ class RequestBlockManager:
             tenant: owner of the new blocks.
             reuse: a cached prefix of the request (e.g. from :meth:`lookup`).
             tier: where new blocks go (making room may evict by priority).
-            source_layer, importance: what new blocks are allocated with.
+            source_layer: the layer new blocks are allocated with.
+            importance: the importance new blocks are allocated with.
             annotations: per request position (``num_blocks`` of them): what the new
                 block at that position is labelled with; reused positions are skipped.
             hold: leave one reference on every returned block (protects it from

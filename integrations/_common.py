@@ -16,27 +16,31 @@ Nothing here imports LangChain or LlamaIndex.
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from contextkit.engine.engine import Engine, GenerationResult
+from contextkit.engine.sampling import SamplingParams
 from contextkit.pipeline.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport
 from contextkit.prompt.markup import coerce_prompt, has_markers, render_marked
 
 __all__ = [
     "CallLog",
     "ChatRun",
+    "ContextWindowError",
     "EngineChat",
     "LogView",
     "ModelCall",
     "SystemParts",
     "layers_in",
     "split_system_text",
+    "unknown_setting",
     "usage_from",
 ]
 
@@ -106,7 +110,28 @@ def layers_in(text: str, pipeline: CacheAwareContextPipeline | None = None) -> l
     return out
 
 
+def unknown_setting(name: str, known: Sequence[str], who: str,
+                    refused: Mapping[str, str] | None = None) -> str:
+    """The one-line error for a setting ``who`` does not take: why it is refused, or the
+    nearest known name and the list of known ones."""
+    import difflib
+
+    if refused and name in refused:
+        return f"setting {name!r} is refused: {refused[name]}"
+    near = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return f"unknown setting {name!r}{hint}; {who} takes {', '.join(sorted(known))}"
+
+
 # ---------------------------------------------------------------------------- running
+_SHORTEN = "shorten the prompt or the reply, or give the engine more num_device_blocks"
+
+
+class ContextWindowError(ValueError):
+    """A prompt plus its reply is longer than one request can hold on the engine
+    (:attr:`~contextkit.engine.engine.Engine.context_tokens`); nothing ran."""
+
+
 @dataclass
 class ChatRun:
     """One finished generation on the engine."""
@@ -194,13 +219,15 @@ class EngineChat:
     """
 
     def __init__(self, engine: Engine, pipeline: CacheAwareContextPipeline | None = None,
-                 tenant: str | None = None) -> None:
+                 tenant: str | None = None, too_long_hint: str = "") -> None:
         if pipeline is not None and pipeline.engine is not None and pipeline.engine is not engine:
             raise ValueError("the pipeline is attached to another engine; build it with "
                              "CacheAwareContextPipeline(engine) for the same engine")
         self.engine = engine
         self.pipeline = pipeline
         self.tenant = tenant
+        #: What a :class:`ContextWindowError` adds on what to change (per framework).
+        self.too_long_hint = too_long_hint
 
     def resolve_tenant(self, tenant: str | None = None) -> str:
         """The tenant of a call: ``tenant``, else this runner's, else the pipeline's rule."""
@@ -212,29 +239,48 @@ class EngineChat:
     def model_name(self) -> str:
         return str(getattr(self.engine, "model_id", "contextkit"))
 
+    @property
+    def context_tokens(self) -> int:
+        """The longest prompt plus reply one request can hold (see
+        :attr:`Engine.context_tokens <contextkit.engine.engine.Engine.context_tokens>`)."""
+        return int(self.engine.context_tokens)
+
+    def prompt_ids(self, messages: Conversation) -> list[int]:
+        """The prompt ids of ``messages`` through the model's chat template (with the
+        assistant header): what a call without a pipeline-built system prompt sends."""
+        return self._template(messages)
+
     def run(self, messages: Conversation, *, built: BuiltPrompt | None = None,
             tenant: str | None = None, max_new_tokens: int = 128,
             stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None,
-            cancel: threading.Event | None = None) -> ChatRun:
+            cancel: threading.Event | None = None, sampling: SamplingParams | None = None,
+            timeout: float | None = None) -> ChatRun:
         """Generate the assistant's reply to ``messages`` (``(role, text)`` pairs).
 
         With ``built`` (the pipeline built the system prompt), the first system
         message is replaced by the pipeline's layout; the last user message is the
-        current turn, anything after it (tool rounds) follows it.
+        current turn, anything after it (tool rounds) follows it. ``sampling`` picks
+        the tokens (default greedy); ``timeout`` (seconds) bounds the whole call,
+        checked after each token.
 
         Raises:
             ValueError: an unknown role, or no messages.
             CacheFullError: the prompt does not fit the device tier (nothing lost).
+            TimeoutError: ``timeout`` passed before the reply was finished.
         """
         if not messages:
             raise ValueError("no messages to answer")
         stream = _TextStream(self.engine.decode, stop)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        late = threading.Event()
 
         def on_token(token: int) -> bool:
             delta = stream.push(token)
             if delta and on_text is not None:
                 on_text(delta)
-            return stream.stopped or (cancel is not None and cancel.is_set())
+            if deadline is not None and time.monotonic() > deadline:
+                late.set()
+            return stream.stopped or late.is_set() or (cancel is not None and cancel.is_set())
 
         report: CallReport | None = None
         if built is not None and self.pipeline is not None:
@@ -248,13 +294,27 @@ class EngineChat:
             res = self.pipeline.generate(user, history=history, after=after, built=built,
                                          max_new_tokens=max_new_tokens,
                                          tenant=tenant or built.report.tenant,
-                                         on_token=on_token)
+                                         on_token=on_token, sampling=sampling)
             generation, report = res.generation, res.report
         else:
             ids = self._template(messages)
+            window = self.context_tokens
+            if len(ids) + max_new_tokens > window:
+                raise ContextWindowError(
+                    f"the prompt is {len(ids)} tokens and the reply may take {max_new_tokens}, "
+                    f"more than the {window} tokens one request can hold on this engine "
+                    f"(its model's positions or device tier, whichever is fewer): "
+                    f"{self.too_long_hint or _SHORTEN}")
             generation = self.engine.generate(ids, max_new_tokens=max_new_tokens,
                                               tenant=self.resolve_tenant(tenant),
-                                              on_token=on_token)
+                                              on_token=on_token, sampling=sampling)
+        made = generation.token_ids
+        cut_short = not stream.stopped and len(made) < max_new_tokens and not (
+            made and made[-1] in self.engine.stop_ids)
+        if late.is_set() and cut_short:
+            raise TimeoutError(f"the reply was not finished within timeout={timeout} s "
+                               f"({len(made)} tokens generated); raise the timeout or lower "
+                               "max_tokens")
         tail = stream.rest()
         if tail and on_text is not None:
             on_text(tail)
@@ -293,6 +353,51 @@ class EngineChat:
         finally:
             cancel.set()
             worker.join()
+
+    async def astream(self, messages: Conversation, **kwargs: Any
+                      ) -> AsyncIterator[str | ChatRun]:
+        """:meth:`stream` for asyncio: the engine runs on a worker thread, the event loop
+        only receives the deltas. Cancelling the task (or closing the iterator) stops
+        the generation after the current token; the loop never waits for the engine."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def put(kind: str, value: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, (kind, value))
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                cancel.set()
+
+        def work() -> None:
+            try:
+                put("done", self.run(messages, on_text=lambda t: put("text", t),
+                                     cancel=cancel, **kwargs))
+            except BaseException as exc:  # handed to the consumer
+                put("error", exc)
+
+        threading.Thread(target=work, name="contextkit-astream", daemon=True).start()
+        try:
+            while True:
+                kind, value = await q.get()
+                if kind == "error":
+                    raise value
+                yield value
+                if kind == "done":
+                    return
+        finally:
+            cancel.set()
+
+    async def arun(self, messages: Conversation, **kwargs: Any) -> ChatRun:
+        """:meth:`run` off the event loop (cancellable: see :meth:`astream`)."""
+        items = self.astream(messages, **kwargs)
+        try:
+            async for item in items:
+                if isinstance(item, ChatRun):
+                    return item
+        finally:
+            await items.aclose()  # type: ignore[attr-defined]  # stops the engine when cancelled
+        raise AssertionError("astream ended without a ChatRun")  # pragma: no cover
 
     def _template(self, messages: Conversation) -> list[int]:
         tok = self.engine.tokenizer
@@ -412,6 +517,11 @@ class CallLog:
         if self.sink is not None:
             self.sink(rec)
         return rec
+
+    def is_open(self, run_id: str) -> bool:
+        """Whether ``run_id`` was started and not ended yet."""
+        with self._lock:
+            return str(run_id) in self._open
 
     @property
     def records(self) -> list[ModelCall]:

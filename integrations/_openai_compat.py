@@ -1,12 +1,19 @@
 """What the integrations share for OpenAI-compatible servers (vLLM's ``/v1/chat/completions``).
 
-A pipeline attached to a :class:`~contextkit.pipeline.served.model.ServedModel` lays a chat request out
-as the embedded engine does (the stable and changing layers in the main system message,
-the volatile layers in a trailing system message after the history, before the current
-user turn), labels the request's token ranges (:meth:`~contextkit.pipeline.pipeline.
-CacheAwareContextPipeline.request_fields`) and records the usage the server reports
-(:meth:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline.record_usage`). The frameworks
-differ only in their message types; the rules live here.
+A pipeline attached to a :class:`~contextkit.pipeline.served.model.ServedModel` lays a
+chat request out as the embedded engine does (the stable and changing layers in the main
+system message, the volatile layers in a trailing system message after the history,
+before the current user turn), labels the request's token ranges
+(:meth:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline.request_fields`) and
+records the usage the server reports
+(:meth:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline.record_usage`). The
+frameworks differ only in their message types; the rules live here.
+
+Only vLLM takes contextkit's fields (``kv_transfer_params``, ``cache_salt``); another
+OpenAI-compatible server refuses them (``transformers serve``: 422 "Unexpected fields").
+The integrations then resend the request without them (:func:`fall_back`,
+:func:`without_fields`) and the served model sends plain requests from then on, the
+layout still applied (:meth:`~contextkit.pipeline.served.model.ServedModel.refuse_fields`).
 
 Nothing here imports LangChain, LlamaIndex or openai.
 """
@@ -20,7 +27,19 @@ from typing import Any
 from contextkit.pipeline.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport
 from integrations._common import usage_from
 
-__all__ = ["merge_extra_body", "record_served_usage", "system_texts", "trailing_index"]
+__all__ = [
+    "FIELD_NAMES",
+    "fall_back",
+    "merge_extra_body",
+    "record_served_usage",
+    "refuses_fields",
+    "system_texts",
+    "trailing_index",
+    "without_fields",
+]
+
+#: contextkit's request fields, which only vLLM accepts.
+FIELD_NAMES = ("kv_transfer_params", "cache_salt")
 
 logger = logging.getLogger(__name__)
 
@@ -83,4 +102,35 @@ def record_served_usage(pipeline: CacheAwareContextPipeline, report: CallReport 
     except (ValueError, RuntimeError) as exc:
         logger.warning("not recording the server's usage %s: %s", counts, exc)
         return False
+    return True
+
+
+def refuses_fields(exc: BaseException) -> bool:
+    """Whether a client's error is a server refusing contextkit's fields: a 400 or 422
+    (``openai.BadRequestError`` / ``UnprocessableEntityError``) that names one of them."""
+    status = getattr(exc, "status_code", None)
+    if status is None:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+    if status not in (400, 422):
+        return False
+    text = f"{exc} {getattr(exc, 'body', '')}"
+    return any(name in text for name in FIELD_NAMES)
+
+
+def without_fields(extra_body: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``extra_body`` without contextkit's fields (what a server that refused them takes)."""
+    return {k: v for k, v in (extra_body or {}).items() if k not in FIELD_NAMES}
+
+
+def fall_back(pipeline: CacheAwareContextPipeline, report: CallReport | None,
+              exc: BaseException) -> bool:
+    """Whether to resend a request that failed with ``exc`` without contextkit's fields:
+    the server refused them and the served model negotiates (``extra_fields=None``). The
+    served model then sends plain requests (said once in the log) and ``report`` says
+    ``served_fields="plain"``."""
+    served = pipeline.served
+    if served is None or not refuses_fields(exc) or not served.refuse_fields(str(exc)):
+        return False
+    if report is not None:
+        report.served_fields = "plain"
     return True

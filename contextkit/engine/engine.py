@@ -22,12 +22,9 @@ The forward pass is checked against transformers' own (``tests/contextkit/engine
 test_engine.py``). Weights are shared between engines built from one model
 (:meth:`Engine.sibling`), so a benchmark can compare cache formats in one process.
 
-The pieces are the engine room's other modules: ``llama`` (weights and shapes),
-``loading`` (loading a model), ``attention`` (flash passes and log-sum-exp merging),
-``kv`` (per-request K/V views over the cache), ``weights`` (weight formats), ``decode``
-(the one-token decode step), ``sequence`` (a request's blocks through
-:class:`gpu_cache.RequestBlockManager`), ``flops`` (prefill cost), ``inputs`` (checks of
-token ids) and ``types`` (results and errors); their public names are re-exported here.
+The pieces are the room's other modules (``llama``, ``loading``, ``attention``, ``kv``,
+``weights``, ``decode``, ``sequence`` over :class:`gpu_cache.RequestBlockManager`,
+``flops``, ``inputs``, ``types``, ``sampling``: greedy or sampled tokens).
 """
 
 from __future__ import annotations
@@ -57,18 +54,13 @@ from contextkit.engine.inputs import CALIBRATION_TEXT, check_token_ids
 from contextkit.engine.kv import _check_overlay, _ContiguousKV, _PagedKV
 from contextkit.engine.llama import UnsupportedModelError, _Model, tokenizer_fingerprint
 from contextkit.engine.loading import load_pretrained
+from contextkit.engine.sampling import Sampler, SamplingParams
 from contextkit.engine.sequence import SequenceBlocks, close_sequence, open_sequence
 from contextkit.engine.types import CacheFullError, GenerationResult, TokenIdError, TokenSpan
 from contextkit.engine.weights import WEIGHT_FORMATS, check_weight_format
 from contextkit.metrics import ContextkitMetrics
 from contextkit.metrics import resolve as resolve_metrics
-from gpu_cache import (
-    CacheConfig,
-    CacheIdentity,
-    Tier,
-    TQGPUCache,
-    validate_tenant,
-)
+from gpu_cache import CacheConfig, CacheIdentity, Tier, TQGPUCache, validate_tenant
 from gpu_cache._errors import CacheIdentityError
 from gpu_cache.calibration import key_offset_digest, mean_key_offsets
 from gpu_cache.config import PinConfig
@@ -79,6 +71,7 @@ __all__ = [
     "CacheFullError",
     "Engine",
     "GenerationResult",
+    "SamplingParams",
     "TokenIdError",
     "TokenSpan",
     "UnsupportedModelError",
@@ -90,7 +83,6 @@ KV_FORMATS = ("tq4", "native")
 #: Float sink K/V kept for this many (tenant, first tokens) prefixes (~0.7 MB each
 #: for SmolLM2's 16-token sink).
 _SINK_MEMO_SIZE = 8
-
 
 
 class Engine:
@@ -359,6 +351,12 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     @property
+    def context_tokens(self) -> int:
+        """The longest prompt plus reply one request can hold: the model's positions
+        (:attr:`max_positions`) or the device tier's tokens, whichever is fewer."""
+        return min(self.max_positions, self.cache.capacity(Tier.DEVICE) * self.cache.block_size)
+
+    @property
     def vocab_size(self) -> int:
         """Rows of the model's embedding: valid token ids are ``[0, vocab_size)``."""
         return int(self.model.embed.shape[0])
@@ -437,9 +435,6 @@ class Engine:
             out[meta.tier.value] += 1
         return out
 
-    def _sample(self, logits: torch.Tensor) -> int:
-        return int(torch.argmax(logits))
-
     def prefill_prefix(self, token_ids: Sequence[int], *, tenant: str = "default",
                        spans: Sequence[TokenSpan] | None = None, to_host: bool = False,
                        hold: bool = False, should_stop: Callable[[], bool] | None = None,
@@ -466,8 +461,9 @@ class Engine:
         use_cache: bool = True,
         reuse: bool = True,
         on_token: Callable[[int], bool | None] | None = None,
+        sampling: SamplingParams | None = None,
     ) -> GenerationResult:
-        """Greedy generation from a prompt of token ids.
+        """Generate from a prompt of token ids (greedy unless ``sampling`` says otherwise).
 
         Args:
             token_ids: the full prompt (chat template applied).
@@ -480,6 +476,8 @@ class Engine:
             reuse: ``False`` computes every token but still stores the blocks.
             on_token: called with each new token id as it is sampled (streaming);
                 returning ``True`` stops generation after that token (stop strings).
+            sampling: temperature, top-p, top-k, seed, repetition penalty
+                (:class:`~contextkit.engine.sampling.SamplingParams`); default greedy.
 
         Raises:
             ValueError: an empty or over-long prompt.
@@ -492,6 +490,7 @@ class Engine:
         validate_tenant(tenant)
         ids = self.check_token_ids(token_ids)
         self.check_prompt(ids, max_new_tokens)
+        sample = Sampler(sampling, self.model.device)
         with foreground(self):
             t0 = time.perf_counter()
             seq: SequenceBlocks | None = None
@@ -507,13 +506,15 @@ class Engine:
             try:
                 start = min(cached, len(ids) - 1)
                 first_logits = self._prefill(ids, start, kv)
-                token = self._sample(first_logits)
+                token = sample(first_logits, ids)
                 ttft = time.perf_counter() - t0
                 out.append(token)
                 stop = bool(on_token(token)) if on_token is not None else False
                 while not stop and len(out) < max_new_tokens and token not in self.stop_ids:
                     pos = len(ids) + len(out) - 1
-                    token = self._sample(decode_step(self.model, token, pos, kv, self.scale))
+                    logits = decode_step(self.model, token, pos, kv, self.scale)
+                    token = sample(logits, ids + out if sample.params.repetition_penalty != 1
+                                   else ())
                     written = pos + 1
                     out.append(token)
                     if on_token is not None:

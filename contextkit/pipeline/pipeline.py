@@ -114,6 +114,7 @@ from gpu_cache import PrefixPinManager, validate_name
 from gpu_cache.metadata import BlockMeta
 
 if TYPE_CHECKING:
+    from contextkit.engine.sampling import SamplingParams
     from contextkit.pipeline.hooks import TurnHooks
     from contextkit.pipeline.registration import SegmentRegistry
 
@@ -384,12 +385,13 @@ class CacheAwareContextPipeline:
         built: BuiltPrompt | None = None,
         after: Sequence[tuple[str, str]] = (),
         on_token: Callable[[int], bool | None] | None = None,
+        sampling: SamplingParams | None = None,
     ) -> PipelineResult:
         """Run one chat turn on the engine with the last built system prompt.
 
         ``built`` picks a specific :meth:`build` result (default: the tenant's last);
-        ``after`` and ``on_token`` are passed to :meth:`assemble` and
-        :meth:`Engine.generate <contextkit.engine.engine.Engine.generate>`.
+        ``after`` goes to :meth:`assemble`, ``on_token`` and ``sampling`` (default
+        greedy) to :meth:`Engine.generate <contextkit.engine.engine.Engine.generate>`.
 
         Raises:
             RuntimeError: no engine attached, or nothing built yet.
@@ -423,7 +425,7 @@ class CacheAwareContextPipeline:
             if self.pin_stable:
                 check_pin_quota(self._pins, tenant, spans, stable_end)
             result = self.engine.generate(ids, max_new_tokens=max_new_tokens, tenant=tenant,
-                                          spans=spans, on_token=on_token)
+                                          spans=spans, on_token=on_token, sampling=sampling)
             report = built.report
             if self.pin_stable:
                 report.pin_state, report.pin_reason = pin_stable(
@@ -537,7 +539,8 @@ class CacheAwareContextPipeline:
                        tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
         """The body fields that label a ``/v1/chat/completions`` request for contextkit's
         vLLM connector: ``{"kv_transfer_params": {"contextkit": {...}}, "cache_salt":
-        tenant}`` (pass them as the client's ``extra_body``).
+        tenant}`` (pass them as the client's ``extra_body``); ``{}`` for a server that
+        takes no such fields (``ServedModel.sends_fields``, ``CallReport.served_fields``).
 
         ``messages`` is exactly what will be sent (normally :meth:`openai_messages`'
         output; any list that holds each built section verbatim works), ``tools`` the

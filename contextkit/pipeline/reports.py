@@ -62,6 +62,10 @@ class CallReport:
         reservation_hit: the key of the memory reservation this call's memories layer
             hit (its blocks prefilled in the background after the previous reply), or
             ``None`` (no ``reservations=``, or no reservation matched).
+        served_fields: on a served model, whether the request carried contextkit's
+            fields: ``"sent"`` (``kv_transfer_params`` labels and ``cache_salt``),
+            ``"plain"`` (the layout only: the server refused them, or
+            ``ServedModel(extra_fields=False)``); ``""`` elsewhere.
     """
 
     call: int
@@ -91,6 +95,7 @@ class CallReport:
     pin_reason: str = ""
     tier_items: int = 0
     reservation_hit: str | None = None
+    served_fields: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

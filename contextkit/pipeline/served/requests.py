@@ -111,7 +111,9 @@ class ServedRequests:
                        tenant: str | None = None, built: BuiltPrompt | None = None,
                        tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
         """See :meth:`CacheAwareContextPipeline.request_fields`; ``pin``: the pipeline's
-        ``pin_stable``."""
+        ``pin_stable``. ``{}`` when the served model sends no fields
+        (:attr:`ServedModel.sends_fields`): the spans are still computed, for the
+        per-layer usage."""
         served = self.served
         if served is None:
             raise RuntimeError("request_fields needs a pipeline attached to a served model: "
@@ -161,6 +163,9 @@ class ServedRequests:
         with self.tenants.lock:
             self.tenants.state(tenant).last_request = (built.report, len(ids), [
                 TokenSpan(s.start, s.end, s.source_layer, s.importance) for s in spans])
+            built.report.served_fields = "sent" if served.sends_fields else "plain"
+        if not served.sends_fields:
+            return {}
         return {"kv_transfer_params": encode_labels(spans, pin=pin, prompt_token_ids=ids),
                 "cache_salt": salt}
 

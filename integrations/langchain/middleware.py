@@ -1,116 +1,35 @@
-"""LangChain 1.x: agent middleware, a telemetry callback, and a chat model on the engine.
-
-Adopting contextkit in a ``create_agent`` agent::
-
-    from langchain.agents import create_agent
-    from contextkit import CacheAwareContextPipeline, Engine
-    from integrations.langchain import (ContextKitCallbackHandler, ContextKitChatModel,
-                                        ContextKitMiddleware)
-
-    engine = Engine.from_pretrained()
-    pipeline = CacheAwareContextPipeline(engine)
-    agent = create_agent(
-        ContextKitChatModel(engine=engine, pipeline=pipeline),   # or any chat model
-        tools=[],
-        middleware=[ContextKitMiddleware(pipeline, build_system_message)],
-    )
-    handler = ContextKitCallbackHandler()
-    agent.invoke({"messages": [("user", "hi")]}, config={"callbacks": [handler]})
-
-- :class:`ContextKitMiddleware` (``wrap_model_call``) builds the system message
-  through the pipeline each model call and overrides the request's system message
-  with it: the stable prefix, the changing layers and the volatile layers are
-  separate content blocks, the stable one with a ``cache_control`` breakpoint, so
-  providers' prompt caches (Anthropic) benefit as well as contextkit's engine.
-  For an OpenAI-compatible chat model (``ChatOpenAI`` and its subclasses, or any
-  model with an ``extra_body`` field) the layout is the embedded engine's instead:
-  the volatile layers go in a trailing system message after the history, so the
-  server's prefix cache reuses the conversation too; with the pipeline attached to
-  a :class:`~contextkit.pipeline.served.model.ServedModel` (a vLLM server), every call also carries
-  the request fields of contextkit's vLLM connector in ``extra_body`` (layer,
-  importance and pin of every token range, ``cache_salt`` = the tenant) and the
-  server's reported usage goes into the call's report.
-- :class:`ContextKitCallbackHandler` only observes: prompt layers and content
-  blocks at ``on_chat_model_start``, usage and cache read/creation tokens at
-  ``on_llm_end`` (whatever the provider reports). Callbacks cannot change messages.
-- :class:`ContextKitChatModel` is a ``BaseChatModel`` (with streaming) backed by the
-  embedded engine; with the middleware, it lays the prompt out the pipeline's way
-  (pinned stable prefix, volatile layers after the history).
-
-LangChain over a vLLM server::
-
-    from langchain_openai import ChatOpenAI
-    from contextkit import CacheAwareContextPipeline
-    from contextkit.pipeline.served.model import ServedModel
-
-    served = ServedModel("/models/Qwen2.5-7B-Instruct", name="qwen")  # what vLLM serves
-    pipeline = CacheAwareContextPipeline(served=served)
-    model = ChatOpenAI(model="qwen", base_url="http://127.0.0.1:8000/v1", api_key="x",
-                       stream_usage=True)
-    agent = create_agent(model, tools=[...],
-                         middleware=[ContextKitMiddleware(pipeline, build_system_message)])
-
-Requires the ``langchain`` extra (``pip install 'contextkit[langchain]'``).
-"""
+"""LangChain agent middleware: the system message built through a contextkit pipeline on
+every model call, laid out for the chat model that runs it (see
+:class:`ContextKitMiddleware`), and what it shares with the chat model (the metadata key
+on the system message, the OpenAI-compatible detection)."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from contextkit.config.errors import require
+from langchain.agents.middleware import AgentMiddleware, ModelRequest
+from langchain_core.messages import AIMessage, BaseMessage, SystemMessage
 
-require("langchain.agents", "langchain")
-require("langchain_core", "langchain")
-
-from langchain.agents.middleware import AgentMiddleware, ModelRequest  # noqa: E402
-from langchain_core.callbacks import BaseCallbackHandler, CallbackManagerForLLMRun  # noqa: E402
-from langchain_core.language_models.chat_models import BaseChatModel  # noqa: E402
-from langchain_core.messages import (  # noqa: E402
-    AIMessage,
-    AIMessageChunk,
-    BaseMessage,
-    SystemMessage,
-)
-from langchain_core.outputs import (  # noqa: E402
-    ChatGeneration,
-    ChatGenerationChunk,
-    ChatResult,
-    LLMResult,
-)
-from pydantic import ConfigDict, Field  # noqa: E402
-
-from contextkit.engine.engine import Engine  # noqa: E402
-from contextkit.pipeline.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport  # noqa: E402
-from contextkit.pipeline.served.model import LabelRangeError  # noqa: E402
-from contextkit.prompt.markup import has_markers  # noqa: E402
-from integrations._common import (  # noqa: E402
-    CallLog,
-    ChatRun,
-    EngineChat,
-    LogView,
-    SystemParts,
-    layers_in,
-    split_system_text,
-    usage_from,
-)
-from integrations._openai_compat import (  # noqa: E402
+from contextkit.pipeline.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport
+from contextkit.pipeline.served.model import LabelRangeError
+from contextkit.prompt.markup import has_markers
+from integrations._common import SystemParts, split_system_text
+from integrations._openai_compat import (
+    fall_back,
     merge_extra_body,
     record_served_usage,
     system_texts,
     trailing_index,
+    without_fields,
 )
 
 __all__ = [
     "EPHEMERAL",
     "METADATA_KEY",
-    "ContextKitCallbackHandler",
-    "ContextKitChatModel",
     "ContextKitMiddleware",
     "is_openai_compatible",
     "openai_payload_messages",
-    "to_conversation",
 ]
 
 #: ``SystemMessage.additional_kwargs`` key carrying the pipeline's call summary.
@@ -121,22 +40,6 @@ EPHEMERAL: Mapping[str, Any] = {"type": "ephemeral"}
 
 Builder = Callable[[ModelRequest], Any]
 TenantFn = Callable[[ModelRequest], str]
-
-
-def to_conversation(messages: Sequence[BaseMessage]) -> list[tuple[str, str]]:
-    """``(role, text)`` pairs of LangChain messages (tool calls rendered as text)."""
-    roles = {"system": "system", "human": "user", "ai": "assistant", "tool": "tool",
-             "function": "tool"}
-    out = []
-    for m in messages:
-        role = roles.get(m.type) or str(getattr(m, "role", "user"))
-        text = str(m.text)
-        calls = getattr(m, "tool_calls", None)
-        if calls:
-            rendered = "\n".join(f"[tool call] {c['name']}({c.get('args', {})})" for c in calls)
-            text = f"{text}\n{rendered}" if text else rendered
-        out.append((role, text))
-    return out
 
 
 def is_openai_compatible(model: Any) -> bool:
@@ -228,6 +131,9 @@ class ContextKitMiddleware(AgentMiddleware):
     (``pipeline.last_report()``). A model whose name is not the served model's, or
     messages the served model cannot render exactly, raise
     :class:`~contextkit.pipeline.served.model.LabelRangeError` rather than send wrong labels.
+    A server that is not vLLM refuses those fields: the call is resent without them, and
+    later calls are plain OpenAI requests with the same layout (one line in the log;
+    ``CallReport.served_fields`` says ``"plain"``).
     """
 
     def __init__(self, pipeline: CacheAwareContextPipeline,
@@ -343,12 +249,25 @@ class ContextKitMiddleware(AgentMiddleware):
         sent, tools = openai_payload_messages(request.model, messages, request.tools)
         return self.pipeline.request_fields(sent, tenant=tenant, built=built, tools=tools)
 
+    @staticmethod
+    def plain_request(request: ModelRequest) -> ModelRequest:
+        """``request`` without contextkit's fields in its ``extra_body`` (for a server
+        that refused them; the layout stays)."""
+        settings = dict(request.model_settings)
+        settings["extra_body"] = without_fields(settings.get("extra_body"))
+        return request.override(model_settings=settings)
+
     def wrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], Any]
                         ) -> Any:
         tenant = self._tenant(request)
         with self.pipeline.tenant_scope(tenant):
             request, report = self.model_request(request, tenant)
-            response = handler(request)
+            try:
+                response = handler(request)
+            except Exception as exc:
+                if report is None or not fall_back(self.pipeline, report, exc):
+                    raise
+                response = handler(self.plain_request(request))
             if report is not None:
                 record_served_usage(self.pipeline, report, _usage_of(response))
             return response
@@ -358,7 +277,12 @@ class ContextKitMiddleware(AgentMiddleware):
         tenant = self._tenant(request)
         with self.pipeline.tenant_scope(tenant):
             request, report = self.model_request(request, tenant)
-            response = await handler(request)
+            try:
+                response = await handler(request)
+            except Exception as exc:
+                if report is None or not fall_back(self.pipeline, report, exc):
+                    raise
+                response = await handler(self.plain_request(request))
             if report is not None:
                 record_served_usage(self.pipeline, report, _usage_of(response))
             return response
@@ -379,163 +303,3 @@ def _usage_of(response: Any) -> Any:
 def _pipeline_token(pipeline: CacheAwareContextPipeline) -> str:
     """Which pipeline built a system message (the chat model only trusts its own)."""
     return f"{id(pipeline):x}"
-
-
-# ---------------------------------------------------------------------------- callbacks
-class ContextKitCallbackHandler(LogView, BaseCallbackHandler):
-    """Telemetry of chat model calls; observes only (never changes messages).
-
-    Records, per call, the prompt's layers and content blocks (with cache
-    breakpoints) and the pipeline's stable hash; at the end, input/output tokens and
-    the cache read/creation tokens the provider reported (contextkit's engine,
-    Anthropic and OpenAI shapes), TTFT and KV reuse when the engine reports them.
-
-    Args:
-        log: where records go (a new :class:`~integrations._common.CallLog` by default).
-    """
-
-    raise_error = False
-
-    def __init__(self, log: CallLog | None = None) -> None:
-        super().__init__()
-        self.log = log if log is not None else CallLog()
-
-    def on_chat_model_start(self, serialized: dict[str, Any], messages: list[list[BaseMessage]],
-                            *, run_id: uuid.UUID, **kwargs: Any) -> None:
-        msgs = messages[0] if messages else []
-        systems = [m for m in msgs if isinstance(m, SystemMessage)]
-        system = systems[0] if systems else None
-        meta = (system.additional_kwargs.get(METADATA_KEY) or {}) if system is not None else {}
-        blocks = []
-        if system is not None and isinstance(system.content, list):
-            for b in system.content:
-                if isinstance(b, Mapping):
-                    blocks.append({"chars": len(str(b.get("text", ""))),
-                                   "cache_control": "cache_control" in b})
-        params = kwargs.get("invocation_params") or {}
-        model = (params.get("model") or params.get("model_name")
-                 or (serialized or {}).get("name"))
-        # every system message: a trailing one carries the volatile layers
-        text = "\n".join(m.text for m in systems)
-        self.log.start(str(run_id), "langchain", model=model, tenant=meta.get("tenant"),
-                       messages=len(msgs), system_chars=len(text), layers=layers_in(text),
-                       content_blocks=blocks, stable_hash=meta.get("stable_hash"),
-                       prefix_broken_by=meta.get("prefix_broken_by"))
-
-    def on_llm_end(self, response: LLMResult, *, run_id: uuid.UUID, **kwargs: Any) -> None:
-        usage: dict[str, Any] = {}
-        extra: dict[str, Any] = {}
-        gens = response.generations[0] if response.generations else []
-        if gens:
-            message = getattr(gens[0], "message", None)
-            if message is not None:
-                usage = usage_from(getattr(message, "usage_metadata", None))
-                meta = getattr(message, "response_metadata", None) or {}
-                if not usage:
-                    usage = usage_from(meta.get("usage")) or usage_from(meta.get("token_usage"))
-                extra = {"ttft_ms": meta.get("ttft_ms"),
-                         "kv_reuse_ratio": meta.get("kv_reuse_ratio")}
-        if not usage and response.llm_output:
-            out = response.llm_output
-            usage = usage_from(out.get("usage")) or usage_from(out.get("token_usage"))
-        self.log.end(str(run_id), **usage, **extra)
-
-    def on_llm_error(self, error: BaseException, *, run_id: uuid.UUID, **kwargs: Any) -> None:
-        self.log.end(str(run_id), error=f"{type(error).__name__}: {error}")
-
-
-# ---------------------------------------------------------------------------- chat model
-class ContextKitChatModel(BaseChatModel):
-    """A LangChain chat model running on contextkit's embedded engine.
-
-    Its fields are passed by keyword: ``ContextKitChatModel(engine=engine)``.
-
-    Attributes:
-        engine: the :class:`~contextkit.engine.engine.Engine` (e.g. ``Engine.from_pretrained()``).
-        pipeline: the pipeline the :class:`ContextKitMiddleware` uses; with it, system
-            messages the middleware built are laid out the pipeline's way.
-        tenant: tenant for prompts that did not come through the middleware.
-        max_tokens: reply length limit (``model.bind(max_tokens=...)`` per call).
-        streaming: stream through ``invoke`` callbacks too.
-
-    Greedy decoding. Tool calling is not supported (SmolLM2 has no tool-call format):
-    use ``create_agent(model, tools=[])``.
-    """
-
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    engine: Any = Field(exclude=True)
-    pipeline: Any = Field(default=None, exclude=True)
-    tenant: str | None = None
-    max_tokens: int = 128
-    streaming: bool = False
-
-    @property
-    def _llm_type(self) -> str:
-        return "contextkit"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self._chat().model_name, "max_tokens": self.max_tokens}
-
-    def _chat(self) -> EngineChat:
-        if not isinstance(self.engine, Engine):
-            raise TypeError("engine must be a contextkit Engine (Engine.from_pretrained())")
-        return EngineChat(self.engine, self.pipeline, self.tenant)
-
-    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "ContextKitChatModel does not call tools: the embedded SmolLM2 has no tool-call "
-            "format. Use create_agent(model, tools=[]), or serve a tool-calling model with "
-            "vLLM and contextkit's KV connector")
-
-    def _plan(self, messages: list[BaseMessage]) -> tuple[list[tuple[str, str]],
-                                                          BuiltPrompt | None, str | None]:
-        conv = to_conversation(messages)
-        first = messages[0] if messages else None
-        meta = first.additional_kwargs.get(METADATA_KEY) if isinstance(first, SystemMessage) \
-            else None
-        if not meta or self.pipeline is None or not self.pipeline.attached:
-            return conv, None, None
-        if meta.get("pipeline") != _pipeline_token(self.pipeline):
-            return conv, None, meta.get("tenant")
-        built = self.pipeline.last_built(meta["tenant"])
-        if built is None or first is None or built.text != first.text:  # stale: lay it out plainly
-            return conv, None, meta["tenant"]
-        return conv, built, meta["tenant"]
-
-    def _run_kwargs(self, messages: list[BaseMessage], stop: list[str] | None,
-                    kwargs: Mapping[str, Any]) -> tuple[list[tuple[str, str]], dict[str, Any]]:
-        conv, built, tenant = self._plan(messages)
-        max_new = int(kwargs.get("max_tokens") or kwargs.get("max_new_tokens") or self.max_tokens)
-        return conv, {"built": built, "tenant": tenant or self.tenant,  # None: the rule
-                      "max_new_tokens": max_new, "stop": list(stop or [])}
-
-    def _message(self, run: ChatRun, chat: EngineChat) -> AIMessage:
-        return AIMessage(content=run.text, usage_metadata=run.usage(),
-                         response_metadata=run.metadata(chat.model_name))
-
-    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                  run_manager: CallbackManagerForLLMRun | None = None,
-                  **kwargs: Any) -> ChatResult:
-        chat = self._chat()
-        conv, run_kw = self._run_kwargs(messages, stop, kwargs)
-        run = chat.run(conv, **run_kw)
-        return ChatResult(generations=[ChatGeneration(message=self._message(run, chat))])
-
-    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                run_manager: CallbackManagerForLLMRun | None = None,
-                **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        chat = self._chat()
-        conv, run_kw = self._run_kwargs(messages, stop, kwargs)
-        for item in chat.stream(conv, **run_kw):
-            if isinstance(item, str):
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=item))
-                if run_manager is not None:
-                    run_manager.on_llm_new_token(item, chunk=chunk)
-                yield chunk
-            else:
-                yield ChatGenerationChunk(message=AIMessageChunk(
-                    content="", usage_metadata=item.usage(),  # type: ignore[arg-type]
-                    response_metadata=item.metadata(chat.model_name),
-                    chunk_position="last"))
