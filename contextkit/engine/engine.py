@@ -50,7 +50,12 @@ from contextkit.engine.background import (
 from contextkit.engine.background import prefill_prefix as _prefill_prefix
 from contextkit.engine.decode import decode_step
 from contextkit.engine.flops import prefill_flops
-from contextkit.engine.inputs import CALIBRATION_TEXT, check_token_ids
+from contextkit.engine.inputs import (
+    CALIBRATION_TEXT,
+    check_max_new_tokens,
+    check_text,
+    check_token_ids,
+)
 from contextkit.engine.kv import _check_overlay, _ContiguousKV, _PagedKV
 from contextkit.engine.llama import UnsupportedModelError, _Model, tokenizer_fingerprint
 from contextkit.engine.loading import load_pretrained
@@ -292,8 +297,8 @@ class Engine:
 
     # ------------------------------------------------------------------ tokens
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens added)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """Token ids of ``text``, a ``str`` (checked: ``check_text``; no special tokens)."""
+        return list(self.tokenizer.encode(check_text(text), add_special_tokens=False))
 
     def count_tokens(self, text: str) -> int:
         return len(self.encode(text))
@@ -485,8 +490,7 @@ class Engine:
             InvalidNameError: a tenant that breaks :func:`gpu_cache.validate_tenant`.
             CacheFullError: the device tier cannot hold the sequence (nothing lost).
         """
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_max_new_tokens(max_new_tokens)
         validate_tenant(tenant)
         ids = self.check_token_ids(token_ids)
         self.check_prompt(ids, max_new_tokens)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from contextkit.engine.types import TokenIdError
 
-__all__ = ["CALIBRATION_TEXT", "check_token_ids"]
+__all__ = ["CALIBRATION_TEXT", "check_max_new_tokens", "check_text", "check_token_ids"]
 
 #: Text the key offsets are calibrated on (fixed, so the identity is reproducible).
 CALIBRATION_TEXT = (
@@ -51,3 +51,37 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str = "toke
                 f"[0, {vocab_size}); encode text with this model's tokenizer (Engine.encode)")
         ids.append(value)
     return ids
+
+
+def check_max_new_tokens(value: object, what: str = "max_new_tokens") -> int:
+    """``value`` as a reply length: an integer >= 1 (not a bool, a float or a string).
+
+    Raises:
+        TypeError: not an integer.
+        ValueError: an integer below 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an integer >= 1, got {value!r} "
+                        f"({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{what} must be >= 1, got {value}")
+    return value
+
+
+def check_text(text: object, what: str = "text") -> str:
+    """``text`` as prompt text: a ``str`` that encodes as UTF-8 (no lone surrogates).
+
+    Raises:
+        TypeError: not a ``str`` (``None``, a number, bytes: decode bytes first).
+        ValueError: a lone surrogate, which no tokenizer can encode.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be text (str), got {type(text).__name__} "
+                        f"{text!r:.40}; decode bytes first")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} holds a lone surrogate {text[exc.start]!r} at character "
+                         f"{exc.start}, which cannot be encoded; fix the text's decoding "
+                         "(e.g. errors='replace')") from None
+    return text

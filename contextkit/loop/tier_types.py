@@ -176,6 +176,13 @@ class TierManagerConfig:
     lookahead_weight: float = 0.5
 
     def __post_init__(self) -> None:
+        numbers = {name: value for name, value in asdict(self).items()
+                   if isinstance(value, float) and name != "thresholds"}
+        bad = {name: value for name, value in numbers.items() if not math.isfinite(value)}
+        if bad:
+            raise ValueError(f"tier manager settings must be finite numbers, got {bad}")
+        if self.misfire_grace_s < 0:
+            raise ValueError(f"misfire_grace_s must be >= 0, got {self.misfire_grace_s}")
         weights = (self.frequency_weight, self.recency_weight, self.relevance_weight)
         if min(weights) < 0 or not math.isclose(sum(weights), 1.0, abs_tol=1e-6):
             raise ValueError(f"score weights must be >= 0 and sum to 1, got {weights}")

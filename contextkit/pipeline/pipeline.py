@@ -89,6 +89,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from contextkit.engine.engine import Engine, TokenSpan
+from contextkit.engine.inputs import check_max_new_tokens, check_text
 from contextkit.metrics import ContextkitMetrics
 from contextkit.pipeline.building import PromptBuilder, assemble_turn
 from contextkit.pipeline.pins import check_pin_quota, pin_stable
@@ -406,6 +407,9 @@ class CacheAwareContextPipeline:
                                    "OpenAI client, then record_usage() the reply's usage")
             raise RuntimeError("no engine attached: this pipeline only passes prompts "
                                "through; build it with CacheAwareContextPipeline(engine)")
+        if user_message is not None:
+            check_text(user_message, "user_message")
+        check_max_new_tokens(max_new_tokens)
         if tenant is None:
             tenant = built.report.tenant if built is not None else self.resolve_tenant()
         tenant = _check_tenant(tenant)

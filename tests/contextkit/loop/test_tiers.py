@@ -448,3 +448,17 @@ def test_bench_ooda_reports_its_fields(capsys: pytest.CaptureFixture[str]) -> No
     assert result["items"] == 3000 and result["interval_s"] == 60.0
     assert result["overhead_fraction"] == pytest.approx(result["cycle_ms_p50"] / 1e3 / 60.0)
     assert result["blocks_moved"] > 0
+
+
+@pytest.mark.parametrize("field", ["interval_s", "recency_half_life_s", "misfire_grace_s",
+                                   "frequency_scale"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_tier_settings_refuse_non_finite_numbers(field: str, value: float) -> None:
+    # nan compares false with every bound, so it used to pass the range checks
+    with pytest.raises(ValueError, match=f"finite.*{field}"):
+        TierManagerConfig(**{field: value})
+
+
+def test_tier_settings_refuse_a_negative_misfire_grace() -> None:
+    with pytest.raises(ValueError, match="misfire_grace_s must be >= 0"):
+        TierManagerConfig(misfire_grace_s=-1.0)
