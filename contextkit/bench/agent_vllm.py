@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not vllm_installed() or importlib.util.find_spec("langchain_openai") is None:
         raise SystemExit("contextkit bench agent-vllm runs inside the vLLM virtualenv: "
                          "`make test-vllm` creates .venv-vllm, then "
-                         "`.venv-vllm/bin/python -m contextkit.cli.commands bench agent-vllm --json`")
+                         "`.venv-vllm/bin/python -m contextkit.cli bench agent-vllm --json`")
     work = Path(args.dir or tempfile.mkdtemp(prefix="ck-bench-agent-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
     raw_path = work / "raw.json"

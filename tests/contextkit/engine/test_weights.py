@@ -7,12 +7,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from contextkit.config import ConfigError, load_config
 from contextkit.engine.decode import decode_step
+from contextkit.engine.engine import WEIGHT_FORMATS, Engine
 from contextkit.engine.kv import _ContiguousKV
 from contextkit.engine.llama import _Model
 from contextkit.engine.weights import Float32Matrix, Int8Matrix, fidelity, matrix
-from contextkit.config import ConfigError, load_config
-from contextkit.engine.engine import WEIGHT_FORMATS, Engine
 from gpu_cache import CacheIdentityError
 
 pytestmark = pytest.mark.slow

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from contextkit.prompt.chatml import _ChatML
-from contextkit.loop.reservations import MemoryCandidate, MemoryReservations
 from contextkit.engine.engine import Engine
-from contextkit.pipeline.pipeline import CacheAwareContextPipeline
+from contextkit.loop.reservations import MemoryCandidate, MemoryReservations
 from contextkit.loop.tiers import ContextTierManager, ItemKind
+from contextkit.pipeline.pipeline import CacheAwareContextPipeline
+from contextkit.prompt.chatml import _ChatML
 from gpu_cache import Tier
 from memory_graph import GraphBlockReserver, MemoryGraph, SentenceTransformerEmbedder
 

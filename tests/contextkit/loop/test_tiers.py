@@ -14,7 +14,6 @@ import pytest
 
 from contextkit.bench import load
 from contextkit.cli.commands import main
-from contextkit.prompt.markup import SpilledLine, SpilloverQueue
 from contextkit.loop.tiers import (
     Action,
     ContextTier,
@@ -27,6 +26,7 @@ from contextkit.loop.tiers import (
     TierCacheBridge,
     TierManagerConfig,
 )
+from contextkit.prompt.markup import SpilledLine, SpilloverQueue
 from gpu_cache import CacheConfig, CacheIdentity, PrefixPinManager, Tier, TQGPUCache
 from gpu_cache.config import NO_PIN_QUOTA, PinConfig
 

@@ -8,10 +8,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from contextkit.pipeline.registration import register_call
+from contextkit.config import ConfigError
 from contextkit.engine.sequence import close_sequence, open_sequence
 from contextkit.engine.types import TokenSpan
-from contextkit.config import ConfigError
 from contextkit.loop.tiers import (
     ContextTier,
     ContextTierManager,
@@ -20,6 +19,7 @@ from contextkit.loop.tiers import (
     SegmentInfo,
     TierManagerConfig,
 )
+from contextkit.pipeline.registration import register_call
 from gpu_cache import (
     EVICTION_POLICIES,
     CacheConfig,

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from contextkit.engine.engine import CacheFullError, Engine
-from contextkit.prompt.layers import LayerConfig, LayerSpec
 from contextkit.pipeline.pipeline import CacheAwareContextPipeline, cache_aware
+from contextkit.prompt.layers import LayerConfig, LayerSpec
 from contextkit.prompt.markup import PromptFormatError, StructuredPrompt, parse_marked
 from gpu_cache.config import PinConfig
 

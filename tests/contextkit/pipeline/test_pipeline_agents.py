@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from contextkit.engine.engine import Engine
-from contextkit.pipeline.pipeline import CacheAwareContextPipeline, PipelineResult
 from contextkit.loop.tiers import ContextTierManager, ItemKind, SegmentInfo
+from contextkit.pipeline.pipeline import CacheAwareContextPipeline, PipelineResult
 from gpu_cache import InvalidNameError, Tier
 
 pytestmark = pytest.mark.slow
