@@ -110,7 +110,7 @@ def test_outside_the_vllm_venv_the_bench_says_where_it_runs() -> None:
     from contextkit.bench.agent_vllm import vllm_installed
 
     assert not vllm_installed()
-    with pytest.raises(SystemExit, match=r"\.venv-vllm/bin/python -m contextkit.cli.commands bench "
+    with pytest.raises(SystemExit, match=r"\.venv-vllm/bin/python -m contextkit\.cli bench "
                                          r"agent-vllm"):
         load("agent-vllm").run(_args())
 
