@@ -3,9 +3,9 @@
 Blocks are grouped by segment into chunks of nearby blocks; a chunk is read tensor by
 tensor into one of two reused page-aligned buffer sets while the previous chunk is
 imported. Every block is verified before it is imported: with a key, its MAC
-(:func:`shadow.auth.block_mac`: the SHA-256 of each tensor slice, bound to the key,
-identity, session, tenant, content key and position); without one, its CRC-32s. The
-facade is :func:`shadow.recovery.recover_session`.
+(:func:`shadow.auth.block_mac`: Poly1305 of its tensor slices under a one-time key
+bound to the key, identity, session, tenant, content key, position and the record's
+nonce); without one, its CRC-32s. The facade is :func:`shadow.recovery.recover_session`.
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ import torch
 from gpu_cache import TENSOR_NAMES, Tier, TQGPUCache
 from shadow._errors import BlobNotFoundError
 from shadow._report import RecoveryReport, SkippedBlock
-from shadow.auth import BlockBinding, block_mac, tensor_digest
+from shadow.auth import BlockBinding, block_mac
 from shadow.manifest import BlockRecord, Manifest, block_dtypes, block_shapes, checksum
 from shadow.stores import ShadowStore
 
 __all__ = ["ChunkReader", "import_chunks", "plan_chunks", "prefetched"]
 
-_EMPTY_DIGEST = tensor_digest(b"")
-_NO_MAC = ("no block MAC (written without a key, or by a contextkit before format 2); "
-           "re-shadow the session")
+_NO_MAC = ("no block MAC with its nonce (written without a key, or by an earlier "
+           "contextkit); re-shadow the session")
 _BAD_MAC = "block MAC mismatch (its bytes changed after it was written)"
 
 
@@ -48,9 +47,9 @@ class _ReadChunk:
     arrays: dict[str, np.ndarray]  # [span, *block_shape]
     bad: dict[int, str]  # manifest position -> why the block is skipped
     missing: str | None = None
-    #: per tensor, the checks still running on ``arrays`` (see ChunkReader.settle)
-    pending: dict[str, Future[tuple[dict[int, str], dict[int, bytes]]]] = field(
-        default_factory=dict)
+    #: the checks still running on ``arrays``, each giving the blocks that fail it (see
+    #: ChunkReader.settle)
+    pending: list[Future[dict[int, str]]] = field(default_factory=list)
 
 
 def plan_chunks(manifest: Manifest, todo: Sequence[tuple[int, BlockRecord]],
@@ -88,10 +87,10 @@ class ChunkReader:
 
     Fresh buffers per chunk would page-fault on every read (as costly as the checks);
     two sets suffice because at most one chunk is being imported while the next is
-    read. Each tensor's checks run in helper threads from the moment it is read
-    (``zlib.crc32`` and ``hashlib.sha256`` release the GIL) and are awaited only by
-    :meth:`settle`, just before the chunk is imported: the next chunk's reads overlap
-    this chunk's checks.
+    read. The checks run in helper threads (without a key each tensor's CRC-32s from the
+    moment it is read, ``zlib.crc32`` releases the GIL; with a key the chunk's MACs once
+    all its tensors are read) and are awaited only by :meth:`settle`, just before the
+    chunk is imported: the next chunk's reads overlap this chunk's checks.
 
     Args:
         store: where the session lives.
@@ -112,8 +111,8 @@ class ChunkReader:
         span = max((c.records[-1][2] - c.first + 1 for c in chunks), default=0)
         self.buffers = [{name: _page_aligned((span, *self.shapes[name]), self.dtypes[name])
                          for name in TENSOR_NAMES} for _ in range(2)]
-        # SHA-256 runs at ~1.2-1.7 GB/s per core, CRC-32 at ~2.5: two tensors checked at
-        # once keep up with fast disks
+        # CRC-32 runs at ~2.5 GB/s per core: two tensors checked at once keep up with fast
+        # disks; Poly1305 runs at ~5 GB/s (holding the GIL: one MAC job per chunk)
         self.verifier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shadow-verify")
         self.turn = 0
 
@@ -121,38 +120,41 @@ class ChunkReader:
         self.verifier.shutdown(wait=True)
 
     def _verify(self, name: str, arr: np.ndarray, chunk: _Chunk, blocks_read: int
-                ) -> tuple[dict[int, str], dict[int, bytes]]:
-        """Blocks of ``chunk`` that fail in tensor ``name`` (truncated, wrong CRC), and
-        with a key the SHA-256 of each block's slice (the MAC is checked in
-        :meth:`_check_macs`)."""
+                ) -> dict[int, str]:
+        """Blocks of ``chunk`` that fail in tensor ``name``: truncated, wrong CRC-32."""
         bad: dict[int, str] = {}
-        digests: dict[int, bytes] = {}
         for pos, rec, seg_idx in chunk.records:
             local = seg_idx - chunk.first
             if local >= blocks_read:
                 bad[pos] = f"{name} blob is truncated"
-            elif self.key is not None:
-                digests[pos] = tensor_digest(arr[local].reshape(-1).view(np.uint8))
             elif checksum(arr[local].reshape(-1).view(np.uint8)) != rec.checksums[name]:
                 bad[pos] = f"{name} checksum mismatch"
-        return bad, digests
+        return bad
 
-    def _check_macs(self, chunk: _Chunk, digests: dict[str, dict[int, bytes]],
-                    bad: dict[int, str]) -> None:
+    def _check_macs(self, chunk: _Chunk, arrays: dict[str, np.ndarray],
+                    blocks_read: dict[str, int]) -> dict[int, str]:
+        """Blocks of ``chunk`` that are truncated, lack a MAC, or fail it."""
         assert self.key is not None
         m = self.manifest
+        segment = self.segment_names[chunk.segment_id]
+        bad: dict[int, str] = {}
         for pos, rec, seg_idx in chunk.records:
-            if pos in bad:
+            local = seg_idx - chunk.first
+            short = [name for name, got in blocks_read.items() if local >= got]
+            if short:
+                bad[pos] = f"{short[0]} blob is truncated"
                 continue
-            if rec.mac is None:
+            if rec.mac is None or rec.mac_nonce is None:
                 bad[pos] = _NO_MAC
                 continue
             binding = BlockBinding(identity=self.identity_digest, session_id=m.session_id,
-                                   tenant=rec.tenant, key=rec.key,
-                                   segment=self.segment_names[chunk.segment_id], slot=seg_idx)
-            want = block_mac(self.key, binding, [digests[n][pos] for n in TENSOR_NAMES])
+                                   tenant=rec.tenant, key=rec.key, segment=segment,
+                                   slot=seg_idx)
+            want = block_mac(self.key, binding, bytes.fromhex(rec.mac_nonce),
+                             [arrays[name][local] for name in TENSOR_NAMES])
             if not hmac.compare_digest(want, rec.mac):
                 bad[pos] = _BAD_MAC
+        return bad
 
     def read(self, chunk: _Chunk) -> _ReadChunk:
         """Read ``chunk`` into the next buffer set; its checks keep running (see
@@ -162,7 +164,8 @@ class ChunkReader:
         buffers = self.buffers[self.turn]
         self.turn ^= 1
         arrays: dict[str, np.ndarray] = {}
-        pending: dict[str, Future[tuple[dict[int, str], dict[int, bytes]]]] = {}
+        blocks_read: dict[str, int] = {}
+        pending: list[Future[dict[int, str]]] = []
         try:
             for name in TENSOR_NAMES:
                 arr = buffers[name][:span]
@@ -171,30 +174,28 @@ class ChunkReader:
                     continue
                 got = self.store.read_into(files[name], chunk.first * self.sizes[name],
                                            memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
-                pending[name] = self.verifier.submit(self._verify, name, arr, chunk,
-                                                     got // self.sizes[name])
+                blocks_read[name] = got // self.sizes[name]
+                if self.key is None:
+                    pending.append(self.verifier.submit(self._verify, name, arr, chunk,
+                                                        blocks_read[name]))
         except BlobNotFoundError:
-            wait(pending.values())  # never leave a check running on a buffer
+            wait(pending)  # never leave a check running on a buffer
             return _ReadChunk(chunk, {}, {}, missing=files[name])
         except BaseException:
-            wait(pending.values())
+            wait(pending)
             raise
+        if self.key is not None:
+            pending.append(self.verifier.submit(self._check_macs, chunk, arrays, blocks_read))
         return _ReadChunk(chunk, arrays, {}, pending=pending)
 
     def settle(self, got: _ReadChunk) -> _ReadChunk:
         """Wait for ``got``'s checks and record the blocks that fail them."""
         if not got.pending:
             return got
-        results = {name: f.result() for name, f in got.pending.items()}
-        got.pending = {}
-        digests = {name: {pos: _EMPTY_DIGEST for pos, _, _ in got.chunk.records}
-                   for name in TENSOR_NAMES if not self.sizes[name]}
-        for name, (found, sums) in results.items():
-            digests[name] = sums
-            for pos, why in found.items():
+        pending, got.pending = got.pending, []
+        for future in pending:
+            for pos, why in future.result().items():
                 got.bad.setdefault(pos, why)
-        if self.key is not None:
-            self._check_macs(got.chunk, digests, got.bad)
         return got
 
     def chunks(self, chunks: list[_Chunk]) -> Iterator[_ReadChunk]:

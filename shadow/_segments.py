@@ -2,8 +2,8 @@
 
 The mechanism under :class:`shadow.CacheShadow`: chunk ``i + 1`` is exported from the
 cache and checksummed in a helper thread while chunk ``i`` is written, so the copy,
-the CRC-32s and (with a key) the SHA-256 of every tensor slice overlap the store's
-writes. A segment is written once, under names no earlier segment used
+the CRC-32s and (with a key) every block's Poly1305 MAC overlap the store's writes. A
+segment is written once, under names no earlier segment used
 (:func:`shadow.manifest.new_segment_token`), and committed only whole.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpu_cache import TENSOR_NAMES, BlockMeta, TQGPUCache
-from shadow.auth import BlockBinding, block_mac, tensor_digest
+from shadow.auth import BlockBinding, block_mac, new_block_nonces
 from shadow.manifest import BlockRecord, SegmentRecord, block_nbytes, checksum
 from shadow.stores import ShadowStore
 
@@ -28,7 +28,7 @@ class _Prepared:
     metas: list[BlockMeta]
     arrays: dict[str, np.ndarray]  # per tensor ``[n, L, BS, H, ...]`` C-contiguous
     checksums: dict[str, list[int]]
-    digests: dict[str, list[bytes]] | None  # SHA-256 per tensor slice (with a key)
+    macs: list[tuple[str, str]] | None  # (nonce, MAC) hex per block (with a key)
 
 
 class SegmentWriter:
@@ -48,16 +48,28 @@ class SegmentWriter:
         self.chunk_bytes, self.key = chunk_bytes, key
         self.identity_digest = cache.identity.digest()
 
-    def _check(self, rows: np.ndarray) -> tuple[list[int], list[bytes] | None]:
-        """CRC-32 (and, with a key, SHA-256) of each row ``[n, bytes]``."""
-        n = rows.shape[0]
-        sums = [checksum(rows[k]) for k in range(n)]
-        digests = [tensor_digest(rows[k]) for k in range(n)] if self.key is not None else None
-        return sums, digests
+    def _check(self, rows: np.ndarray) -> list[int]:
+        """CRC-32 of each row ``[n, bytes]``."""
+        return [checksum(rows[k]) for k in range(rows.shape[0])]
 
-    def _prepare(self, metas: list[BlockMeta], checks: ThreadPoolExecutor) -> _Prepared:
-        """Copy blocks out block-major with per-block checksums (and digests); each
-        tensor's checks run in ``checks`` (hashlib and zlib release the GIL)."""
+    def _macs(self, metas: list[BlockMeta], rows: dict[str, np.ndarray], segment: str,
+              first_slot: int) -> list[tuple[str, str]]:
+        """(nonce, MAC) hex of each block: block ``i`` goes to slot ``first_slot + i``."""
+        assert self.key is not None
+        out = []
+        for i, (m, nonce) in enumerate(zip(metas, new_block_nonces(len(metas)), strict=True)):
+            binding = BlockBinding(identity=self.identity_digest, session_id=self.session_id,
+                                   tenant=m.tenant_slug,
+                                   key=m.key.hex() if m.key is not None else None,
+                                   segment=segment, slot=first_slot + i)
+            out.append((nonce.hex(), block_mac(self.key, binding, nonce,
+                                               [rows[name][i] for name in TENSOR_NAMES])))
+        return out
+
+    def _prepare(self, metas: list[BlockMeta], checks: ThreadPoolExecutor, segment: str,
+                 first_slot: int) -> _Prepared:
+        """Copy blocks out block-major with per-block checksums (and MACs); each tensor's
+        CRC-32s run in ``checks`` (zlib releases the GIL), the MACs in this thread."""
         cache = self.cache
         # Blocks freed since the plan was made are dropped; export_blocks copies runs of
         # consecutive slots with one strided copy each.
@@ -66,46 +78,42 @@ class SegmentWriter:
             n = len(metas)
             exported = cache.export_blocks([m.block_id for m in metas], block_major=True)
         arrays = {name: exported[name].numpy() for name in TENSOR_NAMES}
-        pending = {name: checks.submit(self._check, arrays[name].reshape(n, -1).view(np.uint8))
-                   for name in TENSOR_NAMES}
-        sums: dict[str, list[int]] = {}
-        digests: dict[str, list[bytes]] | None = {} if self.key is not None else None
-        for name, future in pending.items():
-            sums[name], found = future.result()
-            if digests is not None and found is not None:
-                digests[name] = found
-        return _Prepared(metas, arrays, sums, digests)
+        rows = {name: arrays[name].reshape(n, -1).view(np.uint8) for name in TENSOR_NAMES}
+        pending = {name: checks.submit(self._check, rows[name]) for name in TENSOR_NAMES}
+        macs = self._macs(metas, rows, segment, first_slot) if self.key is not None else None
+        sums = {name: future.result() for name, future in pending.items()}
+        return _Prepared(metas, arrays, sums, macs)
 
-    def _prepared_chunks(self, metas: list[BlockMeta]) -> Iterator[_Prepared]:
+    def _prepared_chunks(self, metas: list[BlockMeta], segment: str) -> Iterator[_Prepared]:
         """Export and checksum chunk ``i + 1`` in threads while chunk ``i`` is written."""
         per_block = self.cache.bytes_per_block
         step = max(1, self.chunk_bytes // per_block)
         chunks = [metas[i:i + step] for i in range(0, len(metas), step)]
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shadow-export") as pool, \
                 ThreadPoolExecutor(max_workers=2, thread_name_prefix="shadow-sum") as checks:
-            future = pool.submit(self._prepare, chunks[0], checks)
+            future = pool.submit(self._prepare, chunks[0], checks, segment, 0)
+            slot = 0
             for i in range(len(chunks)):
                 prepared = future.result()
+                slot += len(prepared.metas)  # blocks freed meanwhile take no slot
                 if i + 1 < len(chunks):
-                    future = pool.submit(self._prepare, chunks[i + 1], checks)
+                    future = pool.submit(self._prepare, chunks[i + 1], checks, segment, slot)
                 yield prepared
 
     def _record(self, m: BlockMeta, segment: SegmentRecord, slot: int, prepared: _Prepared,
                 i: int, sizes: dict[str, int]) -> BlockRecord:
         key = m.key.hex() if m.key is not None else None
-        mac = None
+        nonce = mac = None
         if self.key is not None:
-            assert prepared.digests is not None
-            binding = BlockBinding(identity=self.identity_digest, session_id=self.session_id,
-                                   tenant=m.tenant_slug, key=key, segment=segment.name,
-                                   slot=slot)
-            mac = block_mac(self.key, binding, [prepared.digests[n][i] for n in TENSOR_NAMES])
+            assert prepared.macs is not None
+            nonce, mac = prepared.macs[i]
         return BlockRecord(
             key=key, source_layer=m.source_layer, importance=m.importance,
             token_range=(int(m.token_range[0]), int(m.token_range[1])),
             tenant=m.tenant_slug, pinned=m.pinned, num_tokens=m.num_tokens,
             segment_id=segment.segment_id, offsets={n: slot * sizes[n] for n in TENSOR_NAMES},
-            checksums={n: prepared.checksums[n][i] for n in TENSOR_NAMES}, mac=mac)
+            checksums={n: prepared.checksums[n][i] for n in TENSOR_NAMES}, mac=mac,
+            mac_nonce=nonce)
 
     def write(self, segment: SegmentRecord, metas: Sequence[BlockMeta]
               ) -> tuple[list[tuple[int, BlockRecord]], list[BlockMeta]]:
@@ -120,7 +128,7 @@ class SegmentWriter:
         out: list[tuple[int, BlockRecord]] = []
         written: list[BlockMeta] = []
         try:
-            for prepared in self._prepared_chunks(list(metas)):
+            for prepared in self._prepared_chunks(list(metas), segment.name):
                 for name in TENSOR_NAMES:
                     if sizes[name]:  # the empty norms of fp16/native stay empty blobs
                         writers[name].write(prepared.arrays[name])

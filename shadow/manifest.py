@@ -19,7 +19,8 @@ and is stored as the C-contiguous array ``[num_layers, block_size, num_kv_heads,
 contiguous byte range with its own checksum, and new blocks append.
 
 A manifest names the segments it uses and, per block, its segment, byte offsets,
-per-tensor checksums and, with a key, the block's MAC (:func:`shadow.auth.block_mac`);
+per-tensor checksums and, with a key, the block's MAC (:func:`shadow.auth.block_mac`)
+and the random nonce its one-time MAC key was derived with;
 bytes in a segment that no block references are garbage left by removed blocks,
 reclaimed by compaction.
 """
@@ -55,7 +56,7 @@ from shadow._fields import (
     per_tensor_field,
     validate_label,
 )
-from shadow.auth import BLOCK_MAC_HEX, sign, verify
+from shadow.auth import BLOCK_MAC_HEX, BLOCK_NONCE_HEX, sign, verify
 
 __all__ = [
     "FORMAT_NAME",
@@ -92,6 +93,7 @@ _KEY_HEX = 64  # block keys are SHA-256 digests
 _TOKEN_HEX = 16  # segment tokens: 64 random bits
 _TOKEN_IN_NAME = re.compile(f"seg-[0-9]{{6}}-([0-9a-f]{{{_TOKEN_HEX}}})\\.{TENSOR_NAMES[0]}\\.bin")
 _MAC = re.compile(f"[0-9a-f]{{{BLOCK_MAC_HEX}}}")
+_NONCE = re.compile(f"[0-9a-f]{{{BLOCK_NONCE_HEX}}}")
 _FieldError = FieldError
 _int, _number, _mapping, _list = int_field, number_field, mapping_field, list_field
 _per_tensor = per_tensor_field
@@ -216,6 +218,8 @@ class BlockRecord:
     checksums: dict[str, int]
     #: :func:`shadow.auth.block_mac` of its bytes (with a key; ``None`` unsigned)
     mac: str | None = None
+    #: the random nonce (hex) the MAC's one-time key was derived with (with a key)
+    mac_nonce: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         doc = {"key": self.key, "source_layer": self.source_layer,
@@ -225,6 +229,8 @@ class BlockRecord:
                "checksums": self.checksums}
         if self.mac is not None:
             doc["mac"] = self.mac
+        if self.mac_nonce is not None:
+            doc["mac_nonce"] = self.mac_nonce
         return doc
 
     @classmethod
@@ -260,6 +266,9 @@ class BlockRecord:
         mac = data.get("mac")
         if mac is not None and (not isinstance(mac, str) or not _MAC.fullmatch(mac)):
             raise _FieldError(f"{what}.mac must be {BLOCK_MAC_HEX} hex digits")
+        nonce = data.get("mac_nonce")
+        if nonce is not None and (not isinstance(nonce, str) or not _NONCE.fullmatch(nonce)):
+            raise _FieldError(f"{what}.mac_nonce must be {BLOCK_NONCE_HEX} hex digits")
         return cls(key=key, source_layer=validate_label(data["source_layer"],
                                                         f"{what}.source_layer"),
                    importance=_number(data["importance"], f"{what}.importance", 0.0, 1.0),
@@ -269,7 +278,7 @@ class BlockRecord:
                    segment_id=_int(data["segment"], f"{what}.segment"),
                    offsets=_per_tensor(data["offsets"], f"{what}.offsets", 1 << 62),
                    checksums=_per_tensor(data["checksums"], f"{what}.checksums",
-                                         0xFFFFFFFF), mac=mac)
+                                         0xFFFFFFFF), mac=mac, mac_nonce=nonce)
 
     def meta_for_import(self) -> dict[str, object]:
         """The metadata dict :meth:`gpu_cache.TQGPUCache.import_blocks` takes."""

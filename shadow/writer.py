@@ -437,9 +437,10 @@ class CacheShadow:
         for m in metas:
             rec = prev_by_key.get(m.key.hex()) if m.key is not None else None
             # a record is reused only as it was signed: same tenant, and with a key a MAC
-            # (format 1 had none: such blocks are written again, now with one)
+            # and its nonce (format 1 had none: such blocks are written again, with one)
             if rec is not None and rec.tenant == m.tenant_slug \
-                    and (self._key is None or rec.mac is not None):
+                    and (self._key is None or (rec.mac is not None
+                                               and rec.mac_nonce is not None)):
                 reuse[m.block_id] = rec
             else:
                 new.append(m)
@@ -478,7 +479,8 @@ class CacheShadow:
                     key=old.key, source_layer=m.source_layer, importance=m.importance,
                     token_range=tuple(m.token_range), tenant=m.tenant_slug,  # type: ignore[arg-type]
                     pinned=m.pinned, num_tokens=m.num_tokens, segment_id=old.segment_id,
-                    offsets=old.offsets, checksums=old.checksums, mac=old.mac))
+                    offsets=old.offsets, checksums=old.checksums, mac=old.mac,
+                    mac_nonce=old.mac_nonce))
         used = {r.segment_id for r in records}
         segments = [s for s in segments if s.segment_id in used]
         now = time.time()

@@ -8,6 +8,7 @@ from :class:`shadow_testkit.FaultyStore`, the real store with queued manifest fa
 from __future__ import annotations
 
 import json
+import shutil
 import zlib
 
 import pytest
@@ -81,27 +82,56 @@ def test_forged_block_bytes_with_a_valid_crc_are_never_imported(name, store_url,
         assert all(torch.equal(tensors[n], want[key][n]) for n in TENSOR_NAMES)
 
 
-def test_block_mac_binds_bytes_key_tenant_identity_and_position() -> None:
-    from shadow.auth import BlockBinding, block_mac, tensor_digests
+def test_block_mac_binds_bytes_key_tenant_identity_position_and_nonce() -> None:
+    import numpy as np
 
-    data = {n: bytes([i]) * 64 for i, n in enumerate(TENSOR_NAMES)}
+    from shadow.auth import BLOCK_NONCE_BYTES, BlockBinding, block_mac, new_block_nonces
+
+    data = [bytes([i]) * 64 for i in range(len(TENSOR_NAMES))]
     base = BlockBinding(identity=SMALL.digest(), session_id="s", tenant="alice",
                         key="ab" * 32, segment="seg-000001-0123abcd", slot=3)
-    tag = block_mac(KEY, base, tensor_digests(data))
-    assert len(tag) == 32 and tag == block_mac(KEY, base, tensor_digests(dict(data)))
+    nonce, other_nonce = new_block_nonces(2)
+    assert len(nonce) == BLOCK_NONCE_BYTES and nonce != other_nonce
+    tag = block_mac(KEY, base, nonce, data)
+    # any contiguous buffer of the same bytes gives the same tag
+    same = [np.frombuffer(d, np.uint8).reshape(4, 16) for d in data]
+    assert len(tag) == 32 and tag == block_mac(KEY, base, nonce, same)
     variants = [
-        block_mac(b"another key", base, tensor_digests(data)),
-        block_mac(KEY, base, tensor_digests({**data, "v_norms": b"\x00" * 64})),
-        *(block_mac(KEY, base.replace(**change), tensor_digests(data)) for change in (
+        block_mac(b"another key", base, nonce, data),
+        block_mac(KEY, base, other_nonce, data),
+        block_mac(KEY, base, nonce, [*data[:3], b"\x00" * 64]),
+        # the same bytes cut into slices differently (the lengths are MACed)
+        block_mac(KEY, base, nonce, [data[0] + data[1][:1], data[1][1:], *data[2:]]),
+        block_mac(KEY, base, nonce, [*data, b""]),
+        *(block_mac(KEY, base.replace(**change), nonce, data) for change in (
             {"tenant": "bob"}, {"key": "cd" * 32}, {"key": None}, {"session_id": "t"},
             {"identity": SMALL.digest()[::-1]}, {"segment": "seg-000002-0123abcd"},
             {"slot": 4})),
     ]
     assert tag not in variants and len(set(variants)) == len(variants)
+    with pytest.raises(ValueError, match="nonce"):
+        block_mac(KEY, base, nonce[:-1], data)
 
 
-def test_a_signed_manifest_without_block_macs_recovers_nothing_unchecked(store_url, tmp_path):
-    """A block record that lost its MAC (or predates it) is skipped, never trusted."""
+def test_every_block_record_gets_its_own_nonce(store_url, tmp_path):
+    """Rewriting the same bytes into the same position never reuses a one-time key."""
+    tags = set()
+    for _ in range(2):
+        cache = make_cache()
+        add_blocks(cache, range(4))
+        with CacheShadow(cache, store_url, "s", config=SIGNED) as sh:
+            sh.shadow_now()
+        doc = json.loads((tmp_path / "shadow" / "s" / "manifest.json").read_bytes())
+        tags |= {(b["mac_nonce"], b["mac"]) for b in doc["blocks"]}
+        shutil.rmtree(tmp_path / "shadow")
+    assert len(tags) == 8 and len({n for n, _ in tags}) == 8
+
+
+@pytest.mark.parametrize("field", ["mac", "mac_nonce"])
+def test_a_signed_manifest_without_block_macs_recovers_nothing_unchecked(field, store_url,
+                                                                        tmp_path):
+    """A block record that lost its MAC or nonce (or predates them) is skipped, never
+    trusted."""
     from shadow.auth import sign
 
     cache = make_cache()
@@ -111,7 +141,7 @@ def test_a_signed_manifest_without_block_macs_recovers_nothing_unchecked(store_u
     path = tmp_path / "shadow" / "s" / "manifest.json"
     doc = json.loads(path.read_bytes())
     del doc["mac"]
-    doc["blocks"][1].pop("mac", None)
+    doc["blocks"][1].pop(field, None)
     doc["mac"] = sign(doc, KEY, "manifest")  # a writer holding the key, but no block MAC
     path.write_text(json.dumps(doc))
     (tmp_path / "shadow" / "s" / "head.json").unlink()  # as written before heads existed

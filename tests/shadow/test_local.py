@@ -44,7 +44,8 @@ def test_exports_are_what_they_should_be():
          "ShadowConfig", "ShadowError", "ShadowResult", "ShadowStore", "ShadowStoreError",
          "SkippedBlock", "StoreConfig", "discover_sessions", "load_manifest", "open_store",
          "recover_session", "recover_sessions", "validate_session_id", "KEY_ENV",
-         "TamperedShadowError", "UnauthenticatedShadowError", "describe_auth", "resolve_key"])
+         "TamperedShadowError", "UnauthenticatedShadowError", "describe_auth", "resolve_key",
+         "InvalidKeyError", "RollbackShadowError"])
     for name in shadow.__all__:
         assert getattr(shadow, name) is not None
 
