@@ -74,8 +74,9 @@ def add_recover_arguments(parser: argparse.ArgumentParser) -> None:
                              "refused by default")
 
 
-def _available_memory() -> int:
-    """Bytes of memory available to a new allocation (``MemAvailable``)."""
+def available_memory(unknown: int = 1 << 62) -> int:
+    """Bytes of memory available to a new allocation (``MemAvailable``); ``unknown``
+    where the system does not say (default: do not refuse)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -86,7 +87,7 @@ def _available_memory() -> int:
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
-        return 1 << 62  # unknown: do not refuse
+        return unknown
 
 
 def _cache_config(manifests: list[Manifest]) -> CacheConfig:
@@ -100,7 +101,7 @@ def _cache_config(manifests: list[Manifest]) -> CacheConfig:
 def _too_big(identity: CacheIdentity, config: CacheConfig) -> str | None:
     """Why a verification cache of ``config`` would not fit in memory, or ``None``."""
     need = (config.num_device_blocks + config.num_host_blocks) * identity.bytes_per_block
-    have = _available_memory()
+    have = available_memory()
     if need <= 0.8 * have:
         return None
     return (f"recovering it needs a verification cache of {need / 1e9:,.1f} GB, more than "

@@ -33,6 +33,7 @@ import torch
 from contextkit.bench._common import fraction, machine_info, positive_int, print_table
 from gpu_cache import BlockHash, CacheConfig, CacheIdentity, Tier, TQGPUCache
 from shadow import CacheShadow, LocalStore, MeteredStore, ShadowConfig, recover_session
+from shadow.cli import available_memory
 from shadow.stores import fsync_dir
 
 __all__ = ["HELP", "add_arguments", "run"]
@@ -79,17 +80,6 @@ def _mac_gbps(nbytes: int = 256 << 20) -> float:
                                tenant="default", key=None, segment="seg", slot=i)
         block_mac(key, binding, nonces[i], [buf])
     return nbytes / (time.perf_counter() - start) / 1e9
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
 
 
 def _drop_cache(paths: list[Path]) -> bool:
@@ -165,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-shadow-", dir=base))
     changed = max(1, round(requested * args.changed_fraction))
     # one cache lives at a time; keep 4 GiB of memory and disk spare
-    fit_mem = (_available_memory() - (4 << 30) - 3 * _CHUNK) // per_block - changed
+    fit_mem = (available_memory(unknown=8 << 30) - (4 << 30) - 3 * _CHUNK) // per_block - changed
     fit_disk = (shutil.disk_usage(work).free - (4 << 30)) // (2 * per_block) - changed
     num_blocks = max(16, min(requested, fit_mem, fit_disk))
     notes = []

@@ -49,8 +49,8 @@ AGENTS, TENANTS = 3, 2
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=int, default=6,
-                        help="replay turns (default 6, about 5 minutes on 2 CPU cores; the "
-                             "benchmark runs 20)")
+                        help="replay turns (default 6: the whole demo took ~2.5 minutes on 2 CPU "
+                             "cores; the benchmark runs 20)")
     parser.add_argument("--max-new-tokens", type=int, default=32,
                         help="reply length limit per turn (default 32, greedy)")
     parser.add_argument("--out", default="runs/demo",

@@ -386,12 +386,12 @@ def _read_file(path: Path) -> dict[str, Any]:
 def _env_values(env: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     """Environment variables as ``{section: {field or nested: text}}`` plus their names."""
     out: dict[str, dict[str, Any]] = {}
+    known = {*SECTIONS, *_entry_point_sections()}  # one scan of the entry points
     for name, text in sorted(env.items()):
         if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
             continue
         rest = name[len(ENV_PREFIX):].lower()
         section, _, field = rest.partition("_")
-        known = {*SECTIONS, *_entry_point_sections()}
         if section not in known:
             raise ConfigError(f"unknown configuration variable ${name}; variables are "
                               f"{ENV_PREFIX}<SECTION>_<FIELD> with sections {sorted(known)}")

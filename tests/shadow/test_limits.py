@@ -122,13 +122,13 @@ def test_recover_refuses_a_verification_cache_larger_than_memory(store_url, tmp_
     """A consistent manifest whose blocks (276 MB each) would need twice this machine's
     available memory."""
     from contextkit.cli.commands import main
-    from shadow.cli import _available_memory
+    from shadow.cli import available_memory
 
     one = make_cache()
     add_blocks(one, range(1))
     with CacheShadow(one, store_url, "big", config=MANUAL) as sh:
         sh.shadow_now()
-    num_blocks = 2 * _available_memory() // (64 * 256 * 64 * 264) + 1
+    num_blocks = 2 * available_memory() // (64 * 256 * 64 * 264) + 1
 
     def grow(doc):
         doc["identity"].update(num_layers=64, num_kv_heads=64, head_dim=256, block_size=256)
