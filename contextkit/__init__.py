@@ -132,11 +132,7 @@ def _lazy_face(
     return getattr_, dir_, names
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'contextkit' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = _lazy_face(__name__, _EXPORTS)[0]
 
 
 def __dir__() -> list[str]:
