@@ -154,7 +154,7 @@ def recover_session(
         store: where the session lives.
         session_id: the session to restore.
         cache: the cache to fill; its identity must equal the session's.
-        chunk_bytes: bytes read per step (memory use is about twice this).
+        chunk_bytes: bytes read per step (memory use is about three times this).
         repin: pin again the blocks that were pinned when shadowed.
         progress: called with the number of blocks handled after each step.
         key: the MAC key (default ``$CONTEXTKIT_SHADOW_KEY``). With a key, the
