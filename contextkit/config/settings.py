@@ -133,20 +133,25 @@ class PipelineSettings:
         tenant: the default tenant of calls that name none.
         reorder: volatility-aware layer ordering.
         trailing_message: volatile layers in a system message after the conversation.
-        pin_stable: pin the stable prefix (within the tenant's pin quota).
+        pin_stable: pin the stable prefix (within the tenant's pin quota; a prefix over
+            it is served unpinned with a warning); ``"strict"`` refuses such a call
+            before any work (``PinCapacityError``).
         volatility_alpha: weight of the newest observation in a layer's change rate.
     """
 
     tenant: str = "default"
     reorder: bool = True
     trailing_message: bool = True
-    pin_stable: bool = True
+    pin_stable: bool | str = True
     volatility_alpha: float = 0.3
 
     def __post_init__(self) -> None:
         from gpu_cache import validate_tenant
 
         validate_tenant(self.tenant)
+        if self.pin_stable not in (True, False, "strict"):
+            raise ValueError(f"pin_stable must be true, false or \"strict\", got "
+                             f"{self.pin_stable!r}")
         if not 0.0 < self.volatility_alpha <= 1.0:
             raise ValueError(f"volatility_alpha must be in (0, 1], got {self.volatility_alpha}")
 

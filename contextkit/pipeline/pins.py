@@ -110,11 +110,17 @@ def ledger_for(cache: TQGPUCache) -> _PinLedger:
 
 
 def check_pin_quota(pins: PrefixPinManager, tenant: str, spans: Sequence[TokenSpan],
-                    stable_end: int) -> None:
-    """Refuse, before any work, a stable prefix longer than the tenant's pin quota.
+                    stable_end: int, *, strict: bool = False) -> str | None:
+    """Whether the stable prefix alone is over the tenant's pin quota, before any work.
+
+    Returns:
+        ``None`` when the prefix's full blocks fit the quota; otherwise the reason
+        (one line naming the sizes and the settings to raise): the call is then served
+        unpinned (:func:`pin_stable` with ``over_quota``).
 
     Raises:
-        PinCapacityError: the prefix's full blocks exceed the quota.
+        PinCapacityError: ``strict`` and the prefix is over the quota (nothing is
+            computed).
     """
     pinnable_end = 0
     for span in spans:  # the leading run of pinnable layers, within the stable prefix
@@ -123,20 +129,28 @@ def check_pin_quota(pins: PrefixPinManager, tenant: str, spans: Sequence[TokenSp
         pinnable_end = span.end
     num_blocks = min(pinnable_end, stable_end) // pins.cache.block_size
     quota = pins.tenant_quota
-    if num_blocks > quota:
-        config = pins.config
-        raise PinCapacityError(
-            f"tenant {tenant!r}'s stable prefix is {num_blocks} blocks, over its pin quota "
-            f"of {quota} (PinConfig.tenant_share={config.tenant_share} of "
-            f"{pins.cache.capacity(Tier.DEVICE)} device blocks); shorten the stable "
-            "layers, give the engine more num_device_blocks or a larger tenant_share, or "
-            "build the pipeline with pin_stable=False. Nothing was computed")
+    if num_blocks <= quota:
+        return None
+    config = pins.config
+    reason = (f"tenant {tenant!r}'s stable prefix is {num_blocks} blocks, over its pin "
+              f"quota of {quota} (PinConfig.tenant_share={config.tenant_share} of "
+              f"{pins.cache.capacity(Tier.DEVICE)} device blocks); shorten the stable "
+              "layers, give the engine more num_device_blocks or a larger tenant_share")
+    if strict:
+        raise PinCapacityError(f"{reason}, or build the pipeline with pin_stable=False. "
+                               "Nothing was computed")
+    return reason
 
 
 def pin_stable(pins: PrefixPinManager, alive: Liveness, tenant: str, agent: str,
-               block_ids: Sequence[int], stable_end: int) -> tuple[str, str]:
+               block_ids: Sequence[int], stable_end: int, over_quota: str | None = None
+               ) -> tuple[str, str]:
     """Pin this call's stable prefix for ``agent`` and release the tenant's pins that
     no live agent holds (see the module doc).
+
+    With ``over_quota`` (:func:`check_pin_quota`'s reason) nothing of this call is
+    pinned: the agent's previous holding is released and the reason is logged, as a
+    warning the first time for the agent.
 
     Args:
         pins: the pin manager over the engine's cache.
@@ -150,7 +164,7 @@ def pin_stable(pins: PrefixPinManager, alive: Liveness, tenant: str, agent: str,
         ``(pin_state, reason)``: ``("pinned", "")`` or ``("unpinned", why)``.
     """
     cache = pins.cache
-    full = stable_end // cache.block_size
+    full = 0 if over_quota else stable_end // cache.block_size
     wanted: dict[int, BlockHash] = {}
     with cache.locked():
         for bid in block_ids[:full]:
@@ -163,6 +177,11 @@ def pin_stable(pins: PrefixPinManager, alive: Liveness, tenant: str, agent: str,
         ledger = ledger_for(cache)
         ledger.hold(tenant, agent, alive, wanted)
         pins.unpin_tenant(tenant, keep=ledger.held(cache, tenant))
+        if over_quota:
+            level = logging.INFO if ledger.warned(tenant, agent) else logging.WARNING
+            logger.log(level, "tenant %s, agent %s: stable prefix served unpinned: %s",
+                       tenant, agent, over_quota)
+            return "unpinned", over_quota
         if not wanted:
             return "unpinned", ("the stable prefix fills no whole block of a pinnable "
                                 "layer; nothing to pin")

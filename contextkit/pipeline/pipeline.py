@@ -44,27 +44,9 @@ What it does with an engine (or a served model) attached:
 
 Tenants
 -------
-A tenant owns blocks: its keys are salted with its name, so no other tenant can see,
-reuse or evict into them, and its pins count against its own quota. Every method that
-takes ``tenant=`` (:meth:`~CacheAwareContextPipeline.build`, ``generate``,
-``assemble``, ``openai_messages``, ``request_fields``, ``record_usage``, ``last_report``,
-``last_built``, ``pinned_blocks``, ``cached_blocks``, ``blocks_by_layer``,
-``volatility``) means the same tenant by one rule
-(:meth:`~CacheAwareContextPipeline.resolve_tenant`):
-
-1. the ``tenant`` argument, when given;
-2. else the innermost :meth:`~CacheAwareContextPipeline.tenant_scope` entered in this
-   thread or asyncio task;
-3. else the pipeline's default, :attr:`~CacheAwareContextPipeline.tenant`
-   (``[pipeline] tenant`` in the configuration, ``"default"`` unless set).
-
-Reads never fall back to another tenant. The integrations resolve a tenant of their
-own (LangChain: the middleware's ``tenant``, then ``tenant`` of the agent's runtime
-context; LlamaIndex: the call's ``tenant`` keyword, then the LLM's) and enter a
-``tenant_scope`` for the call, so the engine, the pipeline and the report agree. A
-call's report also travels with its reply (``response_metadata["contextkit"]`` in
-LangChain, ``raw["contextkit"]`` in LlamaIndex), which is the simplest way to read it
-for a tenant taken from a runtime context.
+A tenant owns blocks: no other tenant can see, reuse or evict into them. Which tenant
+a call or read means, by one rule for every method that takes ``tenant=``, is told in
+:mod:`contextkit.pipeline.tenancy`.
 
 Agents
 ------
@@ -86,7 +68,7 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from contextkit.engine.engine import Engine, TokenSpan
 from contextkit.engine.inputs import check_max_new_tokens, check_text
@@ -146,7 +128,9 @@ class CacheAwareContextPipeline:
         reorder: volatility-aware ordering (on by default).
         trailing_message: emit volatile layers as a system message after the
             conversation (``generate``); off: they end the main system message.
-        pin_stable: pin the stable prefix's blocks in the device tier.
+        pin_stable: pin the stable prefix's blocks in the device tier; a prefix over
+            the tenant's pin quota is served unpinned (a warning, ``pin_reason``), or
+            refused before any work with ``"strict"``.
         volatility_alpha: weight of the newest observation in each layer's change rate.
         spillover: where over-budget lines go (a new queue by default).
         tiers: a tier manager to register every call's blocks with (see
@@ -176,7 +160,7 @@ class CacheAwareContextPipeline:
         tenant: str = "default",
         reorder: bool = True,
         trailing_message: bool = True,
-        pin_stable: bool = True,
+        pin_stable: bool | Literal["strict"] = True,
         volatility_alpha: float = 0.3,
         spillover: SpilloverQueue | None = None,
         metrics: ContextkitMetrics | bool | None = None,
@@ -192,6 +176,8 @@ class CacheAwareContextPipeline:
                              f"{type(served).__name__}")
         if not 0.0 < volatility_alpha <= 1.0:
             raise ValueError(f"volatility_alpha must be in (0, 1], got {volatility_alpha}")
+        if pin_stable not in (True, False, "strict"):
+            raise ValueError(f"pin_stable must be True, False or 'strict', got {pin_stable!r}")
         self.engine = engine
         self.served = served
         self.config = layers or LayerConfig()
@@ -397,8 +383,9 @@ class CacheAwareContextPipeline:
         Raises:
             RuntimeError: no engine attached, or nothing built yet.
             CacheFullError: the prompt does not fit the device tier (nothing lost).
-            PinCapacityError: ``pin_stable`` and the tenant's stable prefix is longer
-                than its pin quota (nothing computed).
+            PinCapacityError: ``pin_stable="strict"`` and the tenant's stable prefix is
+                longer than its pin quota (nothing computed; otherwise it is served
+                unpinned, ``CallReport.pin_reason`` says why).
         """
         if self.engine is None:
             if self.served is not None:
@@ -426,16 +413,14 @@ class CacheAwareContextPipeline:
             ids, spans, stable_end = self.assemble(user_message, history, tenant=tenant,
                                                    built=built, after=after)
             assert built is not None and self._pins is not None
-            if self.pin_stable:
-                check_pin_quota(self._pins, tenant, spans, stable_end)
+            over = check_pin_quota(self._pins, tenant, spans, stable_end,
+                                   strict=self.pin_stable == "strict") if self.pin_stable else None
             result = self.engine.generate(ids, max_new_tokens=max_new_tokens, tenant=tenant,
                                           spans=spans, on_token=on_token, sampling=sampling)
             report = built.report
-            if self.pin_stable:
-                report.pin_state, report.pin_reason = pin_stable(
-                    self._pins, weakref.ref(self), tenant, agent, result.block_ids, stable_end)
-            else:
-                report.pin_state, report.pin_reason = "off", ""
+            report.pin_state, report.pin_reason = pin_stable(
+                self._pins, weakref.ref(self), tenant, agent, result.block_ids, stable_end,
+                over) if self.pin_stable else ("off", "")
             fill_report(report, result, spans, hit)
             report.pinned_blocks = len(self.pinned_blocks(tenant))
             report.blocks_by_layer = self.blocks_by_layer(tenant)
@@ -565,7 +550,7 @@ class CacheAwareContextPipeline:
                 messages cannot be rendered exactly (see :meth:`ServedModel.render`).
             InvalidNameError: a tenant vLLM refuses as ``cache_salt`` (it contains ``@``).
         """
-        return self._served.request_fields(messages, pin=self.pin_stable, tenant=tenant,
+        return self._served.request_fields(messages, pin=bool(self.pin_stable), tenant=tenant,
                                            built=built, tools=tools)
 
     def record_usage(self, report_or_tenant: CallReport | str | None, prompt_tokens: int,

@@ -1,7 +1,31 @@
 """Tenants of a pipeline: which tenant a call or read means, each tenant's state, and
 the per-tenant views of the cache (:class:`TenantViews`, owned by
 :class:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline`, whose methods that take
-``tenant=`` delegate to it; see *Tenants* in :mod:`contextkit.pipeline.pipeline`)."""
+``tenant=`` delegate to it).
+
+Tenants
+-------
+A tenant owns blocks: its keys are salted with its name, so no other tenant can see,
+reuse or evict into them, and its pins count against its own quota. Every method of
+:class:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline` that takes ``tenant=``
+(``build``, ``generate``, ``assemble``, ``openai_messages``, ``request_fields``,
+``record_usage``, ``last_report``, ``last_built``, ``pinned_blocks``,
+``cached_blocks``, ``blocks_by_layer``, ``volatility``) means the same tenant by one
+rule (its ``resolve_tenant``):
+
+1. the ``tenant`` argument, when given;
+2. else the innermost ``tenant_scope`` entered in this thread or asyncio task;
+3. else the pipeline's default, its ``tenant`` (``[pipeline] tenant`` in the
+   configuration, ``"default"`` unless set).
+
+Reads never fall back to another tenant. The integrations resolve a tenant of their
+own (LangChain: the middleware's ``tenant``, then ``tenant`` of the agent's runtime
+context; LlamaIndex: the call's ``tenant`` keyword, then the LLM's) and enter a
+``tenant_scope`` for the call, so the engine, the pipeline and the report agree. A
+call's report also travels with its reply (``response_metadata["contextkit"]`` in
+LangChain, ``raw["contextkit"]`` in LlamaIndex), which is the simplest way to read it
+for a tenant taken from a runtime context.
+"""
 
 from __future__ import annotations
 

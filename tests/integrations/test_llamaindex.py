@@ -66,6 +66,26 @@ def test_chat_engine_reuses_the_pinned_prefix(fresh: Callable[..., Any],
     assert rec.prefix_broken_by == "affect"  # moved into the main message on call 3
 
 
+def test_the_readme_engine_serves_a_long_stable_prompt_unpinned(
+        fresh: Callable[..., Any], caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 35: the README's 96-block engine and a 24-line stable layer raised
+    ``PinCapacityError``; the prefix is over the pin quota, so it is served unpinned."""
+    eng = fresh(device=96, host=64)
+    pipeline = CacheAwareContextPipeline(eng)
+    llm = ContextKitLLM(eng, pipeline=pipeline, max_new_tokens=4)
+    system = ("[AXIOMS]\nBe brief.\n[/AXIOMS]\n[CAPABILITIES]\n"
+              + "".join(f"Read dashboard {i} of the checkout service and its p95.\n"
+                        for i in range(24)) + "[/CAPABILITIES]")
+    chat = SimpleChatEngine.from_defaults(llm=llm, memory=llm.memory(), system_prompt=system)
+    with caplog.at_level("WARNING", logger="contextkit.pipeline.pipeline"):
+        chat.chat("Is checkout slow?")
+        chat.chat("And now?")
+    report = pipeline.last_report()
+    assert report is not None and report.reused_tokens > 0
+    assert report.pin_state == "unpinned" and "over its pin quota" in report.pin_reason
+    assert sum("served unpinned" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_marked_system_prompt_goes_through_the_pipeline(
         fresh: Callable[..., Any], layered_prompt: Callable[[int], str]) -> None:
     eng = fresh(device=64, host=32)

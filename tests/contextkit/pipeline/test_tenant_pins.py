@@ -5,6 +5,7 @@ Engines are siblings of the session's model (``fresh``), so the weights load onc
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -79,10 +80,29 @@ def test_ten_tenants_fill_the_device_tier_and_the_eleventh_is_served(
         assert max(held.values()) <= QUOTA and sum(held.values()) <= CAP, held
 
 
-def test_a_stable_prefix_over_the_quota_is_a_clear_error_before_any_work(
-        fresh: Callable[..., Engine]) -> None:
+def test_a_stable_prefix_over_the_quota_is_served_unpinned_with_the_reason(
+        fresh: Callable[..., Engine], caplog: pytest.LogCaptureFixture) -> None:
     engine = fresh("tq4", device=DEVICE, host=64)
     pipeline = CacheAwareContextPipeline(engine, tenant="acme")
+    pipeline.build(tenant_prompt("acme", caps=14))
+    with caplog.at_level("INFO", logger="contextkit.pipeline.pipeline"):
+        first = pipeline.generate("hi", max_new_tokens=1)
+        second = pipeline.generate("and now?", max_new_tokens=1)
+    assert first.text is not None and second.report.reused_tokens > 0  # served, and reused
+    for result in (first, second):
+        assert result.report.pin_state == "unpinned" and result.report.pinned_blocks == 0
+        reason = result.report.pin_reason
+        assert re.search(r"tenant 'acme'.*over its pin quota of 8", reason), reason
+        assert "\n" not in reason and "num_device_blocks" in reason
+    assert not list(engine.cache.metadata.pinned())
+    warnings = [r for r in caplog.records if "served unpinned" in r.getMessage()]
+    assert [r.levelname for r in warnings] == ["WARNING", "INFO"]  # warned once per agent
+
+
+def test_strict_pinning_refuses_a_prefix_over_the_quota_before_any_work(
+        fresh: Callable[..., Engine]) -> None:
+    engine = fresh("tq4", device=DEVICE, host=64)
+    pipeline = CacheAwareContextPipeline(engine, tenant="acme", pin_stable="strict")
     pipeline.build(tenant_prompt("acme", caps=14))
     with pytest.raises(PinCapacityError, match=r"tenant 'acme'.*quota of 8") as err:
         pipeline.generate("hi", max_new_tokens=1)
@@ -94,6 +114,8 @@ def test_a_stable_prefix_over_the_quota_is_a_clear_error_before_any_work(
     unpinned.build(tenant_prompt("acme", caps=14))
     result = unpinned.generate("hi", max_new_tokens=1)
     assert result.report.pin_state == "off" and result.report.pinned_blocks == 0
+    with pytest.raises(ValueError, match="pin_stable must be True, False or 'strict'"):
+        CacheAwareContextPipeline(engine, pin_stable="always")  # type: ignore[arg-type]
 
 
 def test_superseded_prefix_versions_release_their_pins(fresh: Callable[..., Engine]) -> None:
