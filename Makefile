@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft bench-agents bench-agent-vllm bench-vllm bench-decode docs lint typecheck clean
+.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft bench-agents bench-agent-vllm bench-agents-vllm bench-vllm bench-decode docs lint typecheck clean
 
 help:
 	@echo "make demo       set up, then replay a ten-layer agent on SmolLM2: TTFT with vs"
@@ -22,6 +22,7 @@ help:
 	@echo "make bench-agents  6 agents sharing a too-small cache: lru vs semantic vs"
 	@echo "                semantic+ooda, and a device-size sweep (~12 min on 2 cores)"
 	@echo "make bench-agent-vllm  a LangChain agent on vLLM, 4 cache configurations (~15 min)"
+	@echo "make bench-agents-vllm  6 agents on one vLLM server with KV for ~2, 7 configurations"
 	@echo "make bench-vllm  vLLM answers and TTFT after a restart, 8 agent prompts, per connector"
 	@echo "                precision policy (7: all-tq4 .. native, the ablation; ~20 min)"
 	@echo "make bench-decode  decode tokens/s at 1K/6K/16K: contextkit vs llama.cpp on the same"
@@ -77,6 +78,15 @@ bench-agent-vllm:
 	.venv-vllm/bin/python -m contextkit.cli bench agent-vllm --json \
 		--out bench/results/agent-vllm-cpu.json --plot bench/results/agent-vllm-cpu.png \
 		2>&1 | tee bench/results/agent-vllm-cpu.log
+
+# Six LangChain agents of three tenants on one vLLM server whose KV holds ~2 of them:
+# APC, contextkit's order, the connector (semantic / LRU / fp16), LMCache, the ceiling.
+bench-agents-vllm:
+	@bash scripts/vllm_venv.sh
+	@mkdir -p bench/results
+	.venv-vllm/bin/python -m contextkit.cli bench agents-vllm --json \
+		--out bench/results/agents-vllm-cpu.json --plot bench/results/agents-vllm-cpu.png \
+		2>&1 | tee bench/results/agents-vllm-cpu.log
 
 # The connector's precision policies on vLLM (.venv-vllm): per policy a cold process,
 # recover --for-vllm, a recovered process; answers, stored bytes and TTFT (docs/vllm.md).

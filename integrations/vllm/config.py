@@ -14,6 +14,10 @@ from typing import TYPE_CHECKING, Any
 from contextkit.config import ConfigError, load_config
 from integrations.vllm.precision import FORMATS, PrecisionError, PrecisionPolicy, policy_for_codec
 
+#: The DDR tier's eviction policies (the keys of gpu_cache.metadata.EVICTION_POLICIES,
+#: named here so this module stays numba-free).
+EVICTION_POLICIES = ("semantic", "lru")
+
 if TYPE_CHECKING:
     from gpu_cache.config import PinConfig
 
@@ -80,6 +84,10 @@ class ConnectorConfig:
             of :class:`~integrations.vllm.precision.PrecisionPolicy` keys, e.g.
             ``{"layers": {"axioms": "fp16"}, "importance": [[0.8, "int8"]]}``; the
             effective policy is :attr:`policy`.
+        eviction: how the DDR tier picks what to drop when a save needs room:
+            ``"semantic"`` (default: lowest layer priority, then importance, then least
+            recently attended) or ``"lru"`` (least recently attended first, whatever
+            the block is). Pinned blocks are never dropped under either.
         recover_strict: ``contextkit serve-vllm`` does not start vLLM when the
             startup recovery reports an error (a session refused, a block skipped, a
             store it cannot read); default: it says so and serves, recomputing what
@@ -106,8 +114,12 @@ class ConnectorConfig:
     # mapping, or an environment variable's text), and __post_init__ checks it.
     precision: Any = dataclasses.field(default_factory=dict, hash=False)
     recover_strict: bool = False
+    eviction: str = "semantic"
 
     def __post_init__(self) -> None:
+        if self.eviction not in EVICTION_POLICIES:
+            raise ConnectorConfigError(f"eviction must be one of "
+                                       f"{', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
         if self.block_size <= 0:
             raise ConnectorConfigError(f"block_size must be > 0, got {self.block_size}")
         if self.codec not in FORMATS:

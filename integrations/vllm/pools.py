@@ -87,10 +87,12 @@ class Pool:
     @classmethod
     def create(cls, base: CacheIdentity, identity: CacheIdentity,
                key_offsets: torch.Tensor | None, *, host_blocks: int, device_blocks: int,
-               device: str | None, pins: PinConfig | None = None) -> Pool:
+               device: str | None, pins: PinConfig | None = None,
+               eviction: str = "semantic") -> Pool:
         """A pool for ``identity`` whose tiers hold as many bytes as ``host_blocks`` /
         ``device_blocks`` blocks of the key identity ``base`` (at least one block each),
-        its pins limited by ``pins`` (default: :class:`gpu_cache.config.PinConfig`'s).
+        its pins limited by ``pins`` (default: :class:`gpu_cache.config.PinConfig`'s),
+        its victims picked by the ``eviction`` policy (``"semantic"`` or ``"lru"``).
 
         Raises:
             CacheIdentityError: offsets that do not match ``identity.key_offset_digest``.
@@ -99,7 +101,7 @@ class Pool:
         cache = TQGPUCache(identity, CacheConfig(
             num_device_blocks=max(1, int(device_blocks * ratio)),
             num_host_blocks=max(1, int(host_blocks * ratio)), device=device,
-            pins=pins or PinConfig()),
+            pins=pins or PinConfig(), eviction_policy=eviction),
             key_offsets=key_offsets)
         tier = Tier.HOST if cache.device.type == "cpu" else Tier.DEVICE
         return cls(name=pool_suffix(base, identity), identity=identity, cache=cache,

@@ -171,7 +171,7 @@ class ConnectorStore:
             pool = Pool.create(self.identity, identity, offsets,
                                host_blocks=config.host_blocks,
                                device_blocks=config.device_blocks, device=config.device,
-                               pins=config.pins)
+                               pins=config.pins, eviction=config.eviction)
             self.pools[pool.name] = pool
             if self._shadowing:
                 self._open_pool_shadow(pool)

@@ -107,6 +107,35 @@ def test_full_tier_evicts_by_semantic_priority_and_reports_it(model: Path,
     assert all(store.read([key], "default") is not None for key in axioms)
 
 
+def test_lru_eviction_drops_the_least_recent_blocks_whatever_their_layer(
+        model: Path, tmp_path: Path) -> None:
+    ident = vllm_cache_identity(str(model), BS)
+    store = ConnectorStore(ident, _config(tmp_path, eviction="lru"))  # 8 host blocks
+    assert store.cache.config.eviction_policy == "lru"
+    k, v = _kv(4)
+    axioms = _keys(ident.digest(), 4, offset=0)
+    chat = _keys(ident.digest(), 4, offset=1000)
+    store.save(k, v, axioms, "default", [BlockLabel("axioms", 1.0)] * 4)
+    store.save(k, v, chat, "default", [BlockLabel("user_turn", 0.1)] * 4)
+    fresh = _keys(ident.digest(), 2, offset=5000)
+    result = store.save(k[:, :2], v[:, :2], fresh, "default", [BlockLabel("memories")] * 2)
+    assert result.stored == fresh
+    # the oldest blocks go, axioms or not (semantic eviction drops the chat instead)
+    assert set(result.removed) <= set(axioms) and len(result.removed) == 2
+    assert all(store.read([key], "default") is not None for key in chat)
+
+
+def test_an_unknown_eviction_policy_is_refused_in_one_line(tmp_path: Path) -> None:
+    from gpu_cache.metadata import EVICTION_POLICIES
+    from integrations.vllm.config import EVICTION_POLICIES as NAMED
+    from integrations.vllm.config import ConnectorConfigError
+
+    assert sorted(NAMED) == sorted(EVICTION_POLICIES)
+    with pytest.raises(ConnectorConfigError, match="eviction must be one of semantic, lru, "
+                                                   "got 'fifo'"):
+        _config(tmp_path, eviction="fifo")
+
+
 def test_recovery_job_refuses_foreign_sessions_and_skips_corrupt_blocks(
         model: Path, tmp_path: Path) -> None:
     ident = vllm_cache_identity(str(model), BS)

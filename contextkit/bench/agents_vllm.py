@@ -1,0 +1,317 @@
+"""Many agents on one vLLM server whose KV space holds about two of them.
+
+Runs inside the vLLM virtualenv (``make test-vllm`` creates ``.venv-vllm``). The
+workload is :class:`contextkit.workloads.agents.MultiAgentWorkload` (6 agents of 3
+tenants by default, the seeded 36-step schedule with bursts and returning agents),
+each agent a ``langchain.agents.create_agent`` over ``ChatOpenAI(streaming=True)``.
+Every configuration runs the same schedule on a fresh server:
+
+- ``apc``: vLLM's prefix caching, each prompt one plain system message in the
+  workload's own layer order (``cache_salt`` = the tenant);
+- ``ordering``: ``ContextKitMiddleware`` (contextkit's order, labels, the tenant's
+  salt) + vLLM's prefix caching, no connector;
+- ``connector``: + contextkit's KV connector, DDR byte budget B, the default
+  precision policy, semantic eviction, stable prefixes pinned;
+- ``connector_lru``: the same B, recency eviction and no pins;
+- ``connector_fp16``: the same B with every block fp16 (what the density buys);
+- ``lmcache``: LMCache's multi-process connector (``lmcache server``, L1 in RAM of the
+  same B, 32-token chunks = vLLM's block), the plain prompts;
+- ``ceiling``: contextkit's order with a KV space that holds every agent.
+
+vLLM's KV space is set with ``--num-gpu-blocks-override`` to about ``--kv-agents``
+agents' prompts (mean first-turn prompt, 32-token blocks); B is ``--budget-agents``
+agents' prompts in fp16 bytes, given to the connector as ``host_blocks`` of its tq4
+key identity, so the budget is the same bytes whatever format each block takes. On a
+CPU-only machine vLLM's KV and the connector's DDR tier are both host memory.
+
+TTFT is client-side: ``agent.invoke`` to the first streamed chunk. The speedups are
+medians over the *warm* steps (an agent's second and later turns; first turns are cold
+everywhere) of per-configuration medians. Quality: after the schedule, a probe serves
+a few of the workload's prompts, pushes them out of vLLM's KV with a filler prompt and
+reads them back teacher-forced (the ceiling's greedy reply, 16 positions, top-20
+logprobs as token ids), float32 throughout: ``teacher_forced_agreement`` (argmax
+equal), ``ppl_ratio`` (over the forced tokens) and ``mean_kl`` (KL(ceiling||config)
+over the ceiling's top 20, a config's missing entries at its own 20th logprob).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from contextkit.bench._common import (
+    machine_info,
+    positive_float,
+    positive_int,
+    print_table,
+    write_result,
+)
+from contextkit.bench.agent_vllm import vllm_installed
+
+__all__ = ["CONFIGS", "HELP", "add_arguments", "quality", "run", "speedups"]
+
+HELP = ("many LangChain agents on one vLLM server whose KV holds ~2 of them: vLLM APC, "
+        "contextkit order, + connector (semantic, LRU, fp16), LMCache, ceiling")
+
+CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru", "connector_fp16",
+           "connector_int8", "lmcache", "lmcache_ordering")
+#: The default run: the issue's seven configurations.
+DEFAULT_CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru",
+                   "connector_fp16", "lmcache")
+#: The connector configuration the speedups are of, and what each is compared with.
+VERSUS = {"apc": "apc", "ordering": "ordering", "lru": "connector_lru",
+          "fp16": "connector_fp16", "int8": "connector_int8", "lmcache": "lmcache",
+          "lmcache_ordering": "lmcache_ordering"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--agents", type=positive_int, default=6, help="agents (default 6)")
+    parser.add_argument("--tenants", type=positive_int, default=3, help="tenants (default 3)")
+    parser.add_argument("--steps", type=positive_int, default=36,
+                        help="steps of the schedule (default 36)")
+    parser.add_argument("--seed", type=int, default=0, help="schedule seed (default 0)")
+    parser.add_argument("--scale", type=positive_float, default=1.0,
+                        help="prompt scale (default 1.0: 2.1K-2.8K tokens per agent)")
+    parser.add_argument("--max-tokens", type=positive_int, default=16,
+                        help="tokens generated per turn (default 16)")
+    parser.add_argument("--kv-agents", type=positive_float, default=2.0,
+                        help="vLLM's KV space in mean agent prompts (default 2)")
+    parser.add_argument("--budget-agents", type=positive_float, default=3.0,
+                        help="the DDR byte budget B in agent prompts at fp16 (default 3)")
+    parser.add_argument("--quality-steps", type=positive_int, default=3,
+                        help="prompts read back teacher-forced (default 3)")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help=f"comma-separated, in the order to run, from {', '.join(CONFIGS)} "
+                             "(default: the first seven; the ceiling always runs first)")
+    parser.add_argument("--ceiling-last", action="store_true",
+                        help="run the ceiling again after the others; its timing is the "
+                             "faster of the two (a machine whose speed drifts)")
+    parser.add_argument("--model", default=None,
+                        help="model directory (default: the packaged SmolLM2, converted)")
+    parser.add_argument("--dir", default=None, help="work directory for logs (default: temp)")
+    parser.add_argument("--out", default=None, help="also write the JSON result here")
+    parser.add_argument("--plot", default=None, help="write the TTFT-per-step plot (PNG) here")
+
+
+# ---------------------------------------------------------------------- pure figures
+def _p(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    at = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
+    return ordered[at]
+
+
+def speedups(ttft: Mapping[str, Sequence[float]], warm: Sequence[bool]) -> dict[str, Any]:
+    """``speedup_vs_<x>_p50``: the median TTFT of configuration ``x`` over the warm steps
+    divided by the connector's; ``ceiling_fraction``: the ceiling's over the
+    connector's. A configuration that did not run gives ``None``."""
+    def p50(name: str) -> float | None:
+        values = [t for t, w in zip(ttft.get(name, ()), warm, strict=False) if w]
+        return statistics.median(values) if values else None
+
+    base = p50("connector")
+    out: dict[str, Any] = {}
+    for key, name in VERSUS.items():
+        other = p50(name)
+        out[f"speedup_vs_{key}_p50"] = (round(other / base, 3) if other is not None and base
+                                        else None)
+    runs = [v for v in (p50("ceiling"), p50("ceiling_last")) if v is not None]
+    ceiling = min(runs) if runs else None  # the faster of the ceiling's runs
+    out["ceiling_fraction"] = round(ceiling / base, 3) if ceiling is not None and base else None
+    return out
+
+
+def quality(reference: Sequence[Sequence[Mapping[str, float]]],
+            probe: Sequence[Sequence[Mapping[str, float]]],
+            forced: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Teacher-forced agreement, perplexity ratio and mean KL of ``probe``'s top-20
+    next-token logprobs against ``reference``'s at the same forced positions."""
+    agree = total = 0
+    nll_ref = nll_probe = kl = 0.0
+    for ref_prompt, probe_prompt, tokens in zip(reference, probe, forced, strict=True):
+        for ref, got, token in zip(ref_prompt, probe_prompt, tokens, strict=True):
+            floor = min(got.values())
+            total += 1
+            agree += max(ref, key=lambda t: ref[t]) == max(got, key=lambda t: got[t])
+            key = str(token)
+            nll_ref -= ref.get(key, min(ref.values()))
+            nll_probe -= got.get(key, floor)
+            kl += sum(math.exp(lp) * (lp - got.get(t, floor)) for t, lp in ref.items())
+    if not total:
+        return {"teacher_forced_agreement": None, "ppl_ratio": None, "mean_kl": None}
+    return {"teacher_forced_agreement": round(agree / total, 4),
+            "ppl_ratio": round(math.exp((nll_probe - nll_ref) / total), 4),
+            "mean_kl": round(max(0.0, kl / total), 5), "positions": total}
+
+
+def _hits(config: Mapping[str, Any]) -> dict[str, int]:
+    """Prompt tokens served per tier over the schedule: vLLM's own cache, the
+    connector's DDR tier, the shadow (read at startup only: 0 per request)."""
+    rows = config["rows"]
+    cached = sum(r.get("cached_tokens") or 0 for r in rows)
+    stats = config.get("connector_stats") or []
+    ddr = sum(s.get("external_hit_tokens") or 0 for s in stats[:len(rows)])
+    external = config.get("metrics", {})
+    if not stats and config.get("lmcache"):
+        ddr = int(external.get("vllm:external_prefix_cache_hits_total", 0)
+                  or external.get("vllm:external_prefix_cache_hits", 0))
+    return {"vllm": cached - ddr, "ddr": ddr, "shadow": 0,
+            "computed": sum((r.get("prompt_tokens") or 0) - (r.get("cached_tokens") or 0)
+                            for r in rows)}
+
+
+def _ratio_of(runs: Mapping[str, Any], num: str, den: str) -> float | None:
+    """Prompt tokens ``num`` computed over those ``den`` computed: the speedup the
+    workload allows if TTFT were proportional to computed tokens."""
+    if num not in runs or den not in runs:
+        return None
+    a, b = _hits(runs[num])["computed"], _hits(runs[den])["computed"]
+    return round(a / b, 3) if b else None
+
+
+def _plot(path: Path, ttft: Mapping[str, Sequence[float]], warm: Sequence[bool],
+          title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), width_ratios=[3, 1])
+    for name, values in ttft.items():
+        ax.plot(range(len(values)), values, marker="o", markersize=3, linewidth=1,
+                label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("step (agents in the seeded schedule)")
+    ax.set_ylabel("TTFT (ms, log)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    names = list(ttft)
+    medians = [statistics.median([t for t, w in zip(ttft[n], warm, strict=False) if w])
+               for n in names]
+    bx.barh(names, medians, color="tab:blue")
+    bx.invert_yaxis()
+    bx.set_xlabel("warm-step TTFT p50 (ms)")
+    bx.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------- run
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    configs = [c.strip() for c in str(args.configs).split(",") if c.strip()]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        raise SystemExit(f"unknown --configs {', '.join(unknown)}; pick from "
+                         f"{', '.join(CONFIGS)}")
+    if args.plot and not str(args.plot).endswith(".png"):
+        raise SystemExit(f"--plot writes a PNG: give a path ending in .png, got {args.plot}")
+    if not vllm_installed() or importlib.util.find_spec("langchain_openai") is None:
+        raise SystemExit("contextkit bench agents-vllm runs inside the vLLM virtualenv: "
+                         "`make test-vllm` creates .venv-vllm, then `make bench-agents-vllm`")
+    work = Path(args.dir or tempfile.mkdtemp(prefix="ck-bench-agents-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    raw_path = work / "raw.json"
+    cmd = [sys.executable, "-m", "integrations.vllm.bench.agents_bench", "--out", str(raw_path),
+           "--dir", str(work), "--agents", str(args.agents), "--tenants", str(args.tenants),
+           "--steps", str(args.steps), "--seed", str(args.seed), "--scale", str(args.scale),
+           "--max-tokens", str(args.max_tokens), "--kv-agents", str(args.kv_agents),
+           "--budget-agents", str(args.budget_agents),
+           "--quality-steps", str(args.quality_steps), "--configs", ",".join(configs)]
+    if args.ceiling_last:
+        cmd.append("--ceiling-last")
+    if args.model:
+        cmd += ["--model", args.model]
+    proc = subprocess.run(cmd, stdout=sys.stderr, check=False)
+    if proc.returncode:
+        raise SystemExit(f"bench agents-vllm: the driver failed ({proc.returncode}); see the "
+                         f"output above and the server logs in {work}")
+    return result_of(args, json.loads(raw_path.read_text()))
+
+
+def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
+    """The bench's figures from the driver's raw rows."""
+    runs: dict[str, Any] = raw["configs"]
+    names = [c for c in (*CONFIGS, "ceiling_last") if c in runs]
+    first = runs[names[0]]["rows"]
+    warm = [r["agent_turn"] >= 1 for r in first]
+    ttft = {n: [r["ttft_ms"] for r in runs[n]["rows"]] for n in names}
+    result: dict[str, Any] = {"bench": "agents-vllm", **speedups(ttft, warm)}
+    for n in names:
+        values = ttft[n]
+        warm_values = [t for t, w in zip(values, warm, strict=True) if w]
+        result[f"{n}_ttft_p50"] = statistics.median(values)
+        result[f"{n}_ttft_p95"] = _p(values, 0.95)
+        result[f"{n}_warm_ttft_p50"] = statistics.median(warm_values) if warm_values else None
+    reference = (runs.get("ceiling") or {}).get("probe")
+    qualities = {}
+    for n in names:
+        probe = runs[n].get("probe")
+        if n == "ceiling" or not probe or not reference:
+            continue
+        qualities[n] = quality(reference["tops"], probe["tops"], reference["forced"])
+        stats = runs[n].get("connector_stats") or []
+        qualities[n]["probe_connector_hit_tokens"] = sum(
+            s.get("external_hit_tokens") or 0 for s in stats[len(runs[n]["rows"]):])
+    main = qualities.get("connector", {})
+    result.update({k: main.get(k) for k in ("teacher_forced_agreement", "ppl_ratio",
+                                            "mean_kl")})
+    result.update({
+        "quality": qualities,
+        "hit_tokens": {n: _hits(runs[n]) for n in names},
+        "ttft_ms": ttft,
+        "warm_steps": warm,
+        "prompt_tokens": {n: [r["prompt_tokens"] for r in runs[n]["rows"]] for n in names},
+        "cached_tokens": {n: [r["cached_tokens"] for r in runs[n]["rows"]] for n in names},
+        "connector_metrics": {n: {k: v for k, v in runs[n].get("metrics", {}).items()
+                                  if k.startswith("vllm:contextkit_")} for n in names},
+        "not_run": raw.get("errors", {}),
+        "order": raw.get("order"),
+        "lru_computed_ratio": _ratio_of(runs, "connector_lru", "connector"),
+        "apc_computed_ratio": _ratio_of(runs, "apc", "connector"),
+        "sizes": raw["sizes"],
+        "sizing": (f"vLLM KV: --num-gpu-blocks-override {raw['sizes']['kv_blocks_pressure']} "
+                   f"blocks of 32 tokens (~{args.kv_agents:g} mean agent prompts of "
+                   f"{raw['sizes']['prompt_tokens_mean']} tokens), ceiling "
+                   f"{raw['sizes']['kv_blocks_ceiling']}; DDR budget B = "
+                   f"{raw['sizes']['budget_bytes']:,} bytes (~{args.budget_agents:g} agent "
+                   f"prompts at fp16), connector host_blocks {raw['sizes']['host_blocks']} of "
+                   "its tq4 identity; on this CPU-only machine both are host memory"),
+        "workload": raw["workload"],
+        "server_seconds": {n: runs[n]["seconds"] for n in names},
+        "loadavg_1min": {n: runs[n]["loadavg_1min"] for n in names},
+        "lmcache": (runs.get("lmcache") or {}).get("lmcache"),
+        "model": "packaged SmolLM2-135M-Instruct (float32)" if not args.model else args.model,
+        "omp_num_threads": raw.get("omp_num_threads"),
+        "machine": machine_info(),
+        "method": "client-side TTFT (agent.invoke -> first streamed chunk); speedups: "
+                  "medians over warm steps (agent_turn >= 1); quality: teacher-forced "
+                  "probe against the ceiling, top-20 logprobs, float32",
+    })
+    table: list[tuple[str, Any]] = [(f"warm ttft p50 {n} (ms)", result[f"{n}_warm_ttft_p50"])
+                                    for n in names]
+    table += [(k, result[k]) for k in (*[f"speedup_vs_{k}_p50" for k in VERSUS],
+                                      "ceiling_fraction", "teacher_forced_agreement",
+                                      "ppl_ratio", "mean_kl")]
+    print_table(f"{raw['workload']['num_agents']} agents on one vLLM server "
+                f"({raw['workload']['num_steps']} steps)", table)
+    if args.plot:
+        _plot(Path(args.plot), ttft, warm,
+              f"{raw['workload']['num_agents']} LangChain agents on one vLLM CPU server, "
+              f"KV for ~{args.kv_agents:g}")
+        result["plot"] = str(args.plot)
+    if args.out:
+        write_result(args.out, result)
+    return result

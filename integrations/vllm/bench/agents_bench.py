@@ -1,0 +1,461 @@
+"""The driver of ``contextkit bench agents-vllm`` (run by module name, in .venv-vllm).
+
+``python -m integrations.vllm.bench.agents_bench --out FILE [--dir DIR] [--agents N]
+[--tenants N] [--steps N] [--seed N] [--scale X] [--max-tokens N] [--configs a,b]``
+drives the multi-agent workload of :class:`contextkit.workloads.agents.MultiAgentWorkload`
+through LangChain agents (one ``create_agent`` over ``ChatOpenAI`` per agent) against
+one vLLM OpenAI server per configuration, and writes the raw rows as JSON: per step
+the client's TTFT, prompt and cached tokens and the connector's hit tokens, per
+configuration the server's sizes and what the connector stored, and the teacher-forced
+logprobs of the quality probe. The figures are computed by
+:mod:`contextkit.bench.agents_vllm`, which starts this module so that contextkit
+imports nothing from integrations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from integrations.vllm.bench.agent_bench import SERVED, _plain_prompt, _timer
+
+__all__ = ["CONFIGS", "main", "measure"]
+
+BLOCK = 32
+#: Every configuration, in the order they run (the ceiling first: the quality probe
+#: compares the others with its logprobs).
+CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru", "connector_fp16",
+           "connector_int8", "lmcache", "lmcache_ordering")
+#: The precision policy of ``connector_fp16``: every block fp16 (no sink, no raised
+#: layers, no byte cap) in the tq4 key identity, so the byte budget's unit is the same.
+FP16_POLICY = {"default": "fp16", "sink_blocks": 0, "layers": {}, "importance": [],
+               "pinned": None, "key_offsets": False, "max_vs_fp16": None}
+#: ``connector_int8``: every block int8 (the fp16 sink kept), no byte cap: the precision
+#: the default policy gives its late layers, everywhere.
+INT8_POLICY: dict[str, Any] = {"default": "int8", "layers": {}, "importance": [], "pinned": None,
+               "max_vs_fp16": None}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What one configuration runs: contextkit's order, a connector, the KV size."""
+
+    name: str
+    contextkit: bool  # the pipeline's order and labels (ContextKitMiddleware)
+    connector: dict[str, Any] | None  # ConnectorConfig overrides; None: no connector
+    pin: bool = True  # the middleware asks the connector to pin stable prefixes
+    ceiling: bool = False  # a KV space that holds every agent
+    lmcache: bool = False
+
+
+SETUPS = {
+    "ceiling": Setup("ceiling", True, None, ceiling=True),
+    "apc": Setup("apc", False, None),
+    "ordering": Setup("ordering", True, None),
+    "connector": Setup("connector", True, {"eviction": "semantic"}),
+    "connector_lru": Setup("connector_lru", True, {"eviction": "lru"}, pin=False),
+    "connector_fp16": Setup("connector_fp16", True, {"eviction": "semantic",
+                                                     "precision": FP16_POLICY}),
+    "connector_int8": Setup("connector_int8", True, {"eviction": "semantic",
+                                                     "precision": INT8_POLICY}),
+    "lmcache": Setup("lmcache", False, None, lmcache=True),
+    "lmcache_ordering": Setup("lmcache_ordering", True, None, lmcache=True),
+}
+
+
+# ---------------------------------------------------------------------- the agents
+class _Marked:
+    """The workload's prompt of a step as one plain marked text, in its own order."""
+
+    def __init__(self, workload: Any) -> None:
+        self.workload = workload
+
+    def build_marked(self, step: int) -> str:
+        from contextkit.prompt.markup import render_marked
+
+        return render_marked(self.workload.system_prompt(step))
+
+
+class _WorkloadAgent:
+    """One agent of the workload in one configuration: its LangChain agent and history."""
+
+    def __init__(self, name: str, tenant: str, workload: Any, base_url: str,
+                 max_tokens: int, pipeline: Any = None) -> None:
+        self.name, self.tenant, self.workload = name, tenant, workload
+        self.pipeline, self.max_tokens = pipeline, max_tokens
+        self.box: dict[str, Any] = {"turn": 0}
+        self.history: list[Any] = []
+        self.timer = _timer()
+        self.agent: Any = None
+        self.connect(base_url)
+
+    def connect(self, base_url: str) -> None:
+        from langchain.agents import create_agent
+        from langchain_openai import ChatOpenAI
+        from pydantic import SecretStr
+
+        model = ChatOpenAI(model=SERVED, base_url=base_url, api_key=SecretStr("none"),
+                           use_responses_api=False, temperature=0, streaming=True,
+                           stream_usage=True, max_completion_tokens=self.max_tokens,
+                           max_retries=0, timeout=900, extra_body={"ignore_eos": True})
+        if self.pipeline is not None:
+            from integrations.langchain import ContextKitMiddleware
+
+            workload, box = self.workload, self.box
+            middleware: Any = ContextKitMiddleware(
+                self.pipeline, lambda request: workload.system_prompt(box["turn"]))
+        else:
+            tenant = self.tenant  # vLLM's cache_salt keeps tenants apart
+            middleware = _plain_prompt(_Marked(self.workload), self.box, lambda: tenant)
+        self.agent = create_agent(model, tools=[], context_schema=dict, middleware=[middleware])
+
+    def turn(self, step: int, message: str) -> dict[str, Any]:
+        from langchain_core.messages import AIMessage
+
+        self.box["turn"] = step
+        self.timer.reset()
+        t0 = time.perf_counter()
+        state = self.agent.invoke({"messages": [*self.history, ("user", message)]},
+                                  config={"callbacks": [self.timer]},
+                                  context={"tenant": self.tenant})
+        self.history = state["messages"]
+        reply = self.history[-1]
+        if not isinstance(reply, AIMessage) or self.timer.first_chunk is None:
+            raise RuntimeError(f"{self.name}: step {step} streamed no reply")
+        usage: dict[str, Any] = dict(reply.usage_metadata or {})
+        return {"step": step, "agent": self.name, "tenant": self.tenant,
+                "ttft_ms": round(1000 * (self.timer.first_chunk - t0), 1),
+                "total_ms": round(1000 * (time.perf_counter() - t0), 1),
+                "prompt_tokens": usage.get("input_tokens"),
+                "cached_tokens": (usage.get("input_token_details") or {}).get("cache_read")}
+
+
+# ---------------------------------------------------------------------- sizes
+def plan_sizes(workload: Any, served: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's KV blocks (pressure: about ``--kv-agents`` agents' prompts; ceiling: every
+    agent's longest prompt plus room) and the connector's byte budget (``--budget-agents``
+    agents' prompts in fp16), from the prompts' token counts."""
+    from contextkit.prompt.markup import render_marked
+    from integrations.vllm.identity import vllm_cache_identity
+
+    first = {}
+    for i, step in enumerate(workload.steps()):
+        if step.agent not in first:
+            text = render_marked(workload.system_prompt(i))
+            first[step.agent] = served.count_tokens(text) + served.count_tokens(
+                step.user_message)
+    prompt = sum(first.values()) / len(first)
+    # an agent's prompt grows by its history: two messages of max_tokens per turn
+    turns = max(len(workload.turns_of(a)) for a in first)
+    longest = max(first.values()) + turns * (args.max_tokens + 64)
+    pressure = math.ceil(args.kv_agents * prompt / BLOCK)
+    ceiling = math.ceil(len(first) * longest / BLOCK) + 64
+    fp16 = vllm_cache_identity(args.model_dir, BLOCK, "fp16").bytes_per_block
+    tq4 = vllm_cache_identity(args.model_dir, BLOCK, "tq4").bytes_per_block
+    budget = int(args.budget_agents * math.ceil(prompt / BLOCK) * fp16)
+    return {"prompt_tokens_mean": round(prompt), "prompt_tokens_first": first,
+            "longest_prompt_tokens": longest, "kv_blocks_pressure": pressure,
+            "kv_blocks_ceiling": ceiling, "kv_agents": args.kv_agents,
+            "budget_agents": args.budget_agents, "budget_bytes": budget,
+            "host_blocks": max(1, budget // tq4), "bytes_per_block_fp16": fp16,
+            "bytes_per_block_tq4": tq4,
+            "max_model_len": min(args.max_model_len, (pressure - 1) * BLOCK)}
+
+
+# ---------------------------------------------------------------------- servers
+def _connector_config(work: Path, name: str, sizes: dict[str, Any], overrides: dict[str, Any]
+                      ) -> Any:
+    from integrations.vllm.config import ConnectorConfig
+
+    for sub in (f"shadow-{name}", f"local-{name}"):
+        shutil.rmtree(work / sub, ignore_errors=True)
+    return ConnectorConfig(block_size=BLOCK, shadow_url="",
+                           local_store=f"file://{work / f'local-{name}'}",
+                           stats_path=str(work / f"stats-{name}.jsonl"),
+                           host_blocks=sizes["host_blocks"], **overrides)
+
+
+def _server(setup: Setup, work: Path, sizes: dict[str, Any], args: argparse.Namespace,
+            lmcache: Any = None) -> tuple[Any, Any]:
+    from integrations.vllm.bench.harness import OpenAIServer
+    from integrations.vllm.config import ConnectorConfig
+
+    blocks = sizes["kv_blocks_ceiling"] if setup.ceiling else sizes["kv_blocks_pressure"]
+    config = (_connector_config(work, setup.name, sizes, setup.connector)
+              if setup.connector is not None else ConnectorConfig(block_size=BLOCK))
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")}
+    extra = ["--enable-prompt-tokens-details", "--num-gpu-blocks-override", str(blocks),
+             "--max-logprobs", "20"]
+    srv = OpenAIServer(args.model_dir, config, work / f"server-{setup.name}.log",
+                       served_name=SERVED, block_size=BLOCK, max_model_len=sizes["max_model_len"],
+                       extra_args=extra, env=env)
+    at = srv.cmd.index("--kv-transfer-config")
+    if lmcache is not None:
+        srv.cmd[at + 1] = json.dumps(lmcache.kv_transfer_config())
+        srv.env.update(lmcache.env())
+    elif setup.connector is None:
+        del srv.cmd[at:at + 2]
+    srv.start()
+    for words in (60, 1500, 1500):  # one-time costs of the first requests
+        srv.post("/v1/chat/completions", {
+            "model": SERVED, "max_tokens": 2, "cache_salt": "warmup",
+            "messages": [{"role": "user", "content": "warm up: " + "tick " * words}]})
+    return srv, config
+
+
+# ---------------------------------------------------------------------- quality
+def _top(srv: Any, prompt: list[int], salt: str, params: dict[str, Any] | None = None
+         ) -> dict[int, float]:
+    """The top-20 next-token logprobs after ``prompt`` (token ids), the connector's
+    labels ``params`` (``kv_transfer_params``) refitted to this prompt."""
+    import urllib.error
+
+    from integrations.vllm.bench.harness import params_for
+
+    body: dict[str, Any] = {
+        "model": SERVED, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "logprobs": 20, "return_tokens_as_token_ids": True, "cache_salt": salt}
+    if params is not None:
+        body["kv_transfer_params"] = params_for(params, prompt)
+    try:
+        reply = srv.post("/v1/completions", body)
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"/v1/completions refused a {len(prompt)}-token probe: "
+                           f"{exc.read().decode(errors='replace')[:500]}") from None
+    top = reply["choices"][0]["logprobs"]["top_logprobs"][0]
+    return {int(k.split(":", 1)[1]): float(v) for k, v in top.items()}
+
+
+def quality_probe(srv: Any, prompts: list[Probe], reference: list[list[int]] | None,
+                  reply_tokens: int, filler: list[int]) -> dict[str, Any]:
+    """Teacher-forced next-token distributions over ``reply_tokens`` positions of each
+    prompt, the prompt's KV read back from wherever the server keeps it.
+
+    Each prompt is served once (the connector stores it), then ``filler`` (a prompt of
+    vLLM's whole KV size) pushes it out of vLLM's own cache, so the first forced
+    position loads it from the connector (or recomputes it without one) and the others
+    reuse those pages. ``reference``: the forced tokens (the ceiling's greedy reply);
+    ``None`` makes this server's own greedy reply the reference.
+    """
+    out: dict[str, Any] = {"tops": [], "forced": []}
+    for probe in prompts:
+        _top(srv, probe.ids, probe.salt, probe.params)
+    for i, probe in enumerate(prompts):
+        _top(srv, filler, "filler")  # evict the prompts from vLLM's KV
+        _top(srv, filler[:BLOCK], "filler")  # one more step: the connector's saves land
+        forced = list(reference[i]) if reference is not None else []
+        tops = []
+        for j in range(reply_tokens):
+            top = _top(srv, probe.ids + forced[:j], probe.salt, probe.params)
+            tops.append(top)
+            if reference is None:
+                forced.append(max(top, key=lambda t: top[t]))
+        out["tops"].append([{str(k): v for k, v in t.items()} for t in tops])
+        out["forced"].append(forced)
+    return out
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A prompt of the quality probe, as an agent of the workload sends it."""
+
+    ids: list[int]
+    salt: str  # the tenant
+    params: dict[str, Any] | None  # the connector's labels (kv_transfer_params)
+
+
+def _quality_prompts(workload: Any, served: Any, count: int, seed: int) -> list[Probe]:
+    """``count`` steps' prompts laid out and labelled by contextkit's pipeline for the
+    step's agent and tenant (its first turn: no history), as the server tokenizes them."""
+    from contextkit import CacheAwareContextPipeline
+
+    rng = random.Random(seed)
+    steps = sorted(rng.sample(range(workload.num_steps), count))
+    probes = []
+    for i in steps:
+        step = workload.step(i)
+        pipeline = CacheAwareContextPipeline(served=served, tenant=step.tenant,
+                                             agent=step.agent)
+        pipeline.build(workload.system_prompt(i))
+        messages = pipeline.openai_messages([{"role": "user", "content": step.user_message}])
+        fields = pipeline.request_fields(messages)
+        probes.append(Probe(list(served.render(messages).token_ids),
+                            str(fields.get("cache_salt", step.tenant)),
+                            fields.get("kv_transfer_params")))
+    return probes
+
+
+# ---------------------------------------------------------------------- measure
+def _scrape(srv: Any) -> dict[str, float]:
+    """The connector's counters (``vllm:contextkit_*``) and vLLM's prefix-cache ones."""
+    totals: dict[str, float] = {}
+    try:
+        text = srv.get("/metrics")
+    except Exception:
+        return totals
+    for line in text.splitlines():
+        if line.startswith("#") or not (line.startswith("vllm:contextkit_")
+                                        or "prefix_cache" in line or "external" in line):
+            continue
+        name, _, value = line.rpartition(" ")
+        base = name.split("{", 1)[0]
+        try:
+            totals[base] = totals.get(base, 0.0) + float(value)
+        except ValueError:
+            continue
+    return totals
+
+
+def _stats(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], work: Path,
+               args: argparse.Namespace, quality: dict[str, Any]) -> dict[str, Any]:
+    """One configuration on a fresh server: every step of the schedule, then the probe."""
+    from contextkit import CacheAwareContextPipeline
+
+    lmcache = None
+    if setup.lmcache:
+        from integrations.vllm.bench.lmcache_server import LMCacheServer
+
+        lmcache = LMCacheServer(work, chunk_tokens=BLOCK, budget_bytes=sizes["budget_bytes"])
+        lmcache.start()
+    t0 = time.perf_counter()
+    try:
+        srv, config = _server(setup, work, sizes, args, lmcache)
+    except BaseException:
+        if lmcache is not None:
+            lmcache.stop()
+        raise
+    started = time.perf_counter() - t0
+    rows: list[dict[str, Any]] = []
+    try:
+        agents: dict[str, _WorkloadAgent] = {}
+        for spec in workload.agents:
+            pipeline = (CacheAwareContextPipeline(served=served, tenant=spec.tenant,
+                                                  agent=spec.name, pin_stable=setup.pin)
+                        if setup.contextkit else None)
+            agents[spec.name] = _WorkloadAgent(spec.name, spec.tenant, workload, srv.base_url,
+                                               args.max_tokens, pipeline)
+        for step in workload.steps():
+            row = agents[step.agent].turn(step.step, step.user_message)
+            row["kind"], row["agent_turn"] = step.kind, step.agent_turn
+            rows.append(row)
+            print(f"{setup.name:>15} step {step.step:>2} {step.agent:>10}: ttft "
+                  f"{row['ttft_ms']:>8.1f} ms  prompt {row['prompt_tokens']}  cached "
+                  f"{row['cached_tokens']}", file=sys.stderr, flush=True)
+        metrics_after_steps = _scrape(srv)
+        probe = None
+        if setup.connector is not None or setup.ceiling:
+            rng = random.Random(7)
+            filler = [rng.randrange(100, 20000) for _ in range(sizes["max_model_len"] - 8)]
+            probe = quality_probe(srv, quality["prompts"], quality.get("reference"),
+                                  args.quality_tokens, filler)
+            if setup.ceiling:
+                quality["reference"] = probe["forced"]
+    finally:
+        srv.stop()
+        if lmcache is not None:
+            lmcache.stop()
+    stats = _stats(Path(config.stats_path)) if setup.connector is not None else []
+    return {"rows": rows, "server_start_s": round(started, 1),
+            "seconds": round(time.perf_counter() - t0, 1),
+            "kv_blocks": sizes["kv_blocks_ceiling"] if setup.ceiling
+            else sizes["kv_blocks_pressure"],
+            "connector": dict(setup.connector) if setup.connector is not None else None,
+            "pin": setup.pin, "contextkit_order": setup.contextkit,
+            "metrics": metrics_after_steps, "connector_stats": stats, "probe": probe,
+            "lmcache": lmcache.describe() if lmcache is not None else None,
+            "loadavg_1min": round(os.getloadavg()[0], 2)}
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    from contextkit.pipeline.served.model import ServedModel
+    from contextkit.workloads.agents import MultiAgentWorkload
+
+    if args.model:
+        args.model_dir = args.model
+        served = ServedModel(args.model, name=SERVED)
+    else:
+        from integrations.vllm.model import packaged_model_dir
+
+        args.model_dir = str(packaged_model_dir())
+        served = ServedModel.packaged(name=SERVED)
+    work = Path(args.dir or tempfile.mkdtemp(prefix="ck-bench-agents-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    workload = MultiAgentWorkload(args.agents, num_tenants=args.tenants, steps=args.steps,
+                                  seed=args.seed, scale=args.scale)
+    sizes = plan_sizes(workload, served, args)
+    quality: dict[str, Any] = {"prompts": _quality_prompts(workload, served,
+                                                           args.quality_steps, args.seed)}
+    configs = [c for c in args.configs if c != "ceiling"]
+    configs.insert(0, "ceiling")  # the reference of the quality probe and the ratio
+    results: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    for name in configs:
+        try:
+            results[name] = run_config(SETUPS[name], workload, served, sizes, work, args,
+                                       quality)
+        except (Exception, SystemExit) as exc:
+            if name == "ceiling":
+                raise
+            errors[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+            print(f"{name}: did not run: {errors[name]}", file=sys.stderr, flush=True)
+    if args.ceiling_last:  # the ceiling's timing again, after the others (drift check)
+        again = dataclasses.replace(SETUPS["ceiling"], name="ceiling_last")
+        results["ceiling_last"] = run_config(again, workload, served, sizes, work, args,
+                                             {"prompts": []})
+    return {"configs": results, "errors": errors, "sizes": sizes, "order": configs,
+            "workload": workload.describe(), "quality_prompt_tokens":
+            [len(p.ids) for p in quality["prompts"]],
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "vllm_cpu_num_of_reserved_cpu": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m integrations.vllm.bench.agents_bench")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dir", default=None)
+    parser.add_argument("--agents", type=int, default=6)
+    parser.add_argument("--tenants", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=36)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--kv-agents", type=float, default=2.0)
+    parser.add_argument("--budget-agents", type=float, default=3.0)
+    parser.add_argument("--quality-steps", type=int, default=3)
+    parser.add_argument("--quality-tokens", type=int, default=16)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--ceiling-last", action="store_true")
+    args = parser.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(args.configs) - set(CONFIGS))
+    if unknown:
+        parser.error(f"unknown configurations {unknown}; pick from {', '.join(CONFIGS)}")
+    Path(args.out).write_text(json.dumps(measure(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""bench agents-vllm: the figures from raw rows (no vLLM needed)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from contextkit.bench.agents_vllm import quality, result_of, speedups
+
+
+def test_speedups_are_ratios_of_warm_step_medians_and_none_where_a_config_did_not_run(
+        ) -> None:
+    warm = [False, True, True, True]
+    ttft = {"connector": [900.0, 100.0, 200.0, 300.0], "apc": [1000.0, 600.0, 600.0, 600.0],
+            "ordering": [1000.0, 300.0, 400.0, 500.0], "ceiling": [900.0, 100.0, 150.0, 100.0]}
+    got = speedups(ttft, warm)
+    assert got["speedup_vs_apc_p50"] == 3.0  # 600 / 200: the cold first step is left out
+    assert got["speedup_vs_ordering_p50"] == 2.0
+    assert got["ceiling_fraction"] == 0.5
+    assert got["speedup_vs_lmcache_p50"] is None and got["speedup_vs_lru_p50"] is None
+
+
+def _top(best: int, spread: float = 1.0) -> dict[str, float]:
+    logits = {t: (2.0 if t == best else 0.0) * spread for t in range(20)}
+    norm = math.log(sum(math.exp(v) for v in logits.values()))
+    return {str(t): v - norm for t, v in logits.items()}
+
+
+def test_quality_of_an_identical_probe_is_perfect_and_a_changed_argmax_counts() -> None:
+    reference = [[_top(1), _top(2), _top(3)]]
+    forced = [[1, 2, 3]]
+    same = quality(reference, reference, forced)
+    assert same["teacher_forced_agreement"] == 1.0 and same["ppl_ratio"] == 1.0
+    assert same["mean_kl"] == 0.0
+    changed = quality(reference, [[_top(1), _top(5), _top(3)]], forced)
+    assert changed["teacher_forced_agreement"] == pytest.approx(2 / 3, abs=1e-4)
+    assert changed["ppl_ratio"] > 1.0 and changed["mean_kl"] > 0.0
+
+
+def _rows(ttft: list[float]) -> list[dict[str, object]]:
+    return [{"step": i, "agent": f"a{i % 2}", "ttft_ms": t, "prompt_tokens": 2000,
+             "cached_tokens": 1000 if i else 0, "agent_turn": i // 2, "kind": "r"}
+            for i, t in enumerate(ttft)]
+
+
+def test_result_reports_hit_tokens_per_tier_quality_and_what_did_not_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    probe = {"tops": [[_top(1), _top(2)]], "forced": [[1, 2]]}
+    raw = {
+        "configs": {
+            "ceiling": {"rows": _rows([900, 800, 100, 100]), "probe": probe, "seconds": 1.0,
+                        "loadavg_1min": 1.0, "metrics": {}},
+            "apc": {"rows": _rows([900, 800, 700, 700]), "seconds": 1.0, "loadavg_1min": 1.0,
+                    "metrics": {}},
+            "connector": {"rows": _rows([900, 800, 200, 200]), "seconds": 1.0,
+                          "loadavg_1min": 1.0, "probe": probe,
+                          "metrics": {"vllm:contextkit_hit_tokens_total": 640.0},
+                          "connector_stats": [{"external_hit_tokens": 0}] * 2
+                          + [{"external_hit_tokens": 320}] * 2
+                          + [{"external_hit_tokens": 64}]},
+        },
+        "errors": {"lmcache": "SystemExit: no lmcache"},
+        "sizes": {"kv_blocks_pressure": 140, "kv_blocks_ceiling": 700,
+                  "prompt_tokens_mean": 2200, "budget_bytes": 10 ** 8, "host_blocks": 480},
+        "workload": {"num_agents": 2, "num_steps": 4},
+    }
+    args = argparse.Namespace(kv_agents=2.0, budget_agents=3.0, model=None, plot=None,
+                              out=str(tmp_path / "r.json"))
+    result = result_of(args, raw)
+    assert result["speedup_vs_apc_p50"] == 3.5  # warm steps 2-3: 700 / 200
+    assert result["hit_tokens"]["connector"] == {"vllm": 3000 - 640, "ddr": 640,
+                                                 "shadow": 0, "computed": 5000}
+    assert result["teacher_forced_agreement"] == 1.0
+    assert result["quality"]["connector"]["probe_connector_hit_tokens"] == 64
+    assert result["not_run"] == {"lmcache": "SystemExit: no lmcache"}
+    assert (tmp_path / "r.json").is_file()

@@ -1,0 +1,88 @@
+"""A vLLM server whose KV space holds about two prompts, with the connector (CPU build).
+
+More agents than vLLM's KV holds: vLLM's prefix cache drops a returning agent's blocks,
+the connector's DDR tier still has them, and its tenant's next request loads them
+instead of recomputing; another tenant sending the same text loads nothing. Run by
+``make test-vllm``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
+
+BLOCK = 32
+SERVED = "contextkit-pressure"
+KV_BLOCKS = 100  # 3,200 tokens: about two of the ~1,400-token prompts below
+WORDS = ("alert", "latency", "replica", "deploy", "rollback", "quota", "shard", "region",
+         "ticket", "budget", "canary", "cache", "queue", "trace", "index", "owner")
+
+
+def _prompt(seed: int, words: int = 1100) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path]]:
+    from integrations.vllm.bench.harness import OpenAIServer
+    from integrations.vllm.config import ConnectorConfig
+    from integrations.vllm.model import packaged_model_dir
+
+    work = tmp_path_factory.mktemp("pressure")
+    stats = work / "stats.jsonl"
+    config = ConnectorConfig(block_size=BLOCK, shadow_url="",
+                             local_store=f"file://{work / 'local'}", stats_path=str(stats),
+                             host_blocks=600, eviction="semantic")
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
+    srv = OpenAIServer(str(packaged_model_dir()), config, work / "server.log",
+                       served_name=SERVED, block_size=BLOCK, max_model_len=3072,
+                       extra_args=["--enable-prompt-tokens-details",
+                                   "--num-gpu-blocks-override", str(KV_BLOCKS)], env=env)
+    with srv:
+        yield srv, stats
+
+
+def _chat(srv: Any, stats: Path, text: str, tenant: str) -> tuple[int, int]:
+    """One request; (tokens vLLM reported cached, tokens the connector loaded)."""
+    from integrations.vllm.bench.harness import read_stats
+
+    _, start = read_stats(stats)
+    reply = srv.post("/v1/chat/completions", {
+        "model": SERVED, "max_tokens": 2, "temperature": 0, "cache_salt": tenant,
+        "messages": [{"role": "system", "content": text},
+                     {"role": "user", "content": "Summarise."}]})
+    cached = ((reply.get("usage") or {}).get("prompt_tokens_details") or {}).get(
+        "cached_tokens") or 0
+    rows: list[dict[str, Any]] = []
+    for _ in range(100):  # the scheduler writes the request's record as it finishes
+        rows, _ = read_stats(stats, start)
+        if rows:
+            break
+        time.sleep(0.1)
+    assert len(rows) == 1, rows
+    return int(cached), int(rows[0].get("external_hit_tokens") or 0)
+
+
+def test_a_returning_agent_loads_from_the_connector_after_vllm_evicted_it(
+        server: tuple[Any, Path]) -> None:
+    srv, stats = server
+    agent_a, agent_b, agent_c = _prompt(1), _prompt(2), _prompt(3)
+    assert _chat(srv, stats, agent_a, "org-a") == (0, 0)  # cold
+    # two other agents fill vLLM's KV space: agent A's blocks leave it
+    for text, tenant in ((agent_b, "org-a"), (agent_c, "org-b"), (agent_b, "org-a")):
+        _chat(srv, stats, text, tenant)
+    cached, loaded = _chat(srv, stats, agent_a, "org-a")
+    assert loaded >= 1000, (cached, loaded)  # most of its ~1.4K tokens from the DDR tier
+    assert cached >= loaded
+    # another tenant sending the same text reuses nothing, on either tier
+    assert _chat(srv, stats, agent_a, "org-b") == (0, 0)
