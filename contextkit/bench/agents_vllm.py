@@ -259,7 +259,7 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
     qualities = {}
     for n in names:
         probe = runs[n].get("probe")
-        if n == "ceiling" or not probe or not reference:
+        if n.startswith("ceiling") or not probe or not reference:
             continue
         qualities[n] = quality(reference["tops"], probe["tops"], reference["forced"])
         stats = runs[n].get("connector_stats") or []
