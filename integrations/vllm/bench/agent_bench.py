@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "measure"]
+__all__ = ["chat_model", "main", "measure", "server_env"]
 
 SERVED = "contextkit-bench"
 BLOCK = 32
@@ -48,6 +48,32 @@ def _timer() -> Any:
                 self.first_chunk = time.perf_counter()
 
     return Timer()
+
+
+def chat_model(base_url: str, max_tokens: int) -> Any:
+    """The agents' ``ChatOpenAI``: greedy, streamed with usage, ``max_tokens`` long
+    replies (``ignore_eos``, so every configuration's history grows alike)."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import SecretStr
+
+    return ChatOpenAI(model=SERVED, base_url=base_url, api_key=SecretStr("none"),
+                      use_responses_api=False, temperature=0, streaming=True,
+                      stream_usage=True, max_completion_tokens=max_tokens, max_retries=0,
+                      timeout=900, extra_body={"ignore_eos": True})
+
+
+def server_env() -> dict[str, str]:
+    """The environment of every bench server: offline, the machine's cores for vLLM's
+    OpenMP threads, none reserved (see below)."""
+    return {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4",
+            # vLLM drops to one OpenMP thread "for serving" unless told; use the machine
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
+            # vLLM's CPU build binds the worker's threads to the cores left after
+            # reserving one for its scheduler, and one more when a KV connector is
+            # configured; on 2 cores that second reservation fails and the connector's
+            # worker gets both cores while the others get one (a 2x difference in
+            # prefill that is not the cache's). Reserve none, for every server alike.
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")}
 
 
 def _plain_prompt(replay: Any, box: dict[str, Any], salt: Any) -> Any:
@@ -84,13 +110,8 @@ class _Agent:
     def connect(self, base_url: str) -> None:
         """(Re)build the agent on the server at ``base_url``; history and pipeline stay."""
         from langchain.agents import create_agent
-        from langchain_openai import ChatOpenAI
-        from pydantic import SecretStr
 
-        model = ChatOpenAI(model=SERVED, base_url=base_url, api_key=SecretStr("none"),
-                           use_responses_api=False, temperature=0, streaming=True,
-                           stream_usage=True, max_completion_tokens=self.max_tokens,
-                           max_retries=0, timeout=900, extra_body={"ignore_eos": True})
+        model = chat_model(base_url, self.max_tokens)
         replay = self.replay
         if self.pipeline is not None:
             from integrations.langchain import ContextKitMiddleware
@@ -140,15 +161,7 @@ def _server(model_dir: str, work: Path, name: str, config: Any, args: argparse.N
             *, connector: bool) -> Any:
     from integrations.vllm.bench.harness import OpenAIServer
 
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4",
-           # vLLM drops to one OpenMP thread "for serving" unless told; use the machine
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
-           # vLLM's CPU build binds the worker's threads to the cores left after
-           # reserving one for its scheduler, and one more when a KV connector is
-           # configured; on 2 cores that second reservation fails and the connector's
-           # worker gets both cores while the others get one (a 2x difference in
-           # prefill that is not the cache's). Reserve none, for every server alike.
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")}
+    env = server_env()
     srv = OpenAIServer(model_dir, config, work / f"server-{name}.log", served_name=SERVED,
                        block_size=BLOCK, max_model_len=args.max_model_len,
                        extra_args=["--enable-prompt-tokens-details"], env=env)

@@ -28,7 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from integrations.vllm.bench.agent_bench import SERVED, _plain_prompt, _timer
+from integrations.vllm.bench.agent_bench import (
+    SERVED,
+    _plain_prompt,
+    _timer,
+    chat_model,
+    server_env,
+)
 
 __all__ = ["CONFIGS", "main", "measure"]
 
@@ -102,13 +108,8 @@ class _WorkloadAgent:
 
     def connect(self, base_url: str) -> None:
         from langchain.agents import create_agent
-        from langchain_openai import ChatOpenAI
-        from pydantic import SecretStr
 
-        model = ChatOpenAI(model=SERVED, base_url=base_url, api_key=SecretStr("none"),
-                           use_responses_api=False, temperature=0, streaming=True,
-                           stream_usage=True, max_completion_tokens=self.max_tokens,
-                           max_retries=0, timeout=900, extra_body={"ignore_eos": True})
+        model = chat_model(base_url, self.max_tokens)
         if self.pipeline is not None:
             from integrations.langchain import ContextKitMiddleware
 
@@ -194,9 +195,7 @@ def _server(setup: Setup, work: Path, sizes: dict[str, Any], args: argparse.Name
     blocks = sizes["kv_blocks_ceiling"] if setup.ceiling else sizes["kv_blocks_pressure"]
     config = (_connector_config(work, setup.name, sizes, setup.connector)
               if setup.connector is not None else ConnectorConfig(block_size=BLOCK))
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")}
+    env = server_env()
     extra = ["--enable-prompt-tokens-details", "--num-gpu-blocks-override", str(blocks),
              "--max-logprobs", "20"]
     srv = OpenAIServer(args.model_dir, config, work / f"server-{setup.name}.log",
