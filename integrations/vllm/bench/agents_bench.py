@@ -24,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
+import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from integrations.vllm.bench.agent_bench import (
     chat_model,
     server_env,
 )
+from integrations.vllm.bench.harness import params_for, read_stats
 
 __all__ = ["CONFIGS", "main", "measure"]
 
@@ -63,6 +65,7 @@ class Setup:
     pin: bool = True  # the middleware asks the connector to pin stable prefixes
     ceiling: bool = False  # a KV space that holds every agent
     lmcache: bool = False
+    probe: bool = True  # run the quality probe (configurations with a connector or ceiling)
 
 
 SETUPS = {
@@ -220,10 +223,6 @@ def _top(srv: Any, prompt: list[int], salt: str, params: dict[str, Any] | None =
          ) -> dict[int, float]:
     """The top-20 next-token logprobs after ``prompt`` (token ids), the connector's
     labels ``params`` (``kv_transfer_params``) refitted to this prompt."""
-    import urllib.error
-
-    from integrations.vllm.bench.harness import params_for
-
     body: dict[str, Any] = {
         "model": SERVED, "prompt": prompt, "max_tokens": 1, "temperature": 0,
         "logprobs": 20, "return_tokens_as_token_ids": True, "cache_salt": salt}
@@ -318,12 +317,6 @@ def _scrape(srv: Any) -> dict[str, float]:
     return totals
 
 
-def _stats(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], work: Path,
                args: argparse.Namespace, quality: dict[str, Any]) -> dict[str, Any]:
     """One configuration on a fresh server: every step of the schedule, then the probe."""
@@ -361,7 +354,7 @@ def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], 
                   f"{row['cached_tokens']}", file=sys.stderr, flush=True)
         metrics_after_steps = _scrape(srv)
         probe = None
-        if setup.connector is not None or setup.ceiling:
+        if setup.probe and (setup.connector is not None or setup.ceiling):
             rng = random.Random(7)
             filler = [rng.randrange(100, 20000) for _ in range(sizes["max_model_len"] - 8)]
             probe = quality_probe(srv, quality["prompts"], quality.get("reference"),
@@ -372,7 +365,7 @@ def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], 
         srv.stop()
         if lmcache is not None:
             lmcache.stop()
-    stats = _stats(Path(config.stats_path)) if setup.connector is not None else []
+    stats = read_stats(Path(config.stats_path))[0] if setup.connector is not None else []
     return {"rows": rows, "server_start_s": round(started, 1),
             "seconds": round(time.perf_counter() - t0, 1),
             "kv_blocks": sizes["kv_blocks_ceiling"] if setup.ceiling
@@ -419,9 +412,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             errors[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
             print(f"{name}: did not run: {errors[name]}", file=sys.stderr, flush=True)
     if args.ceiling_last:  # the ceiling's timing again, after the others (drift check)
-        again = dataclasses.replace(SETUPS["ceiling"], name="ceiling_last")
+        again = dataclasses.replace(SETUPS["ceiling"], name="ceiling_last", probe=False)
         results["ceiling_last"] = run_config(again, workload, served, sizes, work, args,
-                                             {"prompts": []})
+                                             quality)
     return {"configs": results, "errors": errors, "sizes": sizes, "order": configs,
             "workload": workload.describe(), "quality_prompt_tokens":
             [len(p.ids) for p in quality["prompts"]],

@@ -29,8 +29,8 @@ from typing import Any
 
 from integrations.vllm.serve import LAUNCHER_MODULE
 
-__all__ = ["OpenAIServer", "Prompt", "load_prompts", "main", "metric_sum", "params_for",
-           "read_stats", "run_openai", "source_text"]
+__all__ = ["OpenAIServer", "Prompt", "free_port", "load_prompts", "main", "metric_sum",
+           "params_for", "read_stats", "run_openai", "source_text"]
 
 #: ``--served-model-name`` of the ``--openai`` server (the ``model_name`` metric label).
 SERVED_MODEL_NAME = "contextkit-e2e"
@@ -297,7 +297,8 @@ def _get(base: str, path: str, timeout: float = 30.0) -> str:
         return str(response.read().decode())
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -333,7 +334,7 @@ class OpenAIServer:
                  env: dict[str, str] | None = None, startup_timeout: float = 1200.0) -> None:
         from integrations.vllm.config import kv_transfer_config
 
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.served_name = served_name
         self.log_path = Path(log_path)

@@ -20,16 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from integrations.vllm.bench.harness import free_port
+
 __all__ = ["LMCacheServer"]
 
 #: LMCache's environment, for the server and for vLLM (its connector imports lmcache).
 QUIET = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "LMCACHE_DISABLE_BANNER": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class LMCacheServer:
@@ -43,7 +39,7 @@ class LMCacheServer:
 
     def __init__(self, work: Path, *, chunk_tokens: int, budget_bytes: int) -> None:
         self.work, self.chunk_tokens, self.budget_bytes = work, chunk_tokens, budget_bytes
-        self.port, self.http_port = _free_port(), _free_port()
+        self.port, self.http_port = free_port(), free_port()
         self.shm = f"ck_lmc_{os.getpid()}"
         self.log_path = work / "lmcache-server.log"
         exe = shutil.which("lmcache", path=str(Path(sys.executable).parent)) or "lmcache"

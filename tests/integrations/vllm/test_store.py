@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -91,18 +92,25 @@ def test_save_then_read_roundtrip_tq4_and_native(model: Path, tmp_path: Path) ->
             is Tier.HOST  # CPU: stored blocks live in the DDR tier
 
 
+def _overfill(store: ConnectorStore, digest: bytes) -> tuple[list[bytes], list[bytes], Any]:
+    """Fill the 8-block tier with 4 axioms blocks, then 4 chat blocks, then save 2 more:
+    (axioms keys, chat keys, the last save's result)."""
+    k, v = _kv(4)
+    axioms = _keys(digest, 4, offset=0)
+    chat = _keys(digest, 4, offset=1000)
+    store.save(k, v, axioms, "default", [BlockLabel("axioms", 1.0)] * 4)
+    store.save(k, v, chat, "default", [BlockLabel("user_turn", 0.1)] * 4)
+    fresh = _keys(digest, 2, offset=5000)
+    result = store.save(k[:, :2], v[:, :2], fresh, "default", [BlockLabel("memories")] * 2)
+    assert result.stored == fresh
+    return axioms, chat, result
+
+
 def test_full_tier_evicts_by_semantic_priority_and_reports_it(model: Path,
                                                               tmp_path: Path) -> None:
     ident = vllm_cache_identity(str(model), BS)
     store = ConnectorStore(ident, _config(tmp_path))  # 8 host blocks
-    k, v = _kv(4)
-    axioms = _keys(ident.digest(), 4, offset=0)
-    chat = _keys(ident.digest(), 4, offset=1000)
-    store.save(k, v, axioms, "default", [BlockLabel("axioms", 1.0)] * 4)
-    store.save(k, v, chat, "default", [BlockLabel("user_turn", 0.1)] * 4)
-    fresh = _keys(ident.digest(), 2, offset=5000)
-    result = store.save(k[:, :2], v[:, :2], fresh, "default", [BlockLabel("memories")] * 2)
-    assert result.stored == fresh
+    axioms, chat, result = _overfill(store, ident.digest())
     assert set(result.removed) <= set(chat) and len(result.removed) == 2  # chat goes first
     assert all(store.read([key], "default") is not None for key in axioms)
 
@@ -112,14 +120,7 @@ def test_lru_eviction_drops_the_least_recent_blocks_whatever_their_layer(
     ident = vllm_cache_identity(str(model), BS)
     store = ConnectorStore(ident, _config(tmp_path, eviction="lru"))  # 8 host blocks
     assert store.cache.config.eviction_policy == "lru"
-    k, v = _kv(4)
-    axioms = _keys(ident.digest(), 4, offset=0)
-    chat = _keys(ident.digest(), 4, offset=1000)
-    store.save(k, v, axioms, "default", [BlockLabel("axioms", 1.0)] * 4)
-    store.save(k, v, chat, "default", [BlockLabel("user_turn", 0.1)] * 4)
-    fresh = _keys(ident.digest(), 2, offset=5000)
-    result = store.save(k[:, :2], v[:, :2], fresh, "default", [BlockLabel("memories")] * 2)
-    assert result.stored == fresh
+    axioms, chat, result = _overfill(store, ident.digest())
     # the oldest blocks go, axioms or not (semantic eviction drops the chat instead)
     assert set(result.removed) <= set(axioms) and len(result.removed) == 2
     assert all(store.read([key], "default") is not None for key in chat)
