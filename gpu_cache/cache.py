@@ -77,7 +77,8 @@ class TQGPUCache:
             device = torch.device(config.device)
         else:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = device
+        # As tensors report it ("cuda" -> "cuda:0"), so device checks compare equal.
+        self.device = torch.empty(0, device=device).device
         pin = config.pin_host_memory
         if pin is None:
             pin = torch.cuda.is_available()

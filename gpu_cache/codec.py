@@ -104,7 +104,8 @@ class TQ4Codec:
             )
         if self.head_dim < 4 or self.head_dim % 2:
             raise ValueError(f"head_dim must be even and >= 4, got {self.head_dim}")
-        self.device = torch.device(self.device)
+        # As tensors report it ("cuda" -> "cuda:0"), so device checks compare equal.
+        self.device = torch.empty(0, device=torch.device(self.device)).device
         self.codebook = lloyd_max_codebook(self.head_dim, self.bits)
         self.rotation = rotation_matrix(self.head_dim, self.seed, self.device)
         self.centroids = torch.tensor(self.codebook.centroids, dtype=torch.float32,
