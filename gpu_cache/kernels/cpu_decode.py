@@ -107,10 +107,11 @@ def _load_cpp() -> None:
 
 def backend() -> CpuDecodeBackend:
     """``"cpp"`` when the compiled op is loaded (building it on first use), else
-    ``"numba"``; decided once per process."""
+    ``"numba"``; decided once per process. ``GPU_CACHE_CPU_DECODE=numba`` skips the
+    build (e.g. on a GPU machine, where decoding runs the Triton kernel)."""
     chosen: CpuDecodeBackend | None = _state.get("backend")
     if chosen is None:
-        if os.environ.get("CONTEXTKIT_CPU_DECODE", "").lower() == "numba":
+        if os.environ.get("GPU_CACHE_CPU_DECODE", "").lower() == "numba":
             chosen = "numba"
         else:
             try:

@@ -179,6 +179,20 @@ def test_backend_is_the_compiled_op_where_a_compiler_exists() -> None:
     assert cpu_decode.backend() == ("cpp" if has_compiler else "numba")
 
 
+def test_numba_override_leaves_the_configuration_loadable() -> None:
+    """$GPU_CACHE_CPU_DECODE=numba picks the numba kernel, and being outside the
+    CONTEXTKIT_ namespace it does not make load_config() refuse the environment."""
+    code = ("from contextkit.config import load_config\n"
+            "from gpu_cache.kernels import cpu_decode\n"
+            "load_config()\n"
+            "print('BACKEND', cpu_decode.backend())\n")
+    env = {**os.environ, "GPU_CACHE_CPU_DECODE": "numba"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "BACKEND numba" in run.stdout
+
+
 def test_second_process_loads_the_cached_build_without_compiling(tmp_path: Path) -> None:
     """The build is keyed and kept under $CONTEXTKIT_CACHE_DIR/kernels: a second
     process only loads the library (no 'compiling' log line) and gets the same op."""
