@@ -15,15 +15,17 @@ Kernels:
   (sequence, KV head, split) serves the whole GQA group of query heads, so each
   packed K/V byte is read once per group. Scores are taken against codebook values
   in the rotated domain, the softmax is online (base 2), and V is accumulated in
-  the rotated domain as two halves. A small torch epilogue merges the splits and
-  rotates back once (``acc @ R``).
+  the rotated domain as two halves.
+- :func:`_merge_kernel`: one program per (sequence, query head) merges the splits'
+  partials and rotates the result back (``acc @ R``) in the same pass, so a decode
+  step is three launches (query rotation, decode, merge) whatever the split count.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import triton
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "INTERPRETED",
+    "LAST_COMPILED",
+    "MAX_SPLITS",
     "pick_num_splits",
     "quantize_into_cache_triton",
     "tq4_decode_attention_triton",
@@ -42,8 +46,15 @@ __all__ = [
 #: True when Triton was imported with TRITON_INTERPRET=1: kernels run on CPU tensors.
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 
+#: The compiled kernels of the last decode launch (``"decode"``, ``"merge"``; Triton's
+#: ``CompiledKernel``, ``None`` when interpreted): ``bench kernel`` reports their
+#: registers and spills.
+LAST_COMPILED: dict[str, Any] = {}
+
+#: Most split-K partitions :func:`pick_num_splits` picks.
+MAX_SPLITS = 256
+
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 #: fp32 ``tl.dot`` precision. "ieee" is exact fp32 FMA; on CUDA "tf32x3" keeps fp32
 #: accuracy (three TF32 MMAs) while using the tensor cores.
 _CUDA_DOT_PRECISION = "tf32x3"
@@ -55,6 +66,22 @@ _rotation_t_cache: weakref.WeakKeyDictionary[TQ4Codec, torch.Tensor] = (
 
 def _dot_precision(device: torch.device) -> str:
     return _CUDA_DOT_PRECISION if device.type == "cuda" and not INTERPRETED else "ieee"
+
+
+_query_rotation_cache: weakref.WeakKeyDictionary[TQ4Codec, dict[float, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _query_rotation(codec: TQ4Codec, scale: float) -> torch.Tensor:
+    """``R.T * scale * log2(e)`` (cached per codec and scale): one matmul rotates and
+    scales the queries into the kernel's base-2 score domain."""
+    per_scale = _query_rotation_cache.setdefault(codec, {})
+    cached = per_scale.get(scale)
+    if cached is None or cached.device != codec.rotation.device:
+        cached = (codec.rotation.T * (scale * _LOG2E)).contiguous()
+        per_scale[scale] = cached
+    return cached
 
 
 def _rotation_t(codec: TQ4Codec, device: torch.device) -> torch.Tensor:
@@ -241,6 +268,7 @@ def _decode_kernel(
     mid_max_ptr,
     mid_sum_ptr,
     tokens_per_split,
+    num_splits,
     stride_qb,
     stride_qh,
     stride_btb,
@@ -262,14 +290,15 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr,
     HALF_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(B, Hkv, NUM_SPLITS)``; writes partial (acc, max, sum) per split.
+    """Grid ``(B, Hkv, num_splits)``; writes partial (acc, max, sum) per split.
 
     ``q_ptr`` holds rotated queries already multiplied by ``scale * log2(e)``, so
-    the running max/sum are in base 2. ``mid_acc`` is ``[B, Hq, NUM_SPLITS, D]``
-    (rotated domain, unnormalised), ``mid_max``/``mid_sum`` ``[B, Hq, NUM_SPLITS]``.
+    the running max/sum are in base 2. ``mid_acc`` is ``[B, Hq, num_splits, D]``
+    (rotated domain, unnormalised), ``mid_max``/``mid_sum`` ``[B, Hq, num_splits]``. The
+    split count is a runtime argument: a sequence that grows past a split boundary
+    reuses the compiled kernel.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -329,7 +358,7 @@ def _decode_kernel(
         acc_hi = acc_hi * alpha[:, None] + tl.dot(weights, v_hi, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    mid_row = (b * (GROUP * tl.num_programs(1)) + q_heads).to(tl.int64) * NUM_SPLITS + split
+    mid_row = (b * (GROUP * tl.num_programs(1)) + q_heads).to(tl.int64) * num_splits + split
     acc_ptrs = mid_acc_ptr + mid_row[:, None] * HEAD_DIM + offs_p[None, :]
     tl.store(acc_ptrs, acc_lo, mask=g_mask[:, None])
     tl.store(acc_ptrs + HALF_DIM, acc_hi, mask=g_mask[:, None])
@@ -347,17 +376,19 @@ def pick_num_splits(
 ) -> int:
     """Splits of the context so that ``B * Hkv * splits`` programs fill the device.
 
-    Aims at two programs per SM, never below four ``BLOCK_N`` tiles per split (a
-    split's fixed cost is its partial-result write and its share of the merge).
+    Aims at eight programs per SM: each program's tile loads wait on the block-table
+    load before them, so the device needs many programs in flight to keep HBM busy
+    (measured on an H200: two per SM reached 107 GB/s at 32K tokens). Never below two
+    ``BLOCK_N`` tiles per split, at most 256 splits (the merge reads every split).
     """
     if device.type == "cuda" and not INTERPRETED:
         index = device.index if device.index is not None else torch.cuda.current_device()
         num_sms = _num_sms(index)
     else:
         num_sms = 4
-    wanted = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
-    most = max(1, triton.cdiv(max_tokens, 4 * block_n))
-    return max(1, min(wanted, most, 64))
+    wanted = triton.cdiv(8 * num_sms, max(1, batch * num_kv_heads))
+    most = max(1, triton.cdiv(max_tokens, 2 * block_n))
+    return max(1, min(wanted, most, MAX_SPLITS))
 
 
 def tq4_decode_attention_triton(
@@ -401,17 +432,16 @@ def tq4_decode_attention_triton(
         tokens_per_split = triton.cdiv(max_tokens, num_splits)
     num_splits = triton.cdiv(max_tokens, tokens_per_split)
 
-    q_rot = query.float() @ codec.rotation.T * (scale * _LOG2E)
-    q_rot = q_rot.contiguous()
+    q_rot = (query.float() @ _query_rotation(codec, scale)).contiguous()
     mid_acc = torch.empty(batch, num_q_heads, num_splits, head_dim, device=device)
     mid_max = torch.empty(batch, num_q_heads, num_splits, device=device)
     mid_sum = torch.empty(batch, num_q_heads, num_splits, device=device)
     grid = (batch, num_kv_heads, num_splits)
-    _decode_kernel[grid](
+    compiled = _decode_kernel[grid](
         q_rot, k_packed, k_norms, v_packed, v_norms, codec.centroids,
         block_table, seq_lens,
         mid_acc, mid_max, mid_sum,
-        tokens_per_split,
+        tokens_per_split, num_splits,
         q_rot.stride(0), q_rot.stride(1), block_table.stride(0),
         k_packed.stride(0), k_packed.stride(1), k_packed.stride(2),
         k_norms.stride(0), k_norms.stride(1), k_norms.stride(2),
@@ -423,26 +453,69 @@ def tq4_decode_attention_triton(
         HEAD_DIM=head_dim,
         HALF_DIM=head_dim // 2,
         BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(device),
         num_warps=4,
         num_stages=2,
     )
-    out, lse2 = _merge_splits(mid_acc, mid_max, mid_sum)
-    out = out @ codec.rotation
-    return (out, lse2 * _LN2) if return_lse else out
+    out = torch.empty(batch, num_q_heads, head_dim, device=device)
+    lse = torch.empty(batch, num_q_heads, device=device)
+    block_j = triton.next_power_of_2(head_dim)
+    merged = _merge_kernel[(batch * num_q_heads,)](
+        mid_acc, mid_max, mid_sum, codec.rotation, out, lse, num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim,
+        BLOCK_J=block_j,
+        BLOCK_D=min(32, block_j),
+        num_warps=4,
+    )
+    LAST_COMPILED["decode"], LAST_COMPILED["merge"] = compiled, merged
+    return (out, lse) if return_lse else out
 
 
-def _merge_splits(acc: torch.Tensor, mx: torch.Tensor,
-                  sm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine per-split partials (base-2 max) into ``[B, Hq, D]`` (rotated domain)
-    and the base-2 log-sum-exp ``[B, Hq]`` (``-inf`` for an empty sequence)."""
-    total_max = mx.amax(dim=-1, keepdim=True)
-    live = sm > 0
-    # Empty splits (and empty sequences, whose max is -inf) get weight 0.
-    weight = torch.where(live, torch.exp2(mx - total_max), torch.zeros_like(mx))
-    num = (acc * weight[..., None]).sum(dim=2)
-    den = (sm * weight).sum(dim=-1, keepdim=True)
-    lse2 = torch.where(den > 0, total_max + torch.log2(den.clamp_min(
-        torch.finfo(torch.float32).tiny)), torch.full_like(den, float("-inf")))
-    return num / den.clamp_min(torch.finfo(torch.float32).tiny), lse2[..., 0]
+@triton.jit
+def _merge_kernel(
+    acc_ptr,
+    max_ptr,
+    sum_ptr,
+    rot_ptr,
+    out_ptr,
+    lse_ptr,
+    num_splits,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Grid ``(B * Hq,)``: merge one query head's split partials and rotate back.
+
+    ``out = (sum_s w_s acc_s / sum_s w_s l_s) @ R`` with ``w_s = 2^(m_s - max m)``;
+    splits with no tokens (``l_s = 0``) weigh nothing, and a sequence with none at all
+    gets zeros and a log-sum-exp of ``-inf``. ``lse`` is in natural log.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < num_splits
+    m = tl.load(max_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(sum_ptr + row * num_splits + offs_s, mask=s_mask, other=0.0)
+    live = l_s > 0
+    m_max = tl.max(tl.where(live, m, float("-inf")), axis=0)
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(live, tl.exp2(tl.where(live, m, m_ref) - m_ref), 0.0)
+    den = tl.sum(w * l_s, axis=0)
+    inv = tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)
+
+    offs_j = tl.arange(0, BLOCK_J)
+    j_mask = offs_j < HEAD_DIM
+    out = tl.zeros([BLOCK_J], dtype=tl.float32)
+    for d0 in range(0, HEAD_DIM, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        acc = tl.load(acc_ptr + (row * num_splits + offs_s[:, None]) * HEAD_DIM
+                      + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        v = tl.sum(acc * w[:, None], axis=0) * inv
+        r = tl.load(rot_ptr + offs_d[:, None] * HEAD_DIM + offs_j[None, :],
+                    mask=d_mask[:, None] & j_mask[None, :], other=0.0)
+        out += tl.sum(v[:, None] * r, axis=0)
+    tl.store(out_ptr + row * HEAD_DIM + offs_j, out, mask=j_mask)
+    lse2 = tl.where(den > 0, m_ref + tl.log2(tl.where(den > 0, den, 1.0)), float("-inf"))
+    tl.store(lse_ptr + row, lse2 * 0.6931471805599453)
