@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 #: Plain counters (one value per interval).
 COUNTERS = ("lookups", "hit_tokens", "loaded_blocks", "load_errors", "shadow_bytes",
-            "label_mismatches")
+            "label_mismatches", "demoted_blocks")
 #: Counters broken down by the block's source layer.
 BY_LAYER = ("saved_blocks", "evicted_blocks")
 #: Gauges (latest value; merged observations keep the largest).
@@ -84,6 +84,8 @@ _DOCS = {
     "shadow_bytes": "Bytes written to contextkit's shadow store (blocks and manifests).",
     "label_mismatches": "Requests whose contextkit labels were computed for another prompt "
                         "(ignored: their blocks got the default layer).",
+    "demoted_blocks": "Blocks transcoded down to their policy's format to make room in "
+                      "contextkit's DDR tier (stored above it while there was room).",
     "shadow_lag_seconds": "Age of the oldest block in contextkit's cache not yet shadowed "
                           "(0 when none is pending or there is no shadow).",
 }

@@ -77,6 +77,9 @@ class BlockLabel:
     importance: float = 0.5
     pinned: bool = False
     fmt: str = "tq4"
+    #: the format to store the block in while the DDR budget has room (above ``fmt``;
+    #: the policy's :meth:`~integrations.vllm.precision.PrecisionPolicy.room_for`)
+    room_fmt: str | None = None
 
 
 @dataclass(slots=True)
@@ -440,8 +443,11 @@ class RequestPlanner:
                 self.pending.update(run_keys)
                 labels = labels_from_params(state.params, run[0], len(run), bs,
                                             self.default_layer)
-                labels = [dataclasses.replace(label, fmt=self._format(state, b, label))
-                          for b, label in zip(run, labels, strict=True)]
+                fmts = [self._format(state, b, label) for b, label in zip(run, labels,
+                                                                          strict=True)]
+                labels = [dataclasses.replace(label, fmt=fmt,
+                                              room_fmt=state.policy.room_for(fmt))
+                          for label, fmt in zip(labels, fmts, strict=True)]
                 saves.append(SaveSpec(
                     req.req_id, state.tenant, run_keys, [req.block_ids[b] for b in run],
                     run[0], labels))

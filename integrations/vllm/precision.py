@@ -106,6 +106,12 @@ class PrecisionPolicy:
             go back to ``default`` earliest first, so the budget keeps precision
             where the next tokens look most: the latest blocks (see
             :meth:`formats_for`).
+        room_format: format a block is stored in while the connector's DDR budget has
+            room, when it is above the one the rules give (``None``: never). Under
+            pressure the store transcodes such blocks back down to their rules'
+            format, lowest eviction priority first, before it evicts anything: the
+            store keeps more bits when bytes are free and TQ4's density when they
+            are not (see :meth:`room_for`).
 
     Raises:
         PrecisionError: an unknown format, a negative ``sink_blocks``, thresholds
@@ -120,9 +126,12 @@ class PrecisionPolicy:
     importance: tuple[tuple[float, str], ...] = ()
     key_offsets: bool = True
     max_vs_fp16: float | None = None
+    room_format: str | None = None
 
     def __post_init__(self) -> None:
         _check_format(self.default, "precision.default")
+        if self.room_format is not None:
+            _check_format(self.room_format, "precision.room_format")
         _check_format(self.sink_format, "precision.sink_format")
         if self.pinned is not None:
             _check_format(self.pinned, "precision.pinned")
@@ -186,6 +195,13 @@ class PrecisionPolicy:
                 out[b] = self.default
         return out
 
+    def room_for(self, fmt: str) -> str | None:
+        """The format a block the rules gave ``fmt`` is stored in while the DDR budget
+        has room: :attr:`room_format` when it is above ``fmt``, else ``None``."""
+        if self.room_format is None or FORMATS.index(self.room_format) <= FORMATS.index(fmt):
+            return None
+        return self.room_format
+
     def formats(self) -> frozenset[str]:
         """Every format this policy can assign."""
         out = {self.default, *self.layers.values(), *(f for _, f in self.importance)}
@@ -193,6 +209,8 @@ class PrecisionPolicy:
             out.add(self.sink_format)
         if self.pinned is not None:
             out.add(self.pinned)
+        if self.room_format is not None:
+            out.add(self.room_format)
         return frozenset(out)
 
     @classmethod
@@ -240,7 +258,8 @@ class PrecisionPolicy:
         return {"default": self.default, "sink_blocks": self.sink_blocks,
                 "sink_format": self.sink_format, "layers": dict(self.layers),
                 "pinned": self.pinned, "importance": [[t, f] for t, f in self.importance],
-                "key_offsets": self.key_offsets, "max_vs_fp16": self.max_vs_fp16}
+                "key_offsets": self.key_offsets, "max_vs_fp16": self.max_vs_fp16,
+                "room_format": self.room_format}
 
 
 #: The keys of a precision mapping (``PrecisionPolicy``'s fields).
@@ -313,10 +332,12 @@ RAISED_LAYERS: tuple[str, ...] = ("partner", "neurons", "memories", "system_stat
 #: request, everything else tq4 (see docs/vllm.md, "Precision by semantic importance").
 #: 0.33 keeps a store of many requests under 0.35 even with the sinks of short
 #: requests, which the budget never takes back (a 2-block request's fp16 sink alone is
-#: 0.64 of its fp16 bytes).
+#: 0.64 of its fp16 bytes). While the DDR budget has room, tq4 blocks are stored int8
+#: (``room_format``) and transcoded to tq4 as it fills: under pressure the store holds
+#: the bytes above; with room, ~0.5 of fp16.
 DEFAULT_POLICY = PrecisionPolicy(
     sink_blocks=1, sink_format="fp16", layers=dict.fromkeys(RAISED_LAYERS, "int8"),
-    key_offsets=True, max_vs_fp16=0.33)
+    key_offsets=True, max_vs_fp16=0.33, room_format="int8")
 
 
 def policy_for_codec(codec: str) -> PrecisionPolicy:

@@ -33,13 +33,15 @@ from gpu_cache import (
     PinCapacityError,
     PrefixPinManager,
     RequestBlockManager,
+    Tier,
     TQGPUCache,
     formats,
     validate_tenant,
 )
 from gpu_cache.hashing import BlockHash
+from gpu_cache.metadata import BlockMeta
 from integrations.vllm.config import ConnectorConfig
-from integrations.vllm.identity import check_same_model
+from integrations.vllm.headroom import demotion_candidates, held_bytes, room_formats
 from integrations.vllm.metrics import StatsRecorder, layer_names
 from integrations.vllm.planning import BlockLabel
 from integrations.vllm.pools import (
@@ -48,14 +50,11 @@ from integrations.vllm.pools import (
     Pool,
     assemble_parts,
     calibrate_offsets,
-    combine_results,
     decode_pool_blocks,
     fit_budget,
     format_summary,
     pool_identity,
     pool_suffix,
-    server_sessions,
-    session_name,
     unpinned_reason,
 )
 from integrations.vllm.shadow_lag import ShadowAccounting
@@ -65,17 +64,7 @@ from integrations.vllm.snapshots import (
     shadow_manifest,
     shadow_manifests,
 )
-from shadow import (
-    CacheShadow,
-    RecoveryReport,
-    ShadowConfig,
-    ShadowError,
-    ShadowResult,
-    StoreConfig,
-    load_manifest,
-    open_store,
-    recover_session,
-)
+from integrations.vllm.store_shadow import PoolShadows
 
 __all__ = ["LOCAL_SESSION", "ConnectorStore", "SaveResult", "local_session_keys",
            "shadow_manifest", "shadow_manifests", "tenant_slug"]
@@ -107,7 +96,7 @@ class SaveResult:
     unpinned: str | None = None
 
 
-class ConnectorStore:
+class ConnectorStore(PoolShadows):
     """Blocks by key in contextkit's tiers, one pool per block format, shadowed to
     ``config.shadow_url``.
 
@@ -142,6 +131,9 @@ class ConnectorStore:
         self._lock = threading.RLock()
         self._ids: dict[bytes, tuple[Pool, int]] = {}  # key -> (pool, block id)
         self._sources: dict[bytes, str | None] = {}  # key -> source layer (metrics)
+        #: key -> the rules' format of a block stored above it while there was room
+        self._upgraded: dict[bytes, str] = {}
+        self._demoting = False
         self.num_saved = 0
         self.num_loaded = 0
         self.stats = StatsRecorder(layer_names(config.default_source_layer))
@@ -218,130 +210,6 @@ class ConnectorStore:
         x = torch.randn(512, self.identity.head_dim, device=codec.device)
         codec.decode(codec.encode(x))
 
-    def restore_local(self) -> RecoveryReport | None:
-        """Load the verified snapshot sessions from ``config.local_store`` into the DDR
-        tier, each into the pool of its format and key offsets.
-
-        A session of another model is refused (logged, nothing of it loaded): vLLM then
-        recomputes instead of reading wrong KV; so is an unreadable one or one of a
-        format this contextkit does not know, while the others still load. Corrupt
-        blocks are skipped. Returns None when nothing was loaded.
-        """
-        if not self.config.local_store:
-            return None
-        where = self.config.local_store
-        report = RecoveryReport()
-        store = open_store(where)
-        try:
-            sessions = server_sessions(store, LOCAL_SESSION)
-            for sid in sessions:
-                try:
-                    manifest = load_manifest(store, sid)
-                    check_same_model(self.identity, manifest.identity,
-                                     what=f"snapshot session {sid!r}")
-                    pool = self._pool(manifest.identity, manifest.key_offsets_tensor())
-                    got = recover_session(store, sid, pool.cache, repin=True)
-                except (CacheIdentityError, ShadowError) as exc:
-                    logger.error("refusing the snapshot %s in %s: %s", sid, where, exc)
-                    report.errors[sid] = str(exc)
-                    continue
-                with self._lock:
-                    pool.restored = True
-                    self._activate(pool)
-                    for ids in got.block_ids.values():
-                        for bid in ids:
-                            if bid is not None:
-                                self._remember(pool, bid)
-                report.merge(got)
-        finally:
-            store.close()
-        if not sessions:
-            logger.info("no recovered snapshot in %s; starting cold (run `contextkit "
-                        "recover --for-vllm` before `vllm serve`)", where)
-            return None
-        if not report.sessions:
-            return None
-        logger.info("restored %d blocks (%d skipped) of %d session(s) from %s", report.blocks,
-                    report.num_skipped, len(report.sessions), where)
-        return report
-
-    def open_shadow(self, restored: bool) -> None:
-        """Start shadowing to ``config.shadow_url``: one session per pool (see
-        :func:`.pools.session_name`), pools made later get theirs when made.
-
-        Args:
-            restored: the local snapshot was loaded (kept for callers: each pool
-                knows whether it was). A pool loaded from it holds its session's
-                blocks and shadows incrementally. The server's other
-                sessions in the shadow store (a restart without the recovery job) are
-                recovered straight from the shadow into their pools first, so an empty
-                cache never shadows over them.
-        """
-        if not self.config.shadow_url:
-            return
-        from shadow import BlobNotFoundError, ShadowStoreError
-
-        sid = self.config.session_id
-        try:
-            store = open_store(self.config.shadow_url,
-                               StoreConfig(endpoint_url=self.config.endpoint_url), create=False)
-        except ShadowStoreError:
-            store = None  # a file:// shadow not created yet: nothing to pick up
-        if store is not None:
-            try:
-                for name in server_sessions(store, sid):
-                    try:
-                        manifest = load_manifest(store, name)
-                        check_same_model(self.identity, manifest.identity,
-                                         what=f"shadow session {name!r}")
-                        if session_name(sid, self.identity, manifest.identity) != name:
-                            raise CacheIdentityError(
-                                f"its blocks are {manifest.identity.codec} with key offsets "
-                                f"{manifest.identity.key_offset_digest or 'none'}, which "
-                                "its name does not say")
-                        self._pool(manifest.identity, manifest.key_offsets_tensor())
-                    except BlobNotFoundError:
-                        continue
-                    except (CacheIdentityError, ShadowError) as exc:
-                        logger.error("shadow session %s left alone: %s (give this server its "
-                                     "own session_id or shadow_url)", name, exc)
-            finally:
-                store.close()
-        with self._lock:
-            self._shadowing = True
-            for pool in list(self.pools.values()):
-                self._open_pool_shadow(pool)
-
-    def _open_pool_shadow(self, pool: Pool) -> None:
-        """Open ``pool``'s shadow session (caller holds the lock); recover its blocks
-        first unless the local snapshot loaded them."""
-        name = session_name(self.config.session_id, self.identity, pool.identity)
-        interval = self.config.shadow_interval_s
-        try:
-            shadow = CacheShadow(
-                pool.cache, self.config.shadow_url, name,
-                config=ShadowConfig(interval_seconds=interval or 60.0, autostart=False),
-                store_config=StoreConfig(endpoint_url=self.config.endpoint_url))
-        except (CacheIdentityError, ShadowError) as exc:
-            # Never overwrite (or read) a session of another model: this pool is unshadowed.
-            logger.error("shadowing of %s disabled: %s (give this server its own session_id "
-                         "or shadow_url)", name, exc)
-            return
-        if shadow.manifest is not None and shadow.manifest.blocks and not pool.restored:
-            logger.warning("session %s was not restored by `contextkit recover --for-vllm`; "
-                           "recovering it inside the engine", name)
-            report = shadow.recover_session()
-            self._activate(pool)
-            for ids in report.block_ids.values():
-                for bid in ids:
-                    if bid is not None:
-                        self._remember(pool, bid)
-        elif shadow.manifest is not None:
-            shadow.shadow_now()  # the restored blocks are the session: commit, incrementally
-        if interval:
-            shadow.start()
-        pool.shadow = shadow
-
     def _remember(self, pool: Pool, bid: int) -> None:
         """Index a block recovered into a pool (caller holds ``_lock``)."""
         meta = pool.cache.metadata.get(bid)
@@ -352,70 +220,6 @@ class ConnectorStore:
     def keys(self) -> list[bytes]:
         with self._lock:
             return list(self._ids)
-
-    # ------------------------------------------------------------------ shadow stats
-    @property
-    def shadowing(self) -> bool:
-        """Whether any pool is shadowed."""
-        return any(pool.shadow is not None for pool in list(self.pools.values()))
-
-    @property
-    def shadow(self) -> CacheShadow | None:
-        """The shadow of the key identity's pool (else of the first shadowed pool)."""
-        pools = sorted(self.pools.values(), key=lambda p: p.name != "")
-        return next((p.shadow for p in pools if p.shadow is not None), None)
-
-    def shadow_now(self) -> ShadowResult | None:
-        """Shadow every pool whose blocks changed since the last call now (None without
-        a shadow or a change); the bytes count in :meth:`shadow_stats`. With several
-        pools the result sums theirs. (The periodic shadow, ``shadow_interval_s``,
-        runs per pool on its own.)"""
-        results = []
-        for pool in list(self.pools.values()):
-            shadow = pool.shadow
-            if shadow is None or not pool.dirty:
-                continue
-            pool.dirty = False  # a save from now on marks it again
-            try:
-                results.append(shadow.shadow_now())
-            except BaseException:
-                pool.dirty = True
-                raise
-            self._shadow_lag.note(pool, shadow)
-        return combine_results(results)
-
-    def shadow_stats(self, now: float | None = None) -> tuple[int, float]:
-        """Shadow bytes written since the last call, and the shadow lag in seconds.
-
-        The lag is the age of the oldest stored block that no committed manifest holds
-        yet (0 when none is pending or there is no shadow). Shadows the periodic job
-        ran are counted from each shadow's last result, polled here and after every
-        :meth:`shadow_now` (see :class:`.shadow_lag.ShadowAccounting`).
-        """
-        return self._shadow_lag.take(list(self.pools.values()), now)
-
-    def take_stats(self) -> dict[str, Any] | None:
-        """The worker side's metrics since the last call (see :mod:`.metrics`); with a
-        shadow, always the current shadow lag."""
-        if self.shadowing:
-            nbytes, lag = self.shadow_stats()
-            self.stats.count("shadow_bytes", nbytes)
-            self.stats.set_gauge("shadow_lag_seconds", lag)
-        return self.stats.take()
-
-    def close(self) -> None:
-        """Final shadow of every pool changed since the last shadow, and of the key
-        identity's pool (its session, ``config.session_id``, always exists after a
-        run, as with older connectors), then stop; idempotent."""
-        with self._lock:
-            self._shadowing = False
-        for pool in list(self.pools.values()):
-            shadow, pool.shadow = pool.shadow, None
-            if shadow is not None:
-                try:
-                    shadow.close(final_shadow=pool.dirty or pool.name == "")
-                except Exception:
-                    logger.exception("final shadow of session %s failed", shadow.session_id)
 
     # ------------------------------------------------------------------ save
     def save(self, k: torch.Tensor, v: torch.Tensor, keys: Sequence[bytes], tenant: str,
@@ -444,11 +248,15 @@ class ConnectorStore:
         result = SaveResult()
         tenant = tenant_slug(tenant)
         with self._lock:
+            new = [i for i, key in enumerate(keys) if key not in self._ids]
+            for i in new:
+                formats.check_format(labels[i].fmt)
+                if labels[i].room_fmt is not None:
+                    formats.check_format(labels[i].room_fmt)
+            room = self._room_formats(labels, new)
             groups: dict[str, list[int]] = {}
-            for i, key in enumerate(keys):
-                if key not in self._ids:
-                    fmt = formats.check_format(labels[i].fmt)
-                    groups.setdefault(fmt, []).append(i)
+            for i in new:
+                groups.setdefault(room.get(i, labels[i].fmt), []).append(i)
             if not groups:
                 return result
             stored: list[int] = []
@@ -462,6 +270,10 @@ class ConnectorStore:
                     stored.extend(index)
                 else:
                     failed.extend(index)
+            done = set(stored)
+            for i in room:
+                if i in done:
+                    self._upgraded[keys[i]] = labels[i].fmt
             result.stored = [keys[i] for i in sorted(stored)]
             result.failed = [keys[i] for i in sorted(failed)]
             result.removed = self._forget_evicted()
@@ -474,13 +286,76 @@ class ConnectorStore:
                 self._shadow_lag.saved(result.stored, result.removed, stored_at)
         return result
 
+    @property
+    def _budget(self) -> int:
+        """The DDR byte budget: ``host_blocks`` blocks of the key identity's format."""
+        return self.config.host_blocks * self.identity.bytes_per_block
+
+    def _room_formats(self, labels: Sequence[BlockLabel], new: list[int]) -> dict[int, str]:
+        """Blocks of a save to store in their label's ``room_fmt`` (caller holds _lock):
+        all of them when the save fits the DDR budget that way, else none (see
+        :func:`.headroom.room_formats`). On CUDA saves go to the device tier, which
+        spills by its own policy: no room formats there."""
+        if self.cache.device.type != "cpu":
+            return {}
+        return room_formats(labels, new, held_bytes(list(self.pools.values())), self._budget,
+                            lambda fmt: pool_identity(self.identity, fmt).bytes_per_block)
+
     def _fit_budget(self, pool: Pool, num_blocks: int,
                     protect: dict[int, set[int]]) -> bool:
         """Make room for ``num_blocks`` blocks of ``pool`` within the store's byte budget
-        (``host_blocks`` blocks of the key identity's format), evicting across pools
-        but never ``protect`` (see :func:`.pools.fit_budget`; caller holds ``_lock``)."""
-        return fit_budget(list(self.pools.values()), pool, num_blocks,
-                          self.config.host_blocks * self.identity.bytes_per_block, protect)
+        (``host_blocks`` blocks of the key identity's format): first by transcoding
+        blocks stored above their format back down (:meth:`_demote`), then by evicting
+        across pools, never ``protect`` (see :func:`.pools.fit_budget`; caller holds
+        ``_lock``)."""
+        pools = list(self.pools.values())
+        if self._upgraded and not self._demoting and pool.save_tier is Tier.HOST:
+            excess = (held_bytes(pools) + num_blocks * pool.identity.bytes_per_block
+                      - self._budget)
+            if excess > 0:
+                self._demote(excess, protect)
+        return fit_budget(pools, pool, num_blocks, self._budget, protect)
+
+    def _demote(self, excess: int, protect: dict[int, set[int]]) -> None:
+        """Transcode upgraded blocks to their rules' format, lowest eviction priority
+        first, until ``excess`` bytes are free or none is left (caller holds _lock).
+
+        A block keeps its key, tenant, label and recency; one that cannot be stored
+        again is gone, as if evicted (the save that follows reports it removed)."""
+        self._demoting = True
+        try:
+            freed = 0
+            for pool, meta in demotion_candidates(list(self.pools.values()),
+                                                  self._upgraded, protect):
+                if freed >= excess:
+                    break
+                freed += self._transcode(pool, meta, protect)
+        finally:
+            self._demoting = False
+
+    def _transcode(self, pool: Pool, meta: BlockMeta, protect: dict[int, set[int]]) -> int:
+        """Move one upgraded block into its rules' format; the bytes it freed."""
+        assert meta.key is not None
+        key = bytes(meta.key)
+        fmt = self._upgraded.pop(key)
+        with pool.cache.locked():
+            k, v = decode_pool_blocks(pool, pool.cache.export_blocks([meta.block_id]))
+            pool.cache.remove_blocks([meta.block_id])
+        pool.dirty = True
+        freed = pool.identity.bytes_per_block
+        target = self._save_pool(fmt, k, [0])
+        label = BlockLabel(meta.source_layer, meta.importance, fmt=fmt)
+        # the save's blocks stay protected; the transcoded block is not (it may go next)
+        mine = {pool_id: set(ids) for pool_id, ids in protect.items()}
+        if not self._save_into(target, fmt, k, v, [key], [0], meta.tenant_slug, [label],
+                               mine, SaveResult()):
+            return freed  # gone: _forget_evicted reports the key removed
+        moved = target.cache.metadata.get(self._ids[key][1])
+        for name in ("created_at", "last_attended", "eviction_priority", "prefix_priority",
+                     "prefix_importance", "token_range"):
+            setattr(moved, name, getattr(meta, name))
+        self.stats.count("demoted_blocks")
+        return freed - target.identity.bytes_per_block
 
     def _save_into(self, pool: Pool, fmt: str, k: torch.Tensor, v: torch.Tensor,
                    keys: Sequence[bytes], index: list[int], tenant: str,
@@ -535,6 +410,7 @@ class ConnectorStore:
         gone = [key for key, (pool, bid) in self._ids.items() if bid not in pool.cache.metadata]
         for key in gone:
             del self._ids[key]
+            self._upgraded.pop(key, None)
         return gone
 
     # ------------------------------------------------------------------ load

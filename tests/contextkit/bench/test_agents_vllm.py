@@ -20,6 +20,9 @@ def test_speedups_are_ratios_of_warm_step_medians_and_none_where_a_config_did_no
     assert got["speedup_vs_ordering_p50"] == 2.0
     assert got["ceiling_fraction"] == 0.5
     assert got["speedup_vs_lmcache_p50"] is None and got["speedup_vs_lru_p50"] is None
+    # the bound: what a connector as fast as the ceiling (100 ms) would reach
+    assert got["bound_vs_apc_p50"] == 6.0 and got["bound_vs_ordering_p50"] == 4.0
+    assert got["bound_vs_lru_p50"] is None
 
 
 def _top(best: int, spread: float = 1.0) -> dict[str, float]:

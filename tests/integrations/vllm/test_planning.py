@@ -200,6 +200,10 @@ def test_labels_with_a_matching_fingerprint_are_used() -> None:
     labels = [lab for s in saves for lab in s.labels]
     # (the prompt's blocks are decided together: the default policy has a byte budget)
     assert [lab.fmt for lab in labels] == DEFAULT_POLICY.formats_for(labels, p2.head_dim)
+    # and the format to keep while the store has room: int8 above tq4, none above int8
+    assert [lab.room_fmt for lab in labels] == [
+        "int8" if lab.fmt == "tq4" else None for lab in labels]
+    assert {lab.fmt for lab in labels} >= {"fp16", "tq4"}
     assert p.stats.take() == {"counters": {"lookups": 1}, "by_layer": {}, "gauges": {}}
 
 

@@ -98,7 +98,7 @@ _FORMATS_HINT = "write one of tq4, int8, fp16, native"
 
 @pytest.mark.parametrize("data, message", [
     ({"sink": 2}, "unknown precision key 'sink'; known keys: default, sink_blocks, "
-                  "sink_format, layers, pinned, importance, key_offsets, max_vs_fp16"),
+                  "sink_format, layers, pinned, importance, key_offsets, max_vs_fp16, room_format"),
     ({"default": "tq3"}, f"precision.default: unknown block format 'tq3'; {_FORMATS_HINT}"),
     ({"sink_format": "fp8"}, f"precision.sink_format: unknown block format 'fp8'; "
                              f"{_FORMATS_HINT}"),
@@ -198,7 +198,7 @@ def test_connector_config_reads_precision_from_a_config_file(tmp_path: Any) -> N
 @pytest.mark.parametrize("extra, message", [
     ({"precision": {"defualt": "tq4"}}, "connector: unknown precision key 'defualt'; known "
      "keys: default, sink_blocks, sink_format, layers, pinned, importance, key_offsets, "
-     "max_vs_fp16"),
+     "max_vs_fp16, room_format"),
     ({"precision": {"layers": {"axioms": "fp8"}}}, "connector: precision.layers.axioms: "
      f"unknown block format 'fp8'; {_FORMATS_HINT}"),
     ({"precision": "int8"}, "connector: precision must be a JSON object (e.g. "
@@ -395,3 +395,13 @@ def test_generated_blocks_are_raised_only_within_the_budget() -> None:
     free.matched_tokens("r", TOKENS, 8, 0)
     _, saves = free.plan([StepRequest("r", TOKENS, 0, len(TOKENS), list(range(6)))])
     assert [lab.fmt for s in saves for lab in s.labels][2:] == ["int8"] * 4
+
+
+def test_room_format_raises_only_blocks_below_it() -> None:
+    policy = PrecisionPolicy.from_mapping({"room_format": "int8"}, PrecisionPolicy())
+    assert [policy.room_for(f) for f in FORMATS] == ["int8", None, None, None]
+    assert PrecisionPolicy().room_for("tq4") is None
+    assert DEFAULT_POLICY.room_format == "int8" and "int8" in DEFAULT_POLICY.formats()
+    assert PrecisionPolicy.from_mapping(DEFAULT_POLICY.to_dict()) == DEFAULT_POLICY
+    with pytest.raises(PrecisionError, match=r"precision.room_format: unknown block format"):
+        PrecisionPolicy.from_mapping({"room_format": "fp8"})

@@ -459,3 +459,72 @@ def test_a_save_never_evicts_its_own_blocks_to_fit_the_budget(model: Path,
     assert store.keys() == keys[:1]
     held = sum(row["bytes"] for row in store.format_stats().values())
     assert held <= 4 * store.identity.bytes_per_block
+
+
+# ---------------------------------------------------------------- precision that follows the budget
+def _room(fmt: str, room: str | None, importance: float, n: int) -> list[BlockLabel]:
+    return [BlockLabel("memories", importance, fmt=fmt, room_fmt=room)] * n
+
+
+def _held(store: ConnectorStore) -> dict[str, int]:
+    return {fmt: row["blocks"] for fmt, row in store.format_stats().items()}
+
+
+def test_blocks_are_stored_above_their_format_while_the_budget_has_room(
+        model: Path, tmp_path: Path) -> None:
+    config = dataclasses.replace(_config(tmp_path), host_blocks=64, shadow_url="")
+    store = ConnectorStore(vllm_cache_identity(str(model), BS), config)
+    k, v = _kv(10, seed=11, key_mean=4.0)
+    keys = _keys(store, 10)
+    result = store.save(k, v, keys, "default", _room("tq4", "int8", 0.5, 10))
+    assert result.stored == keys and result.removed == []
+    assert _held(store) == {"int8": 10}
+    got = store.read(keys, "default")
+    assert got is not None
+    assert _rel(got[0], k) < 0.02 and _rel(got[1], v) < 0.02  # int8's error, not tq4's
+
+
+def test_under_pressure_upgraded_blocks_are_transcoded_before_anything_is_evicted(
+        model: Path, tmp_path: Path) -> None:
+    config = dataclasses.replace(_config(tmp_path), host_blocks=32, shadow_url="")
+    store = ConnectorStore(vllm_cache_identity(str(model), BS), config)
+    budget = 32 * store.identity.bytes_per_block
+    k_old, v_old = _kv(12, seed=12, key_mean=4.0)
+    old = _keys(store, 12, tenant="acme")
+    assert store.save(k_old, v_old, old, "acme", _room("tq4", "int8", 0.2, 12)).stored == old
+    assert _held(store) == {"int8": 12}  # 12 int8 blocks: ~0.7 of the budget
+    store.take_stats()
+    # 12 more do not fit as int8, nor as tq4 beside 12 int8: the new ones go in as tq4
+    # and the least important int8 blocks are transcoded to tq4; nothing is evicted
+    new = _keys(store, 12, tenant="acme", offset=10_000)
+    result = store.save(*_kv(12, seed=13), new, "acme", _room("tq4", "int8", 0.9, 12))
+    assert result.stored == new and result.removed == [] and result.failed == []
+    held = _held(store)
+    demoted = 12 - held["int8"]
+    assert 1 <= demoted < 12 and held["tq4"] == 12 + demoted
+    assert sum(row["bytes"] for row in store.format_stats().values()) <= budget
+    stats = store.take_stats()
+    assert stats is not None and stats["counters"]["demoted_blocks"] == demoted
+    assert set(store.keys()) == {*old, *new}
+    # the old blocks read back, each within its format's error; another tenant sees none
+    got = store.read(old, "acme")
+    assert got is not None and got[0].shape[1] == 12
+    errors = [_rel(got[0][:, b], k_old[:, b]) for b in range(12)]
+    assert sum(e > 0.05 for e in errors) == demoted  # tq4's error on the demoted ones
+    assert sum(e < 0.02 for e in errors) == 12 - demoted
+    assert store.read(old, "other") is None
+
+
+def test_with_nothing_left_to_transcode_the_store_evicts(model: Path, tmp_path: Path) -> None:
+    config = dataclasses.replace(_config(tmp_path), host_blocks=16, shadow_url="")
+    store = ConnectorStore(vllm_cache_identity(str(model), BS), config)
+    old = _keys(store, 8)
+    assert store.save(*_kv(8, seed=14), old, "default",
+                      _room("tq4", "int8", 0.2, 8)).stored == old
+    assert _held(store) == {"int8": 8}
+    # 16 tq4 blocks (no room format) fill the budget alone: every int8 block is
+    # transcoded and then, still over budget, evicted (lowest importance first)
+    new = _keys(store, 16, offset=10_000)
+    result = store.save(*_kv(16, seed=15), new, "default", _room("tq4", None, 0.9, 16))
+    assert result.stored == new and sorted(result.removed) == sorted(old)
+    assert _held(store) == {"tq4": 16}
