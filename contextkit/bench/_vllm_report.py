@@ -18,8 +18,11 @@ __all__ = ["ACCEPTANCE", "DEFAULT_POLICY", "POLICIES", "acceptance", "greedy", "
            "plot", "policy_config", "policy_dirname", "policy_metrics", "stored_bytes",
            "table_rows"]
 
+# Every policy here is a store under pressure: room_format off (with room the default
+# policy would keep its tq4 blocks int8; bench agents-vllm measures that).
 _ALL_TQ4: dict[str, Any] = {"default": "tq4", "sink_blocks": 0, "key_offsets": False,
-                            "layers": {}, "pinned": None, "importance": []}
+                            "layers": {}, "pinned": None, "importance": [],
+                            "room_format": None}
 
 #: policy name -> the connector configuration keys it sets (``codec``, ``precision``)
 POLICIES: dict[str, dict[str, Any]] = {
@@ -34,9 +37,10 @@ POLICIES: dict[str, dict[str, Any]] = {
         "layers": dict.fromkeys(("axioms", "identity", "rules", "capabilities", "soul"),
                                 "int8")}},
     # the server's default policy: precision by the blocks' labels, within its budget
-    "importance": {"codec": "tq4"},
+    # (as a full store keeps it: its room_format off)
+    "importance": {"codec": "tq4", "precision": {"room_format": None}},
     # the default policy's rules without its byte budget: every late layer int8
-    "late-int8": {"codec": "tq4", "precision": {"max_vs_fp16": None}},
+    "late-int8": {"codec": "tq4", "precision": {"max_vs_fp16": None, "room_format": None}},
     # every block int8 (fp16 sink, key offsets): the ceiling of 8-bit storage
     "int8": {"codec": "tq4", "precision": {**_ALL_TQ4, "default": "int8", "sink_blocks": 1,
                                            "key_offsets": True}},

@@ -137,16 +137,17 @@ def test_restart_with_recovery_serves_from_contextkit_store(
     assert rec["errors"] == {} and rec["skipped"] == 0
     assert rec["snapshot_blocks"] == cold["run"]["stored_blocks"]
     # the default precision policy reached the store through vLLM: every request's first
-    # block (the two prompts and the warm-up) fp16, the prompts' latest blocks int8
-    # (unlabelled: the default layer, user_turn), the rest tq4, within the byte budget
+    # block (the two prompts and the warm-up) fp16; the rules make the rest tq4 but
+    # the latest blocks, and with the DDR budget far from full (room_format) every
+    # tq4 block is stored int8: nothing tq4, ~0.53 of fp16's bytes
     formats = rec["formats"]
     assert formats["fp16"]["blocks"] == 3, formats
-    assert formats["int8"]["blocks"] >= 2 and formats["tq4"]["blocks"] >= 2 * 50, formats
-    assert rec["vs_fp16"] <= 0.35, rec["vs_fp16"]
-    # one session per pool: the sink's, the key-offset tq4 and int8 pools' (and the
-    # plain one, empty here, when the server wrote it at its close)
+    assert formats["int8"]["blocks"] >= 2 + 2 * 50 and "tq4" not in formats, formats
+    assert 0.45 <= rec["vs_fp16"] <= 0.6, rec["vs_fp16"]
+    # one session per pool: the sink's and the key-offset int8 pool's (and the plain
+    # one, empty here, when the server wrote it at its close)
     pools = {sid.split(".")[0] for sid in rec["session_ids"]} - {"vllm"}
-    assert pools == {"vllm@fp16", "vllm@tq4", "vllm@int8"}, rec["session_ids"]
+    assert pools == {"vllm@fp16", "vllm@int8"}, rec["session_ids"]
 
     reference = [r["token_ids"] for r in cold["run"]["results"]]
     warm = serve(model_dir, _config(work), prompts, work / "restart.json", reference=reference)
@@ -241,7 +242,7 @@ def test_corrupt_block_is_skipped_and_recomputed(
     sessions = _copy_sessions(cold["work"] / "shadow", shadow)
     manifests = [json.loads((s / "manifest.json").read_text()) for s in sessions]
     keys = hash_token_blocks(_identity(model_dir).digest(), "default", prompts[0], BLOCK)
-    bad = 10  # a tq4 block (the policy keeps block 0, the sink, in fp16)
+    bad = 10  # a tq4 block by the rules, stored int8 (room); block 0, the sink, is fp16
     manifest, record = next((m, b) for m in manifests for b in m["blocks"]
                             if b["key"] == keys[bad].hex())
     segment = next(s for s in manifest["segments"] if s["id"] == record["segment"])
