@@ -9,7 +9,10 @@ offsets calibrated on the first big save (loaded keys are always the keys). Free
 vLLM imports: the connector hands it K/V as
 ``[num_layers, n, block_size, num_kv_heads, head_dim]``. Blocks are allocated,
 labelled and keyed through :class:`gpu_cache.RequestBlockManager`; the shadow
-metrics (bytes, lag) are kept by :class:`.shadow_lag.ShadowAccounting`.
+metrics (bytes, lag) are kept by :class:`.shadow_lag.ShadowAccounting`, and the
+snapshot and shadow sessions by :class:`.store_shadow.PoolShadows`. A block whose
+label carries a ``room_fmt`` is stored in it while the DDR budget has room and
+transcoded back to its label's format before anything is evicted (:mod:`.headroom`).
 """
 
 from __future__ import annotations
@@ -175,9 +178,13 @@ class ConnectorStore(PoolShadows):
         if active is not None:
             return active
         if self.key_offsets and fmt in OFFSET_FORMATS:
-            if len(index) < CALIBRATION_BLOCKS:
+            # per-head key means do not depend on the format: once one format's pool is
+            # calibrated, the others take its offsets (a small save is enough then)
+            calibrated = next((p.cache.key_offsets for p in self._active.values()
+                               if p.cache.key_offsets is not None), None)
+            if calibrated is None and len(index) < CALIBRATION_BLOCKS:
                 return self._pool(pool_identity(self.identity, fmt), None)
-            offsets = calibrate_offsets(k, index)
+            offsets = calibrated if calibrated is not None else calibrate_offsets(k, index)
             pool = self._pool(pool_identity(self.identity, fmt, offsets), offsets)
             logger.info("format %s: key offsets calibrated on %d blocks (pool %s)", fmt,
                         len(index), pool.name)
@@ -322,40 +329,51 @@ class ConnectorStore(PoolShadows):
 
         A block keeps its key, tenant, label and recency; one that cannot be stored
         again is gone, as if evicted (the save that follows reports it removed)."""
+        chosen: dict[tuple[int, str, str], list[BlockMeta]] = {}
+        pools: dict[int, Pool] = {}
+        freed = 0
+        for pool, meta in demotion_candidates(list(self.pools.values()), self._upgraded,
+                                              protect):
+            if freed >= excess:
+                break
+            assert meta.key is not None
+            fmt = self._upgraded[bytes(meta.key)]
+            chosen.setdefault((id(pool), fmt, meta.tenant_slug), []).append(meta)
+            pools[id(pool)] = pool
+            freed += (pool.identity.bytes_per_block
+                      - pool_identity(self.identity, fmt).bytes_per_block)
         self._demoting = True
         try:
-            freed = 0
-            for pool, meta in demotion_candidates(list(self.pools.values()),
-                                                  self._upgraded, protect):
-                if freed >= excess:
-                    break
-                freed += self._transcode(pool, meta, protect)
+            for (pool_id, fmt, tenant), metas in chosen.items():
+                self._transcode(pools[pool_id], fmt, tenant, metas, protect)
         finally:
             self._demoting = False
 
-    def _transcode(self, pool: Pool, meta: BlockMeta, protect: dict[int, set[int]]) -> int:
-        """Move one upgraded block into its rules' format; the bytes it freed."""
-        assert meta.key is not None
-        key = bytes(meta.key)
-        fmt = self._upgraded.pop(key)
+    def _transcode(self, pool: Pool, fmt: str, tenant: str, metas: list[BlockMeta],
+                   protect: dict[int, set[int]]) -> None:
+        """Move upgraded blocks of one pool and tenant into format ``fmt`` in one pass."""
+        keys = [bytes(m.key) for m in metas if m.key is not None]
+        bids = [m.block_id for m in metas]
         with pool.cache.locked():
-            k, v = decode_pool_blocks(pool, pool.cache.export_blocks([meta.block_id]))
-            pool.cache.remove_blocks([meta.block_id])
+            k, v = decode_pool_blocks(pool, pool.cache.export_blocks(bids))
+            pool.cache.remove_blocks(bids)
         pool.dirty = True
-        freed = pool.identity.bytes_per_block
-        target = self._save_pool(fmt, k, [0])
-        label = BlockLabel(meta.source_layer, meta.importance, fmt=fmt)
-        # the save's blocks stay protected; the transcoded block is not (it may go next)
+        for key in keys:
+            del self._upgraded[key]
+        index = list(range(len(keys)))
+        target = self._save_pool(fmt, k, index)
+        labels = [BlockLabel(m.source_layer, m.importance, fmt=fmt) for m in metas]
+        # the save's blocks stay protected; the transcoded ones are not (they may go next)
         mine = {pool_id: set(ids) for pool_id, ids in protect.items()}
-        if not self._save_into(target, fmt, k, v, [key], [0], meta.tenant_slug, [label],
-                               mine, SaveResult()):
-            return freed  # gone: _forget_evicted reports the key removed
-        moved = target.cache.metadata.get(self._ids[key][1])
-        for name in ("created_at", "last_attended", "eviction_priority", "prefix_priority",
-                     "prefix_importance", "token_range"):
-            setattr(moved, name, getattr(meta, name))
-        self.stats.count("demoted_blocks")
-        return freed - target.identity.bytes_per_block
+        if not self._save_into(target, fmt, k, v, keys, index, tenant, labels, mine,
+                               SaveResult()):
+            return  # gone: _forget_evicted reports the keys removed
+        for key, meta in zip(keys, metas, strict=True):
+            moved = target.cache.metadata.get(self._ids[key][1])
+            for name in ("created_at", "last_attended", "eviction_priority",
+                         "prefix_priority", "prefix_importance", "token_range"):
+                setattr(moved, name, getattr(meta, name))
+        self.stats.count("demoted_blocks", len(keys))
 
     def _save_into(self, pool: Pool, fmt: str, k: torch.Tensor, v: torch.Tensor,
                    keys: Sequence[bytes], index: list[int], tenant: str,

@@ -390,11 +390,13 @@ def test_signed_mixed_format_shadow_on_s3_recovers_and_refuses_a_resigned_unknow
     manifests = shadow_manifests(config)
     assert all(m.authenticated for m in manifests)
     tq4 = next(m.session_id for m in manifests if m.identity.codec == "tq4" and m.blocks)
-    assert {m.session_id for m in manifests} == {"vllm", "vllm@fp16", "vllm@int8", tq4}
+    # the one int8 block takes the offsets the tq4 blocks calibrated (same digest)
+    int8 = "vllm@int8." + tq4.split(".")[1]
+    assert {m.session_id for m in manifests} == {"vllm", "vllm@fp16", int8, tq4}
 
     # a newer contextkit, with the same key, wrote the int8 session in a format unknown here
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
-    path = "run/vllm@int8/manifest.json"
+    path = f"run/{int8}/manifest.json"
     doc = json.loads(s3.get_object(Bucket="formats", Key=path)["Body"].read())
     doc.pop("mac")
     doc["identity"]["codec"] = "tq3"
@@ -402,7 +404,7 @@ def test_signed_mixed_format_shadow_on_s3_recovers_and_refuses_a_resigned_unknow
     s3.put_object(Bucket="formats", Key=path, Body=json.dumps(doc).encode())
 
     summary = recover_for_vllm(str(model), config)
-    assert set(summary["errors"]) == {"vllm@int8"} and "'tq3'" in summary["errors"]["vllm@int8"]
+    assert set(summary["errors"]) == {int8} and "'tq3'" in summary["errors"][int8]
     assert {fmt: row["blocks"] for fmt, row in summary["formats"].items()} == {
         "fp16": 1, "tq4": 10}
     restarted = ConnectorStore(store.identity, config)
@@ -509,9 +511,35 @@ def test_under_pressure_upgraded_blocks_are_transcoded_before_anything_is_evicte
     # the old blocks read back, each within its format's error; another tenant sees none
     got = store.read(old, "acme")
     assert got is not None and got[0].shape[1] == 12
-    errors = [_rel(got[0][:, b], k_old[:, b]) for b in range(12)]
+    errors = [_rel(got[1][:, b], v_old[:, b]) for b in range(12)]
     assert sum(e > 0.05 for e in errors) == demoted  # tq4's error on the demoted ones
     assert sum(e < 0.02 for e in errors) == 12 - demoted
+    # into the tq4 pool the new save calibrated (12 blocks): key offsets subtracted
+    (tq4_pool,) = [p for p in store.pools.values() if p.fmt == "tq4" and len(p.cache.metadata)]
+    assert tq4_pool.identity.key_offset_digest
+
+
+def test_transcoded_blocks_take_their_pools_key_offsets_when_none_is_calibrated(
+        model: Path, tmp_path: Path) -> None:
+    config = dataclasses.replace(_config(tmp_path), host_blocks=24, shadow_url="")
+    store = ConnectorStore(vllm_cache_identity(str(model), BS), config)
+    k_old, v_old = _kv(12, seed=16, key_mean=4.0)
+    old = _keys(store, 12)
+    assert store.save(k_old, v_old, old, "default",
+                      _room("tq4", "int8", 0.2, 12)).stored == old
+    # two tq4 blocks, too few to calibrate on: they and the demoted blocks still get
+    # offsets, the int8 pool's (the keys' large per-head mean costs tq4 much without)
+    new = _keys(store, 2, offset=10_000)
+    assert store.save(*_kv(2, seed=17), new, "default",
+                      _room("tq4", None, 0.9, 2)).stored == new
+    (int8_pool,) = [p for p in store.pools.values() if p.fmt == "int8"]
+    demoted = [p for p in store.pools.values()
+               if p.fmt == "tq4" and p.identity.key_offset_digest and len(p.cache.metadata)]
+    assert [p.identity.key_offset_digest for p in demoted] == [
+        int8_pool.identity.key_offset_digest]
+    got = store.read(old, "default")
+    assert got is not None and got[0].shape[1] == 12
+    assert max(_rel(got[0][:, b], k_old[:, b]) for b in range(12)) < 0.05
     assert store.read(old, "other") is None
 
 
