@@ -8,6 +8,7 @@ does); the connector configurations go through the real ``ConnectorConfig``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import re
@@ -196,8 +197,10 @@ def test_every_policy_is_a_valid_connector_configuration() -> None:
     assert native.default == "native" and native.sink_blocks == 0
     from integrations.vllm.precision import policy_for_codec
 
-    assert policies["importance"] == policy_for_codec("tq4")  # the server's default
-    assert "precision" not in policy_config("importance", base)
+    # the server's default, as a full store keeps it (room_format off)
+    assert policies["importance"] == dataclasses.replace(policy_for_codec("tq4"),
+                                                         room_format=None)
+    assert policy_config("importance", base)["precision"] == {"room_format": None}
     assert policy_dirname("sink+offsets") == "sink_offsets"
 
 
