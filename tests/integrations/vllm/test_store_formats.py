@@ -472,10 +472,15 @@ def _held(store: ConnectorStore) -> dict[str, int]:
     return {fmt: row["blocks"] for fmt, row in store.format_stats().items()}
 
 
+def _budget_store(model: Path, tmp: Path, host_blocks: int) -> ConnectorStore:
+    """An unshadowed store whose DDR budget is ``host_blocks`` tq4 blocks of bytes."""
+    config = dataclasses.replace(_config(tmp), host_blocks=host_blocks, shadow_url="")
+    return ConnectorStore(vllm_cache_identity(str(model), BS), config)
+
+
 def test_blocks_are_stored_above_their_format_while_the_budget_has_room(
         model: Path, tmp_path: Path) -> None:
-    config = dataclasses.replace(_config(tmp_path), host_blocks=64, shadow_url="")
-    store = ConnectorStore(vllm_cache_identity(str(model), BS), config)
+    store = _budget_store(model, tmp_path, 64)
     k, v = _kv(10, seed=11, key_mean=4.0)
     keys = _keys(store, 10)
     result = store.save(k, v, keys, "default", _room("tq4", "int8", 0.5, 10))
@@ -488,8 +493,7 @@ def test_blocks_are_stored_above_their_format_while_the_budget_has_room(
 
 def test_under_pressure_upgraded_blocks_are_transcoded_before_anything_is_evicted(
         model: Path, tmp_path: Path) -> None:
-    config = dataclasses.replace(_config(tmp_path), host_blocks=32, shadow_url="")
-    store = ConnectorStore(vllm_cache_identity(str(model), BS), config)
+    store = _budget_store(model, tmp_path, 32)
     budget = 32 * store.identity.bytes_per_block
     k_old, v_old = _kv(12, seed=12, key_mean=4.0)
     old = _keys(store, 12, tenant="acme")
@@ -521,8 +525,7 @@ def test_under_pressure_upgraded_blocks_are_transcoded_before_anything_is_evicte
 
 def test_transcoded_blocks_take_their_pools_key_offsets_when_none_is_calibrated(
         model: Path, tmp_path: Path) -> None:
-    config = dataclasses.replace(_config(tmp_path), host_blocks=24, shadow_url="")
-    store = ConnectorStore(vllm_cache_identity(str(model), BS), config)
+    store = _budget_store(model, tmp_path, 24)
     k_old, v_old = _kv(12, seed=16, key_mean=4.0)
     old = _keys(store, 12)
     assert store.save(k_old, v_old, old, "default",
@@ -544,8 +547,7 @@ def test_transcoded_blocks_take_their_pools_key_offsets_when_none_is_calibrated(
 
 
 def test_with_nothing_left_to_transcode_the_store_evicts(model: Path, tmp_path: Path) -> None:
-    config = dataclasses.replace(_config(tmp_path), host_blocks=16, shadow_url="")
-    store = ConnectorStore(vllm_cache_identity(str(model), BS), config)
+    store = _budget_store(model, tmp_path, 16)
     old = _keys(store, 8)
     assert store.save(*_kv(8, seed=14), old, "default",
                       _room("tq4", "int8", 0.2, 8)).stored == old
