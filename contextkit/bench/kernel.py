@@ -214,6 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     budget_s = args.seconds if args.seconds is not None else (
         0.5 if device.type == "cuda" else 1.0)
     sdpa_dtype = torch.float16 if device.type == "cuda" else torch.float32
+    cuda_events = device.type == "cuda" and _has_triton()  # do_bench is Triton's
     codec = TQ4Codec(HEAD_DIM, seed=0, device=device)
     scale = 1.0 / math.sqrt(HEAD_DIM)
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -248,7 +249,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 q_sdpa, keys, values, scale=scale, enable_gqa=True)
 
         packed_bytes = sum(t.numel() * t.element_size() for t in layer)
-        if device.type == "cuda" and _has_triton():
+        if cuda_events:
             row = _cuda_row(context, layer, (keys, values), tq4, sdpa, packed_bytes, device,
                             budget_s)
         else:
@@ -287,7 +288,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "compiled": compiled,
         "timing": ("CUDA events (triton.testing.do_bench median), each call over a distinct "
                    "copy of its cache, copies >= 3x L2; eager and CUDA graph"
-                   if device.type == "cuda" and _has_triton() else
+                   if cuda_events else
                    "wall clock per call after a device sync, median"),
         "machine": machine_info(),
         "shape": {

@@ -77,11 +77,9 @@ def _query_rotation(codec: TQ4Codec, scale: float) -> torch.Tensor:
     """``R.T * scale * log2(e)`` (cached per codec and scale): one matmul rotates and
     scales the queries into the kernel's base-2 score domain."""
     per_scale = _query_rotation_cache.setdefault(codec, {})
-    cached = per_scale.get(scale)
-    if cached is None or cached.device != codec.rotation.device:
-        cached = (codec.rotation.T * (scale * _LOG2E)).contiguous()
-        per_scale[scale] = cached
-    return cached
+    if scale not in per_scale:
+        per_scale[scale] = (codec.rotation.T * (scale * _LOG2E)).contiguous()
+    return per_scale[scale]
 
 
 def _rotation_t(codec: TQ4Codec, device: torch.device) -> torch.Tensor:

@@ -18,12 +18,7 @@ from gpu_cache.metadata import BlockMeta
 from integrations.vllm.planning import BlockLabel
 from integrations.vllm.pools import Pool
 
-__all__ = ["demotion_candidates", "held_bytes", "room_formats"]
-
-
-def held_bytes(pools: Sequence[Pool]) -> int:
-    """Bytes the pools' DDR (host) tiers hold."""
-    return sum(p.cache.num_used(Tier.HOST) * p.identity.bytes_per_block for p in pools)
+__all__ = ["demotion_candidates", "room_formats"]
 
 
 def room_formats(labels: Sequence[BlockLabel], new: Sequence[int], held: int, budget: int,
@@ -34,14 +29,14 @@ def room_formats(labels: Sequence[BlockLabel], new: Sequence[int], held: int, bu
 
     ``block_bytes(fmt)`` is one block's bytes in ``fmt``.
     """
-    ups = {i: labels[i].room_fmt for i in new
-           if labels[i].room_fmt is not None and labels[i].room_fmt != labels[i].fmt}
-    if not ups:
+    ups: dict[int, str] = {}
+    for i in new:
+        room = labels[i].room_fmt
+        if room is not None and room != labels[i].fmt:
+            ups[i] = room
+    if not ups or held + sum(block_bytes(ups.get(i, labels[i].fmt)) for i in new) > budget:
         return {}
-    need = sum(block_bytes(ups.get(i) or labels[i].fmt) for i in new)
-    if held + need > budget:
-        return {}
-    return {i: fmt for i, fmt in ups.items() if fmt is not None}
+    return ups
 
 
 def demotion_candidates(pools: Sequence[Pool], upgraded: Collection[bytes],

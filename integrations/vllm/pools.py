@@ -108,6 +108,11 @@ class Pool:
                    pins=PrefixPinManager(cache), save_tier=tier)
 
 
+def held_bytes(pools: Sequence[Pool]) -> int:
+    """Bytes the pools' DDR (host) tiers hold."""
+    return sum(p.cache.num_used(Tier.HOST) * p.identity.bytes_per_block for p in pools)
+
+
 def fit_budget(pools: Sequence[Pool], pool: Pool, num_blocks: int, budget: int,
                protect: Mapping[int, set[int]] | None = None) -> bool:
     """Evict across ``pools``, lowest semantic priority first, until ``num_blocks`` more
@@ -123,8 +128,7 @@ def fit_budget(pools: Sequence[Pool], pool: Pool, num_blocks: int, budget: int,
     tier = pool.save_tier
     if tier is not Tier.HOST:
         return True
-    held = sum(p.cache.num_used(tier) * p.identity.bytes_per_block for p in pools)
-    excess = held + num_blocks * pool.identity.bytes_per_block - budget
+    excess = held_bytes(pools) + num_blocks * pool.identity.bytes_per_block - budget
     if excess <= 0:
         return True
     protect = protect or {}

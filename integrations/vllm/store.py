@@ -44,7 +44,7 @@ from gpu_cache import (
 from gpu_cache.hashing import BlockHash
 from gpu_cache.metadata import BlockMeta
 from integrations.vllm.config import ConnectorConfig
-from integrations.vllm.headroom import demotion_candidates, held_bytes, room_formats
+from integrations.vllm.headroom import demotion_candidates, room_formats
 from integrations.vllm.metrics import StatsRecorder, layer_names
 from integrations.vllm.planning import BlockLabel
 from integrations.vllm.pools import (
@@ -56,6 +56,7 @@ from integrations.vllm.pools import (
     decode_pool_blocks,
     fit_budget,
     format_summary,
+    held_bytes,
     pool_identity,
     pool_suffix,
     unpinned_reason,
@@ -186,8 +187,9 @@ class ConnectorStore(PoolShadows):
                 return self._pool(pool_identity(self.identity, fmt), None)
             offsets = calibrated if calibrated is not None else calibrate_offsets(k, index)
             pool = self._pool(pool_identity(self.identity, fmt, offsets), offsets)
-            logger.info("format %s: key offsets calibrated on %d blocks (pool %s)", fmt,
-                        len(index), pool.name)
+            logger.info("format %s: key offsets %s (pool %s)", fmt,
+                        "of another format's pool" if calibrated is not None
+                        else f"calibrated on {len(index)} blocks", pool.name)
         else:
             pool = self._pool(pool_identity(self.identity, fmt), None)
         self._active[fmt] = pool
@@ -331,6 +333,7 @@ class ConnectorStore(PoolShadows):
         again is gone, as if evicted (the save that follows reports it removed)."""
         chosen: dict[tuple[int, str, str], list[BlockMeta]] = {}
         pools: dict[int, Pool] = {}
+        base_bytes: dict[str, int] = {}  # a block's bytes in each rules' format
         freed = 0
         for pool, meta in demotion_candidates(list(self.pools.values()), self._upgraded,
                                               protect):
@@ -340,8 +343,9 @@ class ConnectorStore(PoolShadows):
             fmt = self._upgraded[bytes(meta.key)]
             chosen.setdefault((id(pool), fmt, meta.tenant_slug), []).append(meta)
             pools[id(pool)] = pool
-            freed += (pool.identity.bytes_per_block
-                      - pool_identity(self.identity, fmt).bytes_per_block)
+            if fmt not in base_bytes:
+                base_bytes[fmt] = pool_identity(self.identity, fmt).bytes_per_block
+            freed += pool.identity.bytes_per_block - base_bytes[fmt]
         self._demoting = True
         try:
             for (pool_id, fmt, tenant), metas in chosen.items():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,14 +45,12 @@ class PoolShadows:
     _shadowing: bool
     _shadow_lag: ShadowAccounting
 
-    def _pool(self, identity: CacheIdentity, offsets: torch.Tensor | None) -> Pool:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # provided by ConnectorStore, which owns the pools and the index
+        def _pool(self, identity: CacheIdentity, offsets: torch.Tensor | None) -> Pool: ...
 
-    def _activate(self, pool: Pool) -> None:
-        raise NotImplementedError
+        def _activate(self, pool: Pool) -> None: ...
 
-    def _remember(self, pool: Pool, bid: int) -> None:
-        raise NotImplementedError
+        def _remember(self, pool: Pool, bid: int) -> None: ...
 
     def restore_local(self) -> RecoveryReport | None:
         """Load the verified snapshot sessions from ``config.local_store`` into the DDR
