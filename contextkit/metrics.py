@@ -103,7 +103,9 @@ class ContextkitMetrics:
         self.engine_requests = counter("contextkit_engine_requests", "engine requests")
         self.engine_tokens = counter(
             "contextkit_engine_tokens",
-            "engine tokens; kind=reused, computed (prompt) or generated", ("kind",))
+            "engine tokens; kind=reused (the cached prefix), chunk_reused (moved in from "
+            "chunks cached elsewhere), repaired (of those, recomputed: also in computed), "
+            "computed (prompt) or generated", ("kind",))
         self.engine_ttft = pc.Histogram("contextkit_engine_ttft_seconds",
                                         "time to first token", buckets=TTFT_BUCKETS,
                                         registry=r)
@@ -136,6 +138,8 @@ class ContextkitMetrics:
         self.engine_requests.inc()
         self.engine_tokens.labels("reused").inc(result.reused_tokens)
         self.engine_tokens.labels("computed").inc(result.computed_tokens)
+        self.engine_tokens.labels("chunk_reused").inc(result.chunk_reused_tokens)
+        self.engine_tokens.labels("repaired").inc(result.repaired_tokens)
         generated = len(result.token_ids)
         self.engine_tokens.labels("generated").inc(generated)
         self.engine_ttft.observe(result.ttft_ms / 1000.0)

@@ -35,6 +35,7 @@ from gpu_cache._errors import (
 from gpu_cache._records import check_import_record
 from gpu_cache._storage import TENSOR_NAMES, LayerView, MoveStats, TierStorage, _run
 from gpu_cache.calibration import key_offset_digest
+from gpu_cache.chunks import ChunkIndex
 from gpu_cache.codec import TQ4Codec
 from gpu_cache.config import CacheConfig
 from gpu_cache.hashing import BlockHash, hash_token_blocks
@@ -96,6 +97,8 @@ class TQGPUCache:
                                    pin=bool(pin)),
         }
         self._identity_digest = identity.digest()
+        #: Chunks by content (layers, turns) wherever they sit: :mod:`gpu_cache.chunks`.
+        self.chunks = ChunkIndex(self._identity_digest)
         self._keys: dict[BlockHash, int] = {}
         self._next_id = 0
         # Recently freed ids -> why, so a stale id gets the right error. Bounded.

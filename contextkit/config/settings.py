@@ -96,6 +96,14 @@ class EngineSettings:
         prefill_chunk: prompt tokens per forward step.
         residual_tokens: float32 recent window over the TQ4 cache.
         sink_tokens: float32 attention sink; ``None``: one block.
+        chunk_reuse: reuse layers and turns found cached at other positions past the
+            cached prefix, repairing the seams (:mod:`contextkit.engine.chunks`).
+        chunk_layers: the labels that may be reused that way, comma-separated (layer
+            sources such as ``rules``, and ``user_turn`` for conversation turns);
+            ``None``: every label. The per-layer switch.
+        chunk_repair_ratio: share of a request's reused chunk tokens recomputed, [0, 1].
+        chunk_repair_rule: ``deviation`` (largest K/V deviation at an early layer),
+            ``first`` (each chunk's first tokens) or ``both``.
     """
 
     model: str | None = None
@@ -105,6 +113,10 @@ class EngineSettings:
     prefill_chunk: int = 4096
     residual_tokens: int = 128
     sink_tokens: int | None = None
+    chunk_reuse: bool = True
+    chunk_layers: str | None = None
+    chunk_repair_ratio: float = 0.15
+    chunk_repair_rule: str = "both"
 
     def engine_kwargs(self, cache: CacheSettings, pins: PinConfig) -> dict[str, Any]:
         """Keyword arguments of :class:`contextkit.engine.engine.Engine` for these settings,
@@ -115,7 +127,16 @@ class EngineSettings:
                 "sink_tokens": self.sink_tokens, "num_device_blocks": cache.num_device_blocks,
                 "num_host_blocks": cache.num_host_blocks,
                 "eviction_policy": cache.eviction_policy, "block_size": cache.block_size,
-                "pins": pins}
+                "pins": pins, "chunk_reuse": self.chunk_reuse_kwargs()}
+
+    def chunk_reuse_kwargs(self) -> dict[str, Any] | bool:
+        """The engine's ``chunk_reuse`` argument for these settings."""
+        if not self.chunk_reuse:
+            return False
+        labels = None if self.chunk_layers is None else tuple(
+            part.strip() for part in self.chunk_layers.split(",") if part.strip())
+        return {"labels": labels, "repair_ratio": self.chunk_repair_ratio,
+                "repair_rule": self.chunk_repair_rule}
 
     def __post_init__(self) -> None:
         if self.kv_format not in ("tq4", "native"):
@@ -123,6 +144,12 @@ class EngineSettings:
         check_weight_format(self.weight_format)
         if self.prefill_chunk < 1 or self.residual_tokens < 0:
             raise ValueError("prefill_chunk must be >= 1 and residual_tokens >= 0")
+        if not 0.0 <= self.chunk_repair_ratio <= 1.0:
+            raise ValueError(
+                f"chunk_repair_ratio must be in [0, 1], got {self.chunk_repair_ratio}")
+        if self.chunk_repair_rule not in ("deviation", "first", "both"):
+            raise ValueError("chunk_repair_rule must be 'deviation', 'first' or 'both', got "
+                             f"{self.chunk_repair_rule!r}")
 
 
 @dataclass(frozen=True, slots=True)

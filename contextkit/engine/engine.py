@@ -48,6 +48,8 @@ from contextkit.engine.background import (
     foreground,
 )
 from contextkit.engine.background import prefill_prefix as _prefill_prefix
+from contextkit.engine.blend import prefill_reusing_chunks
+from contextkit.engine.chunks import ChunkReuse, ChunkUse, register_chunks
 from contextkit.engine.decode import decode_step
 from contextkit.engine.flops import prefill_flops
 from contextkit.engine.inputs import (
@@ -60,6 +62,7 @@ from contextkit.engine.kv import _check_overlay, _ContiguousKV, _PagedKV
 from contextkit.engine.llama import UnsupportedModelError, _Model, tokenizer_fingerprint
 from contextkit.engine.loading import load_pretrained
 from contextkit.engine.sampling import Sampler, SamplingParams
+from contextkit.engine.scoring import score as _score
 from contextkit.engine.sequence import SequenceBlocks, close_sequence, open_sequence
 from contextkit.engine.types import CacheFullError, GenerationResult, TokenIdError, TokenSpan
 from contextkit.engine.weights import WEIGHT_FORMATS, check_weight_format
@@ -127,6 +130,9 @@ class Engine:
             the device tier, all tenants three quarters; pins idle 10 minutes expire).
         metrics: where requests are counted (:mod:`contextkit.metrics`): ``None`` the
             process default, ``False`` nowhere.
+        chunk_reuse: reuse of labelled spans past the cached prefix
+            (:class:`~contextkit.engine.chunks.ChunkReuse`, or a dict of its fields;
+            ``True``/``None``: the defaults, ``False``: prefix reuse only).
 
     Raises:
         UnsupportedModelError: not a Llama-architecture model.
@@ -153,6 +159,7 @@ class Engine:
         max_positions: int | None = None,
         pins: PinConfig | None = None,
         metrics: ContextkitMetrics | bool | None = None,
+        chunk_reuse: ChunkReuse | dict[str, Any] | bool | None = None,
         _shared: _Model | None = None,
         _offsets: torch.Tensor | None = None,
     ) -> None:
@@ -164,6 +171,9 @@ class Engine:
         sink_tokens = block_size if sink_tokens is None else sink_tokens
         _check_overlay(residual_tokens, sink_tokens, block_size)
         self.residual_tokens = residual_tokens
+        self.chunk_reuse = (chunk_reuse if isinstance(chunk_reuse, ChunkReuse)
+                            else ChunkReuse(**chunk_reuse) if isinstance(chunk_reuse, dict)
+                            else ChunkReuse(enabled=chunk_reuse is not False))
         self.sink_tokens = sink_tokens
         self._sink_memo: OrderedDict[tuple[str, tuple[int, ...]],
                                      list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
@@ -286,6 +296,7 @@ class Engine:
         kwargs.setdefault("sink_tokens", self.sink_tokens)
         kwargs.setdefault("max_positions", self.max_positions)
         kwargs.setdefault("metrics", self.metrics)
+        kwargs.setdefault("chunk_reuse", self.chunk_reuse)
         return Engine(self.model.hf, self.tokenizer, kv_format=fmt, weight_format=weights,
                       _shared=self.model, **kwargs)
 
@@ -507,9 +518,14 @@ class Engine:
                 kv = self._paged(seq.block_ids, cached, ids, min(cached, len(ids) - 1), tenant)
             written = len(ids)
             out: list[int] = []
+            chunks = ChunkUse()
             try:
                 start = min(cached, len(ids) - 1)
-                first_logits = self._prefill(ids, start, kv)
+                if seq is not None and reuse and spans and isinstance(kv, _PagedKV):
+                    first_logits, chunks = prefill_reusing_chunks(
+                        self, ids, start, kv, spans, tenant, self.chunk_reuse)
+                else:
+                    first_logits = self._prefill(ids, start, kv)
                 token = sample(first_logits, ids)
                 ttft = time.perf_counter() - t0
                 out.append(token)
@@ -526,11 +542,17 @@ class Engine:
             finally:
                 if seq is not None:
                     close_sequence(self.cache, seq, ids + out, written)
+            if seq is not None and spans and self.chunk_reuse.enabled:
+                chunks.taint(self.cache, seq.keys)
+                register_chunks(self.cache, ids, spans, seq.keys, tenant, self.chunk_reuse)
             total = time.perf_counter() - t0
         result = GenerationResult(
             text=self.decode(out), token_ids=out, prompt_tokens=len(ids),
             reused_tokens=start if use_cache else 0,
-            computed_tokens=len(ids) - (start if use_cache else 0),
+            computed_tokens=len(ids) - (start if use_cache else 0) - chunks.reused_tokens,
+            chunk_reused_tokens=chunks.reused_tokens, repaired_tokens=chunks.repaired_tokens,
+            reused_chunks=chunks.chunks, reused_chunk_starts=chunks.starts,
+            reused_chunk_tokens=chunks.moved,
             ttft_ms=ttft * 1000, total_ms=total * 1000,
             blocks_per_tier=self._blocks_per_tier(tenant) if use_cache else {},
             kv_format=self.kv_format if use_cache else "native",
@@ -550,51 +572,11 @@ class Engine:
         max_reuse_tokens: int | None = None,
         residual_tokens: int | None = None,
         sink_tokens: int | None = None,
+        spans: Sequence[TokenSpan] | None = None,
+        chunk_starts: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """Teacher-forced logits ``[len(target), V]``: row ``i`` predicts ``target[i]``.
-
-        With the cache, the prompt reuses cached blocks and the target tokens read
-        their own K/V back as decode would (packed, or from the residual window), so
-        the logits reflect the cache format. Without it, everything is one exact
-        full prefill.
-
-        Args:
-            max_reuse_tokens: reuse at most this many cached prompt tokens (to replay
-                the exact path a request took: what it reused, what it computed).
-            residual_tokens: this call's float residual window (default: the
-                engine's; with ``sink_tokens=0``, 0 reads every token back from TQ4).
-            sink_tokens: this call's float attention sink (default: the engine's).
-
-        Raises:
-            ValueError: an empty target or an over-long sequence.
-            TokenIdError: a token id outside the vocabulary (a ValueError).
-            InvalidNameError: a tenant that breaks :func:`gpu_cache.validate_tenant`.
-        """
-        validate_tenant(tenant)
-        prompt = self.check_token_ids(prompt_ids, "prompt_ids")
-        target = self.check_token_ids(target_ids, "target_ids")
-        if not target:
-            raise ValueError("target_ids is empty")
-        ids = prompt + target
-        self.check_prompt(ids, 0)
-        with foreground(self):
-            if not use_cache:
-                logits = self._prefill(ids, 0, _ContiguousKV(self.model.num_layers),
-                                       all_logits=True)
-                return logits[len(prompt) - 1 : len(ids) - 1]
-            seq = open_sequence(self.cache, ids, 0, tenant, None, True,
-                                max_reuse=max_reuse_tokens)
-            try:
-                cached = seq.cached_tokens
-                start = min(cached, len(prompt) - 1)
-                kv = self._paged(seq.block_ids, cached, prompt, start, tenant, residual_tokens,
-                                 sink_tokens)
-                first = self._prefill(prompt, start, kv)
-                if len(target) == 1:
-                    return first[None]
-                kv.fresh = False  # target tokens read their own K/V back, as decode does
-                rest = self._forward(target[:-1], len(prompt), kv, all_logits=True)
-            finally:
-                close_sequence(self.cache, seq, ids, len(ids) - 1)
-            return torch.cat([first[None], rest])
-
+        """Teacher-forced logits ``[len(target), V]``: row ``i`` predicts ``target[i]``
+        (:func:`contextkit.engine.scoring.score`, which documents every argument)."""
+        return _score(self, prompt_ids, target_ids, tenant=tenant, use_cache=use_cache,
+                      max_reuse_tokens=max_reuse_tokens, residual_tokens=residual_tokens,
+                      sink_tokens=sink_tokens, spans=spans, chunk_starts=chunk_starts)

@@ -6,7 +6,14 @@ from collections.abc import Sequence
 
 import torch
 
-from contextkit.engine.attention import _attend, _flash, _fold, _merge, _unfold
+from contextkit.engine.attention import (
+    _attend,
+    _flash,
+    _fold,
+    _merge,
+    _unfold,
+    attend_positions,
+)
 from gpu_cache import TQGPUCache
 from gpu_cache.codec import TQ4Encoded
 from gpu_cache.kernels import Backend, cpu_decode, quantize_into_cache, tq4_decode_attention
@@ -16,6 +23,51 @@ __all__: list[str] = []
 #: Rows up to which new K/V are encoded by one compiled call on CPU (a decode step,
 #: a short extension); longer runs take the codec's batched path.
 _FUSED_ENCODE_ROWS = 64
+
+
+def read_slots(cache: TQGPUCache, layer: int, slots: torch.Tensor,
+               values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """K/V held in device ``slots`` of ``layer``: float ``[n, Hkv, D]`` (keys centered
+    for tq4, as the cache stores them); ``values=False`` reads the keys alone."""
+    view = cache.layer_view(layer)
+    h = view.k_packed.shape[2]
+    native = cache.identity.codec == "native"
+    out: list[torch.Tensor | None] = []
+    for packed, norms in ((view.k_packed, view.k_norms), (view.v_packed, view.v_norms)):
+        if len(out) == 1 and not values:
+            out.append(None)
+        elif native:
+            out.append(packed.view(-1, h, packed.shape[3]).index_select(0, slots).float())
+        else:
+            out.append(cache.codec.decode(TQ4Encoded(
+                packed.view(-1, h, packed.shape[3]).index_select(0, slots),
+                norms.view(-1, h).index_select(0, slots))))
+    k, v = out
+    assert k is not None
+    return k, v
+
+
+def write_slots(cache: TQGPUCache, layer: int, slots: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor | None) -> None:
+    """Store K ``[n, Hkv, D]`` (uncentered: the layer's key offset is taken off for
+    tq4) and V (``None``: leave them) in device ``slots`` of ``layer``."""
+    view = cache.layer_view(layer)
+    h = view.k_packed.shape[2]
+    if cache.identity.codec == "native":
+        d = view.k_packed.shape[3]
+        view.k_packed.view(-1, h, d).index_copy_(0, slots, k.float())
+        if v is not None:
+            view.v_packed.view(-1, h, d).index_copy_(0, slots, v.float())
+        return
+    offset = cache.key_offset(layer)
+    pd = view.k_packed.shape[3]
+    pairs = [(k.float() if offset is None else k.float() - offset, view.k_packed, view.k_norms)]
+    if v is not None:
+        pairs.append((v.float(), view.v_packed, view.v_norms))
+    for x, packed, norms in pairs:
+        enc = cache.codec.encode(x.contiguous())
+        packed.view(-1, h, pd).index_copy_(0, slots, enc.packed)
+        norms.view(-1, h).index_copy_(0, slots, enc.norms)
 
 
 def _check_overlay(residual_tokens: int, sink_tokens: int, block_size: int) -> None:
@@ -255,6 +307,56 @@ class _PagedKV:
                               v_f.transpose(0, 1)[None], False, scale)
         out_f, lse_f = _unfold(out_f, lse_f, 1, q.shape[1])  # [1, Hq, 1, D]
         return _merge(out_pack, lse_pack, out_f[:, :, 0], lse_f[:, :, 0]).to(q.dtype)
+
+    # ------------------------------------------------------------ rows anywhere
+    def slots_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """Cache slots of sequence ``positions`` (any order, any gaps)."""
+        pos = positions.to(self.table.device)
+        return self.table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def rows(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of ``positions`` as the cache holds them: float ``[n, Hkv, D]``, keys
+        centered for tq4 (the float overlay is not consulted)."""
+        k, v = read_slots(self.cache, layer, self.slots_at(positions))
+        assert v is not None
+        return k, v
+
+    def write_rows(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                   positions: torch.Tensor) -> None:
+        """Write the K/V of tokens at ``positions`` (ascending, gaps allowed; every
+        position of the sink and of the residual window that this request computes
+        among them): the float overlay keeps its parts, the cache gets the rest."""
+        pos = positions.tolist()
+        if not self.native:
+            if self.sink and pos[0] == 0 and len(pos) >= self.sink \
+                    and pos[self.sink - 1] == self.sink - 1:
+                self._keep(layer, k[: self.sink], v[: self.sink], 0)
+            w0 = self.window_start
+            if w0 is not None and pos[-1] >= w0:
+                j = next(i for i, p in enumerate(pos) if p >= w0)
+                if pos[j] != w0 or pos[-1] - w0 != len(pos) - 1 - j:
+                    raise RuntimeError("the residual window must be computed whole")
+                self._keep(layer, k[j:], v[j:], w0)
+        keep = positions >= self.cached
+        if not bool(keep.all()):
+            k, v, positions = k[keep], v[keep], positions[keep]
+        if positions.numel():
+            write_slots(self.cache, layer, self.slots_at(positions), k, v)
+
+    def attend_rows(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    positions: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of tokens at ``positions`` (ascending, gaps allowed: the tokens
+        between keep the K/V the cache holds) over every token up to each one. Their
+        own K/V are written first and read fresh (unquantized)."""
+        self.write_rows(layer, k, v, positions)
+        n = int(positions[-1]) + 1
+        k_all, v_all = self._read(layer, n)
+        if self.native:
+            k_all[positions], v_all[positions] = k, v
+        else:
+            k_all[positions] = self._centered(layer, k)
+            v_all[positions] = v.float()
+        return attend_positions(q.float(), positions, k_all, v_all, scale).to(q.dtype)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                start: int, scale: float) -> torch.Tensor:

@@ -48,6 +48,14 @@ class GenerationResult:
             tenants' are not counted; ``engine.cache.summary()`` has the cache-wide view).
         block_ids: this sequence's blocks in order (kept or freed afterwards).
         first_logits: float32 logits that chose the first token ``[vocab]``.
+        chunk_reused_tokens: prompt tokens past the cached prefix whose K/V came from
+            cached chunks (:mod:`contextkit.engine.chunks`) and were not recomputed;
+            not in ``computed_tokens``.
+        repaired_tokens: tokens of those chunks that were recomputed (the seams); in
+            ``computed_tokens``.
+        reused_chunks: the labels of the reused chunks, in prompt order.
+        reused_chunk_starts: their positions (to replay the path in ``Engine.score``).
+        reused_chunk_tokens: per reused chunk, its tokens not recomputed.
     """
 
     text: str
@@ -62,6 +70,11 @@ class GenerationResult:
     block_ids: list[int] = field(default_factory=list)
     first_logits: torch.Tensor | None = field(default=None, repr=False)
     warmed_tokens: int = 0
+    chunk_reused_tokens: int = 0
+    repaired_tokens: int = 0
+    reused_chunks: list[str] = field(default_factory=list)
+    reused_chunk_starts: list[int] = field(default_factory=list)
+    reused_chunk_tokens: list[int] = field(default_factory=list)
 
     @property
     def kv_reuse_ratio(self) -> float:
@@ -86,6 +99,9 @@ class GenerationResult:
             "reused_tokens": self.reused_tokens,
             "computed_tokens": self.computed_tokens,
             "warmed_tokens": self.warmed_tokens,
+            "chunk_reused_tokens": self.chunk_reused_tokens,
+            "repaired_tokens": self.repaired_tokens,
+            "reused_chunks": list(self.reused_chunks),
             "kv_reuse_ratio": round(self.kv_reuse_ratio, 4),
             "generated_tokens": len(self.token_ids),
             "decode_tps": None if (tps := self.decode_tps) is None else round(tps, 2),

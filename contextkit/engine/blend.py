@@ -1,0 +1,132 @@
+"""The prefill of a request that reuses chunks past its cached prefix.
+
+The first model layers (``0..select_layer``) run over every token after the prefix,
+the reused chunks' too: their K/V there are computed afresh, and at ``select_layer``
+each reused token's fresh K/V are compared with the ones moved in from the cache.
+The tokens picked by :func:`contextkit.engine.chunks.select_repair` and every token
+that is not part of a reused chunk (changed layers, the template between spans, the
+residual window at the end) run through the remaining layers; the others keep the
+moved K/V there, and the computed tokens attend over them. This is CacheBlend's
+selective recompute on the engine's own forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from contextkit.engine.attention import _rotate
+from contextkit.engine.chunks import (
+    ChunkHit,
+    ChunkReuse,
+    ChunkUse,
+    copy_chunks,
+    find_chunks,
+    release_chunks,
+    select_repair,
+)
+from contextkit.engine.kv import _PagedKV
+from contextkit.engine.types import TokenSpan
+
+if TYPE_CHECKING:
+    from contextkit.engine.engine import Engine
+
+__all__ = ["prefill_reusing_chunks"]
+
+
+def prefill_reusing_chunks(engine: Engine, ids: Sequence[int], start: int, kv: _PagedKV,
+                           spans: Sequence[TokenSpan], tenant: str, cfg: ChunkReuse,
+                           only: Sequence[int] | None = None) -> tuple[torch.Tensor, ChunkUse]:
+    """Prefill ``ids[start:]`` into ``kv``, reusing cached chunks where the index has
+    them (``only``: just the chunks starting there, to replay a request's path);
+    logits of the last token and what was reused.
+
+    Without a chunk to reuse (or a tail longer than the engine's ``prefill_chunk``)
+    this is the plain prefill.
+    """
+    n = len(ids)
+    use = ChunkUse()
+    window = kv.window_start if kv.window_start is not None else n
+    lo = max(start, kv.sink if kv.sink else 0, kv.cached)
+    hits: list[ChunkHit] = []
+    if cfg.enabled and spans and n - start <= engine.prefill_chunk \
+            and cfg.select_layer < engine.model.num_layers:
+        hits = find_chunks(engine.cache, ids, spans, tenant, lo, window, cfg, only)
+    if not hits:
+        return engine._prefill(ids, start, kv), use
+    try:
+        layers = range(cfg.select_layer, engine.model.num_layers)
+        copy_chunks(engine.cache, engine.model, hits, kv.table, layers)
+    finally:
+        release_chunks(engine.cache, hits)
+    logits, repaired = _blend_forward(engine, ids, start, kv, hits, cfg)
+    use.repaired_tokens = sum(repaired)
+    use.reused_tokens = sum(h.length for h in hits) - use.repaired_tokens
+    use.moved = [h.length - r for h, r in zip(hits, repaired, strict=True)]
+    use.chunks = [h.label for h in hits]
+    use.starts = [h.start for h in hits]
+    use.lengths = [h.length for h in hits]
+    use.hops = [h.entry.hops + 1 for h in hits]
+    return logits, use
+
+
+@torch.inference_mode()
+def _blend_forward(engine: Engine, ids: Sequence[int], start: int, kv: _PagedKV,
+                   hits: Sequence[ChunkHit], cfg: ChunkReuse) -> tuple[torch.Tensor, list[int]]:
+    """The staged forward; logits of the last token and, per chunk, how many of its
+    tokens were recomputed."""
+    m = engine.model
+    n = len(ids)
+    dev = m.device
+    tokens = torch.tensor(list(ids[start:]), dtype=torch.long, device=dev)
+    positions = torch.arange(start, n, device=dev)
+    reused = torch.zeros(n - start, dtype=torch.bool)
+    chunk_rows: list[tuple[int, int]] = []
+    row = 0
+    for hit in hits:
+        reused[hit.start - start : hit.start - start + hit.length] = True
+        chunk_rows.append((row, row + hit.length))
+        row += hit.length
+    reused_pos = positions[reused.to(dev)]
+    h = F.embedding(tokens, m.embed)
+    cos, sin = m.rope(positions)
+    nq, nkv, d = m.num_heads, m.num_kv_heads, m.head_dim
+    repaired = [0] * len(hits)
+    for i, w in enumerate(m.layers):
+        x = F.rms_norm(h, (m.hidden,), w.norm_in, m.eps)
+        qkv = w.qkv(x).float()
+        rows = x.shape[0]
+        q = qkv[:, : nq * d].view(rows, nq, d)
+        k = qkv[:, nq * d : (nq + nkv) * d].view(rows, nkv, d)
+        v = qkv[:, (nq + nkv) * d :].view(rows, nkv, d)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if i < cfg.select_layer:
+            attn = kv.attend(i, q, k, v, start, engine.scale)
+        elif i == cfg.select_layer:
+            old_k, old_v = kv.rows(i, reused_pos)
+            mask = reused.to(dev)
+            new_k = k[mask].float()
+            offset = kv.cache.key_offset(i)
+            if offset is not None and not kv.native:
+                new_k = new_k - offset
+            deviation = ((new_k - old_k) ** 2).sum(dim=(1, 2)) + \
+                ((v[mask].float() - old_v) ** 2).sum(dim=(1, 2))
+            pick = select_repair(deviation, chunk_rows, cfg)
+            repaired = [int(pick[a:b].sum()) for a, b in chunk_rows]
+            attn = kv.attend(i, q, k, v, start, engine.scale)
+            keep = ~reused
+            keep[reused.nonzero()[:, 0][pick]] = True
+            keep_dev = keep.to(dev)
+            attn = attn[keep_dev]
+            h, cos, sin, positions = h[keep_dev], cos[keep_dev], sin[keep_dev], positions[keep_dev]
+        else:
+            attn = kv.attend_rows(i, q, k, v, positions, engine.scale)
+        h = h + w.o(attn.reshape(attn.shape[0], nq * d))
+        x = F.rms_norm(h, (m.hidden,), w.norm_post, m.eps)
+        gate, up = w.gate_up(x).chunk(2, dim=-1)
+        h = h + w.down(F.silu(gate) * up)
+    logits = m.lm_head(F.rms_norm(h[-1:], (m.hidden,), m.norm, m.eps))
+    return logits[0].float(), repaired

@@ -1,0 +1,285 @@
+"""Reuse beyond the prefix: a request finds its later layers and turns cached at other
+positions, moves their K/V to its own, and recomputes only the tokens that need it.
+
+A prompt's prefix is reused by chained block keys (:mod:`contextkit.engine.sequence`);
+everything after the first changed layer used to be recomputed. Each labelled span of
+a prompt (a layer, a conversation turn: the :class:`~contextkit.engine.types.TokenSpan`
+the pipeline gives) is also registered by content in the cache's
+:class:`gpu_cache.chunks.ChunkIndex`. A later request:
+
+1. **finds** its spans after the cached prefix in the index (:func:`find_chunks`): the
+   same tenant, model identity, label and tokens, whose blocks are still cached;
+2. **moves** their K/V into its own blocks (:func:`copy_chunks`): values as stored,
+   keys re-rotated by the position delta (RoPE is a rotation by position, so a key
+   computed at ``p`` and rotated by ``q - p`` is the key at ``q``); tq4 keys are decoded,
+   rotated and re-encoded;
+3. **repairs the seams** (:mod:`contextkit.engine.blend`): a reused chunk's K/V were
+   computed after other text, so the first layers run over every token, the tokens
+   whose K/V deviate most there (plus each chunk's first tokens) are picked
+   (:func:`select_repair`), and only they and the new tokens run through the rest.
+
+Spans inside the float residual window or the attention sink are always computed.
+An entry computed in full context has 0 hops; K/V reused from an ``n``-hop entry
+(repaired or not) are ``n + 1`` hops away, and entries past ``max_hops`` are not
+reused: re-rotating and re-encoding does not accumulate without bound.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from contextkit.engine.attention import _rotate
+from contextkit.engine.kv import read_slots, write_slots
+from contextkit.engine.types import TokenSpan
+from gpu_cache import Tier, TQGPUCache
+from gpu_cache.chunks import ChunkEntry
+from gpu_cache.hashing import BlockHash
+
+if TYPE_CHECKING:
+    from contextkit.engine.llama import _Model
+
+__all__ = ["REPAIR_RULES", "ChunkHit", "ChunkReuse", "ChunkUse", "copy_chunks",
+           "find_chunks", "register_chunks", "select_repair"]
+
+#: How the tokens of reused chunks that are recomputed are picked: "deviation" (the
+#: largest K/V deviation at the selection layer, CacheBlend's rule), "first" (each
+#: chunk's first tokens only), "both" (the union).
+REPAIR_RULES = ("deviation", "first", "both")
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkReuse:
+    """When and how a request reuses chunks past its cached prefix.
+
+    Args:
+        enabled: look chunks up and register them (``False``: prefix reuse only).
+        labels: the span labels (layers, ``"user_turn"``) that may be reused; ``None``:
+            every label. Registration covers every label all the same.
+        min_tokens: shorter spans are computed, not looked up.
+        repair_ratio: share of a request's reused chunk tokens recomputed (the ones
+            picked by ``repair_rule``), in ``[0, 1]``.
+        repair_first: each reused chunk's first this-many tokens are recomputed too
+            (rules "first" and "both").
+        repair_rule: one of :data:`REPAIR_RULES`.
+        select_layer: model layers ``0..select_layer`` run over every token; the
+            deviation at ``select_layer`` picks the repaired ones.
+        max_hops: entries this many reuses away from a full computation are not reused.
+    """
+
+    enabled: bool = True
+    labels: tuple[str, ...] | None = None
+    min_tokens: int = 16
+    repair_ratio: float = 0.15
+    repair_first: int = 4
+    repair_rule: str = "both"
+    select_layer: int = 1
+    max_hops: int = 3
+
+    def __post_init__(self) -> None:
+        if self.repair_rule not in REPAIR_RULES:
+            raise ValueError(f"repair_rule must be one of {REPAIR_RULES}, got "
+                             f"{self.repair_rule!r}")
+        if not 0.0 <= self.repair_ratio <= 1.0:
+            raise ValueError(f"repair_ratio must be in [0, 1], got {self.repair_ratio}")
+        for name in ("min_tokens", "repair_first", "select_layer", "max_hops"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.labels is not None:
+            object.__setattr__(self, "labels", tuple(self.labels))
+
+    def eligible(self, span: TokenSpan) -> bool:
+        """Whether ``span`` may be reused by content."""
+        return (span.end - span.start >= max(1, self.min_tokens)
+                and (self.labels is None or span.source_layer in self.labels))
+
+
+@dataclass(slots=True)
+class ChunkHit:
+    """One chunk a request reuses: where it goes and where its K/V are (the source
+    blocks hold one reference until the request lets them go)."""
+
+    start: int
+    length: int
+    label: str
+    entry: ChunkEntry
+    src_blocks: list[int]
+
+
+@dataclass(slots=True)
+class ChunkUse:
+    """What one request did with chunks (for its result and report).
+
+    Attributes:
+        reused_tokens: chunk tokens whose K/V came from the cache and were not
+            recomputed.
+        repaired_tokens: chunk tokens found but recomputed (the seams).
+        chunks: labels of the reused chunks, in prompt order.
+        starts: their positions in the prompt.
+        lengths: their tokens.
+        moved: per chunk, its tokens moved in and not recomputed.
+        hops: per reused chunk, the hops of its K/V now (entry's + 1).
+    """
+
+    reused_tokens: int = 0
+    repaired_tokens: int = 0
+    chunks: list[str] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    moved: list[int] = field(default_factory=list)
+    hops: list[int] = field(default_factory=list)
+
+    def taint(self, cache: TQGPUCache, keys: Sequence[BlockHash]) -> None:
+        """Record the hops of the blocks (of the prompt's full blocks ``keys``) that
+        now hold reused K/V."""
+        bs = cache.block_size
+        for start, length, hops in zip(self.starts, self.lengths, self.hops, strict=True):
+            b0, b1 = start // bs, min(len(keys), (start + length - 1) // bs + 1)
+            cache.chunks.taint(keys[b0:b1], hops)
+
+
+def find_chunks(cache: TQGPUCache, ids: Sequence[int], spans: Sequence[TokenSpan],
+                tenant: str, lo: int, hi: int, cfg: ChunkReuse,
+                only: Sequence[int] | None = None) -> list[ChunkHit]:
+    """The eligible spans inside positions ``[lo, hi)`` cached by content for
+    ``tenant`` (``only``: just the spans starting there); their source blocks are
+    acquired and on the device tier.
+
+    A stale entry (a block of it gone) is dropped; a chunk whose blocks cannot be
+    brought to the device tier is left to compute.
+    """
+    hits: list[ChunkHit] = []
+    index = cache.chunks
+    with cache.locked():
+        for span in sorted(spans, key=lambda s: s.start):
+            if span.start < lo or span.end > hi or not cfg.eligible(span) or (
+                    only is not None and span.start not in only):
+                continue
+            key = index.key(tenant, span.source_layer, ids[span.start : span.end])
+            entry = index.get(key, tenant)
+            if entry is None or entry.hops >= cfg.max_hops:
+                continue
+            if hits and span.start < hits[-1].start + hits[-1].length:
+                continue  # overlapping spans: the first wins
+            bids = cache.lookup(entry.block_keys, tenant)
+            if len(bids) < len(entry.block_keys):
+                index.discard(key)
+                continue
+            cache.acquire(bids)
+            host = [b for b in bids if cache.metadata.get(b).tier is Tier.HOST]
+            if host and cache.warm_blocks(host) is None:
+                cache.release(bids)
+                continue
+            hits.append(ChunkHit(span.start, span.end - span.start, span.source_layer,
+                                 entry, bids))
+    return hits
+
+
+def release_chunks(cache: TQGPUCache, hits: Sequence[ChunkHit]) -> None:
+    """Let the source blocks of ``hits`` go."""
+    with cache.locked():
+        for hit in hits:
+            cache.release(hit.src_blocks)
+
+
+def _rope_delta(model: _Model, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[n, 1, D]`` rotating a key by ``deltas`` positions."""
+    cos, sin = model.rope(deltas)
+    scaling = float(getattr(model.rotary, "attention_scaling", 1.0) or 1.0)
+    if scaling != 1.0:  # the table scales cos/sin; a delta rotation must not scale twice
+        cos, sin = cos / scaling, sin / scaling
+    return cos.float(), sin.float()
+
+
+def copy_chunks(cache: TQGPUCache, model: _Model, hits: Sequence[ChunkHit],
+                dst_table: torch.Tensor, layers: range) -> None:
+    """Write the K/V of ``hits`` at their new positions (``dst_table``: the request's
+    block table) for ``layers``: values as stored, keys rotated by the position delta."""
+    if not hits:
+        return
+    bs = cache.block_size
+    src, dst, delta = [], [], []
+    for hit in hits:
+        table = cache.block_table(hit.src_blocks).long()
+        off = torch.arange(hit.length) + hit.entry.offset
+        src.append(table[off // bs] * bs + off % bs)
+        pos = torch.arange(hit.start, hit.start + hit.length, device=dst_table.device)
+        dst.append(dst_table[pos // bs] * bs + pos % bs)
+        delta.append(torch.full((hit.length,), hit.start - hit.entry.position))
+    src_slots = torch.cat(src).to(cache.device)
+    dst_slots = torch.cat(dst).to(cache.device)
+    cos, sin = _rope_delta(model, torch.cat(delta).to(model.device))
+    cos, sin = cos.to(cache.device), sin.to(cache.device)
+    native = cache.identity.codec == "native"
+    for layer in layers:
+        offset = None if native else cache.key_offset(layer)
+        k, _ = read_slots(cache, layer, src_slots, values=False)
+        view = cache.layer_view(layer)
+        if offset is not None:
+            k = k + offset
+        write_slots(cache, layer, dst_slots, _rotate(k, cos, sin), None)
+        # values carry no position: the stored bytes move as they are
+        for name in ("v_packed", "v_norms"):
+            t = getattr(view, name)
+            if t.numel() == 0:  # native blocks keep no norms
+                continue
+            flat = t.view(-1, *t.shape[2:])
+            flat.index_copy_(0, dst_slots, flat.index_select(0, src_slots))
+
+
+def select_repair(deviation: torch.Tensor, chunk_rows: Sequence[tuple[int, int]],
+                  cfg: ChunkReuse) -> torch.Tensor:
+    """Which reused rows to recompute: a bool mask over ``deviation``'s rows.
+
+    Args:
+        deviation: ``[n]`` per reused row, how far its cached K/V are from this
+            context's at the selection layer.
+        chunk_rows: per chunk, its rows ``[a, b)`` among those ``n``.
+        cfg: the rule, ratio and first tokens.
+    """
+    n = deviation.shape[0]
+    pick = torch.zeros(n, dtype=torch.bool)
+    if cfg.repair_rule in ("first", "both"):
+        for a, b in chunk_rows:
+            pick[a : min(b, a + cfg.repair_first)] = True
+    if cfg.repair_rule in ("deviation", "both"):
+        want = min(n, math.ceil(cfg.repair_ratio * n))
+        extra = want - int(pick.sum())
+        if extra > 0:
+            dev = deviation.detach().float().cpu().clone()
+            dev[pick] = -math.inf
+            pick[torch.topk(dev, extra).indices] = True
+    return pick
+
+
+def register_chunks(cache: TQGPUCache, ids: Sequence[int], spans: Sequence[TokenSpan],
+                    keys: Sequence[BlockHash], tenant: str, cfg: ChunkReuse) -> int:
+    """Register the spans lying in the registered full blocks (``keys``) by content; a
+    chunk's hops are the most of its blocks' (:meth:`ChunkIndex.taint`).
+
+    Returns:
+        Entries written (an entry that still holds and is as few hops away is kept).
+    """
+    bs = cache.block_size
+    index = cache.chunks
+    written = 0
+    for span in spans:
+        if span.end > len(keys) * bs or span.end - span.start < max(1, cfg.min_tokens):
+            continue
+        b0, b1 = span.start // bs, (span.end - 1) // bs + 1
+        hops = index.hops_of(keys[b0:b1])
+        entry = ChunkEntry(tenant=tenant, label=span.source_layer,
+                           block_keys=tuple(keys[b0:b1]), offset=span.start % bs,
+                           position=span.start, length=span.end - span.start, hops=hops)
+        key = index.key(tenant, span.source_layer, ids[span.start : span.end])
+        held = index.get(key, tenant)
+        keep = None
+        if held is not None and held != entry and held.hops <= hops \
+                and len(cache.lookup(held.block_keys, tenant)) == len(held.block_keys):
+            keep = held
+        written += index.put(key, entry, keep=keep)
+    return written

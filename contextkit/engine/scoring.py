@@ -1,0 +1,91 @@
+"""Teacher-forced scoring: the logits a request's path gives a known continuation
+(:meth:`contextkit.engine.engine.Engine.score`), to measure what a cache format, a
+reuse or a repaired chunk costs in quality."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from contextkit.engine.background import foreground
+from contextkit.engine.blend import prefill_reusing_chunks
+from contextkit.engine.kv import _ContiguousKV
+from contextkit.engine.sequence import close_sequence, open_sequence
+from contextkit.engine.types import TokenSpan
+from gpu_cache import validate_tenant
+
+if TYPE_CHECKING:
+    from contextkit.engine.engine import Engine
+
+__all__ = ["score"]
+
+
+def score(
+    engine: Engine,
+    prompt_ids: Sequence[int],
+    target_ids: Sequence[int],
+    *,
+    tenant: str = "default",
+    use_cache: bool = True,
+    max_reuse_tokens: int | None = None,
+    residual_tokens: int | None = None,
+    sink_tokens: int | None = None,
+    spans: Sequence[TokenSpan] | None = None,
+    chunk_starts: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Teacher-forced logits ``[len(target), V]``: row ``i`` predicts ``target[i]``.
+
+    With the cache, the prompt reuses cached blocks and the target tokens read
+    their own K/V back as decode would (packed, or from the residual window), so
+    the logits reflect the cache format. Without it, everything is one exact
+    full prefill.
+
+    Args:
+        max_reuse_tokens: reuse at most this many cached prompt tokens (to replay
+            the exact path a request took: what it reused, what it computed).
+        residual_tokens: this call's float residual window (default: the
+            engine's; with ``sink_tokens=0``, 0 reads every token back from TQ4).
+        sink_tokens: this call's float attention sink (default: the engine's).
+        spans, chunk_starts: replay a request's chunk reuse
+            (:mod:`contextkit.engine.chunks`): the chunks of ``spans`` starting at
+            ``chunk_starts`` (a :class:`~contextkit.engine.types.GenerationResult`'s
+            ``reused_chunk_starts``) are reused and repaired as that request did.
+
+    Raises:
+        ValueError: an empty target or an over-long sequence.
+        TokenIdError: a token id outside the vocabulary (a ValueError).
+        InvalidNameError: a tenant that breaks :func:`gpu_cache.validate_tenant`.
+    """
+    validate_tenant(tenant)
+    prompt = engine.check_token_ids(prompt_ids, "prompt_ids")
+    target = engine.check_token_ids(target_ids, "target_ids")
+    if not target:
+        raise ValueError("target_ids is empty")
+    ids = prompt + target
+    engine.check_prompt(ids, 0)
+    with foreground(engine):
+        if not use_cache:
+            logits = engine._prefill(ids, 0, _ContiguousKV(engine.model.num_layers),
+                                     all_logits=True)
+            return logits[len(prompt) - 1 : len(ids) - 1]
+        seq = open_sequence(engine.cache, ids, 0, tenant, None, True,
+                            max_reuse=max_reuse_tokens)
+        try:
+            cached = seq.cached_tokens
+            start = min(cached, len(prompt) - 1)
+            kv = engine._paged(seq.block_ids, cached, prompt, start, tenant, residual_tokens,
+                               sink_tokens)
+            if spans and chunk_starts:
+                first, _ = prefill_reusing_chunks(engine, prompt, start, kv, spans, tenant,
+                                                  engine.chunk_reuse, only=chunk_starts)
+            else:
+                first = engine._prefill(prompt, start, kv)
+            if len(target) == 1:
+                return first[None]
+            kv.fresh = False  # target tokens read their own K/V back, as decode does
+            rest = engine._forward(target[:-1], len(prompt), kv, all_logits=True)
+        finally:
+            close_sequence(engine.cache, seq, ids, len(ids) - 1)
+        return torch.cat([first[None], rest])
