@@ -239,7 +239,7 @@ class MemoryReservations:
         without one, the next user message), with its spans."""
         ids, spans, _ = pipeline.assemble(None, history, tenant=tenant, built=built)
         if built.trailing:
-            cut = spans[len(built.main) + len(history)].start - \
+            cut = spans[built.num_spans(built.main) + len(history)].start - \
                 len(self.engine.encode(_ChatML.open("system")))
         else:
             cut = len(ids) - len(self.engine.encode(_ChatML.open("assistant")))

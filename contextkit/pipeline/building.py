@@ -101,6 +101,8 @@ class PromptBuilder:
             # change report and assemble() all reuse these ids.
             texts = {s.layer: section_text(s) for s in sections}
             section_ids = {layer: tuple(self._encode(t)) for layer, t in texts.items()}
+            pieces = {s.layer: _line_pieces(s, section_ids[s.layer], self._encode)
+                      for s in sections}
             first = state.calls == 0
             diff = [name for name, text in texts.items()
                     if first or state.last_texts.get(name) != text]
@@ -137,7 +139,7 @@ class PromptBuilder:
             # Sections end with a newline; the returned text does not.
             text = "".join(texts[sec.layer] for sec in (*main, *trailing))[:-1]
             built = BuiltPrompt(tuple(main), tuple(trailing), text, report, section_ids,
-                                texts, tuple(stable_layers))
+                                texts, tuple(stable_layers), pieces)
             if not commit:
                 return built
             state.rates = rates
@@ -162,6 +164,40 @@ class PromptBuilder:
             "spilled (left out of the prompt; see CallReport.spilled_by_layer). Shorten "
             "the layer or raise its budget (LayerConfig.with_budgets); this warning is "
             "given once per layer", layer, spilled, lines, budget)
+
+
+def _line_pieces(section: PromptSection, ids: Sequence[int],
+                 encode: Encode) -> tuple[int, ...]:
+    """Token counts of a section's pieces (its opening tag, each line, its closing
+    tag, each with its newline) when tokenizing them apart gives the section's own ids
+    (so each line is a chunk by content: :mod:`contextkit.engine.chunks`); ``()``
+    otherwise."""
+    tag = section.layer.upper()
+    texts = [f"[{tag}]\n", *(line.text + "\n" for line in section.lines), f"[/{tag}]\n"]
+    out: list[int] = []
+    pos = 0
+    for text in texts:
+        piece = encode(text)
+        if tuple(ids[pos : pos + len(piece)]) != tuple(piece):
+            return ()
+        out.append(len(piece))
+        pos += len(piece)
+    return tuple(out) if pos == len(ids) else ()
+
+
+def layer_spans(spans: Sequence[TokenSpan]) -> list[TokenSpan]:
+    """``spans`` with each run of touching spans of one label (a layer's lines) merged:
+    one span per layer and per turn, as the served path labels a request."""
+    out: list[TokenSpan] = []
+    for span in sorted(spans, key=lambda s: s.start):
+        last = out[-1] if out else None
+        if (last is not None and last.end == span.start and span.source_layer != "user_turn"
+                and last.source_layer == span.source_layer):
+            out[-1] = TokenSpan(last.start, span.end, last.source_layer,
+                                max(last.importance, span.importance))
+        else:
+            out.append(span)
+    return out
 
 
 def assemble_turn(built: BuiltPrompt, config: LayerConfig, encode: Encode,
@@ -196,7 +232,13 @@ def assemble_turn(built: BuiltPrompt, config: LayerConfig, encode: Encode,
         for s in sections:
             spec = config.get(s.layer)
             imp = max((line.importance for line in s.lines), default=0.5)
-            add("", spec.source, imp, piece=built.section_ids[s.layer])
+            section = built.section_ids[s.layer]
+            at = 0
+            # one span per line where the lines tokenize apart (each is a chunk by
+            # content), else one for the section; the same label either way
+            for size in built.section_pieces.get(s.layer) or (len(section),):
+                add("", spec.source, imp, piece=section[at : at + size])
+                at += size
             if in_stable and spec.stable:
                 stable_end = len(ids)
             else:

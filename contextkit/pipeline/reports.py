@@ -49,9 +49,15 @@ class CallReport:
             tenant's pinned blocks; blocks_by_layer: this tenant's cached blocks per
             source layer (other tenants' blocks are never counted); all three stay
             empty on a served model, whose blocks are the vLLM connector's.
-        reused_by_layer, computed_by_layer: the prompt's reused and computed tokens per
-            source layer (``user_turn`` for the conversation, ``template`` for the chat
-            markup); each sums to ``reused_tokens`` and ``computed_tokens``.
+        chunk_reused_tokens, repaired_tokens: past the cached prefix, tokens whose K/V
+            were moved in from chunks cached elsewhere and not recomputed, and those
+            recomputed to repair the seams (:mod:`contextkit.engine.chunks`; the first
+            are not in ``computed_tokens``); reused_chunks: how many chunks of each
+            label were reused.
+        reused_by_layer, computed_by_layer: the prompt's reused (prefix and moved
+            chunks) and computed tokens per source layer (``user_turn`` for the
+            conversation, ``template`` for the chat markup); they sum to
+            ``reused_tokens + chunk_reused_tokens`` and ``computed_tokens``.
         pin_state: what happened to the stable prefix's pins: ``"pinned"``,
             ``"unpinned"`` (served without pins: the cap of all tenants' pins was
             reached, or the prefix fills no whole block; ``pin_reason`` says which)
@@ -89,6 +95,9 @@ class CallReport:
     blocks_per_tier: dict[str, int] = field(default_factory=dict)
     pinned_blocks: int = 0
     blocks_by_layer: dict[str, int] = field(default_factory=dict)
+    chunk_reused_tokens: int = 0
+    repaired_tokens: int = 0
+    reused_chunks: dict[str, int] = field(default_factory=dict)
     reused_by_layer: dict[str, int] = field(default_factory=dict)
     computed_by_layer: dict[str, int] = field(default_factory=dict)
     pin_state: str = "off"
@@ -114,6 +123,9 @@ class BuiltPrompt:
         section_ids: token ids of each section's text, by layer.
         section_texts: each section's ``[LAYER]...[/LAYER]`` text, by layer.
         stable_layers: the leading main sections that form the stable prefix.
+        section_pieces: per layer, the token counts of its opening tag, each line and
+            its closing tag, where tokenizing them apart gives the section's ids
+            (absent: they do not); the turn's spans then label each line apart.
     """
 
     main: tuple[PromptSection, ...]
@@ -123,6 +135,12 @@ class BuiltPrompt:
     section_ids: dict[str, tuple[int, ...]]
     section_texts: dict[str, str] = field(default_factory=dict)
     stable_layers: tuple[str, ...] = ()
+    section_pieces: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def num_spans(self, sections: Sequence[PromptSection]) -> int:
+        """How many spans :func:`~contextkit.pipeline.building.assemble_turn` labels
+        ``sections`` with (one per line where the lines tokenize apart, else one)."""
+        return sum(len(self.section_pieces.get(s.layer) or (1,)) for s in sections)
 
     def parts(self) -> tuple[str, str, str]:
         """``(stable, changing, trailing)``: the text split where caching changes.
@@ -174,15 +192,17 @@ class PipelineResult:
     report: CallReport
 
 
-def _tokens_by_layer(spans: Sequence[TokenSpan], prompt_tokens: int,
-                     reused: int) -> tuple[dict[str, int], dict[str, int]]:
-    """Split a prompt's reused (the first ``reused``) and computed tokens by the source
-    layer of their span; tokens in no span are the chat markup (``template``)."""
+def _tokens_by_layer(spans: Sequence[TokenSpan], prompt_tokens: int, reused: int,
+                     moved: dict[int, int] | None = None) -> tuple[dict[str, int], dict[str, int]]:
+    """Split a prompt's reused (the first ``reused``, plus ``moved[start]`` tokens of
+    the span starting there) and computed tokens by the source layer of their span;
+    tokens in no span are the chat markup (``template``)."""
     reused_by: dict[str, int] = {}
     computed_by: dict[str, int] = {}
+    moved = moved or {}
 
     def add(layer: str, start: int, end: int) -> None:
-        hit = max(0, min(end, reused) - start)
+        hit = max(0, min(end, reused) - start) + moved.get(start, 0)
         if hit:
             reused_by[layer] = reused_by.get(layer, 0) + hit
         if end - start - hit:
@@ -210,8 +230,14 @@ def fill_report(report: CallReport, result: GenerationResult, spans: Sequence[To
     report.total_ms = result.total_ms
     report.decode_tps = result.decode_tps
     report.blocks_per_tier = dict(result.blocks_per_tier)
+    report.chunk_reused_tokens = result.chunk_reused_tokens
+    report.repaired_tokens = result.repaired_tokens
+    report.reused_chunks = {}
+    for label in result.reused_chunks:
+        report.reused_chunks[label] = report.reused_chunks.get(label, 0) + 1
     report.reused_by_layer, report.computed_by_layer = _tokens_by_layer(
-        spans, result.prompt_tokens, result.reused_tokens)
+        spans, result.prompt_tokens, result.reused_tokens,
+        dict(zip(result.reused_chunk_starts, result.reused_chunk_tokens, strict=True)))
     report.reservation_hit = reservation_hit
 
 

@@ -75,6 +75,7 @@ def _layer_lengths(spans: Sequence[Any], config: Any) -> dict[str, int]:
 
 def _assemble(engine: Any, index: int, config: Any, scale: float
               ) -> tuple[list[int], list[Any]]:
+    from contextkit.pipeline.building import layer_spans
     from contextkit.pipeline.pipeline import CacheAwareContextPipeline
     from contextkit.workloads.replay import AgentReplay
 
@@ -87,7 +88,7 @@ def _assemble(engine: Any, index: int, config: Any, scale: float
         history += [("user", past.user_message), ("assistant", scripted_reply(past.topic, t))]
     pipeline.wrap(replay.build_system_message)(turn)
     ids, spans, _ = pipeline.assemble(replay.turn(turn).user_message, history)
-    return ids, spans
+    return ids, layer_spans(spans)  # the connector labels layers, not lines
 
 
 def agent_prompts(engine: Any, num: int, prompt_tokens: int, *, scale: float = 0.3

@@ -99,7 +99,7 @@ ASK2 = "Roll it back then; how long does that take?"
 
 def trailing_start(pipeline: CacheAwareContextPipeline, engine: Engine, ids: list[int],
                    spans: list, built: Any, history: Sequence[tuple[str, str]]) -> int:
-    return spans[len(built.main) + len(history)].start - \
+    return spans[built.num_spans(built.main) + len(history)].start - \
         len(engine.encode(_ChatML.open("system")))
 
 
