@@ -25,7 +25,9 @@ class RecoveryReport:
     ``block_ids`` maps each recovered session to the cache ids of its blocks in
     manifest order (``None`` where a block was skipped). ``rollbacks`` names the
     sessions recovered from a manifest older than the newest generation the store
-    records for them (accepted by the caller), with why.
+    records for them (accepted by the caller), with why. ``chunks`` counts the chunk
+    index entries put back, ``chunks_dropped`` those left out because a block of theirs
+    was not recovered, and ``chunks_refused`` says why each unreadable entry was refused.
     """
 
     sessions: list[str] = field(default_factory=list)
@@ -38,6 +40,9 @@ class RecoveryReport:
     errors: dict[str, str] = field(default_factory=dict)
     block_ids: dict[str, list[int | None]] = field(default_factory=dict)
     rollbacks: dict[str, str] = field(default_factory=dict)
+    chunks: int = 0
+    chunks_dropped: int = 0
+    chunks_refused: list[str] = field(default_factory=list)
 
     @property
     def num_skipped(self) -> int:
@@ -54,6 +59,9 @@ class RecoveryReport:
         self.errors.update(other.errors)
         self.block_ids.update(other.block_ids)
         self.rollbacks.update(other.rollbacks)
+        self.chunks += other.chunks
+        self.chunks_dropped += other.chunks_dropped
+        self.chunks_refused += other.chunks_refused
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able summary (counts, plus the reasons of skips and errors)."""
@@ -68,6 +76,9 @@ class RecoveryReport:
             "pinned": self.pinned,
             "errors": dict(self.errors),
             "rollbacks": dict(self.rollbacks),
+            "chunks": self.chunks,
+            "chunks_dropped": self.chunks_dropped,
+            "chunks_refused": list(self.chunks_refused),
             "skipped_blocks": [
                 {"session_id": s.session_id, "index": s.index, "key": s.key, "reason": s.reason}
                 for s in self.skipped

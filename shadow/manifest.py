@@ -45,6 +45,7 @@ from gpu_cache import TENSOR_NAMES, CacheIdentity, CacheIdentityError, InvalidNa
 from gpu_cache.calibration import key_offset_digest
 from gpu_cache.formats import FORMATS, tensor_specs
 from gpu_cache.ids import MAX_NAME_LENGTH, validate_name, validate_tenant
+from shadow._chunk_index import ChunkSection
 from shadow._errors import CorruptShadowError, InvalidSessionIdError
 from shadow._fields import (
     FieldError,
@@ -306,6 +307,9 @@ class Manifest:
     updated_at: float = field(default_factory=time.time)
     #: the cache's per-head key offsets (float32 ``[L, H, D]``, little-endian), if any
     key_offsets: bytes | None = None
+    #: the cache's chunk index over these blocks (``chunks``, ``block_hops``; see
+    #: :mod:`shadow._chunk_index`)
+    chunk_index: ChunkSection = field(default_factory=ChunkSection)
     #: whether the manifest read carried a MAC that checked out (not stored)
     authenticated: bool = False
     #: block records that could not be read: manifest position -> why (not stored; the
@@ -368,6 +372,7 @@ class Manifest:
                             if self.key_offsets is not None else None),
             "segments": [s.to_dict() for s in self.segments],
             "blocks": [b.to_dict() for b in self.blocks],
+            **self.chunk_index.to_doc(),
         }
         if key is not None:
             doc["mac"] = sign(doc, key, "manifest")
@@ -471,7 +476,8 @@ class Manifest:
                        created_at=_number(doc["created_at"], "created_at", 0.0, 1e12),
                        updated_at=_number(doc["updated_at"], "updated_at", 0.0, 1e12),
                        key_offsets=(base64.b64decode(raw_offsets, validate=True)
-                                    if raw_offsets else None))
+                                    if raw_offsets else None),
+                       chunk_index=ChunkSection.from_doc(doc, blocks, identity.block_size))
         manifest._check_consistent(where)
         want = manifest.identity
         if manifest.key_offsets is not None and (

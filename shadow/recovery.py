@@ -4,9 +4,11 @@ Recovery reads a session's manifest (the only authoritative file), checks that i
 the newest generation the store records (:mod:`shadow.freshness`) and the cache
 identity, streams the referenced block ranges, verifies every block (its MAC with a
 key, its CRC-32s without) and imports the good blocks into the host tier with their
-metadata and keys (:mod:`shadow._reader`). Blocks that were pinned are pinned again
-(which warms them to the device tier). A bad block (or block record) is skipped and
-reported; a bad session is reported and never stops the recovery of the others.
+metadata and keys (:mod:`shadow._reader`), then the manifest's chunk index entries
+whose blocks are all in the cache (:mod:`shadow._chunk_index`). Blocks that were pinned
+are pinned again (which warms them to the device tier). A bad block (or block record) is
+skipped and reported; a bad session is reported and never stops the recovery of the
+others.
 """
 
 from __future__ import annotations
@@ -226,6 +228,13 @@ def recover_session(
     finally:
         reader.close()
 
+    # the chunk index over the blocks now in the cache (those of skipped blocks dropped)
+    report.chunks, report.chunks_dropped = manifest.chunk_index.restore(cache, manifest.blocks)
+    report.chunks_refused += [f"{session_id}: {why}" for why in manifest.chunk_index.refused]
+    if manifest.chunk_index.refused:
+        logger.warning("session %s: left out %d unreadable chunk index entries (first: %s)",
+                       session_id, len(manifest.chunk_index.refused),
+                       manifest.chunk_index.refused[0])
     if repin:
         pinned = [ids[pos] for pos, rec in zip(manifest.positions(), manifest.blocks,
                                                strict=True) if rec.pinned]

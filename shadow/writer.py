@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from gpu_cache import BlockMeta, InvalidNameError, TQGPUCache, validate_tenant
+from shadow._chunk_index import ChunkSection
 from shadow._errors import BlobNotFoundError, CorruptShadowError, TamperedShadowError
 from shadow._segments import SegmentWriter
 from shadow.auth import KEY_STEP, resolve_key
@@ -491,6 +492,8 @@ class CacheShadow:
                             segments=segments, blocks=records, next_segment=next_segment,
                             created_at=prev.created_at if prev else now, updated_at=now,
                             key_offsets=self._key_offset_bytes(),
+                            chunk_index=ChunkSection.collect(cache.chunks, records,
+                                                             identity.block_size),
                             authenticated=self._key is not None)
         raw = manifest.to_json(self._key)
         self.store.put(manifest_key(self.session_id), raw)  # the commit point
