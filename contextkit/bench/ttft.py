@@ -25,9 +25,19 @@ reply, as the baseline's is with ``--no-quality``), and their medians over all t
 ``decode_tps_p50`` (contextkit) and ``decode_tps_baseline_p50``; the native cached run
 adds ``decode_tps_native_cached``. ``contextkit bench decode`` measures decode alone.
 
+Reuse beyond the prefix (:mod:`contextkit.engine.chunks`, on unless
+``--no-chunk-reuse``): per turn ``chunk_reused_tokens`` (moved in from layers, lines and
+turns cached at other positions, not recomputed), ``repaired_tokens`` and
+``reused_chunks`` (per label); with the quality runs, a TQ4 sibling that moves every
+cached chunk in and repairs nothing follows the same prompts: ``ttft_ms_chunk_ceiling``,
+``speedup_memory_change_ceiling_p50`` and ``ceiling_fraction_memory_change``, what reuse
+by content can reach on the memory-change turns. ``top1_agreement_chunk_turns`` and
+``ppl_ratio_chunk_turns`` (held-out perplexity after the prompt, the turn's path over a
+full prefill, geometric mean) are measured on exactly the turns that reused chunks.
+
 Quality: ``top1_agreement_tq4`` teacher-forces the baseline's replies through the
-TQ4 path the turn took (the same reused prefix, the same computed tail, the engine's
-float sink and residual window); ``top1_agreement_tq4_packed_only`` does the same
+TQ4 path the turn took (the same reused prefix, the same chunks moved in and repaired,
+the same computed tail, the engine's float sink and residual window); ``top1_agreement_tq4_packed_only`` does the same
 with every token read back from TQ4 (no sink, no window), to show what the overlay
 buys. ``ppl_ratio_tq4`` compares perplexity of a held-out continuation of the last
 prompt with the TQ4 cache against a native full prefill.
@@ -71,13 +81,12 @@ import torch
 from tqdm import tqdm
 
 from contextkit.bench._common import (
-    machine_info,
     non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
-    print_table,
 )
+from contextkit.bench._ttft_report import report
 
 __all__ = ["DEFAULT_THINK_S", "HELD_OUT", "HELP", "add_arguments", "run", "run_replay"]
 
@@ -127,6 +136,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-reserve", action="store_true",
                         help="no background work between turns (no history extension, no "
                              "memory reservations): the comparison run")
+    parser.add_argument("--no-chunk-reuse", action="store_true",
+                        help="prefix reuse only: a changed layer recomputes everything after "
+                             "it (the ablation of reuse beyond the prefix)")
     parser.add_argument("--reserve-candidates", type=non_negative_int, default=2,
                         help="predicted memory neighborhoods reserved and prefilled after "
                              "each reply (default 2)")
@@ -152,6 +164,7 @@ def run_replay(
     reserve: bool = True,
     reserve_candidates: int = 2,
     think_s: float = DEFAULT_THINK_S,
+    chunk_reuse: bool = True,
 ) -> dict[str, Any]:
     """Run the agent replay; per-turn TTFTs and reuse, plus quality figures.
 
@@ -170,7 +183,10 @@ def run_replay(
         reserve_candidates: memory neighborhoods reserved after each reply.
         think_s: the think window before each turn (>= 2): the longest the bench
             waits for the background work, with nothing else running.
+        chunk_reuse: reuse layers, lines and turns past the cached prefix
+            (:mod:`contextkit.engine.chunks`); off: prefix reuse only (the ablation).
     """
+    from contextkit.engine.chunks import ChunkReuse
     from contextkit.engine.engine import Engine
     from contextkit.pipeline.pipeline import CacheAwareContextPipeline
     from contextkit.workloads.replay import AgentReplay
@@ -179,7 +195,10 @@ def run_replay(
         raise ValueError(f"turns must be >= 1, got {turns}")
     if engine is None:
         engine = Engine.from_pretrained(num_device_blocks=device_blocks,
-                                        num_host_blocks=host_blocks)
+                                        num_host_blocks=host_blocks, chunk_reuse=chunk_reuse)
+    elif engine.chunk_reuse.enabled != chunk_reuse:
+        engine = engine.sibling(chunk_reuse=chunk_reuse, num_device_blocks=device_blocks,
+                                num_host_blocks=host_blocks)
     replay = AgentReplay(turns, scale=scale, memory_graph=memory_graph)
     if memory_graph is not None:
         replay.seed_memory(memory_graph)  # idempotent: nothing added when seeded already
@@ -189,11 +208,14 @@ def run_replay(
 
     # Native-format siblings share the weights; their blocks are ~20x larger, so they
     # get just enough device blocks for a few turns' prompts.
-    pc_engine = native = None
+    pc_engine = native = ceiling = None
     records: list[dict[str, Any]] = []
     history: list[tuple[str, str]] = []
     agree_native: list[bool] = []
     top1_hits = top1_total = top1_packed_hits = 0
+    chunk_hits = chunk_total = 0
+    chunk_nll: list[float] = []
+    held = engine.encode(HELD_OUT)
     bar = tqdm(total=turns, desc="replay", unit="turn", file=sys.stderr, disable=not progress)
     for t in range(turns):
         think = _think_window(reservations, think_s if t else 0.0)
@@ -213,7 +235,13 @@ def run_replay(
                                                num_host_blocks=16, eviction_policy="lru")
                 if quality:
                     native = engine.sibling("native", num_device_blocks=room,
-                                            num_host_blocks=16)
+                                            num_host_blocks=16, chunk_reuse=False)
+                    if engine.chunk_reuse.enabled:
+                        # reuse's ceiling: every cached chunk moved in, nothing repaired
+                        ceiling = engine.sibling(
+                            num_device_blocks=device_blocks, num_host_blocks=host_blocks,
+                            chunk_reuse=ChunkReuse(repair_ratio=0.0, repair_first=0,
+                                                   select_layer=0, max_hops=1 << 30))
 
             ck = pipeline.generate(turn.user_message, history=history,
                                    max_new_tokens=max_new_tokens)
@@ -231,6 +259,9 @@ def run_replay(
                 **_decode_figures(base, "baseline"),
                 "reused_tokens": ck.generation.reused_tokens,
                 "computed_tokens": ck.generation.computed_tokens,
+                "chunk_reused_tokens": ck.generation.chunk_reused_tokens,
+                "repaired_tokens": ck.generation.repaired_tokens,
+                "reused_chunks": dict(ck.report.reused_chunks),
                 "flop_ratio": (engine.prefill_flops(len(ids))
                                / engine.prefill_flops(len(ids), ck.generation.reused_tokens)),
                 "kv_reuse_ratio": ck.generation.kv_reuse_ratio,
@@ -250,6 +281,10 @@ def run_replay(
                 pc = pc_engine.generate(ids_user, max_new_tokens=1, spans=spans_user)
                 record["ttft_ms_prefix_cache"] = pc.ttft_ms
                 record["reused_tokens_prefix_cache"] = pc.reused_tokens
+            if ceiling is not None:
+                top = ceiling.generate(ids, max_new_tokens=1, spans=spans)
+                record["ttft_ms_chunk_ceiling"] = top.ttft_ms
+                record["computed_tokens_chunk_ceiling"] = top.computed_tokens
             if quality and native is not None:
                 nat = native.generate(ids, max_new_tokens=max_new_tokens, spans=spans)
                 same = nat.token_ids == base.token_ids
@@ -260,8 +295,15 @@ def run_replay(
                 record["native_reply_identical"] = same
                 target = torch.tensor(base.token_ids)
                 reused = ck.generation.reused_tokens
-                logits = engine.score(ids, base.token_ids, max_reuse_tokens=reused)
+                path = {"max_reuse_tokens": reused, "spans": spans,
+                        "chunk_starts": ck.generation.reused_chunk_starts}
+                logits = engine.score(ids, base.token_ids, **path)
                 hits = int((logits.argmax(dim=-1) == target).sum())
+                if ck.generation.reused_chunks:  # the turns whose chunks were reused
+                    chunk_hits += hits
+                    chunk_total += len(base.token_ids)
+                    chunk_nll.append(_nll(engine.score(ids, held, **path), held)
+                                     - _nll(engine.score(ids, held, use_cache=False), held))
                 packed = engine.score(ids, base.token_ids, max_reuse_tokens=reused,
                                       residual_tokens=0, sink_tokens=0)
                 top1_packed_hits += int((packed.argmax(dim=-1) == target).sum())
@@ -282,7 +324,8 @@ def run_replay(
         reservations.reserver.close()
         stats = reservations.stats().as_dict()
 
-    out: dict[str, Any] = {"turns": turns, "records": records}
+    out: dict[str, Any] = {"turns": turns, "records": records,
+                           "chunk_reuse": engine.chunk_reuse.enabled}
     out.update(_reservation_figures(records, stats, reserve=reserve, think_s=think_s,
                                     candidates=reserve_candidates))
     later = records[1:] if len(records) > 1 else records
@@ -305,10 +348,15 @@ def run_replay(
             r["ttft_ms_baseline"] / r["ttft_ms_native_cached"] for r in later)
         out["decode_tps_native_cached_p50"] = _median_of(records, "decode_tps_native_cached")
         out["top1_agreement_tq4"] = top1_hits / max(1, top1_total)
+        out["chunk_turns"] = len(chunk_nll)
+        out["top1_agreement_chunk_turns"] = chunk_hits / chunk_total if chunk_total else None
+        # perplexity of the held-out text after each chunk turn's prompt, the path
+        # the turn took over a full prefill (geometric mean over those turns)
+        out["ppl_ratio_chunk_turns"] = (math.exp(statistics.fmean(chunk_nll))
+                                        if chunk_nll else None)
         out["top1_agreement_tq4_packed_only"] = top1_packed_hits / max(1, top1_total)
         out["residual_tokens"] = engine.residual_tokens
         out["sink_tokens"] = engine.sink_tokens
-        held = engine.encode(HELD_OUT)
         ids, _, _ = pipeline.assemble(replay.turn(turns - 1).user_message, history)
         out["ppl_tq4"] = _perplexity(engine.score(ids, held), held)
         out["ppl_native"] = _perplexity(engine.score(ids, held, use_cache=False), held)
@@ -390,6 +438,12 @@ def _reservation_figures(records: list[dict[str, Any]], stats: dict[str, Any] | 
         return statistics.median(r["ttft_ms_baseline"] / r["ttft_ms_contextkit"]
                                  for r in rows) if rows else None
 
+    def ceiling(rows: list[dict[str, Any]]) -> float | None:
+        rows = [r for r in rows if "ttft_ms_chunk_ceiling" in r]
+        return statistics.median(r["ttft_ms_baseline"] / r["ttft_ms_chunk_ceiling"]
+                                 for r in rows) if rows else None
+
+    change_ceiling = ceiling(change)
     return {
         "think_s": think_s,
         "reserve": reserve,
@@ -399,6 +453,11 @@ def _reservation_figures(records: list[dict[str, Any]], stats: dict[str, Any] | 
                                  / len(change)) if change else None,
         "speedup_memory_change_p50": p50(change),
         "speedup_steady_p50": p50(steady),
+        # the same turns with every cached chunk moved in and nothing repaired (no
+        # reservations): what reuse by content can reach on them
+        "speedup_memory_change_ceiling_p50": change_ceiling,
+        "ceiling_fraction_memory_change": (p50(change) / change_ceiling  # type: ignore[operator]
+                                           if change_ceiling and change else None),
         "speedup_total": (sum(r["ttft_ms_baseline"] for r in later)
                           / sum(r["ttft_ms_contextkit"] for r in later)) if later else None,
         "ttft_ms_memory_change": [round(r["ttft_ms_contextkit"], 1) for r in change],
@@ -407,15 +466,9 @@ def _reservation_figures(records: list[dict[str, Any]], stats: dict[str, Any] | 
     }
 
 
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def _rounded(value: float | None, rate: bool) -> float | None:
-    """A time in ms to 0.1 ms, a rate to 4 significant digits; ``None`` as it is."""
-    if value is None:
-        return None
-    return float(f"{value:.4g}") if rate else round(value, 1)
+def _nll(logits: torch.Tensor, target: list[int]) -> float:
+    """Mean negative log-likelihood of ``target`` under teacher-forced ``logits``."""
+    return math.log(_perplexity(logits, target))
 
 
 def _perplexity(logits: torch.Tensor, target: list[int]) -> float:
@@ -477,76 +530,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 host_blocks=args.host_blocks, quality=not args.no_quality,
                                 memory_graph=graph, reserve=not args.no_reserve,
                                 reserve_candidates=args.reserve_candidates,
-                                think_s=args.think_s)
+                                think_s=args.think_s, chunk_reuse=not args.no_chunk_reuse)
         finally:
             graph.close()
-    records = result.pop("records")
-    machine = machine_info()
-    out: dict[str, Any] = {
-        "bench": "ttft",
-        "machine": machine,
-        "turns": result["turns"],
-        "prompt_tokens": [r["prompt_tokens"] for r in records],
-        "ttft_ms_baseline": [round(r["ttft_ms_baseline"], 1) for r in records],
-        "ttft_ms_contextkit": [round(r["ttft_ms_contextkit"], 1) for r in records],
-        "ttft_ms_prefix_cache": [round(r["ttft_ms_prefix_cache"], 1) for r in records],
-        "reused_tokens": [r["reused_tokens"] for r in records],
-        "computed_tokens": [r["computed_tokens"] for r in records],
-        "reused_tokens_prefix_cache": [r["reused_tokens_prefix_cache"] for r in records],
-        "prefix_broken_by": [r["prefix_broken_by"] for r in records],
-        "flop_ratio": [round(r["flop_ratio"], 3) for r in records],
-        "background_cpu_s": [round(r["background_cpu_s"], 3) for r in records],
-        "background_done": [r["background_done"] for r in records],
-        "reservation_hit": [r["reservation_hit"] for r in records],
-        "extension_tokens": [r["extension_tokens"] for r in records],
-        "foreground_wait_ms": [round(r["foreground_wait_ms"], 2) for r in records],
-        "stall_ms": [round(r["stall_ms"], 2) for r in records],
-        **{f"{k}_{who}": [r[f"{k}_{who}"] if k == "generated_tokens" else
-                          _rounded(r[f"{k}_{who}"], k == "decode_tps")
-                          for r in records]
-           for who in ("contextkit", "baseline")
-           for k in ("total_ms", "generated_tokens", "decode_tps")},
-        **({"ttft_ms_native_cached": [round(r["ttft_ms_native_cached"], 1) for r in records],
-            "reused_tokens_native_cached": [r["reused_tokens_native_cached"] for r in records],
-            "decode_tps_native_cached": [_rounded(r["decode_tps_native_cached"], True)
-                                         for r in records]}
-           if "ttft_ms_native_cached" in records[0] else {}),
-        **{k: v for k, v in result.items() if k not in ("cache",)},
-        "blocks_per_tier": records[-1]["blocks_per_tier"],
-    }
-    png = plot_ttft(records, Path(args.out) / "ttft.png",
-                    f"agent replay, {records[-1]['prompt_tokens']:,}-token prompt "
-                    f"({machine['device_name']})")
-    out["plot"] = str(png)
-    rows: list[tuple[str, Any]] = [
-        ("turns | prompt tokens (last)", f"{out['turns']} | {records[-1]['prompt_tokens']:,}"),
-        ("TTFT p50 baseline | contextkit (ms)",
-         f"{statistics.median(out['ttft_ms_baseline'][1:] or out['ttft_ms_baseline']):,.0f} | "
-         f"{statistics.median(out['ttft_ms_contextkit'][1:] or out['ttft_ms_contextkit']):,.0f}"),
-        ("speedup_p50 (turns >= 2)", out["speedup_p50"]),
-        ("decode tokens/s p50 baseline | contextkit",
-         f"{_fmt(out['decode_tps_baseline_p50'])} | {_fmt(out['decode_tps_p50'])}"),
-        ("  FLOP ratio full / reused prefill, p50", out["flop_ratio_p50"]),
-        ("speedup_vs_prefix_cache_p50", out["speedup_vs_prefix_cache_p50"]),
-        ("flatness (last / turn 2)", out["flatness"]),
-        ("speedup_total (sum baseline / sum contextkit)", out["speedup_total"]),
-        ("think time per turn (s) | reservations",
-         f"{out['think_s']:g} | " + (f"on, {out['reserve_candidates']} candidates"
-                                     if out["reserve"] else "off (--no-reserve)")),
-        ("memory-change turns", ", ".join(map(str, out["memory_change_turns"])) or "none"),
-        ("reservation_hit_rate", "- (no memory-change turn)"
-         if out["reservation_hit_rate"] is None else out["reservation_hit_rate"]),
-        ("speedup p50 memory-change | steady turns",
-         f"{_fmt(out['speedup_memory_change_p50'])} | {_fmt(out['speedup_steady_p50'])}"),
-        ("background CPU (s, all think windows)", out["background_cpu_s_total"]),
-    ]
-    if "agreement_native" in out:
-        rows += [("  lossless reuse of the same tokens: speedup p50",
-                  out["speedup_native_cached_p50"]),
-                 ("agreement_native", out["agreement_native"]),
-                 ("top1_agreement_tq4", out["top1_agreement_tq4"]),
-                 ("  packed only (no float sink/window)", out["top1_agreement_tq4_packed_only"]),
-                 ("ppl_ratio_tq4", out["ppl_ratio_tq4"])]
-    rows.append(("plot", png))
-    print_table("bench ttft", rows)
-    return out
+    return report(result, Path(args.out), plot_ttft)

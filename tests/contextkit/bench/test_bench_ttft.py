@@ -47,7 +47,15 @@ def test_bench_ttft_reports_every_field(tmp_path: Path, capsys: pytest.CaptureFi
     assert all(2 * c < p for c, p in zip(result["computed_tokens"][1:],
                                          result["prompt_tokens"][1:], strict=True))
     assert sum(result["reused_tokens"][1:]) > sum(result["reused_tokens_prefix_cache"][1:])
-    assert result["agreement_native"] == 1.0
+    assert result["agreement_native"] == 1.0  # the lossless sibling reuses prefixes only
+    # reuse beyond the prefix: turn 2 changes a layer mid-prompt and moves the rest in;
+    # the ceiling (every chunk moved, none repaired) never computes more than it
+    assert result["chunk_reuse"] is True and result["chunk_reused_tokens"][0] == 0
+    assert result["chunk_reused_tokens"][1] > 0 and result["chunk_turns"] >= 1
+    assert all(top <= c for top, c in zip(result["computed_tokens_chunk_ceiling"],
+                                          result["computed_tokens"], strict=True))
+    assert result["top1_agreement_chunk_turns"] > 0.8
+    assert 0.9 < result["ppl_ratio_chunk_turns"] < 1.2
     # the lossless sibling reused what the TQ4 path reused
     assert result["reused_tokens_native_cached"][1:] == result["reused_tokens"][1:]
     assert result["flop_ratio"][0] == 1.0 and result["flop_ratio_p50"] > 2.0
