@@ -56,6 +56,8 @@ def policy_figures(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "host_hit_rate": round(warmed / prompt, 4) if prompt else 0.0,
         "reused_tokens": reused,
         "computed_tokens": sum(r["computed_tokens"] for r in rows),
+        "chunk_reused_tokens": sum(r.get("chunk_reused_tokens", 0) for r in rows),
+        "repaired_tokens": sum(r.get("repaired_tokens", 0) for r in rows),
         "blocks_moved": sum(r["blocks_moved"] for r in rows),
         "bytes_moved": sum(r["bytes_moved"] for r in rows),
         "pinned_blocks_evicted": sum(r["pinned_blocks_evicted"] for r in rows),

@@ -35,6 +35,10 @@ on the device over prompt tokens, ``host_hit_rate`` reused tokens the request br
 up from the host tier (:attr:`~contextkit.engine.engine.GenerationResult.warmed_tokens`) over
 prompt tokens; blocks and bytes moved between tiers; ``pinned_blocks_evicted`` counts
 blocks pinned when a step began that were off the device when it ended (must be 0).
+Reuse beyond the prefix (:mod:`contextkit.engine.chunks`) is on unless
+``--no-chunk-reuse``: per policy ``chunk_reused_tokens`` and ``repaired_tokens``; the
+ceiling (every agent fits) is run with it and again with prefix reuse only
+(``computed_tokens_prefix_only``: the floor of prefix reuse on this schedule).
 """
 
 from __future__ import annotations
@@ -100,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=1,
                         help="reply length per turn (default 1: TTFT is the figure)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="workload seed")
+    parser.add_argument("--no-chunk-reuse", action="store_true",
+                        help="prefix reuse only (the ablation of reuse beyond the prefix: "
+                             "docs/chunks.md)")
     parser.add_argument("--out", default=None, help="also write the JSON result here")
     parser.add_argument("--plot", default=None,
                         help="write the TTFT-per-step and sweep plot (PNG) here")
@@ -345,6 +352,8 @@ def run_policy(engine: Engine, workload: MultiAgentWorkload, policy: str, sizes:
             g = res.generation
             row.update(prompt_tokens=g.prompt_tokens, reused_tokens=g.reused_tokens,
                        warmed_tokens=g.warmed_tokens, computed_tokens=g.computed_tokens,
+                       chunk_reused_tokens=g.chunk_reused_tokens,
+                       repaired_tokens=g.repaired_tokens,
                        ttft_ms=g.ttft_ms, prefix_broken_by=res.report.prefix_broken_by,
                        pin_state=res.report.pin_state,
                        blocks_moved=(cache.stats.blocks_warmed + cache.stats.blocks_spilled
@@ -399,7 +408,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     workload = MultiAgentWorkload(args.agents, num_tenants=args.tenants, steps=args.steps,
                                   seed=args.seed, scale=args.scale)
-    engine = Engine.from_pretrained(num_device_blocks=16, num_host_blocks=16, metrics=False)
+    engine = Engine.from_pretrained(num_device_blocks=16, num_host_blocks=16, metrics=False,
+                                    chunk_reuse=not args.no_chunk_reuse)
     tokens, prompt_blocks, stable_blocks = dry_build(engine, workload, args.steps)
 
     def size(device_agents: int) -> Sizes:
@@ -422,9 +432,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device_blocks": everyone.device_blocks, "host_blocks": everyone.host_blocks,
         "ttft_p50": policy_figures(fits["rows"])["ttft_p50"],
         "computed_tokens": sum(r["computed_tokens"] for r in fits["rows"]),
+        "chunk_reused_tokens": sum(r["chunk_reused_tokens"] for r in fits["rows"]),
         "speedup_vs_lru_p50": bound["speedup_vs_lru_p50"]["fits"],
         "speedup_vs_lru_of_medians": bound["speedup_vs_lru_of_medians"]["fits"],
     }
+    if engine.chunk_reuse.enabled:
+        # the same ceiling with prefix reuse only: the floor reuse by prefix cannot go under
+        floor = run_policy(engine.sibling(chunk_reuse=False, num_device_blocks=16,
+                                          num_host_blocks=16),
+                           workload, "semantic", everyone, steps=args.steps,
+                           max_new_tokens=args.max_new_tokens, prompt_tokens=tokens)
+        result["ceiling"]["computed_tokens_prefix_only"] = sum(
+            r["computed_tokens"] for r in floor["rows"])
     sweep_steps = min(args.sweep_steps, args.steps)
     sweep: list[dict[str, Any]] = []
     for device_agents in parse_sweep(args.sweep, args.agents):
@@ -466,6 +485,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           for p in POLICIES],
         *[(f"speedup_vs_lru_p50 {p}", result["speedup_vs_lru_p50"][p]) for p in POLICIES[1:]],
         ("ceiling: speedup_vs_lru_p50 if every agent fit", result["ceiling"]["speedup_vs_lru_p50"]),
+        *[(f"tokens computed | moved in as chunks {p}",
+           f"{pol[p]['computed_tokens']:,} | {pol[p]['chunk_reused_tokens']:,}") for p in POLICIES],
+        ("ceiling: tokens computed | with prefix reuse only",
+         f"{result['ceiling']['computed_tokens']:,} | "
+         f"{result['ceiling'].get('computed_tokens_prefix_only', '-')}"),
         *[(f"hit rate device | host {p}", f"{pol[p]['device_hit_rate']:.2f} | "
                                           f"{pol[p]['host_hit_rate']:.2f}") for p in POLICIES],
         ("pinned_blocks_evicted", {p: pol[p]["pinned_blocks_evicted"] for p in POLICIES}),

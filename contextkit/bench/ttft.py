@@ -38,9 +38,10 @@ full prefill, geometric mean) are measured on exactly the turns that reused chun
 Quality: ``top1_agreement_tq4`` teacher-forces the baseline's replies through the
 TQ4 path the turn took (the same reused prefix, the same chunks moved in and repaired,
 the same computed tail, the engine's float sink and residual window);
-``top1_agreement_tq4_packed_only`` does the same with every token read back from TQ4 (no sink, no window), to show what the overlay
-buys. ``ppl_ratio_tq4`` compares perplexity of a held-out continuation of the last
-prompt with the TQ4 cache against a native full prefill.
+``top1_agreement_tq4_packed_only`` does the same with every token read back from TQ4
+(no sink, no window), to show what the overlay buys. ``ppl_ratio_tq4`` compares
+perplexity of a held-out continuation of the last prompt with the TQ4 cache against a
+native full prefill.
 
 Think time and reservations: the memories layer comes from a seeded
 :class:`memory_graph.MemoryGraph` (SQLite in a temporary directory, the packaged

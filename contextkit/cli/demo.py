@@ -126,7 +126,7 @@ def run_demo(args: argparse.Namespace) -> int:
             _say(f"previous shadow not restored ({exc}); starting cold")
 
     _say(f"replaying {args.turns} turns (contextkit vs full prefill per turn) ...")
-    header = f"{'turn':>4}  {'prompt':>6}  {'reused':>6}  {'computed':>8}  " \
+    header = f"{'turn':>4}  {'prompt':>6}  {'reused':>6}  {'moved':>5}  {'computed':>8}  " \
              f"{'baseline':>9}  {'contextkit':>10}  {'speedup':>7}  {'decode tok/s':>12}  " \
              "broken by"
     _say(header)
@@ -134,7 +134,8 @@ def run_demo(args: argparse.Namespace) -> int:
     def show(r: dict[str, Any]) -> None:
         tps = r["decode_tps_contextkit"]
         _say(f"{r['turn']:>4}  {r['prompt_tokens']:>6}  {r['reused_tokens']:>6}  "
-             f"{r['computed_tokens']:>8}  {r['ttft_ms_baseline'] / 1000:>8.2f}s  "
+             f"{r['chunk_reused_tokens']:>5}  {r['computed_tokens']:>8}  "
+             f"{r['ttft_ms_baseline'] / 1000:>8.2f}s  "
              f"{r['ttft_ms_contextkit'] / 1000:>9.2f}s  "
              f"{r['ttft_ms_baseline'] / r['ttft_ms_contextkit']:>6.1f}x  "
              f"{'-' if tps is None else f'{tps:.1f}':>12}  "

@@ -4,6 +4,7 @@ log-sum-exp merging. Shapes are documented per function."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 __all__: list[str] = []
 
@@ -92,8 +93,8 @@ def _attend(q: torch.Tensor, k_prefix: torch.Tensor | None, v_prefix: torch.Tens
     return out[0].transpose(0, 1).to(q.dtype)
 
 
-#: Query rows per step of :func:`attend_positions` (bounds the masked pass's scores).
-_ROWS_PER_STEP = 128
+#: Query rows per step of :func:`attend_positions` (bounds its mask: rows x tokens).
+_ROWS_PER_STEP = 1024
 
 
 def attend_positions(q: torch.Tensor, positions: torch.Tensor, k_all: torch.Tensor,
@@ -105,33 +106,22 @@ def attend_positions(q: torch.Tensor, positions: torch.Tensor, k_all: torch.Tens
         k_all, v_all: ``[N, Hkv, D]``, the tokens ``0..N`` (``N > positions[-1]``).
 
     Returns:
-        ``[T, Hq, D]``. Queries go in steps of consecutive rows: everything before a
-        step's first position is one flash pass, the span the step covers a masked
-        pass, merged by their log-sum-exp; so no ``T x N`` mask is built and the masked
-        work stays about ``rows per step x N`` in all.
+        ``[T, Hq, D]``: the fused SDPA kernel with a boolean mask (grouped-query heads
+        read each K/V head once), in steps of query rows, each over the tokens up to
+        its last position.
     """
     num_new, num_q, _ = q.shape
-    num_kv = k_all.shape[1]
-    group = num_q // num_kv
-    pos = positions.tolist()
+    group_heads = num_q != k_all.shape[1]
+    keys, values = k_all.transpose(0, 1)[None], v_all.transpose(0, 1)[None]  # [1, Hkv, N, D]
+    cols = torch.arange(k_all.shape[0], device=q.device)
+    at = positions.to(q.device)
     outs = []
     for r0 in range(0, num_new, _ROWS_PER_STEP):
         r1 = min(r0 + _ROWS_PER_STEP, num_new)
-        p0, p1 = pos[r0], pos[r1 - 1] + 1
-        qs = _fold(q[r0:r1], num_kv)  # [1, Hkv, t*G, D], rows t*G + g
-        ks, vs = k_all[p0:p1].transpose(0, 1), v_all[p0:p1].transpose(0, 1)  # [Hkv, S, D]
-        cols = torch.arange(p0, p1, device=q.device)
-        seen = (cols[None, :] <= positions[r0:r1, None].to(q.device)).repeat_interleave(
-            group, dim=0)  # [t*G, S]
-        scores = torch.matmul(qs[0], ks.transpose(-1, -2)) * scale
-        scores = scores.masked_fill(~seen, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)
-        out = torch.matmul(torch.exp(scores - lse[..., None]), vs)
-        out, lse = _unfold(out[None], lse[None], r1 - r0, num_q)
-        if p0:
-            out_pre, lse_pre = _flash(qs, k_all[:p0].transpose(0, 1)[None],
-                                      v_all[:p0].transpose(0, 1)[None], False, scale)
-            out_pre, lse_pre = _unfold(out_pre, lse_pre, r1 - r0, num_q)
-            out = _merge(out_pre, lse_pre, out, lse)
+        end = int(at[r1 - 1]) + 1
+        seen = cols[None, :end] <= at[r0:r1, None]  # [t, end]
+        out = F.scaled_dot_product_attention(
+            q[r0:r1].transpose(0, 1)[None], keys[:, :, :end], values[:, :, :end],
+            attn_mask=seen, scale=scale, enable_gqa=group_heads)
         outs.append(out[0].transpose(0, 1))
     return torch.cat(outs)

@@ -33,6 +33,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from contextkit.engine.chunks import register_chunks
 from contextkit.engine.sequence import close_sequence, open_sequence
 from contextkit.engine.types import CacheFullError, TokenSpan
 from gpu_cache import Tier, validate_tenant
@@ -240,6 +241,10 @@ def _one_chunk(engine: Engine, ids: list[int], n: int, step: int, tenant: str,
         preempted = True
     finally:
         close_sequence(cache, seq, ids[:end], written)
+    if spans and engine.chunk_reuse.enabled and not preempted:
+        # what the background computed is found by content too (a reserved memory
+        # neighborhood's lines, when the turn's prefix differs from the reservation's)
+        register_chunks(cache, ids[:end], spans, seq.keys, tenant, engine.chunk_reuse)
     return cached, written, preempted
 
 

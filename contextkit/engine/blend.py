@@ -55,6 +55,9 @@ def prefill_reusing_chunks(engine: Engine, ids: Sequence[int], start: int, kv: _
     if cfg.enabled and spans and n - start <= engine.prefill_chunk \
             and cfg.select_layer < engine.model.num_layers:
         hits = find_chunks(engine.cache, ids, spans, tenant, lo, window, cfg, only)
+        if only is None and sum(h.length for h in hits) < cfg.min_share * (n - start):
+            release_chunks(engine.cache, hits)  # too little to gain: a plain prefill
+            hits = []
     if not hits:
         return engine._prefill(ids, start, kv), use
     try:

@@ -69,6 +69,9 @@ class ChunkReuse:
         select_layer: model layers ``0..select_layer`` run over every token; the
             deviation at ``select_layer`` picks the repaired ones.
         max_hops: entries this many reuses away from a full computation are not reused.
+        min_share: a request reuses chunks only when they cover at least this share of
+            the tokens after its cached prefix (below it the first layers over every
+            token and the moves cost about what the chunks save: a plain prefill).
     """
 
     enabled: bool = True
@@ -79,13 +82,15 @@ class ChunkReuse:
     repair_rule: str = "both"
     select_layer: int = 1
     max_hops: int = 3
+    min_share: float = 0.2
 
     def __post_init__(self) -> None:
         if self.repair_rule not in REPAIR_RULES:
             raise ValueError(f"repair_rule must be one of {REPAIR_RULES}, got "
                              f"{self.repair_rule!r}")
-        if not 0.0 <= self.repair_ratio <= 1.0:
-            raise ValueError(f"repair_ratio must be in [0, 1], got {self.repair_ratio}")
+        for name in ("repair_ratio", "min_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         for name in ("min_tokens", "repair_first", "select_layer", "max_hops"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

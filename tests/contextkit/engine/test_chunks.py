@@ -237,3 +237,18 @@ def test_index_is_bounded_and_keeps_the_entry_fewest_hops_away() -> None:
     index.taint([b"x" * 32], 2)
     assert index.hops_of([b"x" * 32, b"y" * 32]) == 2
     assert index.drop_tenant("t") == 2 and len(index) == 0
+
+
+def test_background_prefill_registers_chunks_by_content(fresh: Callable[..., Engine]) -> None:
+    """What a reservation prefills in the background is found by content later, even
+    when the turn's prefix differs from the reservation's."""
+    eng = fresh("native", device=256)
+    before, spans = _prompt(eng, LAYERS["memories"])
+    out = eng.prefill_prefix(before, spans=spans)
+    assert out.computed_tokens > 0 and len(eng.cache.chunks) > 0
+    after, spans2 = _prompt(eng, CHANGED)
+    res = eng.generate(after, max_new_tokens=1, spans=spans2)
+    assert "rules" in res.reused_chunks and res.chunk_reused_tokens > 0
+    off = eng.sibling(chunk_reuse=False, num_device_blocks=256)
+    off.prefill_prefix(before, spans=spans)
+    assert len(off.cache.chunks) == 0

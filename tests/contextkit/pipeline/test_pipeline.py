@@ -220,3 +220,38 @@ def test_assembled_tokens_equal_the_chat_template(fresh: Callable[..., Engine]) 
     assert spans[0].source_layer == "axioms" and spans[0].start > 0
     assert 0 < stable_end < len(ids)
     assert engine.decode(ids[:stable_end]).rstrip().endswith("[/CAPABILITIES]")
+
+
+def test_each_line_is_a_chunk_and_a_changed_layer_keeps_the_rest(
+        fresh: Callable[..., Engine]) -> None:
+    """Every line of a layer is its own span (a chunk by content); when a layer early
+    in the prompt changes, the lines after it are moved in, not recomputed, and the
+    report's token counts still add up."""
+    from contextkit.pipeline.building import layer_spans
+
+    engine = fresh("tq4", device=256, host=256)
+    pipeline = CacheAwareContextPipeline(engine)
+
+    def prompt(turn: int, identity: list[str]) -> dict[str, Any]:
+        return {**layered(turn), "identity": identity}
+
+    build = pipeline.wrap(prompt)
+    build(0, IDENTITY)
+    pipeline.generate("Is checkout still slow?", max_new_tokens=2)
+    ids, spans, _ = pipeline.assemble("Is checkout still slow?", [])
+    caps = [s for s in spans if s.source_layer == "capabilities"]
+    assert len(caps) == len(CAPS) + 2  # the opening tag, one span per line, the closing tag
+    assert all(a.end == b.start for a, b in itertools.pairwise(caps))
+    merged = layer_spans(spans)
+    assert [s.source_layer for s in merged].count("capabilities") == 1
+    assert sum(s.end - s.start for s in merged) == sum(s.end - s.start for s in spans)
+
+    build(1, ["You are Atlas, the payments team's on-call assistant for checkout."])
+    r = pipeline.generate("Is checkout still slow?", max_new_tokens=2).report
+    assert r.prefix_broken_by == "identity"
+    assert r.reused_chunks.get("capabilities") == len(CAPS)  # every line moved in
+    assert r.chunk_reused_tokens > 0 and r.repaired_tokens > 0
+    assert r.reused_tokens + r.chunk_reused_tokens + r.computed_tokens == r.prompt_tokens
+    assert sum(r.reused_by_layer.values()) == r.reused_tokens + r.chunk_reused_tokens
+    assert sum(r.computed_by_layer.values()) == r.computed_tokens
+    assert r.reused_by_layer["capabilities"] > r.computed_by_layer.get("capabilities", 0)
