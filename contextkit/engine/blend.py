@@ -50,7 +50,7 @@ def prefill_reusing_chunks(engine: Engine, ids: Sequence[int], start: int, kv: _
     n = len(ids)
     use = ChunkUse()
     window = kv.window_start if kv.window_start is not None else n
-    lo = max(start, kv.sink if kv.sink else 0, kv.cached)
+    lo = max(start, kv.sink, kv.cached)
     hits: list[ChunkHit] = []
     if cfg.enabled and spans and n - start <= engine.prefill_chunk \
             and cfg.select_layer < engine.model.num_layers:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from contextkit.engine.attention import _rotate
-from contextkit.engine.kv import read_slots, write_slots
+from contextkit.engine.kv import read_slots, slots_of, write_slots
 from contextkit.engine.types import TokenSpan
 from gpu_cache import Tier, TQGPUCache
 from gpu_cache.chunks import ChunkEntry
@@ -209,11 +209,9 @@ def copy_chunks(cache: TQGPUCache, model: _Model, hits: Sequence[ChunkHit],
     bs = cache.block_size
     src, dst, delta = [], [], []
     for hit in hits:
-        table = cache.block_table(hit.src_blocks).long()
-        off = torch.arange(hit.length) + hit.entry.offset
-        src.append(table[off // bs] * bs + off % bs)
-        pos = torch.arange(hit.start, hit.start + hit.length, device=dst_table.device)
-        dst.append(dst_table[pos // bs] * bs + pos % bs)
+        src.append(slots_of(cache.block_table(hit.src_blocks).long(),
+                            torch.arange(hit.length) + hit.entry.offset, bs))
+        dst.append(slots_of(dst_table, torch.arange(hit.start, hit.start + hit.length), bs))
         delta.append(torch.full((hit.length,), hit.start - hit.entry.position))
     src_slots = torch.cat(src).to(cache.device)
     dst_slots = torch.cat(dst).to(cache.device)

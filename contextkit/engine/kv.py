@@ -31,20 +31,22 @@ def read_slots(cache: TQGPUCache, layer: int, slots: torch.Tensor,
     for tq4, as the cache stores them); ``values=False`` reads the keys alone."""
     view = cache.layer_view(layer)
     h = view.k_packed.shape[2]
-    native = cache.identity.codec == "native"
-    out: list[torch.Tensor | None] = []
-    for packed, norms in ((view.k_packed, view.k_norms), (view.v_packed, view.v_norms)):
-        if len(out) == 1 and not values:
-            out.append(None)
-        elif native:
-            out.append(packed.view(-1, h, packed.shape[3]).index_select(0, slots).float())
-        else:
-            out.append(cache.codec.decode(TQ4Encoded(
-                packed.view(-1, h, packed.shape[3]).index_select(0, slots),
-                norms.view(-1, h).index_select(0, slots))))
-    k, v = out
-    assert k is not None
-    return k, v
+
+    def read(packed: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+        rows = packed.view(-1, h, packed.shape[3]).index_select(0, slots)
+        if cache.identity.codec == "native":
+            return rows.float()
+        return cache.codec.decode(TQ4Encoded(rows, norms.view(-1, h).index_select(0, slots)))
+
+    return (read(view.k_packed, view.k_norms),
+            read(view.v_packed, view.v_norms) if values else None)
+
+
+def slots_of(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots of sequence ``positions`` (any order, gaps allowed) under a block
+    ``table`` (one slot base per block of the sequence)."""
+    pos = positions.to(table.device)
+    return table[pos // block_size] * block_size + pos % block_size
 
 
 def write_slots(cache: TQGPUCache, layer: int, slots: torch.Tensor, k: torch.Tensor,
@@ -153,8 +155,7 @@ class _PagedKV:
         self.win_len = [0] * num_layers
 
     def _slots(self, start: int, n: int) -> torch.Tensor:
-        pos = torch.arange(start, start + n, device=self.table.device)
-        return self.table[pos // self.block_size] * self.block_size + pos % self.block_size
+        return self.slots_at(torch.arange(start, start + n, device=self.table.device))
 
     def _centered(self, layer: int, k: torch.Tensor) -> torch.Tensor:
         """Keys as the TQ4 cache holds them (minus the layer's calibrated offset)."""
@@ -311,8 +312,7 @@ class _PagedKV:
     # ------------------------------------------------------------ rows anywhere
     def slots_at(self, positions: torch.Tensor) -> torch.Tensor:
         """Cache slots of sequence ``positions`` (any order, any gaps)."""
-        pos = positions.to(self.table.device)
-        return self.table[pos // self.block_size] * self.block_size + pos % self.block_size
+        return slots_of(self.table, positions, self.block_size)
 
     def rows(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of ``positions`` as the cache holds them: float ``[n, Hkv, D]``, keys
