@@ -184,6 +184,16 @@ class TQ4Codec:
         """Inverse of :meth:`pack`: bytes ``[..., d/2]`` to indices ``[..., d]`` (uint8)."""
         return torch.cat([packed & 0xF, packed >> 4], dim=-1)
 
+    @property
+    def hadamard_signs(self) -> torch.Tensor | None:
+        """The random signs ``s`` of ``R = H diag(s) / sqrt(d)`` (CPU float32), or None
+        when ``d`` is not a power of two (no fast Walsh-Hadamard path)."""
+        return self._signs
+
+    def fused_cpu(self, device: torch.device, num_vectors: int) -> bool:
+        """Whether the fused numba kernels serve ``num_vectors`` vectors on ``device``."""
+        return self._fused_cpu(device, num_vectors)
+
     def _fused_cpu(self, device: torch.device, num_vectors: int) -> bool:
         return (
             self.cpu_kernels

@@ -9,10 +9,20 @@ format    ``*_packed`` per token     dtype     ``*_norms`` per token       bytes
           and head                             and head                    head (D=64)
 ========  =========================  ========  ==========================  ============
 tq4       D/2 (two 4-bit codes)      uint8     1 float32 (norm)            36
+k5v4      keys 5D/8 (5-bit codes),   uint8     1 float32 (norm)            44 K, 36 V
+          values D/2 (as tq4)
 int8      D (rotated, absmax)        int8      1 float32 (scale)           68
 fp16      D                          float16   none (trailing dim 0)       128
 native    D                          float32   none (trailing dim 0)       256
 ========  =========================  ========  ==========================  ============
+
+``k5v4`` spends one more bit on the keys than on the values: attention scores are
+inner products with the keys, and on SmolLM2 nearly all of TQ4's error after a cache
+round trip comes from its keys (docs/vllm.md has the measurement). Its keys use the same
+rotation and a 5-bit Lloyd-Max codebook for the rotated coordinates, stored as a plane
+of low nibbles (split-half order, as tq4) followed by a plane of the fifth bits (eight
+coordinates per byte, coordinate ``j`` in bit ``j % 8`` of byte ``j // 8``); its values
+are tq4. It needs ``D % 8 == 0``.
 
 ``int8`` rotates with the cache's TQ4 rotation (same seed) so outliers spread over
 the coordinates, then stores ``round(r / s)`` with ``s = max|r| / 127`` per vector.
@@ -27,8 +37,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from gpu_cache._errors import CodecInputError
+from gpu_cache.codebook import lloyd_max_codebook
 from gpu_cache.codec import TQ4Encoded
-from gpu_cache.kernels import quantize_into_cache
+from gpu_cache.kernels import cpu_fused, quantize_into_cache
 
 if TYPE_CHECKING:
     from gpu_cache._storage import LayerView
@@ -41,22 +52,32 @@ __all__ = [
     "TENSOR_NAMES",
     "bytes_per_token_head",
     "check_format",
+    "check_head_dim",
     "decode_blocks",
     "encode_into",
     "tensor_specs",
 ]
 
 #: Known formats, lowest precision first.
-FORMATS: tuple[str, ...] = ("tq4", "int8", "fp16", "native")
+FORMATS: tuple[str, ...] = ("tq4", "k5v4", "int8", "fp16", "native")
 #: Precision order (higher is more exact).
 PRECISION_RANK: dict[str, int] = {fmt: rank for rank, fmt in enumerate(FORMATS)}
 
 #: The four tensors of a tier, in the order moves and shadows handle them.
 TENSOR_NAMES = ("k_packed", "k_norms", "v_packed", "v_norms")
 
+#: The encodings of one side (keys or values) of a block; a format is one per side.
 _VECTOR_DTYPES: dict[str, torch.dtype] = {
-    "tq4": torch.uint8, "int8": torch.int8, "fp16": torch.float16, "native": torch.float32}
+    "tq4": torch.uint8, "tq5": torch.uint8, "int8": torch.int8, "fp16": torch.float16,
+    "native": torch.float32}
+#: Formats whose keys and values are encoded differently: (keys, values).
+_MIXED: dict[str, tuple[str, str]] = {"k5v4": ("tq5", "tq4")}
 _INT8_MAX = 127.0
+
+
+def _sides(fmt: str) -> tuple[str, str]:
+    """The encodings of a format's (keys, values)."""
+    return _MIXED.get(fmt, (fmt, fmt))
 
 
 def check_format(fmt: object) -> str:
@@ -70,30 +91,50 @@ def check_format(fmt: object) -> str:
     return fmt
 
 
-def _has_scale(fmt: str) -> bool:
-    return fmt in ("tq4", "int8")
+def _has_scale(side: str) -> bool:
+    return side in ("tq4", "tq5", "int8")
+
+
+def _side_width(side: str, head_dim: int) -> int:
+    """Elements of one stored vector of a side encoding."""
+    if side == "tq4":
+        return head_dim // 2
+    if side == "tq5":
+        return head_dim * 5 // 8
+    return head_dim
+
+
+def _side_bytes(side: str, head_dim: int) -> int:
+    return (_side_width(side, head_dim) * _VECTOR_DTYPES[side].itemsize
+            + (4 if _has_scale(side) else 0))
+
+
+def check_head_dim(fmt: str, head_dim: int) -> None:
+    """Raise CodecInputError when ``fmt`` cannot pack vectors of ``head_dim``."""
+    if fmt == "k5v4" and head_dim % 16:
+        raise CodecInputError(f"format k5v4 needs a head_dim divisible by 16 (its keys pack "
+                              f"8 five-bit codes in 5 bytes), got {head_dim}; use tq4")
 
 
 def bytes_per_token_head(fmt: str, head_dim: int) -> int:
-    """Stored bytes of one token's key (or value) vector in one head."""
+    """Stored bytes of one token's key or value vector in one head: the mean of the
+    two, which differ only for ``k5v4`` (44 and 36 at D=64, so 40)."""
     fmt = check_format(fmt)
-    if fmt == "tq4":
-        return head_dim // 2 + 4
-    if fmt == "int8":
-        return head_dim + 4
-    return head_dim * _VECTOR_DTYPES[fmt].itemsize
+    check_head_dim(fmt, head_dim)
+    k_side, v_side = _sides(fmt)
+    return (_side_bytes(k_side, head_dim) + _side_bytes(v_side, head_dim)) // 2
 
 
 def tensor_specs(identity: CacheIdentity) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Per tensor name, its trailing shape (after ``[..., num_blocks, block_size]``) and dtype."""
     fmt = check_format(identity.codec)
     heads, dim = identity.num_kv_heads, identity.head_dim
-    vec = (heads, dim // 2) if fmt == "tq4" else (heads, dim)
-    norms = (heads,) if _has_scale(fmt) else (0,)
-    packed_spec = (vec, _VECTOR_DTYPES[fmt])
-    norms_spec = (norms, torch.float32)
-    return {"k_packed": packed_spec, "k_norms": norms_spec,
-            "v_packed": packed_spec, "v_norms": norms_spec}
+    check_head_dim(fmt, dim)
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for name, side in zip(("k", "v"), _sides(fmt), strict=True):
+        out[f"{name}_packed"] = ((heads, _side_width(side, dim)), _VECTOR_DTYPES[side])
+        out[f"{name}_norms"] = ((heads,) if _has_scale(side) else (0,), torch.float32)
+    return out
 
 
 # ---------------------------------------------------------------------- encode
@@ -122,14 +163,16 @@ def encode_into(fmt: str, k: torch.Tensor, v: torch.Tensor, token_slots: torch.T
                             view.v_norms, codec, check_bounds=check_bounds,
                             key_offset=key_offset)
         return
+    sides = _sides(fmt)
     dest = view.k_packed
-    heads, dim = dest.shape[-2], dest.shape[-1]
+    heads, dim = dest.shape[-2], codec.head_dim
     num_slots = dest.shape[0] * dest.shape[1]
-    want_dtype = _VECTOR_DTYPES[fmt]
-    for name, t in (("k_packed", view.k_packed), ("v_packed", view.v_packed)):
-        if t.dtype != want_dtype or t.dim() != 4:
-            raise CodecInputError(f"{name} must be a {want_dtype} [NB, BS, H, D] view for "
-                                  f"format {fmt}, got {t.dtype} {tuple(t.shape)}")
+    for name, t, side in (("k_packed", view.k_packed, sides[0]),
+                          ("v_packed", view.v_packed, sides[1])):
+        want_dtype, width = _VECTOR_DTYPES[side], _side_width(side, dim)
+        if t.dtype != want_dtype or t.dim() != 4 or t.shape[-1] != width:
+            raise CodecInputError(f"{name} must be a {want_dtype} [NB, BS, H, {width}] view "
+                                  f"for format {fmt}, got {t.dtype} {tuple(t.shape)}")
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 3 \
                 or tuple(t.shape[1:]) != (heads, dim) or t.shape[0] != token_slots.shape[0]:
@@ -154,15 +197,16 @@ def encode_into(fmt: str, k: torch.Tensor, v: torch.Tensor, token_slots: torch.T
     if check_bounds and slots.numel() and int(slots.max()) >= num_slots:
         raise CodecInputError(f"token_slots holds slot {int(slots.max())} but this cache layer "
                               f"has {num_slots} slots; use -1 to skip a token")
-    pairs = ((kf, view.k_packed, view.k_norms), (vf, view.v_packed, view.v_norms))
-    for x, packed, norms in pairs:
-        flat = packed.view(-1, heads, dim)
-        if fmt == "int8":
-            q, scale = _int8_encode(x, codec)
+    pairs = ((kf, view.k_packed, view.k_norms, sides[0]),
+             (vf, view.v_packed, view.v_norms, sides[1]))
+    for x, packed, norms, side in pairs:
+        flat = packed.view(-1, heads, packed.shape[-1])
+        if _has_scale(side):
+            q, scale = _SIDE_ENCODERS[side](x, codec)
             flat.index_copy_(0, slots, q)
             norms.view(-1, heads).index_copy_(0, slots, scale)
         else:
-            flat.index_copy_(0, slots, x.to(want_dtype))
+            flat.index_copy_(0, slots, x.to(_VECTOR_DTYPES[side]))
 
 
 def _int8_encode(x: torch.Tensor, codec: TQ4Codec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,6 +216,73 @@ def _int8_encode(x: torch.Tensor, codec: TQ4Codec) -> tuple[torch.Tensor, torch.
     q = torch.round(r / safe.unsqueeze(-1)).clamp_(-_INT8_MAX, _INT8_MAX)
     q = torch.where(scale.unsqueeze(-1) > 0, q, torch.zeros_like(q))
     return q.to(torch.int8), scale.to(torch.float32)
+
+
+def _tq4_encode(x: torch.Tensor, codec: TQ4Codec) -> tuple[torch.Tensor, torch.Tensor]:
+    enc = codec.encode(x.to(codec.device))
+    return enc.packed.to(x.device), enc.norms.to(x.device)
+
+
+_TQ5_BITS = 5
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_TQ5_BOOKS: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _tq5_book(codec: TQ4Codec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(centroids, boundaries) of the 5-bit codebook at the codec's D, on its device."""
+    key = (codec.head_dim, str(codec.device))
+    book = _TQ5_BOOKS.get(key)
+    if book is None:
+        cb = lloyd_max_codebook(codec.head_dim, _TQ5_BITS)
+        book = (torch.tensor(cb.centroids, dtype=torch.float32, device=codec.device),
+                torch.tensor(cb.boundaries, dtype=torch.float32, device=codec.device))
+        _TQ5_BOOKS[key] = book
+    return book
+
+
+def _tq5_encode(x: torch.Tensor, codec: TQ4Codec) -> tuple[torch.Tensor, torch.Tensor]:
+    """TurboQuant at 5 bits: ``[..., D]`` to packed ``[..., 5D/8]`` and length-corrected
+    norms ``[...]`` (the tq4 recipe with a finer codebook)."""
+    centroids, boundaries = _tq5_book(codec)
+    x = x.to(codec.device, torch.float32)
+    signs = codec.hadamard_signs
+    if signs is not None and codec.fused_cpu(x.device, x.numel() // codec.head_dim):
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, codec.head_dim).contiguous()
+        packed = torch.empty(flat.shape[0], codec.head_dim * 5 // 8, dtype=torch.uint8)
+        stored = torch.empty(flat.shape[0], dtype=torch.float32)
+        cpu_fused.encode5_into(flat.numpy(), signs.numpy(), boundaries.numpy(),
+                               centroids.numpy(), packed.numpy(), stored.numpy())
+        return packed.reshape(*lead, -1), stored.reshape(lead)
+    norms = torch.linalg.vector_norm(x, dim=-1)
+    safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+    idx = torch.bucketize(codec.rotate(x / safe.unsqueeze(-1)), boundaries)
+    recon = torch.linalg.vector_norm(centroids[idx], dim=-1)
+    stored = torch.where(norms > 0, norms / recon, torch.zeros_like(norms))
+    low = codec.pack((idx & 0xF).to(torch.uint8))
+    high = (idx >> 4).to(torch.uint8).reshape(*idx.shape[:-1], -1, 8)
+    high = (high << _BIT_SHIFTS.to(high.device)).sum(dim=-1).to(torch.uint8)
+    return torch.cat([low, high], dim=-1), stored
+
+
+def _tq5_decode(packed: torch.Tensor, norms: torch.Tensor, codec: TQ4Codec) -> torch.Tensor:
+    centroids, _ = _tq5_book(codec)
+    signs = codec.hadamard_signs
+    if signs is not None and codec.fused_cpu(packed.device, norms.numel()):
+        lead = packed.shape[:-1]
+        out = torch.empty(norms.numel(), codec.head_dim, dtype=torch.float32)
+        cpu_fused.decode5_into(packed.reshape(-1, packed.shape[-1]).contiguous().numpy(),
+                               norms.reshape(-1).contiguous().numpy(), signs.numpy(),
+                               centroids.numpy(), out.numpy())
+        return out.reshape(*lead, codec.head_dim)
+    half = codec.head_dim // 2
+    low = codec.unpack(packed[..., :half]).long()
+    high = (packed[..., half:, None] >> _BIT_SHIFTS.to(packed.device)) & 1
+    idx = low | (high.reshape(*packed.shape[:-1], -1).long() << 4)
+    return codec.unrotate(centroids[idx] * norms.unsqueeze(-1))
+
+
+_SIDE_ENCODERS = {"tq4": _tq4_encode, "tq5": _tq5_encode, "int8": _int8_encode}
 
 
 # ---------------------------------------------------------------------- decode
@@ -195,20 +306,22 @@ def decode_blocks(fmt: str, exported: dict[str, torch.Tensor], codec: TQ4Codec,
     """
     fmt = check_format(fmt)
     dev = codec.device
-    want_dtype = _VECTOR_DTYPES[fmt]
-    for name in ("k_packed", "v_packed"):
-        t = exported[name]
-        if t.dtype != want_dtype or t.dim() != 5:
-            raise CodecInputError(f"{name} must be {want_dtype} [L, n, BS, H, ...] for format "
-                                  f"{fmt}, got {t.dtype} {tuple(t.shape)}; it was exported "
-                                  "from a cache of another format")
     out = []
-    for side in ("k", "v"):
-        packed = exported[f"{side}_packed"].to(dev)
-        if fmt == "tq4":
-            x = codec.decode(TQ4Encoded(packed, exported[f"{side}_norms"].to(dev)))
-        elif fmt == "int8":
-            scale = exported[f"{side}_norms"].to(dev, torch.float32)
+    for side_name, side in zip(("k", "v"), _sides(fmt), strict=True):
+        name = f"{side_name}_packed"
+        packed = exported[name]
+        want_dtype, width = _VECTOR_DTYPES[side], _side_width(side, codec.head_dim)
+        if packed.dtype != want_dtype or packed.dim() != 5 or packed.shape[-1] != width:
+            raise CodecInputError(f"{name} must be {want_dtype} [L, n, BS, H, {width}] for "
+                                  f"format {fmt}, got {packed.dtype} {tuple(packed.shape)}; it "
+                                  "was exported from a cache of another format")
+        packed = packed.to(dev)
+        if side == "tq4":
+            x = codec.decode(TQ4Encoded(packed, exported[f"{side_name}_norms"].to(dev)))
+        elif side == "tq5":
+            x = _tq5_decode(packed, exported[f"{side_name}_norms"].to(dev, torch.float32), codec)
+        elif side == "int8":
+            scale = exported[f"{side_name}_norms"].to(dev, torch.float32)
             x = codec.unrotate(packed.float() * scale.unsqueeze(-1))
         else:
             x = packed.float()

@@ -9,6 +9,10 @@ Output matches :meth:`gpu_cache.codec.TQ4Codec.encode` on the torch path except 
 a rotated coordinate lies within float32 rounding of a decision boundary (the FWHT
 and a dense matmul round differently); tests bound how often and by how much.
 Only power-of-two head dims (the Hadamard rotation) qualify.
+
+``encode5_into`` / ``decode5_into`` do the same for the 5-bit keys of the ``k5v4``
+format (:mod:`gpu_cache.formats`): a nibble plane in tq4's split-half order, then one
+bit per coordinate (coordinate ``j`` in bit ``j % 8`` of byte ``d/2 + j // 8``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["available", "decode_into", "encode_into"]
+__all__ = ["available", "decode5_into", "decode_into", "encode5_into", "encode_into"]
 
 _nb: Any
 try:  # numba is an optional accelerator; the torch path is always there.
@@ -110,6 +114,73 @@ if _nb is not None:
                     out[base + lane, j] = v[j, lane] * scale * signs[j]
 
 
+    @_jit
+    def _encode5(x, signs, bounds, cent, packed, norms):  # pragma: no cover - jitted
+        n, d = x.shape
+        half = d // 2
+        inv_sqrt_d = 1.0 / math.sqrt(d)
+        num_bounds = bounds.shape[0]
+        for chunk in _prange((n + _LANES - 1) // _LANES):
+            base = chunk * _LANES
+            m = min(_LANES, n - base)
+            v = np.zeros((d, _LANES), np.float32)
+            sq = np.zeros(_LANES, np.float32)
+            for lane in range(m):
+                acc = np.float32(0.0)
+                for j in range(d):
+                    a = np.float32(x[base + lane, j])
+                    acc += a * a
+                    v[j, lane] = a * signs[j]
+                sq[lane] = acc
+            _fwht_lanes(v)
+            for lane in range(m):
+                row = base + lane
+                nrm = math.sqrt(sq[lane])
+                scale = inv_sqrt_d / nrm if nrm > 0 else 0.0
+                recon_sq = 0.0
+                for k in range(d // 8):
+                    packed[row, half + k] = 0
+                for j in range(half):
+                    lo = 0
+                    hi = 0
+                    lo_val = v[j, lane] * scale
+                    hi_val = v[j + half, lane] * scale
+                    for b in range(num_bounds):
+                        lo += lo_val > bounds[b]
+                        hi += hi_val > bounds[b]
+                    recon_sq += cent[lo] * cent[lo] + cent[hi] * cent[hi]
+                    packed[row, j] = (lo & 15) | ((hi & 15) << 4)
+                    jh = j + half
+                    packed[row, half + j // 8] |= (lo >> 4) << (j % 8)
+                    packed[row, half + jh // 8] |= (hi >> 4) << (jh % 8)
+                norms[row] = nrm / math.sqrt(recon_sq) if nrm > 0 else 0.0
+
+    @_jit
+    def _decode5(packed, norms, signs, cent, out):  # pragma: no cover - jitted
+        n = packed.shape[0]
+        d = out.shape[1]
+        half = d // 2
+        inv_sqrt_d = 1.0 / math.sqrt(d)
+        for chunk in _prange((n + _LANES - 1) // _LANES):
+            base = chunk * _LANES
+            m = min(_LANES, n - base)
+            v = np.zeros((d, _LANES), np.float32)
+            for lane in range(m):
+                row = base + lane
+                for j in range(half):
+                    byte = packed[row, j]
+                    jh = j + half
+                    b_lo = (packed[row, half + j // 8] >> (j % 8)) & 1
+                    b_hi = (packed[row, half + jh // 8] >> (jh % 8)) & 1
+                    v[j, lane] = cent[(byte & 15) | (b_lo << 4)]
+                    v[jh, lane] = cent[(byte >> 4) | (b_hi << 4)]
+            _fwht_lanes(v)
+            for lane in range(m):
+                scale = norms[base + lane] * inv_sqrt_d
+                for j in range(d):
+                    out[base + lane, j] = v[j, lane] * scale * signs[j]
+
+
 def encode_into(
     x: np.ndarray,
     signs: np.ndarray,
@@ -131,3 +202,16 @@ def decode_into(
 ) -> None:
     """Decode ``packed`` ``[n, d/2]`` and ``norms`` ``[n]`` into ``out`` ``[n, d]`` float32."""
     _decode(packed, norms, signs, centroids, out)
+
+
+def encode5_into(x: np.ndarray, signs: np.ndarray, boundaries: np.ndarray,
+                 centroids: np.ndarray, packed: np.ndarray, norms: np.ndarray) -> None:
+    """Encode rows of ``x`` (``[n, d]`` float32) at 5 bits into ``packed`` ``[n, 5d/8]``
+    (nibble plane, then fifth-bit plane) and ``norms``."""
+    _encode5(x, signs, boundaries, centroids, packed, norms)
+
+
+def decode5_into(packed: np.ndarray, norms: np.ndarray, signs: np.ndarray,
+                 centroids: np.ndarray, out: np.ndarray) -> None:
+    """Decode 5-bit ``packed`` ``[n, 5d/8]`` and ``norms`` ``[n]`` into ``out`` ``[n, d]``."""
+    _decode5(packed, norms, signs, centroids, out)

@@ -1,4 +1,4 @@
-"""Block formats tq4/int8/fp16/native: layouts, bytes, error bounds, key offsets, refusals."""
+"""Block formats tq4/k5v4/int8/fp16/native: layouts, bytes, error bounds, key offsets, refusals."""
 
 from __future__ import annotations
 
@@ -78,9 +78,9 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def test_formats_precision_order_and_identity_codecs():
-    assert FORMATS == ("tq4", "int8", "fp16", "native") == CODECS
+    assert FORMATS == ("tq4", "k5v4", "int8", "fp16", "native") == CODECS
     assert sorted(FORMATS, key=PRECISION_RANK.__getitem__) == list(FORMATS)
-    assert [PRECISION_RANK[f] for f in FORMATS] == [0, 1, 2, 3]
+    assert [PRECISION_RANK[f] for f in FORMATS] == [0, 1, 2, 3, 4]
     for fmt in FORMATS:
         assert check_format(fmt) == fmt
 
@@ -90,7 +90,7 @@ def test_unknown_formats_are_refused_in_one_line(bad):
     with pytest.raises(CodecInputError) as info:
         check_format(bad)
     message = str(info.value)
-    assert "\n" not in message and "use one of tq4, int8, fp16, native" in message
+    assert "\n" not in message and "use one of tq4, k5v4, int8, fp16, native" in message
     assert isinstance(info.value, ValueError)
 
 
@@ -102,12 +102,13 @@ def test_an_identity_with_codec_tq3_is_refused_in_one_line():
     for err in (direct.value, parsed.value):
         message = str(err)
         assert "\n" not in message and "'tq3'" in message
-        assert "('tq4', 'int8', 'fp16', 'native')" in message
+        assert "('tq4', 'k5v4', 'int8', 'fp16', 'native')" in message
     assert "discard" in str(parsed.value)
 
 
 @pytest.mark.parametrize(("fmt", "per_head", "vec_dtype", "norms"), [
     ("tq4", 36, torch.uint8, (H,)),
+    ("k5v4", 40, torch.uint8, (H,)),
     ("int8", 68, torch.int8, (H,)),
     ("fp16", 128, torch.float16, (0,)),
     ("native", 256, torch.float32, (0,)),
@@ -116,9 +117,11 @@ def test_layout_and_bytes_per_format(fmt, per_head, vec_dtype, norms):
     assert bytes_per_token_head(fmt, D) == per_head
     ident = replace(BASE, codec=fmt)
     specs = tensor_specs(ident)
-    vec = (H, D // 2) if fmt == "tq4" else (H, D)
-    assert specs == {"k_packed": (vec, vec_dtype), "k_norms": (norms, torch.float32),
-                     "v_packed": (vec, vec_dtype), "v_norms": (norms, torch.float32)}
+    widths = {"tq4": (D // 2, D // 2), "k5v4": (D * 5 // 8, D // 2)}.get(fmt, (D, D))
+    assert specs == {"k_packed": ((H, widths[0]), vec_dtype), "k_norms": (norms, torch.float32),
+                     "v_packed": ((H, widths[1]), vec_dtype), "v_norms": (norms, torch.float32)}
+    # K and V together: what a block's bytes are made of
+    assert sum(w + 4 for w in widths) == 2 * per_head or fmt not in ("tq4", "k5v4")
     assert ident.bytes_per_block == 2 * L * BS * H * per_head
     cache = _cache(fmt)
     assert cache.bytes_per_token == 2 * L * H * per_head
@@ -135,6 +138,43 @@ def test_fp16_relative_to_native_and_tq4_bytes():
     assert bytes_per_token_head("native", D) == 2 * fp16
     assert bytes_per_token_head("tq4", D) / fp16 == pytest.approx(0.28125)
     assert bytes_per_token_head("int8", D) / fp16 == pytest.approx(0.53125)
+    assert bytes_per_token_head("k5v4", D) / fp16 == pytest.approx(0.3125)
+
+
+def test_k5v4_needs_a_head_dim_divisible_by_16():
+    with pytest.raises(CacheIdentityError, match="divisible by 16"):
+        replace(BASE, head_dim=72, codec="k5v4")
+    with pytest.raises(CodecInputError, match="use tq4"):
+        bytes_per_token_head("k5v4", 72)
+    assert bytes_per_token_head("tq4", 72) == 40
+
+
+def test_k5v4_keys_are_five_bit_codes_and_its_values_are_tq4_bytes():
+    """Keys: the 5-bit codebook's nearest centroid per rotated coordinate, in a nibble
+    plane and a fifth-bit plane, with tq4's length correction; values: tq4's bytes."""
+    from gpu_cache.codebook import lloyd_max_codebook
+
+    k, v = _kv("key-like", seed=4)
+    mixed, tq4 = _cache("k5v4"), _cache("tq4")
+    got_k, got_v = _round_trip(mixed, k, v)
+    _, tq4_v = _round_trip(tq4, k, v)
+    assert torch.equal(got_v, tq4_v)
+    ids = [m.block_id for m in sorted(mixed.metadata.all(), key=lambda m: m.slot)]
+    exported = mixed.export_blocks(ids)
+    book = lloyd_max_codebook(D, 5)
+    centroids = torch.tensor(book.centroids, dtype=torch.float32)
+    kb = _blocks(k)
+    unit = mixed.codec.rotate(kb / kb.norm(dim=-1, keepdim=True))
+    want_idx = (unit[..., None] - centroids).abs().argmin(dim=-1)
+    packed = exported["k_packed"]
+    low = torch.cat([packed[..., : D // 2] & 0xF, packed[..., : D // 2] >> 4], dim=-1).long()
+    high = torch.stack([(packed[..., D // 2:] >> j) & 1 for j in range(8)], dim=-1)
+    idx = low | (high.reshape(*packed.shape[:-1], D).long() << 4)
+    assert float((idx == want_idx).float().mean()) > 0.999  # ties at a boundary aside
+    recon = centroids[idx]
+    scale = kb.norm(dim=-1) / recon.norm(dim=-1)
+    assert torch.allclose(exported["k_norms"], scale, rtol=1e-5)
+    assert torch.allclose(got_k, mixed.codec.unrotate(recon * scale[..., None]), atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["random", "key-like"])
@@ -167,8 +207,11 @@ def test_error_bounds_per_format(kind):
     assert all(torch.equal(old[n], now[n]) for n in TENSOR_NAMES)
     assert torch.equal(tq4_k, before.codec.decode(TQ4Encoded(old["k_packed"], old["k_norms"])))
     assert _rel(tq4_v, vb) < 0.12
+    # k5v4: one more bit on the keys roughly halves their error; values stay tq4's
+    k5_k, k5_v = _round_trip(_cache("k5v4"), k, v)
+    assert _rel(k5_k, kb) < 0.6 * _rel(tq4_k, kb) and torch.equal(k5_v, tq4_v)
     # precision order holds on these vectors
-    errors = [_rel(x, kb) for x in (tq4_k, int8_k, fp16_k, native_k)]
+    errors = [_rel(x, kb) for x in (tq4_k, k5_k, int8_k, fp16_k, native_k)]
     assert errors == sorted(errors, reverse=True) and errors[-1] == 0.0
 
 
@@ -212,19 +255,19 @@ def test_key_offsets_are_applied_on_encode_and_removed_on_decode(fmt):
     elif fmt == "fp16":
         assert torch.equal(stored_k, centred.half().float())
     else:
-        assert _rel(stored_k, centred) < (1e-2 if fmt == "int8" else 0.12)
+        assert _rel(stored_k, centred) < {"int8": 1e-2, "k5v4": 0.06}.get(fmt, 0.12)
     # added back on decode: the keys come back as keys
     assert torch.allclose(got_k, stored_k + offsets[:, None, None])
     assert _rel(got_k, kb) < _rel(stored_k, kb)
     # centring spends the bits on what differs between tokens: smaller absolute error
-    if fmt in ("tq4", "int8"):
+    if fmt in ("tq4", "k5v4", "int8"):
         plain_k, _ = _round_trip(_cache(fmt), k, v)
         assert (got_k - kb).norm() < 0.5 * (plain_k - kb).norm()
     _, plain_v = _round_trip(_cache(fmt), k, v)
     assert torch.equal(got_v, plain_v)  # values are never offset
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp16", "native"])
+@pytest.mark.parametrize("fmt", ["k5v4", "int8", "fp16", "native"])
 def test_negative_slots_are_skipped(fmt):
     cache = _cache(fmt)
     view = cache.layer_view(0)
@@ -233,12 +276,12 @@ def test_negative_slots_are_skipped(fmt):
     encode_into(fmt, k, k.clone(), slots, view, cache.codec)
     exported = cache.export_blocks([])
     assert exported["k_packed"].shape[1] == 0
-    flat = view.k_packed.reshape(-1, H, D).float()
+    flat = view.k_packed.reshape(-1, H, view.k_packed.shape[-1]).float()
     assert flat[[0, 5]].abs().sum() > 0
     assert flat[1:5].abs().sum() == 0 and flat[6:].abs().sum() == 0
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp16", "native"])
+@pytest.mark.parametrize("fmt", ["k5v4", "int8", "fp16", "native"])
 def test_slots_beyond_the_cache_are_refused_when_checked(fmt):
     cache = _cache(fmt)
     k = torch.ones(1, H, D)
@@ -269,6 +312,12 @@ def test_a_view_or_export_of_another_format_is_refused():
     exported = int8.export_blocks([])
     with pytest.raises(CodecInputError, match="another format"):
         decode_blocks("native", exported, int8.codec)
+    with pytest.raises(CodecInputError, match="another format"):
+        decode_blocks("k5v4", _cache("tq4").export_blocks([]), int8.codec)
+    k5v4 = _cache("k5v4")
+    with pytest.raises(CodecInputError, match="format tq4|format k5v4"):
+        encode_into("k5v4", torch.ones(1, H, D), torch.ones(1, H, D), torch.tensor([0]),
+                    _cache("tq4").layer_view(0), k5v4.codec)
     with pytest.raises(CodecInputError, match="unknown KV format 'tq3'"):
         decode_blocks("tq3", exported, int8.codec)
 
@@ -281,3 +330,28 @@ def test_tq4_decode_is_the_codec_decode_of_exported_bytes():
     exported = cache.export_blocks(ids)
     want = cache.codec.decode(TQ4Encoded(exported["k_packed"], exported["k_norms"]))
     assert torch.equal(got_k, want)
+
+
+def test_k5v4_fused_cpu_keys_match_the_torch_path():
+    """The numba kernels (many vectors) and the torch path (few, or cpu_kernels=False)
+    write the same 5-bit codes and decode them alike."""
+    from gpu_cache import formats
+    from gpu_cache.codec import TQ4Codec
+    from gpu_cache.kernels import cpu_fused
+
+    if not cpu_fused.available():
+        pytest.fail("numba is part of the default install; the fused CPU path must be available")
+    fused, plain = TQ4Codec(D, seed=2), TQ4Codec(D, seed=2, cpu_kernels=False)
+    x = torch.randn(4096, H, D, generator=torch.Generator().manual_seed(6))
+    x = x * torch.logspace(-2, 2, 4096)[:, None, None]
+    x[7] = 0.0  # a zero vector stays zero on both paths
+    assert fused.fused_cpu(x.device, x.numel() // D) and not plain.fused_cpu(x.device, 10 ** 6)
+    pa, na = formats._tq5_encode(x, fused)
+    pb, nb = formats._tq5_encode(x, plain)
+    assert pa.shape == pb.shape == (4096, H, D * 5 // 8)
+    # only a coordinate within float rounding of a boundary may land on the other side
+    assert float((pa != pb).float().mean()) < 1e-4
+    assert torch.allclose(na, nb, rtol=1e-3) and float(na[7].abs().sum()) == 0.0
+    assert torch.allclose(formats._tq5_decode(pa, na, fused), formats._tq5_decode(pa, na, plain),
+                          rtol=1e-4, atol=1e-4)
+    assert float(formats._tq5_decode(pa, na, fused)[7].abs().sum()) == 0.0
