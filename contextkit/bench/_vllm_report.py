@@ -37,10 +37,20 @@ POLICIES: dict[str, dict[str, Any]] = {
         "layers": dict.fromkeys(("axioms", "identity", "rules", "capabilities", "soul"),
                                 "int8")}},
     # the server's default policy: precision by the blocks' labels, within its budget
-    # (as a full store keeps it: its room_format off)
+    # (as a full store keeps it: its room_format off): k5v4, the latest blocks int8
     "importance": {"codec": "tq4", "precision": {"room_format": None}},
+    # the default policy before k5v4: the same rules over tq4, within 0.33 of fp16
+    "importance-tq4": {"codec": "tq4", "precision": {"default": "tq4", "max_vs_fp16": 0.33,
+                                                     "room_format": None}},
+    # its control: the same rules over tq4 at the default's budget (0.35), so the bytes
+    # k5v4 spends on keys go to more int8 blocks instead
+    "tq4-0.35": {"codec": "tq4", "precision": {"default": "tq4", "max_vs_fp16": 0.35,
+                                               "room_format": None}},
     # the default policy's rules without its byte budget: every late layer int8
     "late-int8": {"codec": "tq4", "precision": {"max_vs_fp16": None, "room_format": None}},
+    # every block k5v4 (5-bit keys, tq4 values; fp16 sink, key offsets)
+    "k5v4": {"codec": "tq4", "precision": {**_ALL_TQ4, "default": "k5v4", "sink_blocks": 1,
+                                           "key_offsets": True}},
     # every block int8 (fp16 sink, key offsets): the ceiling of 8-bit storage
     "int8": {"codec": "tq4", "precision": {**_ALL_TQ4, "default": "int8", "sink_blocks": 1,
                                            "key_offsets": True}},

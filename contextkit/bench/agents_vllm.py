@@ -87,8 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's KV space in mean agent prompts (default 2)")
     parser.add_argument("--budget-agents", type=positive_float, default=3.0,
                         help="the DDR byte budget B in agent prompts at fp16 (default 3)")
-    parser.add_argument("--quality-steps", type=positive_int, default=3,
-                        help="prompts read back teacher-forced (default 3)")
+    parser.add_argument("--quality-steps", type=positive_int, default=6,
+                        help="prompts read back teacher-forced, 16 positions each (default 6)")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help=f"comma-separated, in the order to run, from {', '.join(CONFIGS)} "
                              "(default: the first seven; the ceiling always runs first)")

@@ -54,10 +54,12 @@ class ConnectorConfig:
     Args:
         block_size: tokens per block; must equal vLLM's ``--block-size`` (the
             connector moves whole vLLM blocks, and the cache identity records it).
-        codec: the key identity's block format and, without a ``precision``
-            ``default``, the format of blocks no precision rule picks: ``"tq4"``
-            (4-bit TurboQuant, default), ``"int8"``, ``"fp16"`` or ``"native"``
-            (float32, exact; for checks: no sink rule, no key offsets).
+        codec: the key identity's block format (``host_blocks`` count blocks of it)
+            and what sets the policy below: ``"tq4"`` (4-bit TurboQuant, default)
+            implies :data:`~integrations.vllm.precision.DEFAULT_POLICY` (``k5v4``
+            blocks, the latest ones int8); ``"k5v4"``, ``"int8"`` or ``"fp16"`` make
+            that format the ``default``; ``"native"`` (float32, exact; for checks)
+            stores every block native, no sink rule, no key offsets.
         shadow_url: durable cold tier, ``file:///path`` or ``s3://bucket/prefix``;
             empty disables shadowing (the store then lives as long as the process).
         session_id: the session this server shadows under (one writer per session:

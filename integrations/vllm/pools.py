@@ -55,7 +55,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Formats whose pools subtract per-head key offsets (when the policy asks for them).
-OFFSET_FORMATS = ("tq4", "int8")
+OFFSET_FORMATS = ("tq4", "k5v4", "int8")
 
 #: A format's offset pool is calibrated from the first save with at least this many
 #: blocks of that format (smaller saves before it go to the format's plain pool).

@@ -1,7 +1,7 @@
 """Precision by semantic importance: which format each stored block gets.
 
-The connector stores every block in one of gpu_cache's formats (``tq4`` < ``int8`` <
-``fp16`` < ``native``, low to high precision). A :class:`PrecisionPolicy` picks a
+The connector stores every block in one of gpu_cache's formats (``tq4`` < ``k5v4`` <
+``int8`` < ``fp16`` < ``native``, low to high precision). A :class:`PrecisionPolicy` picks a
 block's format from its position in the request (the first blocks are the attention
 sink) and its semantic label (source layer, pinned, importance), so the blocks an
 answer leans on most (axioms, identity, rules, the sink) keep more bits than old
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 #: Block formats, low to high precision (the same tuple as ``gpu_cache.formats.FORMATS``).
-FORMATS: tuple[str, ...] = ("tq4", "int8", "fp16", "native")
+FORMATS: tuple[str, ...] = ("tq4", "k5v4", "int8", "fp16", "native")
 
 
 class PrecisionError(ValueError):
@@ -98,8 +98,8 @@ class PrecisionPolicy:
         importance: ``(min importance, format)`` pairs tried in order (decreasing
             thresholds): a block whose importance is at least the threshold gets the
             format.
-        key_offsets: the store subtracts per-head key means before quantizing ``tq4``
-            and ``int8`` blocks (and adds them back on load).
+        key_offsets: the store subtracts per-head key means before quantizing ``tq4``,
+            ``k5v4`` and ``int8`` blocks (and adds them back on load).
         max_vs_fp16: byte budget of a request's prompt blocks, as a share of fp16
             (``None``: no budget). When the rules above would store the prompt in
             more bytes, the blocks they raised above ``default`` (all but the sink)
@@ -315,29 +315,31 @@ def _importance(value: object) -> tuple[tuple[float, str], ...]:
 def vs_fp16(fmt: str, head_dim: int) -> float:
     """Bytes of a token-head in ``fmt`` over its fp16 bytes (``2 * head_dim``); the
     same sizes as :func:`gpu_cache.formats.bytes_per_token_head`."""
-    per = {"tq4": head_dim // 2 + 4, "int8": head_dim + 4, "fp16": 2 * head_dim,
-           "native": 4 * head_dim}
+    per = {"tq4": head_dim // 2 + 4, "k5v4": head_dim * 9 // 16 + 4, "int8": head_dim + 4,
+           "fp16": 2 * head_dim, "native": 4 * head_dim}
     return per[_check_format(fmt, "format")] / (2 * head_dim)
 
 
 #: Source layers whose blocks the default policy raises to int8: the layers that change
 #: per turn and sit late in the prompt (memories, the volatile state, the user turn),
 #: which the next tokens attend to most. The stable layers at the front (axioms,
-#: identity, rules, capabilities, soul) stay tq4: measured, they tolerate it.
+#: identity, rules, capabilities, soul) stay at the default: measured, they tolerate it.
 RAISED_LAYERS: tuple[str, ...] = ("partner", "neurons", "memories", "system_state",
                                   "current_time", "affect", "awareness", "user_turn")
 
 #: The policy of a ``codec="tq4"`` server without a ``precision`` setting: an fp16
-#: attention sink, key offsets, the late layers int8 within 0.33 of fp16's bytes per
-#: request, everything else tq4 (see docs/vllm.md, "Precision by semantic importance").
-#: 0.33 keeps a store of many requests under 0.35 even with the sinks of short
-#: requests, which the budget never takes back (a 2-block request's fp16 sink alone is
-#: 0.64 of its fp16 bytes). While the DDR budget has room, tq4 blocks are stored int8
-#: (``room_format``) and transcoded to tq4 as it fills: under pressure the store holds
+#: attention sink, key offsets, the late layers int8 within 0.35 of fp16's bytes per
+#: request, everything else ``k5v4`` (5-bit keys, 4-bit values: 0.3125 of fp16; nearly
+#: all of tq4's error after a round trip is in the keys). See docs/vllm.md, "Precision
+#: by semantic importance". A store of many short requests may sit a little above
+#: 0.35: the budget never takes back a sink (a 2-block request's fp16 sink alone is
+#: 0.64 of its fp16 bytes). While the DDR budget has room, k5v4 blocks are stored int8
+#: (``room_format``) and transcoded back as it fills: under pressure the store holds
 #: the bytes above; with room, ~0.5 of fp16.
 DEFAULT_POLICY = PrecisionPolicy(
-    sink_blocks=1, sink_format="fp16", layers=dict.fromkeys(RAISED_LAYERS, "int8"),
-    key_offsets=True, max_vs_fp16=0.33, room_format="int8")
+    default="k5v4", sink_blocks=1, sink_format="fp16",
+    layers=dict.fromkeys(RAISED_LAYERS, "int8"), key_offsets=True, max_vs_fp16=0.35,
+    room_format="int8")
 
 
 def policy_for_codec(codec: str) -> PrecisionPolicy:

@@ -205,7 +205,7 @@ def test_shadow_of_an_unknown_format_is_refused_in_one_line(store_url):
         recover_session(store, "future", _cache(replace(BASE, codec="int8")))
     message = str(info.value)
     assert "\n" not in message
-    assert "format 'tq3'" in message and "tq4, int8, fp16, native" in message
+    assert "format 'tq3'" in message and "tq4, k5v4, int8, fp16, native" in message
     assert "upgrade contextkit" in message
     [listed] = discover_sessions(store)
     assert listed.session_id == "future" and "'tq3'" in (listed.error or "")

@@ -201,6 +201,13 @@ def test_every_policy_is_a_valid_connector_configuration() -> None:
     assert policies["importance"] == dataclasses.replace(policy_for_codec("tq4"),
                                                          room_format=None)
     assert policy_config("importance", base)["precision"] == {"room_format": None}
+    assert policies["importance"].default == "k5v4"
+    # the default before k5v4 and its control at the same budget: tq4 under the same rules
+    old, control = policies["importance-tq4"], policies["tq4-0.35"]
+    assert (old.default, old.max_vs_fp16, control.default, control.max_vs_fp16) == (
+        "tq4", 0.33, "tq4", 0.35)
+    assert old.layers == control.layers == policies["importance"].layers
+    assert policies["k5v4"].default == "k5v4" and not policies["k5v4"].layers
     assert policy_dirname("sink+offsets") == "sink_offsets"
 
 
@@ -208,15 +215,15 @@ def test_policies_argument() -> None:
     parser = argparse.ArgumentParser()
     bench_vllm.add_arguments(parser)
     args = parser.parse_args([])
-    assert args.policies == ["tq4", "sink+offsets", "stable-int8", "importance", "late-int8",
-                             "int8", "native"]
+    assert args.policies == ["tq4", "sink+offsets", "stable-int8", "importance",
+                             "importance-tq4", "tq4-0.35", "late-int8", "k5v4", "int8", "native"]
     assert (args.prompts, args.prompt_tokens, args.max_tokens) == (8, 2048, 32)
     assert parser.parse_args(["--policies", "native, importance"]).policies == [
         "native", "importance"]
     assert parse_policies("tq4") == ["tq4"]
     for bad, message in (("tq3", "unknown policy 'tq3'; choose from "
-                                 "tq4,sink+offsets,stable-int8,importance,late-int8,int8,"
-                                 "native"),
+                                 "tq4,sink+offsets,stable-int8,importance,importance-tq4,"
+                                 "tq4-0.35,late-int8,k5v4,int8,native"),
                          ("tq4,tq4", "a policy is named twice"),
                          (",", "choose from")):
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):

@@ -115,7 +115,7 @@ def test_semantic_labels_from_request_params() -> None:
 def test_config_refuses_unknown_keys_and_builds_the_kv_transfer_config() -> None:
     with pytest.raises(ConnectorConfigError, match="shadow_ulr"):
         ConnectorConfig.from_extra_config({"shadow_ulr": "file:///x"})
-    with pytest.raises(ConnectorConfigError, match="codec must be one of tq4, int8, fp16, "
+    with pytest.raises(ConnectorConfigError, match="codec must be one of tq4, k5v4, int8, fp16, "
                                                    "native, got 'tq3'"):
         ConnectorConfig(codec="tq3")
     for codec in ("tq4", "int8", "fp16", "native"):  # every block format is a codec
@@ -200,10 +200,10 @@ def test_labels_with_a_matching_fingerprint_are_used() -> None:
     labels = [lab for s in saves for lab in s.labels]
     # (the prompt's blocks are decided together: the default policy has a byte budget)
     assert [lab.fmt for lab in labels] == DEFAULT_POLICY.formats_for(labels, p2.head_dim)
-    # and the format to keep while the store has room: int8 above tq4, none above int8
+    # and the format to keep while the store has room: int8 above k5v4, none above int8
     assert [lab.room_fmt for lab in labels] == [
-        "int8" if lab.fmt == "tq4" else None for lab in labels]
-    assert {lab.fmt for lab in labels} >= {"fp16", "tq4"}
+        "int8" if lab.fmt == "k5v4" else None for lab in labels]
+    assert {lab.fmt for lab in labels} >= {"fp16", "k5v4"}
     assert p.stats.take() == {"counters": {"lookups": 1}, "by_layer": {}, "gauges": {}}
 
 

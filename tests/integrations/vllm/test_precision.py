@@ -93,7 +93,7 @@ def test_to_dict_round_trips_through_json() -> None:
     assert hash(PrecisionPolicy.from_mapping(doc)) == hash(RULES)  # usable as a dict key
 
 
-_FORMATS_HINT = "write one of tq4, int8, fp16, native"
+_FORMATS_HINT = "write one of tq4, k5v4, int8, fp16, native"
 
 
 @pytest.mark.parametrize("data, message", [
@@ -178,7 +178,7 @@ def test_connector_config_reads_precision_from_the_environment() -> None:
     assert (config.policy.default, config.policy.sink_blocks) == ("int8", 0)
     # kv_connector_extra_config wins over the environment, key for key of the section
     config = ConnectorConfig.from_extra_config({"precision": {"pinned": "fp16"}}, env=env)
-    assert config.policy.pinned == "fp16" and config.policy.default == "tq4"
+    assert config.policy.pinned == "fp16" and config.policy.default == "k5v4"
 
 
 def test_connector_config_reads_precision_from_a_config_file(tmp_path: Any) -> None:
@@ -203,7 +203,7 @@ def test_connector_config_reads_precision_from_a_config_file(tmp_path: Any) -> N
      f"unknown block format 'fp8'; {_FORMATS_HINT}"),
     ({"precision": "int8"}, "connector: precision must be a JSON object (e.g. "
      "{\"default\": \"tq4\"}), got 'int8'"),
-    ({"codec": "tq3"}, "connector: codec must be one of tq4, int8, fp16, native, got 'tq3'"),
+    ({"codec": "tq3"}, "connector: codec must be one of tq4, k5v4, int8, fp16, native, got 'tq3'"),
 ], ids=["key", "format", "not-a-mapping", "codec"])
 def test_connector_config_refusals(extra: dict[str, Any], message: str) -> None:
     with pytest.raises(ConnectorConfigError) as info:
@@ -357,7 +357,7 @@ def test_the_default_policy_meets_its_budget_on_a_labelled_prompt() -> None:
     budget = DEFAULT_POLICY.max_vs_fp16
     assert budget is not None and budget <= 0.35
     assert sum(vs_fp16(f, 64) for f in fmts) <= budget * len(fmts)
-    assert set(fmts[1:31]) == {"tq4"}  # the stable front stays 4-bit
+    assert set(fmts[1:31]) == {"k5v4"}  # the stable front stays at the default
     raised = [b for b, f in enumerate(fmts) if f == "int8"]
     assert raised == list(range(raised[0], len(fmts)))  # the latest blocks, contiguous
     assert params["contextkit"]["spans"][0][2] == "axioms"
@@ -399,7 +399,7 @@ def test_generated_blocks_are_raised_only_within_the_budget() -> None:
 
 def test_room_format_raises_only_blocks_below_it() -> None:
     policy = PrecisionPolicy.from_mapping({"room_format": "int8"}, PrecisionPolicy())
-    assert [policy.room_for(f) for f in FORMATS] == ["int8", None, None, None]
+    assert [policy.room_for(f) for f in FORMATS] == ["int8", "int8", None, None, None]
     assert PrecisionPolicy().room_for("tq4") is None
     assert DEFAULT_POLICY.room_format == "int8" and "int8" in DEFAULT_POLICY.formats()
     assert PrecisionPolicy.from_mapping(DEFAULT_POLICY.to_dict()) == DEFAULT_POLICY

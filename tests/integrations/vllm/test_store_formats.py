@@ -86,15 +86,16 @@ def test_same_model_ignores_only_the_block_format(model: Path) -> None:
 def test_mixed_formats_read_back_within_each_formats_bounds(model: Path,
                                                             tmp_path: Path) -> None:
     store = ConnectorStore(vllm_cache_identity(str(model), BS), _config(tmp_path))
-    k, v = _kv(5, seed=1)
-    keys = _keys(store, 5)
+    k, v = _kv(6, seed=1)
+    keys = _keys(store, 6)
     # interleaved formats: each block to its pool, the read reassembles key order
-    result = store.save(k, v, keys, "default", _labels("fp16", "tq4", "native", "int8", "tq4"))
+    result = store.save(k, v, keys, "default",
+                        _labels("fp16", "tq4", "native", "int8", "tq4", "k5v4"))
     assert result.stored == keys and result.failed == [] and result.removed == []
     got = store.read(keys, "default")
     assert got is not None
     k2, v2 = got
-    assert k2.shape == v2.shape == (LAYERS, 5, BS, HEADS, DIM) and k2.dtype == torch.float32
+    assert k2.shape == v2.shape == (LAYERS, 6, BS, HEADS, DIM) and k2.dtype == torch.float32
     for x, y in ((k, k2), (v, v2)):
         assert torch.equal(y[:, 0], x[:, 0].half().float())  # fp16: its rounding, nothing else
         assert torch.equal(y[:, 2], x[:, 2])  # native: exact
@@ -103,10 +104,13 @@ def test_mixed_formats_read_back_within_each_formats_bounds(model: Path,
             cos = torch.nn.functional.cosine_similarity(y[:, i].reshape(-1, DIM),
                                                         x[:, i].reshape(-1, DIM), dim=-1)
             assert float(cos.mean()) > 0.99 and _rel(y[:, i], x[:, i]) > 1e-2
+    # k5v4: keys between tq4 and int8, values as tq4
+    assert 1e-2 < _rel(k2[:, 5], k[:, 5]) < 0.6 * _rel(k2[:, 1], k[:, 1])
+    assert 0.5 * _rel(v2[:, 1], v[:, 1]) < _rel(v2[:, 5], v[:, 5]) < 2 * _rel(v2[:, 1], v[:, 1])
     # the connector's form: one part per pool, copied into vLLM's pages as it is
     parts = store.read_parts(keys, "default")
-    assert sorted(p for positions, _, _ in parts for p in positions) == list(range(5))
-    assert len(parts) == 4  # fp16, tq4, native, int8
+    assert sorted(p for positions, _, _ in parts for p in positions) == list(range(6))
+    assert len(parts) == 5  # fp16, tq4, native, int8, k5v4
     for positions, pk, pv in parts:
         assert torch.equal(pk, k2[:, positions]) and torch.equal(pv, v2[:, positions])
     assert store.read_parts([b"\0" * 32, *keys], "default") == []
@@ -117,8 +121,9 @@ def test_mixed_formats_read_back_within_each_formats_bounds(model: Path,
 
     stats = store.format_stats()
     assert {fmt: row["blocks"] for fmt, row in stats.items()} == {
-        "fp16": 1, "int8": 1, "native": 1, "tq4": 2}
-    for fmt, per_token_head in (("fp16", 128), ("int8", 68), ("native", 256), ("tq4", 36)):
+        "fp16": 1, "int8": 1, "native": 1, "tq4": 2, "k5v4": 1}
+    for fmt, per_token_head in (("fp16", 128), ("int8", 68), ("native", 256), ("tq4", 36),
+                                ("k5v4", 40)):
         row = stats[fmt]
         want = 2 * LAYERS * HEADS * per_token_head
         assert row["bytes_per_token"] == want and row["bytes"] == want * BS * row["blocks"]
@@ -491,23 +496,24 @@ def test_blocks_are_stored_above_their_format_while_the_budget_has_room(
     assert _rel(got[0], k) < 0.02 and _rel(got[1], v) < 0.02  # int8's error, not tq4's
 
 
+@pytest.mark.parametrize("fmt", ["tq4", "k5v4"])  # k5v4: the default policy's
 def test_under_pressure_upgraded_blocks_are_transcoded_before_anything_is_evicted(
-        model: Path, tmp_path: Path) -> None:
+        model: Path, tmp_path: Path, fmt: str) -> None:
     store = _budget_store(model, tmp_path, 32)
     budget = 32 * store.identity.bytes_per_block
     k_old, v_old = _kv(12, seed=12, key_mean=4.0)
     old = _keys(store, 12, tenant="acme")
-    assert store.save(k_old, v_old, old, "acme", _room("tq4", "int8", 0.2, 12)).stored == old
+    assert store.save(k_old, v_old, old, "acme", _room(fmt, "int8", 0.2, 12)).stored == old
     assert _held(store) == {"int8": 12}  # 12 int8 blocks: ~0.7 of the budget
     store.take_stats()
-    # 12 more do not fit as int8, nor as tq4 beside 12 int8: the new ones go in as tq4
-    # and the least important int8 blocks are transcoded to tq4; nothing is evicted
+    # 12 more do not fit as int8, nor as fmt beside 12 int8: the new ones go in as fmt
+    # and the least important int8 blocks are transcoded to fmt; nothing is evicted
     new = _keys(store, 12, tenant="acme", offset=10_000)
-    result = store.save(*_kv(12, seed=13), new, "acme", _room("tq4", "int8", 0.9, 12))
+    result = store.save(*_kv(12, seed=13), new, "acme", _room(fmt, "int8", 0.9, 12))
     assert result.stored == new and result.removed == [] and result.failed == []
     held = _held(store)
     demoted = 12 - held["int8"]
-    assert 1 <= demoted < 12 and held["tq4"] == 12 + demoted
+    assert 1 <= demoted < 12 and held[fmt] == 12 + demoted
     assert sum(row["bytes"] for row in store.format_stats().values()) <= budget
     stats = store.take_stats()
     assert stats is not None and stats["counters"]["demoted_blocks"] == demoted
@@ -516,11 +522,11 @@ def test_under_pressure_upgraded_blocks_are_transcoded_before_anything_is_evicte
     got = store.read(old, "acme")
     assert got is not None and got[0].shape[1] == 12
     errors = [_rel(got[1][:, b], v_old[:, b]) for b in range(12)]
-    assert sum(e > 0.05 for e in errors) == demoted  # tq4's error on the demoted ones
+    assert sum(e > 0.05 for e in errors) == demoted  # 4-bit values on the demoted ones
     assert sum(e < 0.02 for e in errors) == 12 - demoted
-    # into the tq4 pool the new save calibrated (12 blocks): key offsets subtracted
-    (tq4_pool,) = [p for p in store.pools.values() if p.fmt == "tq4" and len(p.cache.metadata)]
-    assert tq4_pool.identity.key_offset_digest
+    # into the pool the new save calibrated (12 blocks): key offsets subtracted
+    (low_pool,) = [p for p in store.pools.values() if p.fmt == fmt and len(p.cache.metadata)]
+    assert low_pool.identity.key_offset_digest
 
 
 def test_transcoded_blocks_take_their_pools_key_offsets_when_none_is_calibrated(

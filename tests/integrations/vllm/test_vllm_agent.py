@@ -44,13 +44,13 @@ MAX_TOKENS = 16
 #: Store sizes. Device tier: pins only on CPU; each agent's stable prefix (12 blocks)
 #: is within a tenant's quota (a quarter of it). DDR tier (a byte budget, in tq4
 #: blocks, shared by the format pools): room for a first turn's save (24 blocks, the
-#: stable ones before they move to the device tier; about 28 tq4 blocks of bytes under
-#: the default precision policy: an fp16 sink, the latest blocks int8) and little more
-#: (26 is too little for that save; 32 already keeps every memory); the two agents'
+#: stable ones before they move to the device tier; 29-30 tq4 blocks of bytes under
+#: the default precision policy: an fp16 sink, k5v4, the latest blocks int8, within
+#: 0.35 of fp16) and little more; the two agents'
 #: unpinned blocks are ~75, so the volatile layers' blocks, then the user turns', then
 #: the memories' are evicted (gpu_cache's layer priorities).
 DEVICE_BLOCKS = 64
-HOST_BLOCKS = 29
+HOST_BLOCKS = 31
 ROOT = Path(__file__).resolve().parents[3]
 
 QUESTIONS = [

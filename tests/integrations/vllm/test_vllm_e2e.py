@@ -129,7 +129,7 @@ def test_restart_with_recovery_serves_from_contextkit_store(
         assert r["connector"]["external_hit_tokens"] == 0  # nothing stored yet
         assert r["connector"]["planned_save_blocks"] >= PROMPT_TOKENS // BLOCK - 1
     assert cold["run"]["stored_blocks"] >= 2 * (PROMPT_TOKENS // BLOCK)
-    # one shadow session per block format: vllm@fp16 (the sink), vllm@tq4.<offsets>, ...
+    # one shadow session per block format: vllm@fp16 (the sink), vllm@int8.<offsets>, ...
     assert sorted(p.parent.name for p in (work / "shadow").glob("vllm*/manifest.json"))
 
     rc, rec = recover(model_dir, _config(work))  # vLLM is stopped: the startup job
@@ -137,12 +137,13 @@ def test_restart_with_recovery_serves_from_contextkit_store(
     assert rec["errors"] == {} and rec["skipped"] == 0
     assert rec["snapshot_blocks"] == cold["run"]["stored_blocks"]
     # the default precision policy reached the store through vLLM: every request's first
-    # block (the two prompts and the warm-up) fp16; the rules make the rest tq4 but
+    # block (the two prompts and the warm-up) fp16; the rules make the rest k5v4 but
     # the latest blocks, and with the DDR budget far from full (room_format) every
-    # tq4 block is stored int8: nothing tq4, ~0.53 of fp16's bytes
+    # k5v4 block is stored int8: nothing 4- or 5-bit, ~0.53 of fp16's bytes
     formats = rec["formats"]
     assert formats["fp16"]["blocks"] == 3, formats
-    assert formats["int8"]["blocks"] >= 2 + 2 * 50 and "tq4" not in formats, formats
+    assert formats["int8"]["blocks"] >= 2 + 2 * 50, formats
+    assert "tq4" not in formats and "k5v4" not in formats, formats
     assert 0.45 <= rec["vs_fp16"] <= 0.6, rec["vs_fp16"]
     # one session per pool: the sink's and the key-offset int8 pool's (and the plain
     # one, empty here, when the server wrote it at its close)
@@ -242,7 +243,7 @@ def test_corrupt_block_is_skipped_and_recomputed(
     sessions = _copy_sessions(cold["work"] / "shadow", shadow)
     manifests = [json.loads((s / "manifest.json").read_text()) for s in sessions]
     keys = hash_token_blocks(_identity(model_dir).digest(), "default", prompts[0], BLOCK)
-    bad = 10  # a tq4 block by the rules, stored int8 (room); block 0, the sink, is fp16
+    bad = 10  # a k5v4 block by the rules, stored int8 (room); block 0, the sink, is fp16
     manifest, record = next((m, b) for m in manifests for b in m["blocks"]
                             if b["key"] == keys[bad].hex())
     segment = next(s for s in manifest["segments"] if s["id"] == record["segment"])
