@@ -63,13 +63,14 @@ HELP = ("many LangChain agents on one vLLM server whose KV holds ~2 of them: vLL
         "contextkit order, + connector (semantic, LRU, fp16), LMCache, ceiling")
 
 CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru", "connector_fp16",
-           "connector_int8", "lmcache", "lmcache_ordering")
+           "connector_int8", "connector_tq4", "lmcache", "lmcache_ordering")
 #: The default run: the issue's seven configurations.
 DEFAULT_CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru",
                    "connector_fp16", "lmcache")
 #: The connector configuration the speedups are of, and what each is compared with.
 VERSUS = {"apc": "apc", "ordering": "ordering", "lru": "connector_lru",
-          "fp16": "connector_fp16", "int8": "connector_int8", "lmcache": "lmcache",
+          "fp16": "connector_fp16", "int8": "connector_int8", "tq4": "connector_tq4",
+          "lmcache": "lmcache",
           "lmcache_ordering": "lmcache_ordering"}
 
 

@@ -44,7 +44,7 @@ BLOCK = 32
 #: Every configuration, in the order they run (the ceiling first: the quality probe
 #: compares the others with its logprobs).
 CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru", "connector_fp16",
-           "connector_int8", "lmcache", "lmcache_ordering")
+           "connector_int8", "connector_tq4", "lmcache", "lmcache_ordering")
 #: The precision policy of ``connector_fp16``: every block fp16 (no sink, no raised
 #: layers, no byte cap) in the tq4 key identity, so the byte budget's unit is the same.
 FP16_POLICY = {"default": "fp16", "sink_blocks": 0, "layers": {}, "importance": [],
@@ -53,6 +53,9 @@ FP16_POLICY = {"default": "fp16", "sink_blocks": 0, "layers": {}, "importance": 
 #: the default policy gives its late layers, everywhere.
 INT8_POLICY: dict[str, Any] = {"default": "int8", "layers": {}, "importance": [], "pinned": None,
                "max_vs_fp16": None}
+#: ``connector_tq4``: the default policy before k5v4 (tq4 where it stores k5v4, the late
+#: layers int8 within 0.33 of fp16), to measure what k5v4 changed.
+TQ4_POLICY: dict[str, Any] = {"default": "tq4", "max_vs_fp16": 0.33}
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,8 @@ SETUPS = {
                                                      "precision": FP16_POLICY}),
     "connector_int8": Setup("connector_int8", True, {"eviction": "semantic",
                                                      "precision": INT8_POLICY}),
+    "connector_tq4": Setup("connector_tq4", True, {"eviction": "semantic",
+                                                   "precision": TQ4_POLICY}),
     "lmcache": Setup("lmcache", False, None, lmcache=True),
     "lmcache_ordering": Setup("lmcache_ordering", True, None, lmcache=True),
 }

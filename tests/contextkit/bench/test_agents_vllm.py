@@ -78,3 +78,21 @@ def test_result_reports_hit_tokens_per_tier_quality_and_what_did_not_run(tmp_pat
     assert result["quality"]["connector"]["probe_connector_hit_tokens"] == 64
     assert result["not_run"] == {"lmcache": "SystemExit: no lmcache"}
     assert (tmp_path / "r.json").is_file()
+
+
+def test_connector_tq4_is_the_default_policy_before_k5v4() -> None:
+    """connector_tq4 measures what k5v4 changed: the same rules over tq4 within 0.33."""
+    import dataclasses
+
+    from integrations.vllm.bench.agents_bench import SETUPS
+    from integrations.vllm.config import ConnectorConfig
+    from integrations.vllm.precision import DEFAULT_POLICY
+
+    setup = SETUPS["connector_tq4"]
+    policy = ConnectorConfig.from_extra_config(dict(setup.connector)).policy
+    assert policy == dataclasses.replace(DEFAULT_POLICY, default="tq4", max_vs_fp16=0.33)
+    assert SETUPS["connector"].connector == {"eviction": "semantic"}  # the default policy
+    assert DEFAULT_POLICY.default == "k5v4"
+    got = speedups({"connector": [1.0, 100.0], "connector_tq4": [1.0, 150.0],
+                    "ceiling": [1.0, 100.0]}, [False, True])
+    assert got["speedup_vs_tq4_p50"] == 1.5
