@@ -22,7 +22,7 @@ round trip comes from its keys (docs/vllm.md has the measurement). Its keys use 
 rotation and a 5-bit Lloyd-Max codebook for the rotated coordinates, stored as a plane
 of low nibbles (split-half order, as tq4) followed by a plane of the fifth bits (eight
 coordinates per byte, coordinate ``j`` in bit ``j % 8`` of byte ``j // 8``); its values
-are tq4. It needs ``D % 8 == 0``.
+are tq4. It needs ``D % 16 == 0`` (whole bytes per token-head for K and V together).
 
 ``int8`` rotates with the cache's TQ4 rotation (same seed) so outliers spread over
 the coordinates, then stores ``round(r / s)`` with ``s = max|r| / 127`` per vector.

@@ -58,6 +58,31 @@ if _nb is not None:
                         v[j + h, lane] = a - b
             h *= 2
 
+    @_nb.njit(inline="always", fastmath=True)
+    def _rotate_rows(x, base, m, signs, v, sq):  # pragma: no cover - jitted
+        """Rows ``base..base+m`` of ``x``, sign-flipped and transformed, into the lanes
+        of ``v``; their squared norms into ``sq``."""
+        d = x.shape[1]
+        for lane in range(m):
+            acc = np.float32(0.0)
+            for j in range(d):
+                a = np.float32(x[base + lane, j])
+                acc += a * a
+                v[j, lane] = a * signs[j]
+            sq[lane] = acc
+        _fwht_lanes(v)
+
+    @_nb.njit(inline="always", fastmath=True)
+    def _unrotate_rows(v, norms, base, m, signs, out):  # pragma: no cover - jitted
+        """The inverse: transformed lanes of ``v`` scaled by ``norms`` into ``out``."""
+        d = out.shape[1]
+        inv_sqrt_d = 1.0 / math.sqrt(d)
+        _fwht_lanes(v)
+        for lane in range(m):
+            scale = norms[base + lane] * inv_sqrt_d
+            for j in range(d):
+                out[base + lane, j] = v[j, lane] * scale * signs[j]
+
     @_jit
     def _encode(x, signs, bounds, cent, packed, norms):  # pragma: no cover - jitted
         n, d = x.shape
@@ -69,14 +94,7 @@ if _nb is not None:
             m = min(_LANES, n - base)
             v = np.zeros((d, _LANES), np.float32)
             sq = np.zeros(_LANES, np.float32)
-            for lane in range(m):
-                acc = np.float32(0.0)
-                for j in range(d):
-                    a = np.float32(x[base + lane, j])
-                    acc += a * a
-                    v[j, lane] = a * signs[j]
-                sq[lane] = acc
-            _fwht_lanes(v)
+            _rotate_rows(x, base, m, signs, v, sq)
             for lane in range(m):
                 nrm = math.sqrt(sq[lane])
                 scale = inv_sqrt_d / nrm if nrm > 0 else 0.0
@@ -97,7 +115,6 @@ if _nb is not None:
     def _decode(packed, norms, signs, cent, out):  # pragma: no cover - jitted
         n, half = packed.shape
         d = half * 2
-        inv_sqrt_d = 1.0 / math.sqrt(d)
         for chunk in _prange((n + _LANES - 1) // _LANES):
             base = chunk * _LANES
             m = min(_LANES, n - base)
@@ -107,11 +124,7 @@ if _nb is not None:
                     byte = packed[base + lane, j]
                     v[j, lane] = cent[byte & 15]
                     v[j + half, lane] = cent[byte >> 4]
-            _fwht_lanes(v)
-            for lane in range(m):
-                scale = norms[base + lane] * inv_sqrt_d
-                for j in range(d):
-                    out[base + lane, j] = v[j, lane] * scale * signs[j]
+            _unrotate_rows(v, norms, base, m, signs, out)
 
 
     @_jit
@@ -125,14 +138,7 @@ if _nb is not None:
             m = min(_LANES, n - base)
             v = np.zeros((d, _LANES), np.float32)
             sq = np.zeros(_LANES, np.float32)
-            for lane in range(m):
-                acc = np.float32(0.0)
-                for j in range(d):
-                    a = np.float32(x[base + lane, j])
-                    acc += a * a
-                    v[j, lane] = a * signs[j]
-                sq[lane] = acc
-            _fwht_lanes(v)
+            _rotate_rows(x, base, m, signs, v, sq)
             for lane in range(m):
                 row = base + lane
                 nrm = math.sqrt(sq[lane])
@@ -160,7 +166,6 @@ if _nb is not None:
         n = packed.shape[0]
         d = out.shape[1]
         half = d // 2
-        inv_sqrt_d = 1.0 / math.sqrt(d)
         for chunk in _prange((n + _LANES - 1) // _LANES):
             base = chunk * _LANES
             m = min(_LANES, n - base)
@@ -174,11 +179,7 @@ if _nb is not None:
                     b_hi = (packed[row, half + jh // 8] >> (jh % 8)) & 1
                     v[j, lane] = cent[(byte & 15) | (b_lo << 4)]
                     v[jh, lane] = cent[(byte >> 4) | (b_hi << 4)]
-            _fwht_lanes(v)
-            for lane in range(m):
-                scale = norms[base + lane] * inv_sqrt_d
-                for j in range(d):
-                    out[base + lane, j] = v[j, lane] * scale * signs[j]
+            _unrotate_rows(v, norms, base, m, signs, out)
 
 
 def encode_into(
