@@ -192,9 +192,6 @@ class TQ4Codec:
 
     def fused_cpu(self, device: torch.device, num_vectors: int) -> bool:
         """Whether the fused numba kernels serve ``num_vectors`` vectors on ``device``."""
-        return self._fused_cpu(device, num_vectors)
-
-    def _fused_cpu(self, device: torch.device, num_vectors: int) -> bool:
         return (
             self.cpu_kernels
             and self._signs is not None
@@ -213,7 +210,7 @@ class TQ4Codec:
             CodecInputError: wrong dtype, last dimension or device.
         """
         self._check_vectors(x, "x")
-        if self._fused_cpu(x.device, x.numel() // self.head_dim):
+        if self.fused_cpu(x.device, x.numel() // self.head_dim):
             return self._encode_fused(x)
         x = x.float()
         norms = torch.linalg.vector_norm(x, dim=-1)
@@ -253,7 +250,7 @@ class TQ4Codec:
             CodecInputError: wrong dtype, shape or device of packed/norms.
         """
         self._check_packed(enc)
-        if self._fused_cpu(enc.packed.device, enc.norms.numel()):
+        if self.fused_cpu(enc.packed.device, enc.norms.numel()):
             return self._decode_fused(enc)
         return self.unrotate(self._rotated_values(enc))
 

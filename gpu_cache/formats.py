@@ -32,6 +32,7 @@ Key offsets (``TQGPUCache.key_offsets``) apply to the keys of every format: enco
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,6 +56,7 @@ __all__ = [
     "check_head_dim",
     "decode_blocks",
     "encode_into",
+    "head_dim_multiple",
     "tensor_specs",
 ]
 
@@ -109,11 +111,18 @@ def _side_bytes(side: str, head_dim: int) -> int:
             + (4 if _has_scale(side) else 0))
 
 
+def head_dim_multiple(fmt: str) -> int:
+    """What a format asks of head_dim beyond being even (which the cache identity
+    checks): a multiple of 16 for k5v4 (eight 5-bit codes in 5 bytes, whole bytes per
+    token-head for K and V together), else nothing (1)."""
+    return 16 if fmt == "k5v4" else 1
+
+
 def check_head_dim(fmt: str, head_dim: int) -> None:
     """Raise CodecInputError when ``fmt`` cannot pack vectors of ``head_dim``."""
-    if fmt == "k5v4" and head_dim % 16:
-        raise CodecInputError(f"format k5v4 needs a head_dim divisible by 16 (its keys pack "
-                              f"8 five-bit codes in 5 bytes), got {head_dim}; use tq4")
+    if head_dim % head_dim_multiple(fmt):
+        raise CodecInputError(f"format {fmt} needs a head_dim divisible by "
+                              f"{head_dim_multiple(fmt)}, got {head_dim}; use tq4")
 
 
 def bytes_per_token_head(fmt: str, head_dim: int) -> int:
@@ -225,19 +234,18 @@ def _tq4_encode(x: torch.Tensor, codec: TQ4Codec) -> tuple[torch.Tensor, torch.T
 
 _TQ5_BITS = 5
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
-_TQ5_BOOKS: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _tq5_book(codec: TQ4Codec) -> tuple[torch.Tensor, torch.Tensor]:
     """(centroids, boundaries) of the 5-bit codebook at the codec's D, on its device."""
-    key = (codec.head_dim, str(codec.device))
-    book = _TQ5_BOOKS.get(key)
-    if book is None:
-        cb = lloyd_max_codebook(codec.head_dim, _TQ5_BITS)
-        book = (torch.tensor(cb.centroids, dtype=torch.float32, device=codec.device),
-                torch.tensor(cb.boundaries, dtype=torch.float32, device=codec.device))
-        _TQ5_BOOKS[key] = book
-    return book
+    return _book_tensors(codec.head_dim, str(codec.device))
+
+
+@functools.cache
+def _book_tensors(head_dim: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    cb = lloyd_max_codebook(head_dim, _TQ5_BITS)
+    return (torch.tensor(cb.centroids, dtype=torch.float32, device=device),
+            torch.tensor(cb.boundaries, dtype=torch.float32, device=device))
 
 
 def _tq5_encode(x: torch.Tensor, codec: TQ4Codec) -> tuple[torch.Tensor, torch.Tensor]:

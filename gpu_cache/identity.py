@@ -9,13 +9,14 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from gpu_cache._errors import CacheIdentityError
-from gpu_cache.formats import FORMATS, bytes_per_token_head
+from gpu_cache.formats import FORMATS, bytes_per_token_head, head_dim_multiple
 
 __all__ = ["CODECS", "SCHEMA_VERSION", "CacheIdentity"]
 
 #: Block codecs = :data:`gpu_cache.formats.FORMATS`: "tq4" (4-bit packed nibbles +
-#: float32 norms), "k5v4" (5-bit keys, tq4 values), "int8" (rotated int8 + float32 scales), "fp16" and "native" (float32
-#: K/V as the model computed them, for exactness checks); see :mod:`gpu_cache.formats`.
+#: float32 norms), "k5v4" (5-bit keys, tq4 values), "int8" (rotated int8 + float32
+#: scales), "fp16" and "native" (float32 K/V as the model computed them, for exactness
+#: checks); see :mod:`gpu_cache.formats`.
 CODECS = FORMATS
 
 #: Version of the block layout and metadata schema. Bump on any incompatible change.
@@ -58,8 +59,9 @@ class CacheIdentity:
             _bad("head_dim", "even for 4-bit packing", self.head_dim)
         if not isinstance(self.codec, str) or self.codec not in CODECS:
             _bad("codec", f"one of {CODECS}", self.codec)
-        if self.codec == "k5v4" and self.head_dim % 16:
-            _bad("head_dim", "divisible by 16 for codec k5v4", self.head_dim)
+        if self.head_dim % head_dim_multiple(self.codec):
+            _bad("head_dim", f"divisible by {head_dim_multiple(self.codec)} for codec "
+                 f"{self.codec}", self.head_dim)
         if not _is_int(self.rotation_seed) or not 0 <= self.rotation_seed < 2**64:
             _bad("rotation_seed", "an int in [0, 2**64)", self.rotation_seed)
         for name in ("tokenizer_id", "key_offset_digest"):

@@ -70,8 +70,7 @@ DEFAULT_CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru",
 #: The connector configuration the speedups are of, and what each is compared with.
 VERSUS = {"apc": "apc", "ordering": "ordering", "lru": "connector_lru",
           "fp16": "connector_fp16", "int8": "connector_int8", "tq4": "connector_tq4",
-          "lmcache": "lmcache",
-          "lmcache_ordering": "lmcache_ordering"}
+          "lmcache": "lmcache", "lmcache_ordering": "lmcache_ordering"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

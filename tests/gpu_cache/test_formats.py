@@ -315,7 +315,7 @@ def test_a_view_or_export_of_another_format_is_refused():
     with pytest.raises(CodecInputError, match="another format"):
         decode_blocks("k5v4", _cache("tq4").export_blocks([]), int8.codec)
     k5v4 = _cache("k5v4")
-    with pytest.raises(CodecInputError, match="format tq4|format k5v4"):
+    with pytest.raises(CodecInputError, match=r"format tq4|format k5v4"):
         encode_into("k5v4", torch.ones(1, H, D), torch.ones(1, H, D), torch.tensor([0]),
                     _cache("tq4").layer_view(0), k5v4.codec)
     with pytest.raises(CodecInputError, match="unknown KV format 'tq3'"):

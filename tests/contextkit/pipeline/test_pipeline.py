@@ -238,7 +238,7 @@ def test_each_line_is_a_chunk_and_a_changed_layer_keeps_the_rest(
     build = pipeline.wrap(prompt)
     build(0, IDENTITY)
     pipeline.generate("Is checkout still slow?", max_new_tokens=2)
-    ids, spans, _ = pipeline.assemble("Is checkout still slow?", [])
+    _, spans, _ = pipeline.assemble("Is checkout still slow?", [])
     caps = [s for s in spans if s.source_layer == "capabilities"]
     assert len(caps) == len(CAPS) + 2  # the opening tag, one span per line, the closing tag
     assert all(a.end == b.start for a, b in itertools.pairwise(caps))
