@@ -55,9 +55,11 @@ __all__ = [
     "check_format",
     "check_head_dim",
     "decode_blocks",
+    "decode_layer_into",
     "encode_into",
     "head_dim_multiple",
     "tensor_specs",
+    "warm_up",
 ]
 
 #: Known formats, lowest precision first.
@@ -294,6 +296,33 @@ _SIDE_ENCODERS = {"tq4": _tq4_encode, "tq5": _tq5_encode, "int8": _int8_encode}
 
 
 # ---------------------------------------------------------------------- decode
+def _exported_side(fmt: str, exported: dict[str, torch.Tensor], side_name: str, side: str,
+                   head_dim: int) -> torch.Tensor:
+    """The ``*_packed`` tensor of one side, checked against the format."""
+    name = f"{side_name}_packed"
+    packed = exported[name]
+    want_dtype, width = _VECTOR_DTYPES[side], _side_width(side, head_dim)
+    if packed.dtype != want_dtype or packed.dim() != 5 or packed.shape[-1] != width:
+        raise CodecInputError(f"{name} must be {want_dtype} [L, n, BS, H, {width}] for "
+                              f"format {fmt}, got {packed.dtype} {tuple(packed.shape)}; it "
+                              "was exported from a cache of another format")
+    return packed
+
+
+def _decode_side(side: str, packed: torch.Tensor, norms: torch.Tensor,
+                 codec: TQ4Codec) -> torch.Tensor:
+    """One side's stored vectors as float32 ``[..., D]`` on the codec's device."""
+    dev = codec.device
+    packed = packed.to(dev)
+    if side == "tq4":
+        return codec.decode(TQ4Encoded(packed, norms.to(dev)))
+    if side == "tq5":
+        return _tq5_decode(packed, norms.to(dev, torch.float32), codec)
+    if side == "int8":
+        return codec.unrotate(packed.float() * norms.to(dev, torch.float32).unsqueeze(-1))
+    return packed.float()
+
+
 def decode_blocks(fmt: str, exported: dict[str, torch.Tensor], codec: TQ4Codec,
                   key_offsets: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,28 +342,12 @@ def decode_blocks(fmt: str, exported: dict[str, torch.Tensor], codec: TQ4Codec,
         CodecInputError: unknown format, or tensors of another format's layout.
     """
     fmt = check_format(fmt)
-    dev = codec.device
     out = []
     for side_name, side in zip(("k", "v"), _sides(fmt), strict=True):
-        name = f"{side_name}_packed"
-        packed = exported[name]
-        want_dtype, width = _VECTOR_DTYPES[side], _side_width(side, codec.head_dim)
-        if packed.dtype != want_dtype or packed.dim() != 5 or packed.shape[-1] != width:
-            raise CodecInputError(f"{name} must be {want_dtype} [L, n, BS, H, {width}] for "
-                                  f"format {fmt}, got {packed.dtype} {tuple(packed.shape)}; it "
-                                  "was exported from a cache of another format")
-        packed = packed.to(dev)
-        if side == "tq4":
-            x = codec.decode(TQ4Encoded(packed, exported[f"{side_name}_norms"].to(dev)))
-        elif side == "tq5":
-            x = _tq5_decode(packed, exported[f"{side_name}_norms"].to(dev, torch.float32), codec)
-        elif side == "int8":
-            scale = exported[f"{side_name}_norms"].to(dev, torch.float32)
-            x = codec.unrotate(packed.float() * scale.unsqueeze(-1))
-        else:
-            x = packed.float()
-        out.append(x)
+        packed = _exported_side(fmt, exported, side_name, side, codec.head_dim)
+        out.append(_decode_side(side, packed, exported[f"{side_name}_norms"], codec))
     k, v = out
+    dev = codec.device
     if key_offsets is not None:
         num_layers, heads, dim = k.shape[0], k.shape[3], k.shape[4]
         if tuple(key_offsets.shape) != (num_layers, heads, dim):
@@ -345,3 +358,84 @@ def decode_blocks(fmt: str, exported: dict[str, torch.Tensor], codec: TQ4Codec,
         # (native's .float() is the exported tensor itself)
         k = k + mu if fmt == "native" else k.add_(mu)
     return k, v
+
+
+#: The fused kernel per side encoding that scatters decoded rows (and adds offsets).
+_ROW_DECODERS = {"tq4": cpu_fused.decode_into, "tq5": cpu_fused.decode5_into,
+                 "int8": cpu_fused.decode8_into}
+
+
+def decode_layer_into(fmt: str, exported: dict[str, torch.Tensor], layer: int,
+                      codec: TQ4Codec, out: torch.Tensor, k_rows: torch.Tensor,
+                      v_rows: torch.Tensor, key_offsets: torch.Tensor | None = None) -> None:
+    """Decode one layer of exported blocks straight into rows of ``out``, in place.
+
+    The load path of a paged KV cache: ``out`` is one layer of pages viewed as rows
+    of ``D`` values, and each token-head of the blocks lands in its page row without
+    an intermediate K/V tensor. On the CPU, with the fused kernels, into a float32
+    contiguous ``out``, that is one pass over the packed bytes; otherwise the layer is
+    decoded (:func:`decode_blocks`) and copied by index.
+
+    Args:
+        fmt: the format of the cache the blocks come from.
+        exported: :meth:`TQGPUCache.export_blocks` output (``[L, n, block_size, H, ...]``).
+        layer: the layer to decode.
+        codec: the cache's codec.
+        out: ``[num_rows, D]`` destination (any float dtype; float32 contiguous on the
+            CPU takes the fused path).
+        k_rows, v_rows: int64 ``[n * block_size * H]``, the row of ``out`` of each
+            token-head's key and value, in the blocks' order (block, token, head).
+        key_offsets: ``[L, H, D]`` the cache's key offsets, added back to the keys.
+
+    Raises:
+        CodecInputError: unknown format, tensors of another format's layout, or rows
+            of the wrong shape.
+    """
+    fmt = check_format(fmt)
+    dim = codec.head_dim
+    if out.dim() != 2 or out.shape[1] != dim:
+        raise CodecInputError(f"out must be [num_rows, D={dim}], got {tuple(out.shape)}")
+    signs = codec.hadamard_signs
+    for side_name, side, rows in zip(("k", "v"), _sides(fmt), (k_rows, v_rows), strict=True):
+        packed = _exported_side(fmt, exported, side_name, side, dim)[layer]
+        norms = exported[f"{side_name}_norms"][layer]
+        heads = packed.shape[-2]
+        num = packed.shape[0] * packed.shape[1] * heads
+        if rows.dim() != 1 or rows.shape[0] != num or rows.dtype != torch.int64:
+            raise CodecInputError(f"{side_name}_rows must be int64 [{num}] (block, token, "
+                                  f"head order), got {rows.dtype} {tuple(rows.shape)}")
+        mu = key_offsets[layer] if side_name == "k" and key_offsets is not None else None
+        fused = (side in _ROW_DECODERS and signs is not None and out.device.type == "cpu"
+                 and out.dtype == torch.float32 and out.is_contiguous()
+                 and codec.fused_cpu(packed.device, num))
+        if fused:
+            offsets = (torch.zeros(heads, dim) if mu is None
+                       else mu.to("cpu", torch.float32).contiguous())
+            flat = packed.reshape(num, -1).cpu().contiguous().numpy()
+            scales = norms.reshape(num).to("cpu", torch.float32).contiguous().numpy()
+            extra = () if side == "int8" else (_book(side, codec).numpy(),)
+            _ROW_DECODERS[side](flat, scales, signs.numpy(), *extra, out.numpy(),
+                                dest=rows.cpu().contiguous().numpy(), offsets=offsets.numpy())
+            continue
+        x = _decode_side(side, packed, norms, codec)
+        if mu is not None:
+            x = x + mu.to(x.device, torch.float32)
+        out.index_copy_(0, rows.to(out.device), x.reshape(num, dim).to(out.device, out.dtype))
+
+
+def _book(side: str, codec: TQ4Codec) -> torch.Tensor:
+    """The centroids of a TurboQuant side encoding (tq4 or tq5) at the codec's D."""
+    return codec.centroids if side == "tq4" else _tq5_book(codec)[0]
+
+
+def warm_up(codec: TQ4Codec) -> None:
+    """Run every fused CPU kernel once at the codec's D (numba compiles them on first
+    use, or loads its on-disk cache), so that no request pays for it."""
+    x = torch.randn(512, codec.head_dim, device=codec.device)
+    codec.decode(codec.encode(x))
+    _tq5_decode(*_tq5_encode(x, codec), codec)
+    signs = codec.hadamard_signs
+    if signs is not None and codec.fused_cpu(x.device, x.shape[0]):
+        q = torch.zeros(x.shape, dtype=torch.int8)
+        cpu_fused.decode8_into(q.numpy(), torch.ones(x.shape[0]).numpy(), signs.numpy(),
+                               torch.empty(x.shape).numpy())

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["available", "decode5_into", "decode_into", "encode5_into", "encode_into"]
+__all__ = ["available", "decode5_into", "decode8_into", "decode_into", "encode5_into",
+           "encode_into"]
 
 _nb: Any
 try:  # numba is an optional accelerator; the torch path is always there.
@@ -73,15 +74,21 @@ if _nb is not None:
         _fwht_lanes(v)
 
     @_nb.njit(inline="always", fastmath=True)
-    def _unrotate_rows(v, norms, base, m, signs, out):  # pragma: no cover - jitted
-        """The inverse: transformed lanes of ``v`` scaled by ``norms`` into ``out``."""
+    def _unrotate_rows(v, norms, base, m, signs, offsets, dest, out):  # pragma: no cover
+        """The inverse: transformed lanes of ``v`` scaled by ``norms``, plus the offset of
+        their head (row ``r`` is head ``r % H``, ``H = offsets.shape[0]``), into rows
+        ``dest[base..base+m]`` of ``out``."""
         d = out.shape[1]
+        heads = offsets.shape[0]
         inv_sqrt_d = 1.0 / math.sqrt(d)
         _fwht_lanes(v)
         for lane in range(m):
-            scale = norms[base + lane] * inv_sqrt_d
+            row = base + lane
+            scale = norms[row] * inv_sqrt_d
+            head = row % heads
+            at = dest[row]
             for j in range(d):
-                out[base + lane, j] = v[j, lane] * scale * signs[j]
+                out[at, j] = v[j, lane] * scale * signs[j] + offsets[head, j]
 
     @_jit
     def _encode(x, signs, bounds, cent, packed, norms):  # pragma: no cover - jitted
@@ -112,7 +119,7 @@ if _nb is not None:
                 norms[base + lane] = nrm / math.sqrt(recon_sq) if nrm > 0 else 0.0
 
     @_jit
-    def _decode(packed, norms, signs, cent, out):  # pragma: no cover - jitted
+    def _decode(packed, norms, signs, cent, offsets, dest, out):  # pragma: no cover - jitted
         n, half = packed.shape
         d = half * 2
         for chunk in _prange((n + _LANES - 1) // _LANES):
@@ -124,8 +131,19 @@ if _nb is not None:
                     byte = packed[base + lane, j]
                     v[j, lane] = cent[byte & 15]
                     v[j + half, lane] = cent[byte >> 4]
-            _unrotate_rows(v, norms, base, m, signs, out)
+            _unrotate_rows(v, norms, base, m, signs, offsets, dest, out)
 
+    @_jit
+    def _decode8(packed, scales, signs, offsets, dest, out):  # pragma: no cover - jitted
+        n, d = packed.shape
+        for chunk in _prange((n + _LANES - 1) // _LANES):
+            base = chunk * _LANES
+            m = min(_LANES, n - base)
+            v = np.zeros((d, _LANES), np.float32)
+            for lane in range(m):
+                for j in range(d):
+                    v[j, lane] = np.float32(packed[base + lane, j])
+            _unrotate_rows(v, scales, base, m, signs, offsets, dest, out)
 
     @_jit
     def _encode5(x, signs, bounds, cent, packed, norms):  # pragma: no cover - jitted
@@ -162,7 +180,7 @@ if _nb is not None:
                 norms[row] = nrm / math.sqrt(recon_sq) if nrm > 0 else 0.0
 
     @_jit
-    def _decode5(packed, norms, signs, cent, out):  # pragma: no cover - jitted
+    def _decode5(packed, norms, signs, cent, offsets, dest, out):  # pragma: no cover
         n = packed.shape[0]
         d = out.shape[1]
         half = d // 2
@@ -179,7 +197,7 @@ if _nb is not None:
                     b_hi = (packed[row, half + jh // 8] >> (jh % 8)) & 1
                     v[j, lane] = cent[(byte & 15) | (b_lo << 4)]
                     v[jh, lane] = cent[(byte >> 4) | (b_hi << 4)]
-            _unrotate_rows(v, norms, base, m, signs, out)
+            _unrotate_rows(v, norms, base, m, signs, offsets, dest, out)
 
 
 def encode_into(
@@ -194,15 +212,34 @@ def encode_into(
     _encode(x, signs, boundaries, centroids, packed, norms)
 
 
-def decode_into(
-    packed: np.ndarray,
-    norms: np.ndarray,
-    signs: np.ndarray,
-    centroids: np.ndarray,
-    out: np.ndarray,
-) -> None:
-    """Decode ``packed`` ``[n, d/2]`` and ``norms`` ``[n]`` into ``out`` ``[n, d]`` float32."""
-    _decode(packed, norms, signs, centroids, out)
+def _rows(n: int, d: int, dest: np.ndarray | None, offsets: np.ndarray | None
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """Where decoded rows go (``dest``, default: in order) and the per-head offsets
+    added to them (default: none)."""
+    if dest is None:
+        dest = np.arange(n, dtype=np.int64)
+    if offsets is None:
+        offsets = np.zeros((1, d), np.float32)
+    return dest, offsets
+
+
+def decode_into(packed: np.ndarray, norms: np.ndarray, signs: np.ndarray,
+                centroids: np.ndarray, out: np.ndarray, *, dest: np.ndarray | None = None,
+                offsets: np.ndarray | None = None) -> None:
+    """Decode ``packed`` ``[n, d/2]`` and ``norms`` ``[n]`` into ``out`` ``[m, d]`` float32:
+    row ``r`` to row ``dest[r]`` (default ``r``), plus ``offsets[r % H]`` when given
+    (``[H, d]``, rows ordered with the head fastest)."""
+    dest, offsets = _rows(packed.shape[0], out.shape[1], dest, offsets)
+    _decode(packed, norms, signs, centroids, offsets, dest, out)
+
+
+def decode8_into(packed: np.ndarray, scales: np.ndarray, signs: np.ndarray,
+                 out: np.ndarray, *, dest: np.ndarray | None = None,
+                 offsets: np.ndarray | None = None) -> None:
+    """Decode rotated int8 vectors ``packed`` ``[n, d]`` (``scales`` ``[n]``) into
+    ``out`` like :func:`decode_into`."""
+    dest, offsets = _rows(packed.shape[0], out.shape[1], dest, offsets)
+    _decode8(packed, scales, signs, offsets, dest, out)
 
 
 def encode5_into(x: np.ndarray, signs: np.ndarray, boundaries: np.ndarray,
@@ -213,6 +250,9 @@ def encode5_into(x: np.ndarray, signs: np.ndarray, boundaries: np.ndarray,
 
 
 def decode5_into(packed: np.ndarray, norms: np.ndarray, signs: np.ndarray,
-                 centroids: np.ndarray, out: np.ndarray) -> None:
-    """Decode 5-bit ``packed`` ``[n, 5d/8]`` and ``norms`` ``[n]`` into ``out`` ``[n, d]``."""
-    _decode5(packed, norms, signs, centroids, out)
+                 centroids: np.ndarray, out: np.ndarray, *, dest: np.ndarray | None = None,
+                 offsets: np.ndarray | None = None) -> None:
+    """Decode 5-bit ``packed`` ``[n, 5d/8]`` and ``norms`` ``[n]`` into ``out`` like
+    :func:`decode_into`."""
+    dest, offsets = _rows(packed.shape[0], out.shape[1], dest, offsets)
+    _decode5(packed, norms, signs, centroids, offsets, dest, out)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,7 @@ from integrations.vllm.planning import (
     StepRequest,
     WorkerReport,
 )
+from integrations.vllm.pools import decode_pool_blocks, decode_pool_layer_into
 from integrations.vllm.store import ConnectorStore, local_session_keys
 
 if TYPE_CHECKING:
@@ -251,6 +253,17 @@ class ContextKitConnector(KVConnectorBase_V1):
                                            f"expected [num_blocks, {', '.join(map(str, want))}]")
             self._pages[name] = pages
             self._layer_of[name] = layer
+        self._names = names
+        # decode straight into page rows where every layer is a contiguous CPU tensor
+        # (vLLM's CPU backend); decode, then copy whole pages otherwise
+        layers = [kv_caches[name] for name in names]
+        row_path = layout.rows is not None and all(
+            t.device.type == "cpu" and t.is_contiguous() for t in layers)
+        self._rows = layout.rows if row_path else None
+        self._page_rows = ({name: kv_caches[name].view(-1, self.identity.head_dim)
+                            for name in names} if row_path else {})
+        logger.info("ContextKitConnector loads: %s", "decoded into page rows" if row_path
+                    else "decoded, then copied as pages")
 
     def _meta(self) -> ContextKitConnectorMetadata | None:
         if not self.has_connector_metadata():
@@ -264,24 +277,12 @@ class ContextKitConnector(KVConnectorBase_V1):
         meta = self._meta()
         if meta is None or not meta.loads:
             return
-        names = sorted(self._pages, key=self._layer_of.__getitem__)
+        t0 = time.perf_counter()
         for spec in meta.loads:
             # Decode on a helper thread: the fused CPU decoder (numba) sets the calling
             # thread's OpenMP thread count, which vLLM's CPU attention checks against
             # the step's metadata (and vLLM forbids setting it back).
-            # one part per pool (block format) holding blocks of the prefix: each is
-            # copied into its pages directly, never reassembled first
-            parts = self._loader.submit(self.store.read_parts, spec.keys, spec.tenant).result()
-            n = sum(len(positions) for positions, _, _ in parts)
-            for positions, k, v in parts:
-                index = torch.tensor([spec.block_ids[i] for i in positions], dtype=torch.int64)
-                for layer, name in enumerate(names):
-                    pages = self._pages[name]
-                    # [n, N, H, D] -> [n, H, N, D] -> whole pages, one copy per layer
-                    page = self._layout.join(k[layer].permute(0, 2, 1, 3),
-                                             v[layer].permute(0, 2, 1, 3))
-                    pages.index_copy_(0, index.to(pages.device),
-                                      page.to(pages.device, pages.dtype))
+            n = self._loader.submit(self._load, spec).result()
             missing = spec.block_ids[n:]
             if missing:
                 logger.warning("request %s: %d of %d blocks no longer stored; vLLM recomputes "
@@ -293,6 +294,32 @@ class ContextKitConnector(KVConnectorBase_V1):
                 self._report.load_failed_tokens[spec.req_id] = (
                     self._report.load_failed_tokens.get(spec.req_id, 0)
                     + len(missing) * self.block_size)
+        self.store.stats.count("load_seconds", time.perf_counter() - t0)
+
+    def _load(self, spec: LoadSpec) -> int:
+        """Copy the stored prefix of ``spec`` into its pages (loader thread): each pool
+        holding blocks of it decodes layer by layer straight into the page rows where
+        the layout allows (:attr:`PagedLayout.rows`), else into K/V first and joins
+        them into whole pages. Returns the blocks loaded."""
+        parts = self.store.export_parts(spec.keys, spec.tenant)
+        heads, bs = self.identity.num_kv_heads, self.block_size
+        for pool, positions, data in parts:
+            block_ids = torch.tensor([spec.block_ids[i] for i in positions], dtype=torch.int64)
+            if self._rows is not None:
+                k_rows, v_rows = self._rows(block_ids, heads, bs)
+                for layer, name in enumerate(self._names):
+                    decode_pool_layer_into(pool, data, layer, self._page_rows[name],
+                                           k_rows, v_rows)
+                continue
+            k, v = decode_pool_blocks(pool, data)
+            for layer, name in enumerate(self._names):
+                pages = self._pages[name]
+                # [n, N, H, D] -> [n, H, N, D] -> whole pages, one copy per layer
+                page = self._layout.join(k[layer].permute(0, 2, 1, 3),
+                                         v[layer].permute(0, 2, 1, 3))
+                pages.index_copy_(0, block_ids.to(pages.device),
+                                  page.to(pages.device, pages.dtype))
+        return sum(len(positions) for _, positions, _ in parts)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv (synchronous)
@@ -341,6 +368,7 @@ class ContextKitConnector(KVConnectorBase_V1):
 
     def _save(self, spec: SaveSpec, k: torch.Tensor, v: torch.Tensor) -> None:
         """Background: quantize into the store, report, shadow."""
+        t0 = time.perf_counter()
         try:
             result = self.store.save(k, v, spec.keys, spec.tenant, spec.labels)
         except Exception:
@@ -349,6 +377,8 @@ class ContextKitConnector(KVConnectorBase_V1):
             with self._lock:
                 self._report.failed.update(spec.keys)
             return
+        finally:
+            self.store.stats.count("save_seconds", time.perf_counter() - t0)
         if result.unpinned is not None:
             # once per tenant at WARNING: every later request of it would say the same
             first = spec.tenant not in self._unpinned_tenants

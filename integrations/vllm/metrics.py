@@ -18,6 +18,9 @@ Metrics (counters are exposed with a ``_total`` suffix):
 ``vllm:contextkit_saved_blocks``      counter    blocks stored, label ``layer``
 ``vllm:contextkit_evicted_blocks``    counter    blocks evicted from the store, label ``layer``
 ``vllm:contextkit_load_errors``       counter    blocks that failed to load (vLLM recomputes them)
+``vllm:contextkit_demoted_blocks``    counter    blocks transcoded down to their format to make room
+``vllm:contextkit_load_seconds``      counter    time the forward waited on loads (read + decode)
+``vllm:contextkit_save_seconds``      counter    time spent storing blocks (off the forward's path)
 ``vllm:contextkit_shadow_bytes``      counter    bytes written to the shadow store
 ``vllm:contextkit_shadow_lag_seconds``  gauge    age of the oldest stored block not yet shadowed
 ``vllm:contextkit_label_mismatches``  counter    requests whose labels fit another prompt (ignored)
@@ -62,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 #: Plain counters (one value per interval).
 COUNTERS = ("lookups", "hit_tokens", "loaded_blocks", "load_errors", "shadow_bytes",
-            "label_mismatches", "demoted_blocks")
+            "label_mismatches", "demoted_blocks", "load_seconds", "save_seconds")
 #: Counters broken down by the block's source layer.
 BY_LAYER = ("saved_blocks", "evicted_blocks")
 #: Gauges (latest value; merged observations keep the largest).
@@ -86,6 +89,10 @@ _DOCS = {
                         "(ignored: their blocks got the default layer).",
     "demoted_blocks": "Blocks transcoded down to their policy's format to make room in "
                       "contextkit's DDR tier (stored above it while there was room).",
+    "load_seconds": "Seconds vLLM's forward waited for loads from contextkit's cache "
+                    "(lookup, decode into the paged KV cache).",
+    "save_seconds": "Seconds spent encoding and storing blocks in contextkit's cache (on a "
+                    "background thread, beside the forward).",
     "shadow_lag_seconds": "Age of the oldest block in contextkit's cache not yet shadowed "
                           "(0 when none is pending or there is no shadow).",
 }
@@ -181,7 +188,7 @@ class StatsRecorder:
         self._lock = threading.Lock()
         self._data = empty_data()
 
-    def count(self, name: str, n: int = 1) -> None:
+    def count(self, name: str, n: float = 1) -> None:
         if name not in COUNTERS:
             raise KeyError(f"unknown counter {name!r}; known: {COUNTERS}")
         if n:

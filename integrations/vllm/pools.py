@@ -251,6 +251,16 @@ def decode_pool_blocks(pool: Pool, exported: dict[str, torch.Tensor]
                                  pool.cache.key_offsets)
 
 
+def decode_pool_layer_into(pool: Pool, exported: dict[str, torch.Tensor], layer: int,
+                           out: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor
+                           ) -> None:
+    """One layer of a pool's exported blocks decoded straight into rows of ``out`` (a
+    layer of vLLM's pages viewed as rows), its key offsets added back; see
+    :func:`gpu_cache.formats.decode_layer_into`."""
+    formats.decode_layer_into(pool.fmt, exported, layer, pool.cache.codec, out, k_rows,
+                              v_rows, pool.cache.key_offsets)
+
+
 def assemble_parts(parts: list[tuple[list[int], torch.Tensor, torch.Tensor]], n: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[L, n, ...]`` from per-pool parts ``(positions, k, v)``: runs of

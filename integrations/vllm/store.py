@@ -211,13 +211,11 @@ class ConnectorStore(PoolShadows):
 
     # ------------------------------------------------------------------ start / stop
     def warm_up(self) -> None:
-        """Compile the codec's fused CPU kernels now rather than on the first request
-        (not needed when every block is stored native)."""
+        """Compile the fused CPU kernels of every format now rather than on the first
+        request (not needed when every block is stored native)."""
         if self.identity.codec == "native" and self.config.policy.default == "native":
             return
-        codec = self.cache.codec
-        x = torch.randn(512, self.identity.head_dim, device=codec.device)
-        codec.decode(codec.encode(x))
+        formats.warm_up(self.cache.codec)
 
     def _remember(self, pool: Pool, bid: int) -> None:
         """Index a block recovered into a pool (caller holds ``_lock``)."""
@@ -458,8 +456,17 @@ class ConnectorStore(PoolShadows):
         """:meth:`read` without reassembly: per pool holding blocks of the prefix,
         ``(positions, k, v)`` with the positions (into ``keys``) of its blocks and their
         K/V ``[num_layers, len(positions), block_size, H, D]``. The positions of all
-        parts are ``0 .. n-1`` once each; empty when the first key is not held. The
-        connector copies each part into vLLM's pages directly."""
+        parts are ``0 .. n-1`` once each; empty when the first key is not held."""
+        return [(positions, *decode_pool_blocks(pool, data))
+                for pool, positions, data in self.export_parts(keys, tenant)]
+
+    def export_parts(self, keys: Sequence[bytes], tenant: str
+                     ) -> list[tuple[Pool, list[int], dict[str, torch.Tensor]]]:
+        """The stored bytes of the longest held prefix of ``keys``, not decoded: per pool
+        holding blocks of it, ``(pool, positions, exported)`` (``exported``: the pool's
+        :meth:`~gpu_cache.TQGPUCache.export_blocks` of those blocks, layer-major). The
+        connector decodes each layer straight into vLLM's pages
+        (:func:`~integrations.vllm.pools.decode_pool_layer_into`)."""
         slug = tenant_slug(tenant)
         parts: dict[str, tuple[Pool, list[int], list[int]]] = {}  # name -> pool, positions, ids
         exported: list[tuple[Pool, list[int], dict[str, torch.Tensor]]] = []
@@ -485,6 +492,6 @@ class ConnectorStore(PoolShadows):
                     # layer-major CPU copies of the bytes
                     exported.append((pool, positions, pool.cache.export_blocks(bids)))
         self.num_loaded += n
-        return [(positions, *decode_pool_blocks(pool, data)) for pool, positions, data in exported]
+        return exported
 
 

@@ -355,3 +355,79 @@ def test_k5v4_fused_cpu_keys_match_the_torch_path():
     assert torch.allclose(formats._tq5_decode(pa, na, fused), formats._tq5_decode(pa, na, plain),
                           rtol=1e-4, atol=1e-4)
     assert float(formats._tq5_decode(pa, na, fused)[7].abs().sum()) == 0.0
+
+
+def _paged(fmt: str, num_blocks: int, offsets: torch.Tensor | None
+           ) -> tuple[TQGPUCache, list[int], torch.Tensor]:
+    """A host-tier cache of ``fmt`` holding ``num_blocks`` key-like blocks; their ids."""
+    ident = replace(BASE, codec=fmt, key_offset_digest=key_offset_digest(offsets))
+    cache = TQGPUCache(ident, CacheConfig(num_device_blocks=1, num_host_blocks=num_blocks,
+                                          device="cpu"), key_offsets=offsets)
+    ids = cache.allocate(num_blocks, Tier.HOST)
+    assert ids is not None
+    gen = torch.Generator().manual_seed(11)
+    k = torch.randn(L, num_blocks * BS, H, D, generator=gen) * 2 + 5
+    v = torch.randn(L, num_blocks * BS, H, D, generator=gen)
+    slots = torch.tensor([cache.metadata.get(b).slot for b in ids])
+    token_slots = (slots[:, None] * BS + torch.arange(BS)).reshape(-1)
+    for layer in range(L):
+        encode_into(fmt, k[layer], v[layer], token_slots, cache.layer_view(layer, Tier.HOST),
+                    cache.codec, cache.key_offset(layer))
+    return cache, ids, k
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("path", ["fused", "torch", "bf16"])
+@pytest.mark.parametrize("with_offsets", [False, True])
+def test_decode_layer_into_pages_equals_decode_blocks_then_copy(fmt, path, with_offsets):
+    """Decoding straight into paged rows (vLLM's CPU page: keys in rows 0..BS-1 of each
+    (block, head), values in BS..2BS-1) writes exactly what decode_blocks gives, at the
+    pages named, and nothing else."""
+    from gpu_cache import formats
+    from gpu_cache.codec import TQ4Codec
+    from gpu_cache.kernels import cpu_fused
+
+    n = 12  # 12 * BS * H = 384 token-heads per side and layer: the fused kernels' size
+    offsets = torch.randn(L, H, D, generator=torch.Generator().manual_seed(3)) * 4
+    cache, ids, _ = _paged(fmt, n, offsets if with_offsets else None)
+    exported = cache.export_blocks(ids)
+    codec = cache.codec
+    if path == "torch":
+        codec = TQ4Codec(D, seed=BASE.rotation_seed, cpu_kernels=False)
+    elif fmt in ("tq4", "k5v4", "int8"):
+        assert cpu_fused.available() and codec.fused_cpu(torch.device("cpu"), n * BS * H)
+    want_k, want_v = decode_blocks(fmt, exported, cache.codec, cache.key_offsets)
+    pages_of = [3 * i % 17 + 1 for i in range(n)]  # out of order, gaps, never page 0
+    page = torch.tensor(pages_of)[:, None, None]
+    head = torch.arange(H)[None, None, :]
+    token = torch.arange(BS)[None, :, None]
+    k_rows = ((page * H + head) * 2 * BS + token).reshape(-1)
+    v_rows = k_rows + BS
+    dtype = torch.bfloat16 if path == "bf16" else torch.float32
+    for layer in range(L):
+        pages = torch.zeros(19, H, 2 * BS, D, dtype=dtype)
+        formats.decode_layer_into(fmt, exported, layer, codec, pages.view(-1, D), k_rows,
+                                  v_rows, cache.key_offsets)
+        got = pages[torch.tensor(pages_of)]  # [n, H, 2BS, D]
+        got_k, got_v = got[:, :, :BS].transpose(1, 2), got[:, :, BS:].transpose(1, 2)
+        tol = {"rtol": 1e-2, "atol": 3e-2} if path == "bf16" else {"rtol": 1e-4, "atol": 1e-4}
+        assert torch.allclose(got_k.float(), want_k[layer], **tol)
+        assert torch.allclose(got_v.float(), want_v[layer], **tol)
+        untouched = torch.ones(19, dtype=torch.bool)
+        untouched[torch.tensor(pages_of)] = False
+        assert float(pages[untouched].abs().sum()) == 0.0
+
+
+def test_decode_layer_into_refuses_rows_of_the_wrong_length_in_one_line():
+    from gpu_cache import formats
+
+    cache, ids, _ = _paged("tq4", 2, None)
+    out = torch.zeros(100 * H * 2 * BS, D)
+    rows = torch.arange(2 * BS * H)
+    with pytest.raises(CodecInputError, match=r"k_rows must be int64 \[64\]") as info:
+        formats.decode_layer_into("tq4", cache.export_blocks(ids), 0, cache.codec, out,
+                                  rows[:-1], rows)
+    assert "\n" not in str(info.value)
+    with pytest.raises(CodecInputError, match=r"out must be \[num_rows, D=64\]"):
+        formats.decode_layer_into("tq4", cache.export_blocks(ids), 0, cache.codec,
+                                  out.view(-1, D // 2), rows, rows)

@@ -131,6 +131,36 @@ def test_mixed_formats_read_back_within_each_formats_bounds(model: Path,
     assert stats["fp16"]["vs_fp16"] == 1.0
 
 
+def test_exported_parts_decode_straight_into_vllm_cpu_pages(model: Path,
+                                                            tmp_path: Path) -> None:
+    """The connector's load path: each pool's exported blocks, decoded layer by layer
+    into the rows of vLLM's CPU pages (fused kernels for the tq4 part: 9 blocks), write
+    the pages that reading the blocks and joining them into pages writes."""
+    from integrations.vllm.layout import CPU_LAYOUT
+    from integrations.vllm.pools import decode_pool_layer_into
+
+    store, keys, _ = _mixed_store(model, tmp_path)
+    assert store.cache.codec.fused_cpu(torch.device("cpu"), 9 * BS * HEADS)
+    page_of = [17 - i for i in range(13)]  # vLLM's block ids, descending
+    got = [torch.zeros(20, HEADS, BS, 2 * DIM) for _ in range(LAYERS)]
+    want = [torch.zeros(20, HEADS, BS, 2 * DIM) for _ in range(LAYERS)]
+    parts = store.export_parts(keys, "acme")
+    assert len(parts) == 4 and sorted(p for _, pos, _ in parts for p in pos) == list(range(13))
+    for pool, positions, data in parts:
+        ids = torch.tensor([page_of[i] for i in positions])
+        k_rows, v_rows = CPU_LAYOUT.rows(ids, HEADS, BS)  # type: ignore[misc]
+        for layer in range(LAYERS):
+            decode_pool_layer_into(pool, data, layer, got[layer].view(-1, DIM), k_rows, v_rows)
+    for positions, k, v in store.read_parts(keys, "acme"):
+        ids = torch.tensor([page_of[i] for i in positions])
+        for layer in range(LAYERS):
+            CPU_LAYOUT.pages(want[layer]).index_copy_(0, ids, CPU_LAYOUT.join(
+                k[layer].permute(0, 2, 1, 3), v[layer].permute(0, 2, 1, 3)))
+    for g, w in zip(got, want, strict=True):
+        assert torch.allclose(g, w, rtol=1e-5, atol=1e-5) and float(w.abs().sum()) > 0
+    assert store.export_parts(keys, "intruder") == []  # another tenant's keys load nothing
+
+
 def test_unknown_format_in_a_label_is_one_line_and_stores_nothing(model: Path,
                                                                   tmp_path: Path) -> None:
     store = ConnectorStore(vllm_cache_identity(str(model), BS), _config(tmp_path))
