@@ -14,6 +14,9 @@ Every configuration runs the same schedule on a fresh server:
   precision policy, semantic eviction, stable prefixes pinned;
 - ``connector_lru``: the same B, recency eviction and no pins;
 - ``connector_fp16``: the same B with every block fp16 (what the density buys);
+- ``connector_all``: the connector with a DDR budget of 8 B, which holds every block
+  the schedule saves: what any eviction policy at B reaches at most (the ceiling of
+  ``speedup_vs_lru_p50``);
 - ``lmcache``: LMCache's multi-process connector (``lmcache server``, L1 in RAM of the
   same B, 32-token chunks = vLLM's block), the plain prompts;
 - ``ceiling``: contextkit's order with a KV space that holds every agent.
@@ -57,16 +60,17 @@ from contextkit.bench._common import (
 )
 from contextkit.bench.agent_vllm import vllm_installed
 
-__all__ = ["CONFIGS", "HELP", "add_arguments", "quality", "run", "speedups"]
+__all__ = ["CONFIGS", "HELP", "add_arguments", "connector_costs", "quality", "run",
+           "speedups"]
 
 HELP = ("many LangChain agents on one vLLM server whose KV holds ~2 of them: vLLM APC, "
         "contextkit order, + connector (semantic, LRU, fp16), LMCache, ceiling")
 
 CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru", "connector_fp16",
-           "connector_int8", "connector_tq4", "lmcache", "lmcache_ordering")
-#: The default run: the issue's seven configurations.
+           "connector_int8", "connector_tq4", "connector_all", "lmcache", "lmcache_ordering")
+#: The default run: the issue's seven configurations and the eviction policies' ceiling.
 DEFAULT_CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru",
-                   "connector_fp16", "lmcache")
+                   "connector_fp16", "connector_all", "lmcache")
 #: The connector configuration the speedups are of, and what each is compared with.
 VERSUS = {"apc": "apc", "ordering": "ordering", "lru": "connector_lru",
           "fp16": "connector_fp16", "int8": "connector_int8", "tq4": "connector_tq4",
@@ -91,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompts read back teacher-forced, 16 positions each (default 6)")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help=f"comma-separated, in the order to run, from {', '.join(CONFIGS)} "
-                             "(default: the first seven; the ceiling always runs first)")
+                             f"(default: {','.join(DEFAULT_CONFIGS)}; the ceiling always "
+                             "runs first)")
     parser.add_argument("--ceiling-last", action="store_true",
                         help="run the ceiling again after the others; its timing is the "
                              "faster of the two (a machine whose speed drifts)")
@@ -116,7 +121,10 @@ def speedups(ttft: Mapping[str, Sequence[float]], warm: Sequence[bool]) -> dict[
     divided by the connector's; ``ceiling_fraction``: the ceiling's over the
     connector's; ``bound_vs_<x>_p50``: ``x``'s over the ceiling's, the most any
     connector reaches against ``x`` on this workload (one as fast as a KV space that
-    holds everyone). A configuration that did not run gives ``None``."""
+    holds everyone); ``eviction_bound_vs_lru_p50``: connector_lru's over
+    connector_all's, the most any eviction policy at the same budget reaches against
+    recency (``eviction_ceiling_fraction``: connector_all's over the connector's). A
+    configuration that did not run gives ``None``."""
     def p50(name: str) -> float | None:
         values = [t for t, w in zip(ttft.get(name, ()), warm, strict=False) if w]
         return statistics.median(values) if values else None
@@ -134,6 +142,13 @@ def speedups(ttft: Mapping[str, Sequence[float]], warm: Sequence[bool]) -> dict[
         other = p50(name)
         out[f"bound_vs_{key}_p50"] = (round(other / ceiling, 3) if other is not None and ceiling
                                       else None)
+    # the eviction policy's own ceiling: the same connector with a DDR tier that
+    # holds everything (loads cost what they cost; only what is kept differs)
+    everything, lru = p50("connector_all"), p50("connector_lru")
+    out["eviction_bound_vs_lru_p50"] = (round(lru / everything, 3)
+                                        if lru is not None and everything else None)
+    out["eviction_ceiling_fraction"] = (round(everything / base, 3)
+                                        if everything is not None and base else None)
     return out
 
 
@@ -183,6 +198,24 @@ def _ratio_of(runs: Mapping[str, Any], num: str, den: str) -> float | None:
         return None
     a, b = _hits(runs[num])["computed"], _hits(runs[den])["computed"]
     return round(a / b, 3) if b else None
+
+
+def connector_costs(metrics: Mapping[str, float], steps: int) -> dict[str, Any] | None:
+    """What a connector configuration's loads and saves cost over the schedule, from
+    its ``vllm:contextkit_*`` counters: ms per step the forward waited on loads, ms per
+    loaded block, ms per step spent storing (a background thread beside the forward),
+    blocks evicted. None without a connector."""
+    def total(name: str) -> float | None:
+        return metrics.get(f"vllm:contextkit_{name}_total")
+
+    load, save, loaded = total("load_seconds"), total("save_seconds"), total("loaded_blocks")
+    if load is None and loaded is None:
+        return None
+    return {"load_ms_per_step": round(1000 * load / steps, 1) if load is not None else None,
+            "load_ms_per_block": (round(1000 * load / loaded, 3)
+                                  if load is not None and loaded else None),
+            "save_ms_per_step": round(1000 * save / steps, 1) if save is not None else None,
+            "evicted_blocks": total("evicted_blocks"), "loaded_blocks": loaded}
 
 
 def _plot(path: Path, ttft: Mapping[str, Sequence[float]], warm: Sequence[bool],
@@ -272,6 +305,8 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         qualities[n]["probe_connector_hit_tokens"] = sum(
             s.get("external_hit_tokens") or 0 for s in stats[len(runs[n]["rows"]):])
     main = qualities.get("connector", {})
+    costs = {n: connector_costs(runs[n].get("metrics", {}), len(runs[n]["rows"]))
+             for n in names}
     result.update({k: main.get(k) for k in ("teacher_forced_agreement", "ppl_ratio",
                                             "mean_kl")})
     result.update({
@@ -283,6 +318,7 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         "cached_tokens": {n: [r["cached_tokens"] for r in runs[n]["rows"]] for n in names},
         "connector_metrics": {n: {k: v for k, v in runs[n].get("metrics", {}).items()
                                   if k.startswith("vllm:contextkit_")} for n in names},
+        "connector_costs": {n: c for n, c in costs.items() if c is not None},
         "not_run": raw.get("errors", {}),
         "order": raw.get("order"),
         "lru_computed_ratio": _ratio_of(runs, "connector_lru", "connector"),
@@ -311,8 +347,12 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
     table += [(f"speedup_vs_{k}_p50 (bound)",
                f"{result[f'speedup_vs_{k}_p50']} ({result[f'bound_vs_{k}_p50']})")
               for k in VERSUS]
-    table += [(k, result[k]) for k in ("ceiling_fraction", "teacher_forced_agreement",
+    table += [(k, result[k]) for k in ("eviction_bound_vs_lru_p50", "ceiling_fraction",
+                                      "eviction_ceiling_fraction", "teacher_forced_agreement",
                                       "ppl_ratio", "mean_kl")]
+    table += [(f"{n}: load ms/step, ms/block; save ms/step",
+               f"{c['load_ms_per_step']}, {c['load_ms_per_block']}; {c['save_ms_per_step']}")
+              for n, c in result["connector_costs"].items()]
     print_table(f"{raw['workload']['num_agents']} agents on one vLLM server "
                 f"({raw['workload']['num_steps']} steps)", table)
     if args.plot:

@@ -44,7 +44,10 @@ BLOCK = 32
 #: Every configuration, in the order they run (the ceiling first: the quality probe
 #: compares the others with its logprobs).
 CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru", "connector_fp16",
-           "connector_int8", "connector_tq4", "lmcache", "lmcache_ordering")
+           "connector_int8", "connector_tq4", "connector_all", "lmcache", "lmcache_ordering")
+#: ``connector_all``'s DDR budget in B: enough for every block the default schedule
+#: saves (the run reports its evictions), so no eviction policy at B can do better.
+ALL_BUDGET_FACTOR = 8.0
 #: The precision policy of ``connector_fp16``: every block fp16 (no sink, no raised
 #: layers, no byte cap) in the tq4 key identity, so the byte budget's unit is the same.
 FP16_POLICY = {"default": "fp16", "sink_blocks": 0, "layers": {}, "importance": [],
@@ -69,6 +72,7 @@ class Setup:
     ceiling: bool = False  # a KV space that holds every agent
     lmcache: bool = False
     probe: bool = True  # run the quality probe (configurations with a connector or ceiling)
+    budget_factor: float = 1.0  # the connector's DDR budget in B
 
 
 SETUPS = {
@@ -83,6 +87,8 @@ SETUPS = {
                                                      "precision": INT8_POLICY}),
     "connector_tq4": Setup("connector_tq4", True, {"eviction": "semantic",
                                                    "precision": TQ4_POLICY}),
+    "connector_all": Setup("connector_all", True, {"eviction": "semantic"}, probe=False,
+                           budget_factor=ALL_BUDGET_FACTOR),
     "lmcache": Setup("lmcache", False, None, lmcache=True),
     "lmcache_ordering": Setup("lmcache_ordering", True, None, lmcache=True),
 }
@@ -183,8 +189,8 @@ def plan_sizes(workload: Any, served: Any, args: argparse.Namespace) -> dict[str
 
 
 # ---------------------------------------------------------------------- servers
-def _connector_config(work: Path, name: str, sizes: dict[str, Any], overrides: dict[str, Any]
-                      ) -> Any:
+def _connector_config(work: Path, name: str, sizes: dict[str, Any], overrides: dict[str, Any],
+                      budget_factor: float = 1.0) -> Any:
     from integrations.vllm.config import ConnectorConfig
 
     for sub in (f"shadow-{name}", f"local-{name}"):
@@ -192,7 +198,8 @@ def _connector_config(work: Path, name: str, sizes: dict[str, Any], overrides: d
     return ConnectorConfig(block_size=BLOCK, shadow_url="",
                            local_store=f"file://{work / f'local-{name}'}",
                            stats_path=str(work / f"stats-{name}.jsonl"),
-                           host_blocks=sizes["host_blocks"], **overrides)
+                           host_blocks=max(1, int(sizes["host_blocks"] * budget_factor)),
+                           **overrides)
 
 
 def _server(setup: Setup, work: Path, sizes: dict[str, Any], args: argparse.Namespace,
@@ -201,7 +208,7 @@ def _server(setup: Setup, work: Path, sizes: dict[str, Any], args: argparse.Name
     from integrations.vllm.config import ConnectorConfig
 
     blocks = sizes["kv_blocks_ceiling"] if setup.ceiling else sizes["kv_blocks_pressure"]
-    config = (_connector_config(work, setup.name, sizes, setup.connector)
+    config = (_connector_config(work, setup.name, sizes, setup.connector, setup.budget_factor)
               if setup.connector is not None else ConnectorConfig(block_size=BLOCK))
     env = server_env()
     extra = ["--enable-prompt-tokens-details", "--num-gpu-blocks-override", str(blocks),

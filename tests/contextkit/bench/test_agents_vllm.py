@@ -96,3 +96,42 @@ def test_connector_tq4_is_the_default_policy_before_k5v4() -> None:
     got = speedups({"connector": [1.0, 100.0], "connector_tq4": [1.0, 150.0],
                     "ceiling": [1.0, 100.0]}, [False, True])
     assert got["speedup_vs_tq4_p50"] == 1.5
+
+
+def test_the_eviction_bound_is_lru_over_the_connector_that_holds_everything() -> None:
+    """speedup_vs_lru_p50's own ceiling: connector_all pays the same loads as the
+    connector but never misses for want of room."""
+    warm = [False, True, True, True]
+    ttft = {"connector": [900.0, 300.0, 400.0, 500.0],
+            "connector_lru": [900.0, 400.0, 480.0, 600.0],
+            "connector_all": [900.0, 300.0, 400.0, 400.0], "ceiling": [900.0, 100.0, 100.0, 100.0]}
+    got = speedups(ttft, warm)
+    assert got["speedup_vs_lru_p50"] == 1.2  # 480 / 400
+    assert got["eviction_bound_vs_lru_p50"] == 1.2  # 480 / 400: the policy is at its ceiling
+    assert got["eviction_ceiling_fraction"] == 1.0
+    assert got["bound_vs_lru_p50"] == 4.8  # the KV space that holds everyone loads nothing
+    del ttft["connector_all"]
+    assert speedups(ttft, warm)["eviction_bound_vs_lru_p50"] is None
+
+
+def test_connector_costs_per_step_and_block_from_the_counters() -> None:
+    from contextkit.bench.agents_vllm import connector_costs
+
+    metrics = {f"vllm:contextkit_{name}_total": value for name, value in (
+        ("load_seconds", 1.5), ("loaded_blocks", 600.0), ("save_seconds", 3.0),
+        ("evicted_blocks", 7.0))}
+    got = connector_costs(metrics, 30)
+    assert got == {"load_ms_per_step": 50.0, "load_ms_per_block": 2.5, "save_ms_per_step": 100.0,
+                   "evicted_blocks": 7.0, "loaded_blocks": 600.0}
+    assert connector_costs({"vllm:num_requests_running": 0.0}, 30) is None  # no connector
+
+
+def test_connector_all_is_the_default_connector_with_room_for_everything(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from integrations.vllm.bench.agents_bench import ALL_BUDGET_FACTOR, SETUPS, _connector_config
+
+    sizes = {"host_blocks": 832}
+    setup = SETUPS["connector_all"]
+    assert setup.connector == SETUPS["connector"].connector and setup.pin
+    config = _connector_config(tmp_path, setup.name, sizes, setup.connector, setup.budget_factor)
+    assert config.host_blocks == 832 * ALL_BUDGET_FACTOR
+    assert _connector_config(tmp_path, "connector", sizes, {}).host_blocks == 832
