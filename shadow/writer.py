@@ -22,7 +22,8 @@ addressing), so each is written once. Blocks without a key (still being filled) 
 written on every shadow. When unreferenced bytes exceed ``compact_garbage_fraction`` of
 what the segments hold, the shadow rewrites every live block into one fresh segment (a
 compaction). A shadow that would commit no block over a session that holds some commits
-nothing (a tenant filter that matches nothing never empties a session).
+nothing (a tenant filter that matches nothing never empties a session), unless the
+config allows it (``allow_empty``: a cache whose blocks leave on purpose).
 """
 
 from __future__ import annotations
@@ -99,6 +100,10 @@ class ShadowConfig:
         accept_rollback: open a session whose manifest is older than the newest
             generation the store records (see :mod:`shadow.freshness`) instead of
             refusing it; the next shadow commits above that newest generation.
+        allow_empty: commit a shadow with no block over a session that holds some
+            (a cache emptied on purpose, e.g. a format pool of the vLLM connector's
+            store whose last block was evicted); default: such a shadow commits nothing,
+            so a tenant filter that matches nothing never empties a session.
 
     Raises:
         ValueError: a value out of range (naming the field), a tenant that breaks the
@@ -115,6 +120,7 @@ class ShadowConfig:
     lease_ttl_seconds: float | None = None
     upload_abort_after_seconds: float = DEFAULT_DEBRIS_AGE_S
     accept_rollback: bool = False
+    allow_empty: bool = False
 
     def __post_init__(self) -> None:
         _seconds("interval_seconds", self.interval_seconds, positive=True)
@@ -422,7 +428,7 @@ class CacheShadow:
         cache, prev = self.cache, self._manifest
         identity = cache.identity
         metas, left_out = self._live_blocks()
-        if not metas and prev is not None and prev.blocks:
+        if not metas and prev is not None and prev.blocks and not self.config.allow_empty:
             logger.warning("session %s: no block%s to shadow; generation %d (%d blocks) stays "
                            "committed (a shadow never empties a session)", self.session_id,
                            f" of tenant {self.config.tenant}" if self.config.tenant else "",

@@ -315,13 +315,14 @@ class ConnectorStore(PoolShadows):
         blocks stored above their format back down (:meth:`_demote`), then by evicting
         across pools, never ``protect`` (see :func:`.pools.fit_budget`; caller holds
         ``_lock``)."""
-        pools = list(self.pools.values())
         if self._upgraded and not self._demoting and pool.save_tier is Tier.HOST:
-            excess = (held_bytes(pools) + num_blocks * pool.identity.bytes_per_block
-                      - self._budget)
+            excess = (held_bytes(list(self.pools.values()))
+                      + num_blocks * pool.identity.bytes_per_block - self._budget)
             if excess > 0:
                 self._demote(excess, protect)
-        return fit_budget(pools, pool, num_blocks, self._budget, protect)
+        # listed after _demote: a demotion may make a pool (the first of its blocks'
+        # rules' format), whose bytes and blocks the eviction must count
+        return fit_budget(list(self.pools.values()), pool, num_blocks, self._budget, protect)
 
     def _demote(self, excess: int, protect: dict[int, set[int]]) -> None:
         """Transcode upgraded blocks to their rules' format, lowest eviction priority

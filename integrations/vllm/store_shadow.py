@@ -154,7 +154,10 @@ class PoolShadows:
         try:
             shadow = CacheShadow(
                 pool.cache, self.config.shadow_url, name,
-                config=ShadowConfig(interval_seconds=interval or 60.0, autostart=False),
+                # a pool empties when the store evicts (or transcodes) its last block:
+                # its session must say so, or recovery brings those blocks back
+                config=ShadowConfig(interval_seconds=interval or 60.0, autostart=False,
+                                    allow_empty=True),
                 store_config=StoreConfig(endpoint_url=self.config.endpoint_url))
         except (CacheIdentityError, ShadowError) as exc:
             # Never overwrite (or read) a session of another model: this pool is unshadowed.

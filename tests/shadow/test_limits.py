@@ -62,6 +62,20 @@ def test_a_filter_that_matches_nothing_never_empties_the_session(store_url):
     assert not result.committed and result.generation == 1 and result.num_blocks == 10
 
 
+def test_a_cache_emptied_on_purpose_commits_an_empty_shadow_when_allowed(store_url):
+    """allow_empty: a cache whose last block left (the vLLM store's format pool evicted
+    empty) says so in its session, so recovery brings none of those blocks back."""
+    cache = make_cache()
+    add_blocks(cache, range(10), tenant="alice")
+    emptying = ShadowConfig(autostart=False, allow_empty=True)
+    with CacheShadow(cache, store_url, "s", config=emptying) as sh:
+        sh.shadow_now()
+        cache.remove_blocks([m.block_id for m in cache.metadata.all()])
+        result = sh.shadow_now()
+    assert result.committed and result.generation == 2 and result.num_blocks == 0
+    assert recover_session(open_store(store_url), "s", make_cache()).blocks == 0
+
+
 # ---------------------------------------------------------------- 5. labels read back
 BAD_LABELS = {"nul": "a\x00b", "newline": "a\nb", "zero-width": "a\u200bb",
               "too long": "x" * 1025, "lone surrogate": "a\ud800"}

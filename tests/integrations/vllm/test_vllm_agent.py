@@ -44,17 +44,13 @@ MAX_TOKENS = 16
 #: Store sizes. Device tier: pins only on CPU; each agent's stable prefix (12 blocks)
 #: is within a tenant's quota (a quarter of it). DDR tier (a byte budget, in tq4
 #: blocks, shared by the format pools): room for a first turn's save (24 blocks, the
-#: stable ones before they move to the device tier; about 28 tq4 blocks of bytes under
-#: PRECISION, an fp16 sink, the latest blocks int8) and little more
-#: (26 is too little for that save; 32 already keeps every memory); the two agents'
+#: stable ones before they move to the device tier; 29-30 tq4 blocks of bytes under
+#: the default precision policy: an fp16 sink, k5v4, the latest blocks int8, within
+#: 0.35 of fp16) and little more; the two agents'
 #: unpinned blocks are ~75, so the volatile layers' blocks, then the user turns', then
 #: the memories' are evicted (gpu_cache's layer priorities).
 DEVICE_BLOCKS = 64
-HOST_BLOCKS = 29
-#: The precision policy these sizes were measured with: the default's rules over tq4
-#: within 0.33 of fp16 (the default before k5v4). The sizes are bytes, so they follow the
-#: policy; test_vllm_e2e checks the default policy itself.
-PRECISION = {"default": "tq4", "max_vs_fp16": 0.33}
+HOST_BLOCKS = 31
 ROOT = Path(__file__).resolve().parents[3]
 
 QUESTIONS = [
@@ -195,7 +191,7 @@ def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory
     config = ConnectorConfig(
         block_size=BLOCK, shadow_url=f"file://{work / 'shadow'}",
         local_store=f"file://{work / 'local'}", stats_path=str(work / "stats.jsonl"),
-        device_blocks=DEVICE_BLOCKS, host_blocks=HOST_BLOCKS, precision=PRECISION)
+        device_blocks=DEVICE_BLOCKS, host_blocks=HOST_BLOCKS)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
     srv = OpenAIServer(model_dir, config, work / "server.log", served_name=SERVED,
