@@ -360,11 +360,6 @@ def decode_blocks(fmt: str, exported: dict[str, torch.Tensor], codec: TQ4Codec,
     return k, v
 
 
-#: The fused kernel per side encoding that scatters decoded rows (and adds offsets).
-_ROW_DECODERS = {"tq4": cpu_fused.decode_into, "tq5": cpu_fused.decode5_into,
-                 "int8": cpu_fused.decode8_into}
-
-
 def decode_layer_into(fmt: str, exported: dict[str, torch.Tensor], layer: int,
                       codec: TQ4Codec, out: torch.Tensor, k_rows: torch.Tensor,
                       v_rows: torch.Tensor, key_offsets: torch.Tensor | None = None) -> None:
@@ -405,17 +400,20 @@ def decode_layer_into(fmt: str, exported: dict[str, torch.Tensor], layer: int,
             raise CodecInputError(f"{side_name}_rows must be int64 [{num}] (block, token, "
                                   f"head order), got {rows.dtype} {tuple(rows.shape)}")
         mu = key_offsets[layer] if side_name == "k" and key_offsets is not None else None
-        fused = (side in _ROW_DECODERS and signs is not None and out.device.type == "cpu"
-                 and out.dtype == torch.float32 and out.is_contiguous()
-                 and codec.fused_cpu(packed.device, num))
-        if fused:
+        if (signs is not None and side in ("tq4", "tq5", "int8") and out.device.type == "cpu"
+                and out.dtype == torch.float32 and out.is_contiguous()
+                and codec.fused_cpu(packed.device, num)):
             offsets = (torch.zeros(heads, dim) if mu is None
                        else mu.to("cpu", torch.float32).contiguous())
             flat = packed.reshape(num, -1).cpu().contiguous().numpy()
             scales = norms.reshape(num).to("cpu", torch.float32).contiguous().numpy()
-            extra = () if side == "int8" else (_book(side, codec).numpy(),)
-            _ROW_DECODERS[side](flat, scales, signs.numpy(), *extra, out.numpy(),
-                                dest=rows.cpu().contiguous().numpy(), offsets=offsets.numpy())
+            where = {"dest": rows.cpu().contiguous().numpy(), "offsets": offsets.numpy()}
+            if side == "int8":
+                cpu_fused.decode8_into(flat, scales, signs.numpy(), out.numpy(), **where)
+            else:
+                decode = cpu_fused.decode_into if side == "tq4" else cpu_fused.decode5_into
+                decode(flat, scales, signs.numpy(), _book(side, codec).numpy(), out.numpy(),
+                       **where)
             continue
         x = _decode_side(side, packed, norms, codec)
         if mu is not None:

@@ -12,7 +12,11 @@ Only power-of-two head dims (the Hadamard rotation) qualify.
 
 ``encode5_into`` / ``decode5_into`` do the same for the 5-bit keys of the ``k5v4``
 format (:mod:`gpu_cache.formats`): a nibble plane in tq4's split-half order, then one
-bit per coordinate (coordinate ``j`` in bit ``j % 8`` of byte ``d/2 + j // 8``).
+bit per coordinate (coordinate ``j`` in bit ``j % 8`` of byte ``d/2 + j // 8``);
+``decode8_into`` for the rotated int8 vectors of the ``int8`` format. Every decoder can
+write each row to a row of its choice and add a per-head offset on the way (``dest``,
+``offsets``): the vLLM connector decodes stored blocks straight into the rows of
+vLLM's pages, key offsets added back, in one pass.
 """
 
 from __future__ import annotations
