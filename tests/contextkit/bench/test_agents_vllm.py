@@ -110,8 +110,12 @@ def test_the_eviction_bound_is_lru_over_the_connector_that_holds_everything() ->
     assert got["eviction_bound_vs_lru_p50"] == 1.2  # 480 / 400: the policy is at its ceiling
     assert got["eviction_ceiling_fraction"] == 1.0
     assert got["bound_vs_lru_p50"] == 4.8  # the KV space that holds everyone loads nothing
+    # over the warm steps' total: 1480 / 1200 and 1480 / 1100
+    assert got["speedup_vs_lru_total"] == round(1480 / 1200, 3)
+    assert got["eviction_bound_vs_lru_total"] == round(1480 / 1100, 3)
     del ttft["connector_all"]
     assert speedups(ttft, warm)["eviction_bound_vs_lru_p50"] is None
+    assert speedups(ttft, warm)["eviction_bound_vs_lru_total"] is None
 
 
 def test_connector_costs_per_step_and_block_from_the_counters() -> None:
