@@ -22,7 +22,7 @@ help:
 	@echo "make bench-agents  6 agents sharing a too-small cache: lru vs semantic vs"
 	@echo "                semantic+ooda, and a device-size sweep (~12 min on 2 cores)"
 	@echo "make bench-agent-vllm  a LangChain agent on vLLM, 4 cache configurations (~15 min)"
-	@echo "make bench-agents-vllm  6 agents on one vLLM server with KV for ~2, 7 configurations"
+	@echo "make bench-agents-vllm  6 agents on one vLLM server with KV for ~2, 8 configurations (~25 min)"
 	@echo "make bench-vllm  vLLM answers and TTFT after a restart, 8 agent prompts, per connector"
 	@echo "                precision policy (7: all-tq4 .. native, the ablation; ~20 min)"
 	@echo "make bench-decode  decode tokens/s at 1K/6K/16K: contextkit vs llama.cpp on the same"
