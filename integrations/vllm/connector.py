@@ -262,8 +262,9 @@ class ContextKitConnector(KVConnectorBase_V1):
         self._rows = layout.rows if row_path else None
         self._page_rows = ({name: kv_caches[name].view(-1, self.identity.head_dim)
                             for name in names} if row_path else {})
-        logger.info("ContextKitConnector loads: %s", "decoded into page rows" if row_path
-                    else "decoded, then copied as pages")
+        if not row_path and all(t.device.type == "cpu" for t in layers):
+            logger.warning("ContextKitConnector: vLLM's CPU KV cache is not one contiguous "
+                           "tensor per layer; loads decode, then copy whole pages (slower)")
 
     def _meta(self) -> ContextKitConnectorMetadata | None:
         if not self.has_connector_metadata():
