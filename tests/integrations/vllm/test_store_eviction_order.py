@@ -32,9 +32,6 @@ BS, LAYERS, HEADS, DIM = 16, 2, 2, 64
 #: key -> (tenant, source layer, importance, pinned) of every held block
 Held = dict[bytes, tuple[str, str, float, bool]]
 
-#: Known failures until the fixes land (strict: remove the marker with the fix).
-#: ConnectorStore._fit_budget lists the pools before _demote, which may make a pool (the
-#: first of its blocks' rules' format): fit_budget neither counts nor evicts its blocks.
 
 def _store(model: Path, host_blocks: int) -> ConnectorStore:
     config = ConnectorConfig(block_size=BS, shadow_url="", shadow_on_save=False,
