@@ -369,7 +369,7 @@ def decode_layer_into(fmt: str, exported: dict[str, torch.Tensor], layer: int,
     of ``D`` values, and each token-head of the blocks lands in its page row without
     an intermediate K/V tensor. On the CPU, with the fused kernels, into a float32
     contiguous ``out``, that is one pass over the packed bytes; otherwise the layer is
-    decoded (:func:`decode_blocks`) and copied by index.
+    decoded as :func:`decode_blocks` does and copied by index.
 
     Args:
         fmt: the format of the cache the blocks come from.
@@ -394,8 +394,7 @@ def decode_layer_into(fmt: str, exported: dict[str, torch.Tensor], layer: int,
     for side_name, side, rows in zip(("k", "v"), _sides(fmt), (k_rows, v_rows), strict=True):
         packed = _exported_side(fmt, exported, side_name, side, dim)[layer]
         norms = exported[f"{side_name}_norms"][layer]
-        heads = packed.shape[-2]
-        num = packed.shape[0] * packed.shape[1] * heads
+        num = packed.shape[0] * packed.shape[1] * packed.shape[2]
         if rows.dim() != 1 or rows.shape[0] != num or rows.dtype != torch.int64:
             raise CodecInputError(f"{side_name}_rows must be int64 [{num}] (block, token, "
                                   f"head order), got {rows.dtype} {tuple(rows.shape)}")
@@ -403,11 +402,11 @@ def decode_layer_into(fmt: str, exported: dict[str, torch.Tensor], layer: int,
         if (signs is not None and side in ("tq4", "tq5", "int8") and out.device.type == "cpu"
                 and out.dtype == torch.float32 and out.is_contiguous()
                 and codec.fused_cpu(packed.device, num)):
-            offsets = (torch.zeros(heads, dim) if mu is None
-                       else mu.to("cpu", torch.float32).contiguous())
             flat = packed.reshape(num, -1).cpu().contiguous().numpy()
             scales = norms.reshape(num).to("cpu", torch.float32).contiguous().numpy()
-            where = {"dest": rows.cpu().contiguous().numpy(), "offsets": offsets.numpy()}
+            where = {"dest": rows.cpu().contiguous().numpy(),  # offsets default to none
+                     "offsets": None if mu is None
+                     else mu.to("cpu", torch.float32).contiguous().numpy()}
             if side == "int8":
                 cpu_fused.decode8_into(flat, scales, signs.numpy(), out.numpy(), **where)
             else:
