@@ -64,7 +64,8 @@ __all__ = ["CONFIGS", "HELP", "add_arguments", "connector_costs", "quality", "ru
            "speedups"]
 
 HELP = ("many LangChain agents on one vLLM server whose KV holds ~2 of them: vLLM APC, "
-        "contextkit order, + connector (semantic, LRU, fp16), LMCache, ceiling")
+        "contextkit order, + connector (semantic, LRU, fp16, one that holds everything), "
+        "LMCache, ceiling")
 
 CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru", "connector_fp16",
            "connector_int8", "connector_tq4", "connector_all", "lmcache", "lmcache_ordering")
