@@ -68,13 +68,16 @@ HELP = ("many LangChain agents on one vLLM server whose KV holds ~2 of them: vLL
         "LMCache, ceiling")
 
 CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru", "connector_fp16",
-           "connector_int8", "connector_tq4", "connector_all", "lmcache", "lmcache_ordering")
+           "connector_int8", "connector_tq4", "connector_saves_all_cores",
+           "connector_store_volatile", "connector_all", "lmcache", "lmcache_ordering")
 #: The default run: the issue's seven configurations and the eviction policies' ceiling.
 DEFAULT_CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru",
                    "connector_fp16", "connector_all", "lmcache")
 #: The connector configuration the speedups are of, and what each is compared with.
 VERSUS = {"apc": "apc", "ordering": "ordering", "lru": "connector_lru",
           "fp16": "connector_fp16", "int8": "connector_int8", "tq4": "connector_tq4",
+          "saves_all_cores": "connector_saves_all_cores",
+          "store_volatile": "connector_store_volatile",
           "lmcache": "lmcache", "lmcache_ordering": "lmcache_ordering"}
 
 
@@ -216,7 +219,8 @@ def connector_costs(metrics: Mapping[str, float], steps: int) -> dict[str, Any] 
     """What a connector configuration's loads and saves cost over the schedule, from
     its ``vllm:contextkit_*`` counters: ms per step the forward waited on loads, ms per
     loaded block, ms per step spent storing (a background thread beside the forward),
-    blocks evicted. None without a connector."""
+    blocks saved, evicted, and skipped (volatile tails not stored for want of room).
+    None without a connector."""
     def total(name: str) -> float | None:
         return metrics.get(f"vllm:contextkit_{name}_total")
 
@@ -227,7 +231,8 @@ def connector_costs(metrics: Mapping[str, float], steps: int) -> dict[str, Any] 
             "load_ms_per_block": (round(1000 * load / loaded, 3)
                                   if load is not None and loaded else None),
             "save_ms_per_step": round(1000 * save / steps, 1) if save is not None else None,
-            "evicted_blocks": total("evicted_blocks"), "loaded_blocks": loaded}
+            "saved_blocks": total("saved_blocks"), "evicted_blocks": total("evicted_blocks"),
+            "skipped_blocks": total("skipped_blocks"), "loaded_blocks": loaded}
 
 
 def _plot(path: Path, ttft: Mapping[str, Sequence[float]], warm: Sequence[bool],
@@ -363,8 +368,9 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
                                       "eviction_bound_vs_lru_total", "ceiling_fraction",
                                       "eviction_ceiling_fraction", "teacher_forced_agreement",
                                       "ppl_ratio", "mean_kl")]
-    table += [(f"{n}: load ms/step, ms/block; save ms/step",
-               f"{c['load_ms_per_step']}, {c['load_ms_per_block']}; {c['save_ms_per_step']}")
+    table += [(f"{n}: load ms/step, ms/block; save ms/step; saved, skipped blocks",
+               f"{c['load_ms_per_step']}, {c['load_ms_per_block']}; {c['save_ms_per_step']}; "
+               f"{c.get('saved_blocks')}, {c.get('skipped_blocks')}")
               for n, c in result["connector_costs"].items()]
     print_table(f"{raw['workload']['num_agents']} agents on one vLLM server "
                 f"({raw['workload']['num_steps']} steps)", table)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["available", "decode5_into", "decode8_into", "decode_into", "encode5_into",
-           "encode_into"]
+           "encode_into", "limit_threads"]
 
 _nb: Any
 try:  # numba is an optional accelerator; the torch path is always there.
@@ -39,6 +39,16 @@ except ImportError:  # pragma: no cover - exercised on installs without the extr
 def available() -> bool:
     """True when numba is importable, so the fused CPU kernels can run."""
     return _nb is not None
+
+
+def limit_threads(n: int) -> int:
+    """Run the kernels the calling thread starts on at most ``n`` threads (numba's
+    setting is per thread; other threads keep theirs). Returns the count now in
+    effect there (0 without numba)."""
+    if _nb is None:
+        return 0
+    _nb.set_num_threads(max(1, min(n, _nb.config.NUMBA_NUM_THREADS)))
+    return int(_nb.get_num_threads())
 
 
 #: Vectors transformed side by side: the butterflies then run across this many SIMD

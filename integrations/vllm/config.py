@@ -17,6 +17,8 @@ from integrations.vllm.precision import FORMATS, PrecisionError, PrecisionPolicy
 #: The DDR tier's eviction policies (the keys of gpu_cache.metadata.EVICTION_POLICIES,
 #: named here so this module stays numba-free).
 EVICTION_POLICIES = ("semantic", "lru")
+#: When the DDR tier stores a request's volatile tail (``ConnectorConfig.store_volatile``).
+STORE_VOLATILE = ("room", "always")
 
 if TYPE_CHECKING:
     from gpu_cache.config import PinConfig
@@ -76,6 +78,10 @@ class ConnectorConfig:
         device: device of the device tier; ``None`` picks CUDA when present.
         shadow_on_save: shadow after every completed save (in the save thread).
         shadow_interval_s: period of the background shadow (0: none).
+        save_threads: threads of the save thread's quantizing kernels (default 1).
+            On a CPU server saves run beside vLLM's forward, whose OpenMP threads
+            are bound to every core: each extra save thread takes a core from a
+            forward thread, which then holds up the whole step.
         stats_path: append one JSON line per finished request (hit tokens, saves).
         model_id: name recorded in the cache identity; default: a fingerprint of
             the weights, so another model (or fine-tune) never matches.
@@ -90,6 +96,14 @@ class ConnectorConfig:
             ``"semantic"`` (default: lowest layer priority, then importance, then least
             recently attended) or ``"lru"`` (least recently attended first, whatever
             the block is). Pinned blocks are never dropped under either.
+        store_volatile: when the DDR tier stores a request's volatile tail (the
+            blocks from its ``volatile_from`` on, e.g. contextkit's trailing message of
+            volatile layers and the turn after it, which the sender's next call
+            changes): ``"room"`` (default) only while the save fits the byte budget
+            without evicting anything; ``"always"`` like every other block. Under
+            pressure, skipping them saves their encoding and the room they take;
+            only an identical prompt (a retry, a replay after a restart) would reuse
+            them.
         recover_strict: ``contextkit serve-vllm`` does not start vLLM when the
             startup recovery reports an error (a session refused, a block skipped, a
             store it cannot read); default: it says so and serves, recomputing what
@@ -108,6 +122,7 @@ class ConnectorConfig:
     device: str | None = None
     shadow_on_save: bool = True
     shadow_interval_s: float = 0.0
+    save_threads: int = 1
     stats_path: str = ""
     model_id: str = ""
     endpoint_url: str | None = None
@@ -117,8 +132,13 @@ class ConnectorConfig:
     precision: Any = dataclasses.field(default_factory=dict, hash=False)
     recover_strict: bool = False
     eviction: str = "semantic"
+    store_volatile: str = "room"
 
     def __post_init__(self) -> None:
+        if self.store_volatile not in STORE_VOLATILE:
+            raise ConnectorConfigError(f"store_volatile must be one of "
+                                       f"{', '.join(STORE_VOLATILE)}, got "
+                                       f"{self.store_volatile!r}")
         if self.eviction not in EVICTION_POLICIES:
             raise ConnectorConfigError(f"eviction must be one of "
                                        f"{', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
@@ -140,6 +160,8 @@ class ConnectorConfig:
         if self.shadow_interval_s < 0:
             raise ConnectorConfigError(
                 f"shadow_interval_s must be >= 0, got {self.shadow_interval_s}")
+        if self.save_threads < 1:
+            raise ConnectorConfigError(f"save_threads must be >= 1, got {self.save_threads}")
         for name in ("shadow_url", "local_store"):
             url = getattr(self, name)
             if url and "://" not in url:

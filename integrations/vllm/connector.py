@@ -62,6 +62,7 @@ from integrations.vllm.planning import (
 )
 from integrations.vllm.pools import decode_pool_blocks, decode_pool_layer_into
 from integrations.vllm.store import ConnectorStore, local_session_keys
+from integrations.vllm.threads import background_thread
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -230,7 +231,9 @@ class ContextKitConnector(KVConnectorBase_V1):
         self._layer_of: dict[str, int] = {}
         self._staged: list[_Staged] = []
         self._load_errors: set[int] = set()
-        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="contextkit-save")
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="contextkit-save",
+                                         initializer=background_thread,
+                                         initargs=(self.config.save_threads,))
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="contextkit-load")
         self._loader.submit(self.store.warm_up)  # JIT off the first request's path
         self._futures: list[Future[None]] = []
@@ -386,7 +389,9 @@ class ContextKitConnector(KVConnectorBase_V1):
             self._unpinned_tenants.add(spec.tenant)
             logger.log(logging.WARNING if first else logging.DEBUG, "request %s: %s",
                        spec.req_id, result.unpinned)
-        held = set(spec.keys) - set(result.failed)  # stored now, or already held
+        # stored now, or already held; a skipped volatile tail is not stored (the
+        # planner drops it from its pending saves as it does a failed one)
+        held = set(spec.keys) - set(result.failed) - set(result.skipped)
         with self._lock:
             report = self._report
             report.removed.difference_update(held)
@@ -394,6 +399,7 @@ class ContextKitConnector(KVConnectorBase_V1):
             report.stored.update(held)
             report.removed.update(result.removed)
             report.failed.update(result.failed)
+            report.failed.update(result.skipped)
         if self.config.shadow_on_save and self.store.shadowing and result.stored:
             try:
                 self.store.shadow_now()

@@ -19,6 +19,7 @@ Metrics (counters are exposed with a ``_total`` suffix):
 ``vllm:contextkit_evicted_blocks``    counter    blocks evicted from the store, label ``layer``
 ``vllm:contextkit_load_errors``       counter    blocks that failed to load (vLLM recomputes them)
 ``vllm:contextkit_demoted_blocks``    counter    blocks transcoded down to their format to make room
+``vllm:contextkit_skipped_blocks``    counter    volatile-tail blocks not stored (no room without evicting)
 ``vllm:contextkit_load_seconds``      counter    time the forward waited on loads (read + decode)
 ``vllm:contextkit_save_seconds``      counter    time spent storing blocks (off the forward's path)
 ``vllm:contextkit_shadow_bytes``      counter    bytes written to the shadow store
@@ -65,7 +66,8 @@ logger = logging.getLogger(__name__)
 
 #: Plain counters (one value per interval).
 COUNTERS = ("lookups", "hit_tokens", "loaded_blocks", "load_errors", "shadow_bytes",
-            "label_mismatches", "demoted_blocks", "load_seconds", "save_seconds")
+            "label_mismatches", "demoted_blocks", "skipped_blocks", "load_seconds",
+            "save_seconds")
 #: Counters broken down by the block's source layer.
 BY_LAYER = ("saved_blocks", "evicted_blocks")
 #: Gauges (latest value; merged observations keep the largest).
@@ -89,6 +91,8 @@ _DOCS = {
                         "(ignored: their blocks got the default layer).",
     "demoted_blocks": "Blocks transcoded down to their policy's format to make room in "
                       "contextkit's DDR tier (stored above it while there was room).",
+    "skipped_blocks": "Blocks of a request's volatile tail not stored in contextkit's DDR "
+                      "tier: storing them would have evicted (store_volatile = room).",
     "load_seconds": "Seconds vLLM's forward waited for loads from contextkit's cache "
                     "(lookup, decode into the paged KV cache).",
     "save_seconds": "Seconds spent encoding and storing blocks in contextkit's cache (on a "

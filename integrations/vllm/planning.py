@@ -32,6 +32,7 @@ from contextkit.pipeline.served.wire import (
     decode_fingerprint,
     decode_precision,
     decode_spans,
+    decode_volatile_from,
     encode_labels,
     labels_entry,
     prompt_fingerprint,
@@ -80,6 +81,11 @@ class BlockLabel:
     #: the format to store the block in while the DDR budget has room (above ``fmt``;
     #: the policy's :meth:`~integrations.vllm.precision.PrecisionPolicy.room_for`)
     room_fmt: str | None = None
+    #: in the request's volatile tail (from the token its ``volatile_from`` names on,
+    #: generated tokens included): the sender's next call changes it, so only an
+    #: identical prompt (a retry, a replay) reuses it. Stored only while the DDR budget
+    #: has room (``ConnectorConfig.store_volatile``).
+    tail: bool = False
 
 
 @dataclass(slots=True)
@@ -144,7 +150,8 @@ class StepRequest:
 
 def semantic_params(spans: Iterable[tuple[Any, ...]], *, pin: bool = False,
                     prompt_token_ids: Sequence[int] | None = None,
-                    precision: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                    precision: Mapping[str, Any] | None = None,
+                    volatile_from: int | None = None) -> dict[str, Any]:
     """``kv_transfer_params`` that label prompt token ranges with their prompt layer.
 
     Pass the result as ``SamplingParams(extra_args={"kv_transfer_params": ...})``
@@ -164,9 +171,12 @@ def semantic_params(spans: Iterable[tuple[Any, ...]], *, pin: bool = False,
             ``{"importance": [[0.9, "fp16"]]}``; each key replaces the server's
             value), see :class:`~integrations.vllm.precision.PrecisionPolicy`. It
             picks block formats only: ``key_offsets`` stays the server's (its pools).
+        volatile_from: the first token of the prompt's volatile tail, which the next
+            call changes (e.g. a trailing message of volatile layers); the connector
+            stores the blocks from there on only while its DDR tier has room.
 
     Raises:
-        ValueError: a bad span; :class:`~integrations.vllm.precision.PrecisionError`
+        ValueError: a bad span or ``volatile_from`` below 0; :class:`~integrations.vllm.precision.PrecisionError`
             (a ValueError): an unknown precision key or format.
     """
     out: list[WireSpan] = []
@@ -182,7 +192,10 @@ def semantic_params(spans: Iterable[tuple[Any, ...]], *, pin: bool = False,
         # checked here so the client hears of a typo; sent as plain JSON values
         checked = PrecisionPolicy.from_mapping(precision, PrecisionPolicy()).to_dict()
         keys = {key: checked[key] for key in precision}
-    return encode_labels(out, pin=pin, prompt_token_ids=prompt_token_ids, precision=keys)
+    if volatile_from is not None and int(volatile_from) < 0:
+        raise ValueError(f"volatile_from must be >= 0, got {volatile_from}")
+    return encode_labels(out, pin=pin, prompt_token_ids=prompt_token_ids, precision=keys,
+                         volatile_from=volatile_from)
 
 
 def label_mismatch(params: Mapping[str, Any] | None, prompt_token_ids: Sequence[int]
@@ -236,6 +249,11 @@ def _malformed(ours: Any, num_prompt: int) -> str | None:
         if span.end > num_prompt:
             return (f"span {span.encode()} ends past the end of the prompt "
                     f"({num_prompt} tokens)")
+    tail = decode_volatile_from(ours)
+    if tail is not None and (isinstance(tail, bool) or not isinstance(tail, int)
+                             or not 0 <= tail <= num_prompt):
+        return (f"volatile_from must be a token index in [0, {num_prompt}] (the prompt's "
+                f"length), got {_short(tail)}")
     return None
 
 
@@ -246,7 +264,8 @@ def _short(value: object, limit: int = 80) -> str:
 
 def labels_from_params(params: Mapping[str, Any] | None, first_block: int, num_blocks: int,
                        block_size: int, default_layer: str) -> list[BlockLabel]:
-    """Per block, the label of the span holding its first token (see :func:`semantic_params`).
+    """Per block, the label of the span holding its first token (see :func:`semantic_params`),
+    marked ``tail`` from the block holding the request's ``volatile_from`` on.
 
     Malformed params are logged and ignored (the request must not fail over labels).
     """
@@ -259,6 +278,10 @@ def labels_from_params(params: Mapping[str, Any] | None, first_block: int, num_b
     except (TypeError, ValueError, IndexError, AttributeError, KeyError):
         logger.warning("ignoring malformed kv_transfer_params[%r]: %r", PARAMS_KEY, ours)
         return [default] * num_blocks
+    tail = decode_volatile_from(ours)
+    # the block holding the tail's first token mixes in what came before, which the next
+    # call's prompt does not repeat there either: it is the tail's first block
+    tail_block = tail // block_size if isinstance(tail, int) else None
     labels = []
     for b in range(first_block, first_block + num_blocks):
         pos = b * block_size
@@ -269,6 +292,8 @@ def labels_from_params(params: Mapping[str, Any] | None, first_block: int, num_b
                           else pin and span.source_layer in PINNABLE_SOURCES)
                 label = BlockLabel(span.source_layer, span.importance, pinned)
                 break
+        if tail_block is not None and b >= tail_block:
+            label = dataclasses.replace(label, tail=True)
         labels.append(label)
     return labels
 

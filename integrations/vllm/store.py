@@ -98,6 +98,9 @@ class SaveResult:
     removed_layers: list[str | None] = field(default_factory=list)
     #: why blocks labelled pinned were stored unpinned (one line; None: none was)
     unpinned: str | None = None
+    #: volatile-tail keys not stored: the save did not fit without evicting
+    #: (``ConnectorConfig.store_volatile`` = ``"room"``)
+    skipped: list[bytes] = field(default_factory=list)
 
 
 class ConnectorStore(PoolShadows):
@@ -260,6 +263,11 @@ class ConnectorStore(PoolShadows):
                 formats.check_format(labels[i].fmt)
                 if labels[i].room_fmt is not None:
                     formats.check_format(labels[i].room_fmt)
+            skipped = self._skip_tail(labels, new)
+            if skipped:
+                new = [i for i in new if i not in skipped]
+                result.skipped = [keys[i] for i in sorted(skipped)]
+                self.stats.count("skipped_blocks", len(skipped))
             room = self._room_formats(labels, new)
             groups: dict[str, list[int]] = {}
             for i in new:
@@ -297,6 +305,23 @@ class ConnectorStore(PoolShadows):
     def _budget(self) -> int:
         """The DDR byte budget: ``host_blocks`` blocks of the key identity's format."""
         return self.config.host_blocks * self.identity.bytes_per_block
+
+    def _skip_tail(self, labels: Sequence[BlockLabel], new: list[int]) -> set[int]:
+        """The volatile-tail blocks of a save not to store (caller holds ``_lock``): all
+        of them when the save's new blocks, in their rules' formats, would not fit the
+        DDR budget beside what it holds, so storing them would evict; else none. The
+        next call of their sender changes them, so under pressure they are worth less
+        than any block a later prompt can reuse (``store_volatile`` = ``"always"``:
+        never skipped)."""
+        tail = {i for i in new if labels[i].tail}
+        if not tail or self.config.store_volatile == "always":
+            return set()
+        sizes = {fmt: pool_identity(self.identity, fmt).bytes_per_block
+                 for fmt in {labels[i].fmt for i in new}}
+        need = sum(sizes[labels[i].fmt] for i in new)
+        if held_bytes(list(self.pools.values())) + need <= self._budget:
+            return set()
+        return tail
 
     def _room_formats(self, labels: Sequence[BlockLabel], new: list[int]) -> dict[int, str]:
         """Blocks of a save to store in their label's ``room_fmt`` (caller holds _lock):

@@ -129,6 +129,8 @@ class ServedRequests:
         labelled: list[tuple[int, int, str, float, bool]] = []
         holders: set[int] = set()
         stable = set(built.stable_layers)
+        trailing = {section.layer for section in built.trailing}
+        tail_at: int | None = None  # where the trailing message's first section starts
         for section in (*built.main, *built.trailing):
             core = built.section_texts[section.layer][:-1]  # without its final newline
             for k in search:
@@ -148,6 +150,9 @@ class ServedRequests:
             pinned = pin and section.layer in stable and spec.source in PINNABLE_SOURCES
             labelled.append((contents[k][0] + at, contents[k][0] + end, spec.source,
                              float(importance), pinned))
+            if section.layer in trailing:
+                first = contents[k][0] + at
+                tail_at = first if tail_at is None else min(tail_at, first)
             holders.add(k)
         labelled += [(a, b, TURN_LAYER, TURN_IMPORTANCE, False)
                      for k, (a, b) in enumerate(contents) if k not in holders]
@@ -166,7 +171,11 @@ class ServedRequests:
             built.report.served_fields = "sent" if served.sends_fields else "plain"
         if not served.sends_fields:
             return {}
-        return {"kv_transfer_params": encode_labels(spans, pin=pin, prompt_token_ids=ids),
+        # the trailing message and all after it change on the next call: no later prompt
+        # reuses them as a prefix (the connector stores them only while it has room)
+        volatile_from = None if tail_at is None else rendered.first_token_at(tail_at)
+        return {"kv_transfer_params": encode_labels(spans, pin=pin, prompt_token_ids=ids,
+                                                    volatile_from=volatile_from),
                 "cache_salt": salt}
 
     def record_usage(self, report_or_tenant: CallReport | str | None, prompt_tokens: int,

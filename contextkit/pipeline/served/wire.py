@@ -6,13 +6,16 @@ A labelled request carries::
     {"kv_transfer_params": {"contextkit": {
         "spans": [[start, end, source_layer, importance, pinned], ...],
         "pin": bool, "prompt_tokens": int, "prompt_sha256": str,
-        "precision": {...}}}}
+        "precision": {...}, "volatile_from": int}}}
 
 ``spans`` label token ranges of the prompt (:class:`WireSpan`, a JSON list read by
 position; ``pinned`` is optional: without it the request's ``pin`` decides for
 pinnable layers); ``prompt_tokens`` and ``prompt_sha256`` fingerprint the prompt the
 ranges were computed on (:func:`prompt_fingerprint`); ``precision`` is a request's
-precision policy keys over the server's. The pipeline writes it
+precision policy keys over the server's; ``volatile_from`` is the first token of the
+prompt's volatile tail (the trailing message of volatile layers and what follows it),
+which the sender's next call changes, so no later prompt reuses it as a prefix. The
+pipeline writes it
 (:meth:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline.request_fields`), as
 does :func:`integrations.vllm.planning.semantic_params`; the connector's planner reads
 it (:mod:`integrations.vllm.planning`).
@@ -33,6 +36,7 @@ __all__ = [
     "decode_fingerprint",
     "decode_precision",
     "decode_spans",
+    "decode_volatile_from",
     "encode_labels",
     "labels_entry",
     "prompt_fingerprint",
@@ -87,7 +91,8 @@ def prompt_fingerprint(token_ids: Sequence[int]) -> tuple[int, str]:
 
 def encode_labels(spans: Iterable[WireSpan], *, pin: bool,
                   prompt_token_ids: Sequence[int] | None = None,
-                  precision: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                  precision: Mapping[str, Any] | None = None,
+                  volatile_from: int | None = None) -> dict[str, Any]:
     """contextkit's entry of ``kv_transfer_params``, keyed: ``{PARAMS_KEY: {...}}``.
 
     Args:
@@ -96,12 +101,16 @@ def encode_labels(spans: Iterable[WireSpan], *, pin: bool,
         prompt_token_ids: the prompt the ranges were computed on (its fingerprint is
             sent; ``None``: none is).
         precision: precision policy keys over the server's, as plain JSON values.
+        volatile_from: the first token of the prompt's volatile tail (``None``: not
+            sent; the connector then stores every block alike).
     """
     ours: dict[str, Any] = {"spans": [span.encode() for span in spans], "pin": bool(pin)}
     if prompt_token_ids is not None:
         ours["prompt_tokens"], ours["prompt_sha256"] = prompt_fingerprint(prompt_token_ids)
     if precision is not None:
         ours["precision"] = dict(precision)
+    if volatile_from is not None:
+        ours["volatile_from"] = int(volatile_from)
     return {PARAMS_KEY: ours}
 
 
@@ -128,3 +137,8 @@ def decode_fingerprint(entry: Mapping[str, Any]) -> tuple[Any, Any]:
 def decode_precision(entry: Mapping[str, Any]) -> Any:
     """The request's precision policy keys as sent (``None`` when absent)."""
     return entry.get("precision")
+
+
+def decode_volatile_from(entry: Mapping[str, Any]) -> Any:
+    """The first token of the volatile tail as sent (``None`` when absent)."""
+    return entry.get("volatile_from")

@@ -44,7 +44,8 @@ BLOCK = 32
 #: Every configuration, in the order they run (the ceiling first: the quality probe
 #: compares the others with its logprobs).
 CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru", "connector_fp16",
-           "connector_int8", "connector_tq4", "connector_all", "lmcache", "lmcache_ordering")
+           "connector_int8", "connector_tq4", "connector_saves_all_cores",
+           "connector_store_volatile", "connector_all", "lmcache", "lmcache_ordering")
 #: ``connector_all``'s DDR budget in B: enough for every block the default schedule
 #: saves (the run reports its evictions), so no eviction policy at B can do better.
 ALL_BUDGET_FACTOR = 8.0
@@ -87,6 +88,12 @@ SETUPS = {
                                                      "precision": INT8_POLICY}),
     "connector_tq4": Setup("connector_tq4", True, {"eviction": "semantic",
                                                    "precision": TQ4_POLICY}),
+    # the save thread's kernels on every core, as before save_threads: what it changed
+    "connector_saves_all_cores": Setup("connector_saves_all_cores", True, {
+        "eviction": "semantic", "save_threads": os.cpu_count() or 1}),
+    # every volatile tail stored, as before store_volatile: what skipping them changed
+    "connector_store_volatile": Setup("connector_store_volatile", True, {
+        "eviction": "semantic", "store_volatile": "always"}),
     "connector_all": Setup("connector_all", True, {"eviction": "semantic"}, probe=False,
                            budget_factor=ALL_BUDGET_FACTOR),
     "lmcache": Setup("lmcache", False, None, lmcache=True),

@@ -123,10 +123,11 @@ def test_connector_costs_per_step_and_block_from_the_counters() -> None:
 
     metrics = {f"vllm:contextkit_{name}_total": value for name, value in (
         ("load_seconds", 1.5), ("loaded_blocks", 600.0), ("save_seconds", 3.0),
-        ("evicted_blocks", 7.0))}
+        ("evicted_blocks", 7.0), ("saved_blocks", 900.0), ("skipped_blocks", 40.0))}
     got = connector_costs(metrics, 30)
     assert got == {"load_ms_per_step": 50.0, "load_ms_per_block": 2.5, "save_ms_per_step": 100.0,
-                   "evicted_blocks": 7.0, "loaded_blocks": 600.0}
+                   "saved_blocks": 900.0, "evicted_blocks": 7.0, "skipped_blocks": 40.0,
+                   "loaded_blocks": 600.0}
     assert connector_costs({"vllm:num_requests_running": 0.0}, 30) is None  # no connector
 
 

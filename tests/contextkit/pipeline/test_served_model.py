@@ -240,7 +240,7 @@ def served_pipeline(served: ServedModel, **kw: Any) -> CacheAwareContextPipeline
 
 def test_every_span_decodes_to_its_layer_or_message(served: ServedModel) -> None:
     pipeline = served_pipeline(served)
-    for turn in range(3):
+    for turn in range(4):
         pipeline.build(layered(turn))
     built = pipeline.last_built()
     assert built is not None and built.trailing  # time and state follow the conversation
@@ -539,3 +539,45 @@ def test_from_config_attaches_a_served_model(served: ServedModel) -> None:
     assert built.report.tenant == "acme"
     fields = pipeline.request_fields(pipeline.openai_messages([{"role": "user", "content": "x"}]))
     assert fields["cache_salt"] == "acme"
+
+
+def test_volatile_from_is_where_the_next_call_stops_sharing_the_prompt(
+        served: ServedModel) -> None:
+    """The request names the first token of its trailing message of volatile layers;
+    the agent's next call (its history grown by this turn, the volatile layers
+    changed) shares no token of the prompt from there on."""
+    pipeline = served_pipeline(served)
+    history = [{"role": "user", "content": "Et la p95?"}]
+    prompts = []
+    for turn in range(4):
+        pipeline.build(layered(turn))
+        messages = pipeline.openai_messages(history)
+        fields = pipeline.request_fields(messages)
+        ids = served.render(messages).token_ids
+        tail = fields["kv_transfer_params"][PARAMS_KEY]["volatile_from"]
+        built = pipeline.last_built()
+        assert built is not None and built.trailing
+        first = next(s for s in spans_of(fields)
+                     if s.source_layer == pipeline.config.get(built.trailing[0].layer).source)
+        # the trailing message's first section, at its text (its span starts at the
+        # message's markup, which the next call begins to share)
+        assert first.start <= tail < first.end
+        assert decode(served, ids[tail:]).startswith(
+            built.section_texts[built.trailing[0].layer][:10])
+        prompts.append((ids, tail, [s.layer for s in built.trailing]))
+        history = [*history, {"role": "assistant", "content": f"p95 is {700 + turn} ms."},
+                   {"role": "user", "content": f"And now ({turn})?"}]
+    for (ids, tail, layers), (later, _, later_layers) in itertools.pairwise(prompts):
+        shared = next((i for i, (a, b) in enumerate(zip(ids, later)) if a != b),
+                      min(len(ids), len(later)))
+        assert shared <= tail, (shared, tail)
+        if layers == later_layers:  # (the order moves a layer that stopped changing)
+            # it shares all that comes before, up to the trailing message's markup
+            assert shared >= tail - 8, (shared, tail)
+    assert prompts[-1][2] == prompts[-2][2]  # the last two calls are such a pair
+
+    # without a trailing message there is no tail to name
+    single = served_pipeline(served, trailing_message=False)
+    single.build(layered(0))
+    fields = single.request_fields(single.openai_messages(history))
+    assert "volatile_from" not in fields["kv_transfer_params"][PARAMS_KEY]
