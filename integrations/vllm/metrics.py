@@ -19,7 +19,7 @@ Metrics (counters are exposed with a ``_total`` suffix):
 ``vllm:contextkit_evicted_blocks``    counter    blocks evicted from the store, label ``layer``
 ``vllm:contextkit_load_errors``       counter    blocks that failed to load (vLLM recomputes them)
 ``vllm:contextkit_demoted_blocks``    counter    blocks transcoded down to their format to make room
-``vllm:contextkit_skipped_blocks``    counter    volatile-tail blocks not stored (no room without evicting)
+``vllm:contextkit_skipped_blocks``    counter    volatile-tail blocks not stored (no room)
 ``vllm:contextkit_load_seconds``      counter    time the forward waited on loads (read + decode)
 ``vllm:contextkit_save_seconds``      counter    time spent storing blocks (off the forward's path)
 ``vllm:contextkit_shadow_bytes``      counter    bytes written to the shadow store

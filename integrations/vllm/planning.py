@@ -176,8 +176,9 @@ def semantic_params(spans: Iterable[tuple[Any, ...]], *, pin: bool = False,
             stores the blocks from there on only while its DDR tier has room.
 
     Raises:
-        ValueError: a bad span or ``volatile_from`` below 0; :class:`~integrations.vllm.precision.PrecisionError`
-            (a ValueError): an unknown precision key or format.
+        ValueError: a bad span or ``volatile_from`` below 0;
+            :class:`~integrations.vllm.precision.PrecisionError` (a ValueError): an
+            unknown precision key or format.
     """
     out: list[WireSpan] = []
     for span in spans:

@@ -568,7 +568,7 @@ def test_volatile_from_is_where_the_next_call_stops_sharing_the_prompt(
         history = [*history, {"role": "assistant", "content": f"p95 is {700 + turn} ms."},
                    {"role": "user", "content": f"And now ({turn})?"}]
     for (ids, tail, layers), (later, _, later_layers) in itertools.pairwise(prompts):
-        shared = next((i for i, (a, b) in enumerate(zip(ids, later)) if a != b),
+        shared = next((i for i, (a, b) in enumerate(zip(ids, later, strict=False)) if a != b),
                       min(len(ids), len(later)))
         assert shared <= tail, (shared, tail)
         if layers == later_layers:  # (the order moves a layer that stopped changing)
