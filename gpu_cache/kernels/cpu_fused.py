@@ -41,14 +41,11 @@ def available() -> bool:
     return _nb is not None
 
 
-def limit_threads(n: int) -> int:
+def limit_threads(n: int) -> None:
     """Run the kernels the calling thread starts on at most ``n`` threads (numba's
-    setting is per thread; other threads keep theirs). Returns the count now in
-    effect there (0 without numba)."""
-    if _nb is None:
-        return 0
-    _nb.set_num_threads(max(1, min(n, _nb.config.NUMBA_NUM_THREADS)))
-    return int(_nb.get_num_threads())
+    setting is per thread; other threads keep theirs). Nothing without numba."""
+    if _nb is not None:
+        _nb.set_num_threads(max(1, min(n, _nb.config.NUMBA_NUM_THREADS)))
 
 
 #: Vectors transformed side by side: the butterflies then run across this many SIMD

@@ -49,6 +49,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from gpu_cache.kernels import cpu_fused
 from integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from integrations.vllm.identity import vllm_cache_identity
 from integrations.vllm.layout import LAYOUTS
@@ -62,7 +63,6 @@ from integrations.vllm.planning import (
 )
 from integrations.vllm.pools import decode_pool_blocks, decode_pool_layer_into
 from integrations.vllm.store import ConnectorStore, local_session_keys
-from integrations.vllm.threads import background_thread
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -231,8 +231,12 @@ class ContextKitConnector(KVConnectorBase_V1):
         self._layer_of: dict[str, int] = {}
         self._staged: list[_Staged] = []
         self._load_errors: set[int] = set()
+        # Saves quantize beside vLLM's forward, whose OpenMP threads are bound to every
+        # core: their kernels run on save_threads threads (numba's count is per thread).
+        # They keep vLLM's priority: at nice 19 (tried on the agents bench) they starved,
+        # finished seconds late and held the store's lock while loads waited on it.
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="contextkit-save",
-                                         initializer=background_thread,
+                                         initializer=cpu_fused.limit_threads,
                                          initargs=(self.config.save_threads,))
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="contextkit-load")
         self._loader.submit(self.store.warm_up)  # JIT off the first request's path

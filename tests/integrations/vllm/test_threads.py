@@ -6,15 +6,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from gpu_cache.kernels.cpu_fused import limit_threads
 from integrations.vllm.config import ConnectorConfig, ConnectorConfigError
-from integrations.vllm.threads import background_thread
 
 numba = pytest.importorskip("numba")
 
 
 def _threads_in_background(threads: int) -> int:
     """The numba thread count inside a thread set up like the connector's save thread."""
-    with ThreadPoolExecutor(1, initializer=background_thread, initargs=(threads,)) as pool:
+    with ThreadPoolExecutor(1, initializer=limit_threads, initargs=(threads,)) as pool:
         return pool.submit(numba.get_num_threads).result()
 
 
