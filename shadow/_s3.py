@@ -254,6 +254,16 @@ class S3Store(ShadowStore):
             keys += [obj["Key"][strip:] for obj in page.get("Contents", [])]
         return sorted(keys)
 
+    @_s3_errors("listing")
+    def list_sizes(self, prefix: str = "") -> builtins.list[tuple[str, int]]:
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        out = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=full):
+            out += [(obj["Key"][strip:], int(obj["Size"])) for obj in page.get("Contents", [])]
+        return sorted(out)
+
     @_s3_errors("listing of multipart uploads")
     def list_uploads(self, prefix: str = "") -> builtins.list[tuple[str, str, float]]:
         full = f"{self.prefix}/{prefix}" if self.prefix else prefix

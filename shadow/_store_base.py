@@ -138,6 +138,15 @@ class ShadowStore(abc.ABC):
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
 
+    def list_sizes(self, prefix: str = "") -> builtins.list[tuple[str, int]]:
+        """:meth:`list` with each object's size (S3 answers both in one listing)."""
+        out = []
+        for key in self.list(prefix):
+            size = self.size(key)
+            if size is not None:  # deleted since the listing
+                out.append((key, size))
+        return out
+
     def put_file(self, key: str, chunks: Iterable[Any]) -> int:
         """Stream ``chunks`` into one object (multipart on S3); returns its size."""
         with self.open_writer(key) as writer:

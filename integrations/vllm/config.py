@@ -22,6 +22,7 @@ STORE_VOLATILE = ("room", "always")
 
 if TYPE_CHECKING:
     from gpu_cache.config import PinConfig
+    from shadow.shared.tier import SharedTierConfig
 
 __all__ = [
     "CONNECTOR_CLASS",
@@ -104,6 +105,22 @@ class ConnectorConfig:
             pressure, skipping them saves their encoding and the room they take;
             only an identical prompt (a retry, a replay after a restart) would reuse
             them.
+        shared_url: the live shared tier every replica of this model reads and
+            writes while serving (``s3://bucket/prefix`` or ``file:///shared/path``;
+            empty: none). Needs the deployment's MAC key on every replica
+            (``CONTEXTKIT_SHADOW_KEY``). A lookup that misses the DDR tier asks it
+            for the prompt's chunks; saves are uploaded behind (see
+            :mod:`shadow.shared` and :mod:`integrations.vllm.shared`).
+        shared_endpoint_url: its S3 endpoint (default: ``endpoint_url``).
+        shared_chunk_blocks: blocks per shared object (a prompt's chunks are
+            aligned on it; only whole chunks are shared).
+        shared_deadline_s: a shared lookup or load that takes longer gives up; the
+            request recomputes (counted in ``shared_deadline_misses``).
+        shared_max_age_s: unleased objects are collected (and refused) after this
+            long; ``shared_pinned_max_age_s`` for chunks holding a pinned block.
+        shared_tenant_budget_mb: collection keeps each tenant within this many MB.
+        shared_gc_interval_s: this server collects the tier this often (0: never;
+            run ``contextkit shared gc`` instead). One collector per tier is enough.
         recover_strict: ``contextkit serve-vllm`` does not start vLLM when the
             startup recovery reports an error (a session refused, a block skipped, a
             store it cannot read); default: it says so and serves, recomputing what
@@ -133,6 +150,14 @@ class ConnectorConfig:
     recover_strict: bool = False
     eviction: str = "semantic"
     store_volatile: str = "room"
+    shared_url: str = ""
+    shared_endpoint_url: str | None = None
+    shared_chunk_blocks: int = 4
+    shared_deadline_s: float = 1.0
+    shared_max_age_s: float = 24 * 3600.0
+    shared_pinned_max_age_s: float = 7 * 24 * 3600.0
+    shared_tenant_budget_mb: int = 4096
+    shared_gc_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.store_volatile not in STORE_VOLATILE:
@@ -162,11 +187,31 @@ class ConnectorConfig:
                 f"shadow_interval_s must be >= 0, got {self.shadow_interval_s}")
         if self.save_threads < 1:
             raise ConnectorConfigError(f"save_threads must be >= 1, got {self.save_threads}")
-        for name in ("shadow_url", "local_store"):
+        if self.shared_url:
+            self.shared_tier()  # checks the shared tier's settings
+        if self.shared_gc_interval_s < 0:
+            raise ConnectorConfigError(
+                f"shared_gc_interval_s must be >= 0, got {self.shared_gc_interval_s}")
+        for name in ("shadow_url", "local_store", "shared_url"):
             url = getattr(self, name)
             if url and "://" not in url:
                 raise ConnectorConfigError(f"{name} must be a URL (file:///path or "
                                            f"s3://bucket/prefix), got {url!r}")
+
+    def shared_tier(self) -> SharedTierConfig:
+        """The shared tier's settings (:class:`shadow.shared.SharedTierConfig`)."""
+        from shadow.shared.tier import SharedTierConfig, SharedTierError
+
+        try:
+            return SharedTierConfig(
+                url=self.shared_url,
+                endpoint_url=self.shared_endpoint_url or self.endpoint_url,
+                chunk_blocks=self.shared_chunk_blocks, deadline_s=self.shared_deadline_s,
+                max_age_s=self.shared_max_age_s,
+                pinned_max_age_s=self.shared_pinned_max_age_s,
+                tenant_budget_bytes=self.shared_tenant_budget_mb << 20)
+        except SharedTierError as exc:
+            raise ConnectorConfigError(str(exc).replace("shared tier ", "shared_")) from None
 
     @property
     def pins(self) -> PinConfig:

@@ -62,6 +62,7 @@ from integrations.vllm.planning import (
     WorkerReport,
 )
 from integrations.vllm.pools import decode_pool_blocks, decode_pool_layer_into
+from integrations.vllm.shared import SharedLookups, SharedWriter, record_counters
 from integrations.vllm.store import ConnectorStore, local_session_keys
 
 if TYPE_CHECKING:
@@ -151,10 +152,17 @@ class ContextKitConnector(KVConnectorBase_V1):
 
     # ================================================================== scheduler side
     def _init_scheduler(self) -> None:
+        shared = bool(self.config.shared_url)
         self.planner = RequestPlanner(self.identity.digest(), self.block_size,
                                       self.config.default_source_layer,
                                       policy=self.config.policy,
-                                      head_dim=self.identity.head_dim)
+                                      head_dim=self.identity.head_dim,
+                                      chunk_blocks=self.config.shared_chunk_blocks
+                                      if shared else 0)
+        self._shared: SharedLookups | None = None
+        if shared:
+            self._shared = SharedLookups(self._shared_tier("lookups"),
+                                         self.config.shared_chunk_blocks)
         seeded = self.planner.seed(local_session_keys(self.config.local_store, self.identity))
         self._requests: dict[str, Request] = {}
         self._stats_path = Path(self.config.stats_path) if self.config.stats_path else None
@@ -168,11 +176,29 @@ class ContextKitConnector(KVConnectorBase_V1):
             request.request_id, request.all_token_ids, request.num_prompt_tokens,
             num_computed_tokens, tenant=request.cache_salt,
             params=request.kv_transfer_params)
+        if self._shared is not None:
+            # past the DDR hit, the shared tier: "not yet" (None) until it answers
+            local_end = (num_computed_tokens + hit) // self.block_size
+            tenant, keys = self.planner.lookup_keys(request.request_id)
+            end = self._shared.lookup(request.request_id, tenant, keys, local_end)
+            if end is None:
+                return None, False
+            if end > local_end:
+                self.planner.note_shared(request.request_id, local_end, end)
+                hit = end * self.block_size - num_computed_tokens
         return hit, False
+
+    def _shared_tier(self, role: str) -> Any:
+        from shadow.shared import SharedTier, default_writer_id
+
+        return SharedTier(self.identity, self.config.shared_tier(),
+                          writer=f"{self.config.session_id}-{role}-{default_writer_id()}")
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         self.planner.on_alloc(request.request_id, num_external_tokens)
+        if self._shared is not None:
+            self._shared.forget(request.request_id)
 
     def _block_ids(self, req_id: str, fallback: list[int] | None) -> list[int]:
         if self._kv_cache_manager is not None:
@@ -206,6 +232,8 @@ class ContextKitConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
+        if self._shared is not None:
+            self._shared.forget(request.request_id)
         self._write_stats(self.planner.finish(request.request_id))
         return False, None  # blocks were copied out when computed: free them now
 
@@ -241,6 +269,12 @@ class ContextKitConnector(KVConnectorBase_V1):
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="contextkit-load")
         self._loader.submit(self.store.warm_up)  # JIT off the first request's path
         self._futures: list[Future[None]] = []
+        self._writer: SharedWriter | None = None
+        if self.config.shared_url:
+            self._writer = SharedWriter(
+                self._shared_tier("writer"), self.store,
+                gc_interval_s=self.config.shared_gc_interval_s,
+                log_path=self.config.stats_path)
         self._unpinned_tenants: set[str] = set()  # tenants told their prefix is unpinned
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -286,7 +320,13 @@ class ContextKitConnector(KVConnectorBase_V1):
         if meta is None or not meta.loads:
             return
         t0 = time.perf_counter()
+        spec_imported: dict[str, list[bytes]] = {}
         for spec in meta.loads:
+            if self._writer is not None and spec.shared:
+                # the shared tier's chunks into the DDR tier first (what is refused,
+                # missing or late is recomputed)
+                spec_imported[spec.req_id] = self._loader.submit(
+                    self._writer.bring_in, spec).result()
             # Decode on a helper thread: the fused CPU decoder (numba) sets the calling
             # thread's OpenMP thread count, which vLLM's CPU attention checks against
             # the step's metadata (and vLLM forbids setting it back).
@@ -296,6 +336,7 @@ class ContextKitConnector(KVConnectorBase_V1):
                 logger.warning("request %s: %d of %d blocks no longer stored; vLLM recomputes "
                                "them", spec.req_id, len(missing), len(spec.block_ids))
             with self._lock:
+                self._report.stored.update(spec_imported.pop(spec.req_id, ()))
                 self._load_errors.update(missing)
                 self._report.loaded_tokens[spec.req_id] = (
                     self._report.loaded_tokens.get(spec.req_id, 0) + n * self.block_size)
@@ -404,6 +445,8 @@ class ContextKitConnector(KVConnectorBase_V1):
             report.removed.update(result.removed)
             report.failed.update(result.failed)
             report.failed.update(result.skipped)
+        if self._writer is not None:
+            self._writer.saved(spec, held)
         if self.config.shadow_on_save and self.store.shadowing and result.stored:
             try:
                 self.store.shadow_now()
@@ -423,8 +466,15 @@ class ContextKitConnector(KVConnectorBase_V1):
         evictions and the shadow (:class:`ConnectorStore`).
         """
         if self.role == KVConnectorRole.SCHEDULER:
+            if getattr(self, "_shared", None) is not None:
+                record_counters(self._shared.tier, self.planner.stats)  # type: ignore[union-attr]
             data = self.planner.stats.take() if hasattr(self, "planner") else None
         else:
+            writer = getattr(self, "_writer", None)
+            if writer is not None:
+                lag = writer.take_lag()
+                if lag is not None:
+                    self.store.stats.set_gauge("shared_lag_seconds", lag)
             data = self.store.take_stats() if hasattr(self, "store") else None
         return None if data is None else ContextKitConnectorStats(data=data)
 
@@ -453,4 +503,7 @@ class ContextKitConnector(KVConnectorBase_V1):
             return
         self._saver.shutdown(wait=True)
         self._loader.shutdown(wait=True)
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
         self.store.close()

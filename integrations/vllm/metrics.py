@@ -27,6 +27,15 @@ Metrics (counters are exposed with a ``_total`` suffix):
 ``vllm:contextkit_label_mismatches``  counter    requests whose labels fit another prompt (ignored)
 ====================================  =========  ============================================
 
+The shared tier (:mod:`integrations.vllm.shared`) adds counters ``shared_hit_tokens``
+(prompt tokens a lookup found there), ``shared_imported_blocks`` (brought into DDR),
+``shared_heads``, ``shared_gets``, ``shared_puts``, ``shared_bytes_down``,
+``shared_bytes_up``, ``shared_deadline_misses`` (gave up: the request recomputed),
+``shared_refused`` (tampered, replayed, expired or foreign objects),
+``shared_deduplicated`` (not uploaded: held already), ``shared_dropped`` (write-behind
+queue full, or blocks evicted first), ``shared_errors``, and the gauge
+``shared_lag_seconds`` (longest save-to-upload time of the interval).
+
 ``layer`` is the block's source layer, bounded to the known source layers (see
 :func:`layer_names`) plus ``"unlabelled"`` (unknown) and ``"other"`` (any other name).
 
@@ -50,6 +59,7 @@ __all__ = [
     "GAUGES",
     "METRIC_NAMES",
     "OTHER",
+    "SHARED_COUNTERS",
     "UNLABELLED",
     "ContextKitConnectorStats",
     "ContextKitPromMetrics",
@@ -64,14 +74,19 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: The shared tier's counters (:mod:`integrations.vllm.shared`).
+SHARED_COUNTERS = ("shared_hit_tokens", "shared_imported_blocks", "shared_heads",
+                   "shared_gets", "shared_puts", "shared_bytes_down", "shared_bytes_up",
+                   "shared_deadline_misses", "shared_refused", "shared_deduplicated",
+                   "shared_dropped", "shared_errors")
 #: Plain counters (one value per interval).
 COUNTERS = ("lookups", "hit_tokens", "loaded_blocks", "load_errors", "shadow_bytes",
             "label_mismatches", "demoted_blocks", "skipped_blocks", "load_seconds",
-            "save_seconds")
+            "save_seconds", *SHARED_COUNTERS)
 #: Counters broken down by the block's source layer.
 BY_LAYER = ("saved_blocks", "evicted_blocks")
 #: Gauges (latest value; merged observations keep the largest).
-GAUGES = ("shadow_lag_seconds",)
+GAUGES = ("shadow_lag_seconds", "shared_lag_seconds")
 PREFIX = "vllm:contextkit_"
 #: Metric name per stat (counters are exposed with ``_total``).
 METRIC_NAMES = {stat: PREFIX + stat for stat in (*COUNTERS, *BY_LAYER, *GAUGES)}
@@ -97,6 +112,26 @@ _DOCS = {
                     "(lookup, decode into the paged KV cache).",
     "save_seconds": "Seconds spent encoding and storing blocks in contextkit's cache (on a "
                     "background thread, beside the forward).",
+    "shared_hit_tokens": "Prompt tokens a lookup found in contextkit's shared tier (beyond "
+                         "this server's own DDR tier).",
+    "shared_imported_blocks": "Blocks brought from contextkit's shared tier into this "
+                              "server's DDR tier.",
+    "shared_heads": "Lookups (HEAD) of objects in contextkit's shared tier.",
+    "shared_gets": "Objects read (GET) from contextkit's shared tier.",
+    "shared_puts": "Objects written (PUT) to contextkit's shared tier (chunks and leases).",
+    "shared_bytes_down": "Bytes read from contextkit's shared tier.",
+    "shared_bytes_up": "Bytes written to contextkit's shared tier.",
+    "shared_deadline_misses": "Shared-tier lookups or loads that gave up at the deadline "
+                              "(the request recomputed).",
+    "shared_refused": "Shared-tier objects refused: tampered, replayed, expired or of "
+                      "another model (the request recomputed).",
+    "shared_deduplicated": "Chunks not uploaded to contextkit's shared tier: it held them.",
+    "shared_dropped": "Uploads to contextkit's shared tier dropped (write-behind queue full, "
+                      "or the blocks were evicted before their upload).",
+    "shared_errors": "Shared-tier requests that failed (store errors; nothing was served "
+                     "from them).",
+    "shared_lag_seconds": "Longest time, in the interval, from storing a block to its "
+                          "chunk being findable in contextkit's shared tier.",
     "shadow_lag_seconds": "Age of the oldest block in contextkit's cache not yet shadowed "
                           "(0 when none is pending or there is no shadow).",
 }

@@ -96,6 +96,9 @@ class LoadSpec:
     tenant: str
     keys: list[bytes]
     block_ids: list[int]  # vLLM block ids, one per key
+    #: shared-tier chunks to bring into the DDR tier first: each chunk's block keys
+    #: (its name is the last one's); the load's keys among them come from there
+    shared: list[list[bytes]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -108,6 +111,9 @@ class SaveSpec:
     block_ids: list[int]
     first_block: int  # index of the first block within the request
     labels: list[BlockLabel]
+    #: keys of the request's blocks from the start of ``first_block``'s shared-tier
+    #: chunk up to it (empty without a shared tier): the chunks this save completes
+    lead_keys: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -317,6 +323,8 @@ class _RequestState:
     planned_saves: int = 0
     prompt_formats: list[str] | None = None  # the prompt blocks' formats, once planned
     budget_spent: float = 0.0  # fp16 shares of the blocks given a format so far
+    shared_from: int = 0  # blocks [shared_from, shared_to) are in the shared tier
+    shared_to: int = 0
 
 
 class RequestPlanner:
@@ -330,6 +338,7 @@ class RequestPlanner:
             ``None``: :data:`~integrations.vllm.precision.DEFAULT_POLICY`. A request
             may override keys of it (``kv_transfer_params["contextkit"]["precision"]``).
         head_dim: the model's head dimension (the byte costs of the policy's budget).
+        chunk_blocks: blocks per shared-tier chunk (0: no shared tier).
 
     Attributes:
         stats: the scheduler side's metrics (lookups), taken by the connector.
@@ -337,13 +346,15 @@ class RequestPlanner:
 
     def __init__(self, identity_digest: bytes, block_size: int,
                  default_layer: str = "user_turn",
-                 policy: PrecisionPolicy | None = None, head_dim: int = 128) -> None:
+                 policy: PrecisionPolicy | None = None, head_dim: int = 128,
+                 chunk_blocks: int = 0) -> None:
         self.stats = StatsRecorder(layer_names(default_layer))
         self.identity_digest = identity_digest
         self.block_size = block_size
         self.default_layer = default_layer
         self.policy = DEFAULT_POLICY if policy is None else policy
         self.head_dim = head_dim
+        self.chunk_blocks = chunk_blocks
         self.index: set[bytes] = set()
         self.pending: set[bytes] = set()
         self._reqs: dict[str, _RequestState] = {}
@@ -420,6 +431,19 @@ class RequestPlanner:
             matched += 1
         return max(0, matched * self.block_size - num_computed)
 
+    def lookup_keys(self, req_id: str) -> tuple[str, list[bytes]]:
+        """A looked-up request's tenant and the keys of its blocks a load may cover
+        (all but the block of its last prompt token)."""
+        state = self._reqs[req_id]
+        return state.tenant, state.keys[:max(0, state.num_prompt_tokens - 1) // self.block_size]
+
+    def note_shared(self, req_id: str, first: int, end: int) -> None:
+        """The shared tier holds blocks ``first .. end-1`` of the request, past what the
+        DDR tier holds: the next load brings them in (:attr:`LoadSpec.shared`)."""
+        state = self._reqs[req_id]
+        state.shared_from, state.shared_to = first, end
+        self.stats.count("shared_hit_tokens", (end - first) * self.block_size)
+
     def on_alloc(self, req_id: str, num_external: int) -> None:
         """vLLM allocated blocks; ``num_external`` tokens after its local hit are ours."""
         state = self._reqs.get(req_id)
@@ -447,7 +471,8 @@ class RequestPlanner:
                 first, n = state.load_first_block, state.load_num_blocks
                 keys = self._keys(state, req.token_ids, first + n)[first:]
                 loads.append(LoadSpec(req.req_id, state.tenant, list(keys),
-                                      list(req.block_ids[first:first + n])))
+                                      list(req.block_ids[first:first + n]),
+                                      self._shared_chunks(state, first, first + n)))
             full = min(req.num_computed + req.num_scheduled, len(req.token_ids)) // bs
             full = min(full, len(req.block_ids))
             keys = self._keys(state, req.token_ids, full)
@@ -474,10 +499,22 @@ class RequestPlanner:
                 labels = [dataclasses.replace(label, fmt=fmt,
                                               room_fmt=state.policy.room_for(fmt))
                           for label, fmt in zip(labels, fmts, strict=True)]
+                lead = (keys[run[0] - run[0] % self.chunk_blocks:run[0]]
+                        if self.chunk_blocks else [])
                 saves.append(SaveSpec(
                     req.req_id, state.tenant, run_keys, [req.block_ids[b] for b in run],
-                    run[0], labels))
+                    run[0], labels, list(lead)))
         return loads, saves
+
+    def _shared_chunks(self, state: _RequestState, first: int, end: int) -> list[list[bytes]]:
+        """The shared-tier chunks covering blocks ``first .. end-1`` that
+        :meth:`note_shared` found (each chunk's keys); the note is used up."""
+        lo, hi = max(first, state.shared_from), min(end, state.shared_to)
+        state.shared_from = state.shared_to = 0
+        if hi <= lo or not self.chunk_blocks:
+            return []
+        c = self.chunk_blocks
+        return [state.keys[j * c:(j + 1) * c] for j in range(lo // c, -(-hi // c))]
 
     def _format(self, state: _RequestState, block: int, label: BlockLabel) -> str:
         """Block ``block``'s format: the prompt's blocks are decided together (the

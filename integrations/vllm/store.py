@@ -17,7 +17,6 @@ transcoded back to its label's format before anything is evicted (:mod:`.headroo
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -32,14 +31,12 @@ from gpu_cache import (
     BlockStateError,
     CacheIdentity,
     CacheIdentityError,
-    InvalidNameError,
     PinCapacityError,
     PrefixPinManager,
     RequestBlockManager,
     Tier,
     TQGPUCache,
     formats,
-    validate_tenant,
 )
 from gpu_cache.hashing import BlockHash
 from gpu_cache.metadata import BlockMeta
@@ -69,22 +66,12 @@ from integrations.vllm.snapshots import (
     shadow_manifests,
 )
 from integrations.vllm.store_shadow import PoolShadows
+from integrations.vllm.store_shared import SharedBlocks, tenant_slug
 
 __all__ = ["LOCAL_SESSION", "ConnectorStore", "SaveResult", "local_session_keys",
            "shadow_manifest", "shadow_manifests", "tenant_slug"]
 
 logger = logging.getLogger(__name__)
-
-
-def tenant_slug(cache_salt: str) -> str:
-    """The cache tenant of a vLLM ``cache_salt``: the salt itself when it follows
-    contextkit's naming rule (as the pipeline's tenants do), else a stable digest of
-    it. vLLM allows any salt; block keys are salted with the raw salt either way."""
-    try:
-        return validate_tenant(cache_salt)
-    except InvalidNameError:
-        return "salt-" + hashlib.sha256(cache_salt.encode()).hexdigest()[:40]
-
 
 
 @dataclass(slots=True)
@@ -103,7 +90,7 @@ class SaveResult:
     skipped: list[bytes] = field(default_factory=list)
 
 
-class ConnectorStore(PoolShadows):
+class ConnectorStore(PoolShadows, SharedBlocks):
     """Blocks by key in contextkit's tiers, one pool per block format, shadowed to
     ``config.shadow_url``.
 

@@ -1,0 +1,277 @@
+"""The connector's side of the live shared tier (:mod:`shadow.shared`), free of vLLM imports.
+
+Scheduler side, :class:`SharedLookups`: when the DDR tier's prefix of a prompt ends
+before the prompt does, the chunks that follow are looked up in the shared tier (HEADs
+in parallel, on a helper thread); vLLM is told "not yet" (``None``) until the answer
+is in, or the deadline passes (then the DDR hit stands and the rest is computed).
+
+Worker side, :class:`SharedWriter`:
+
+- before a load, :meth:`SharedWriter.bring_in` GETs the load's chunks in parallel,
+  verifies each (MAC, name, tenant, model, age) and imports their blocks into the
+  DDR tier; what is refused, missing or late is recomputed by vLLM
+  (``kv_load_failure_policy = "recompute"``);
+- after a save, :meth:`SharedWriter.saved` queues the chunks the save completed; a
+  writer thread exports them from the DDR tier and uploads each unless the tier holds
+  it (write-behind: a bounded queue, dropped uploads counted, the lag measured);
+- the same thread renews this writer's lease (the chunks whose blocks it holds, which
+  collection keeps) and, with ``shared_gc_interval_s``, collects the tier.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import json
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from integrations.vllm.metrics import StatsRecorder
+from shadow.shared.retention import collect
+from shadow.shared.tier import SharedTier
+
+if TYPE_CHECKING:
+    from integrations.vllm.planning import LoadSpec, SaveSpec
+    from integrations.vllm.store import ConnectorStore
+
+__all__ = ["SharedLookups", "SharedWriter"]
+
+logger = logging.getLogger(__name__)
+
+#: The shared tier's counters, as the connector's metrics name them.
+_COUNTER_NAMES = {"heads": "shared_heads", "gets": "shared_gets", "puts": "shared_puts",
+                  "bytes_down": "shared_bytes_down", "bytes_up": "shared_bytes_up",
+                  "deduplicated": "shared_deduplicated", "errors": "shared_errors",
+                  "deadline_misses": "shared_deadline_misses"}
+
+
+def record_counters(tier: SharedTier, stats: StatsRecorder) -> None:
+    """Move the tier's counters since the last call into the connector's stats."""
+    for name, n in tier.take_counters().items():
+        if name.startswith("refused_"):
+            stats.count("shared_refused", n)
+        elif name in _COUNTER_NAMES:
+            stats.count(_COUNTER_NAMES[name], n)
+
+
+@dataclass(slots=True)
+class _Probe:
+    first_chunk: int
+    future: cf.Future[int]
+
+
+class SharedLookups:
+    """Scheduler side: asynchronous lookups of a prompt's chunks past the DDR hit."""
+
+    def __init__(self, tier: SharedTier, chunk_blocks: int) -> None:
+        self.tier = tier
+        self.chunk_blocks = chunk_blocks
+        self._probes: dict[str, _Probe] = {}
+        self._exec = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="contextkit-probe")
+
+    def lookup(self, req_id: str, tenant: str, keys: Sequence[bytes], local_end: int
+               ) -> int | None:
+        """The end block of the prompt's prefix held by the DDR tier (``local_end``)
+        and then the shared tier; None while the lookup is in flight.
+
+        ``keys``: the request's keys a load may cover. Only whole chunks count: chunk
+        ``j`` is blocks ``j*C .. j*C+C-1``, named by the last one's key.
+        """
+        c = self.chunk_blocks
+        first = local_end // c
+        last = len(keys) // c  # chunks first .. last-1 lie within the keys
+        if last <= first:
+            return local_end
+        probe = self._probes.get(req_id)
+        if probe is None or probe.first_chunk != first:
+            names = [keys[(j + 1) * c - 1] for j in range(first, last)]
+            probe = _Probe(first, self._exec.submit(self.tier.probe, tenant, names))
+            self._probes[req_id] = probe
+        if not probe.future.done():
+            return None
+        try:
+            found = probe.future.result()
+        except Exception:
+            logger.exception("shared tier lookup of request %s failed", req_id)
+            found = 0
+        return max(local_end, (first + found) * c)
+
+    def forget(self, req_id: str) -> None:
+        """The request was allocated or finished: its next lookup asks again."""
+        self._probes.pop(req_id, None)
+
+    def close(self) -> None:
+        self._exec.shutdown(wait=False, cancel_futures=True)
+        self.tier.close()
+
+
+@dataclass(slots=True)
+class _Upload:
+    tenant: str
+    keys: list[bytes]
+    saved_at: float
+
+
+class SharedWriter:
+    """Worker side: loads from and write-behind uploads to the shared tier.
+
+    Args:
+        tier: the shared tier.
+        store: the connector's store (export and import of blocks).
+        max_pending: uploads queued at most; more are dropped (counted).
+        gc_interval_s: collect the tier this often (0: never).
+        log_path: append one JSON line per upload (``"shared_upload"``: name, bytes,
+            lag) for benchmarks; empty: none.
+    """
+
+    def __init__(self, tier: SharedTier, store: ConnectorStore, *, max_pending: int = 256,
+                 gc_interval_s: float = 0.0, log_path: str = "") -> None:
+        self.tier = tier
+        self.store = store
+        self.chunk_blocks = tier.config.chunk_blocks
+        self.max_pending = max_pending
+        self.gc_interval_s = gc_interval_s
+        self._log = Path(log_path) if log_path else None
+        self._queue: collections.deque[_Upload] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._busy = False
+        self._lag = 0.0
+        self._held_chunks: dict[str, bytes] = {}  # name -> last key (for the lease)
+        self._next_lease = 0.0
+        self._next_gc = time.monotonic() + gc_interval_s if gc_interval_s else float("inf")
+        self._thread = threading.Thread(target=self._run, name="contextkit-shared-upload",
+                                        daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ loads
+    def bring_in(self, spec: LoadSpec) -> list[bytes]:
+        """Import the load's shared chunks whose keys it needs and the DDR tier lacks.
+        Returns the keys imported (what is missing after it is recomputed)."""
+        if not spec.shared:
+            return []
+        wanted = set(spec.keys)
+        held = set(self.store.keys())
+        todo = [chunk for chunk in spec.shared if any(k in wanted and k not in held
+                                                      for k in chunk)]
+        if not todo:
+            return []
+        got = self.tier.fetch(spec.tenant, [chunk[-1] for chunk in todo])
+        imported: list[bytes] = []
+        for chunk, expect in zip(got, todo, strict=False):
+            if chunk.keys != list(expect):
+                self.store.stats.count("shared_refused")
+                logger.error("shared tier object %s holds other blocks than its name says; "
+                             "refused", chunk.path)
+                break
+            imported += [k for k in self.store.import_chunk(chunk, [k for k in expect
+                                                                     if k in wanted])
+                         if k not in held]
+            self._held_chunks[chunk.path] = expect[-1]
+        record_counters(self.tier, self.store.stats)
+        return imported
+
+    # ------------------------------------------------------------------ saves
+    def saved(self, spec: SaveSpec, held: set[bytes]) -> None:
+        """Queue the chunks ``spec``'s save completed (every block of them held)."""
+        c = self.chunk_blocks
+        keys = list(spec.lead_keys) + list(spec.keys)
+        start = spec.first_block - len(spec.lead_keys)  # a multiple of c
+        now = time.monotonic()
+        jobs = []
+        for j0 in range(0, len(keys) - c + 1, c):
+            chunk = keys[j0:j0 + c]
+            # completed by this save: its last block is one of the save's
+            if start + j0 + c - 1 < spec.first_block or not all(
+                    k in held for k in chunk[max(0, len(spec.lead_keys) - j0):]):
+                continue
+            jobs.append(_Upload(spec.tenant, chunk, now))
+        if not jobs:
+            return
+        with self._cond:
+            room = self.max_pending - len(self._queue)
+            if room < len(jobs):
+                self.store.stats.count("shared_dropped", len(jobs) - max(room, 0))
+                jobs = jobs[:max(room, 0)]
+            self._queue.extend(jobs)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue and not self._closed:
+                    self._cond.wait(timeout=self._next_chore())
+                if self._closed and not self._queue:
+                    return
+                job = self._queue.popleft() if self._queue else None
+                self._busy = job is not None
+            try:
+                if job is not None:
+                    self._upload(job)
+                self._chores()
+                record_counters(self.tier, self.store.stats)
+            except Exception:
+                logger.exception("shared tier upload failed")
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _next_chore(self) -> float:
+        now = time.monotonic()
+        return max(0.05, min(self._next_lease, self._next_gc) - now)
+
+    def _upload(self, job: _Upload) -> None:
+        name = self.tier.path(job.tenant, job.keys[-1])
+        chunk = self.store.export_chunk(job.keys, job.tenant, name)
+        if chunk is None:  # evicted between its save and now
+            self.store.stats.count("shared_dropped")
+            return
+        uploaded = self.tier.put(chunk)
+        lag = time.monotonic() - job.saved_at
+        self._held_chunks[name] = job.keys[-1]
+        self._lag = max(self._lag, lag)
+        if self._log is not None:
+            with self._log.open("a") as f:
+                f.write(json.dumps({"event": "shared_upload", "name": name,
+                                    "uploaded": uploaded, "lag_s": round(lag, 6),
+                                    "at": time.time()}) + "\n")
+
+    def _chores(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_lease:
+            self._next_lease = now + self.tier.config.lease_s / 3
+            held = set(self.store.keys())
+            self._held_chunks = {n: k for n, k in self._held_chunks.items() if k in held}
+            if self._held_chunks:
+                self.tier.write_lease(list(self._held_chunks))
+        if now >= self._next_gc:
+            self._next_gc = now + self.gc_interval_s
+            report = collect(self.tier)
+            logger.info("shared tier collected: %s", report.as_dict())
+
+    def take_lag(self) -> float | None:
+        """The longest save-to-upload lag since the last call (None: no upload)."""
+        lag, self._lag = self._lag, 0.0
+        return lag or None
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued upload is done (tests, shutdown); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+        self.tier.close()
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            return {"pending": len(self._queue), "held_chunks": len(self._held_chunks)}

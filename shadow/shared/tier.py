@@ -1,0 +1,334 @@
+"""The live shared tier: chunks of KV blocks in one object store that every replica of
+a model reads and writes while it serves (S3 through boto3: AWS, MinIO, Ceph, moto;
+or ``file://`` on a shared filesystem).
+
+A replica that stores a block makes it findable by the others once its chunk's PUT
+lands (the *lag*); a replica that misses locally asks for the chunks of the prompt by
+name (:func:`~shadow.shared.objects.chunk_path`, the key of the chunk's last block: a
+HEAD to find, a GET to load), in
+parallel, and gives up past a deadline (the request then recomputes). Objects are
+authenticated (:mod:`shadow.shared.objects`); retention is :mod:`shadow.shared.retention`.
+
+Chunks are aligned on the prompt: chunk ``j`` holds blocks ``j*C .. j*C+C-1`` (``C``:
+``chunk_blocks``) and is written only once all ``C`` are held; its name (the last
+block's key) chains every token up to its end, so a name never holds two different
+contents (any two writers of a name write the same blocks).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpu_cache import CacheIdentity
+from shadow._errors import BlobNotFoundError, ShadowError, ShadowStoreError
+from shadow._store_base import ShadowStore, StoreConfig
+from shadow.auth import KEY_STEP, resolve_key
+from shadow.shared.objects import (
+    SharedChunk,
+    SharedObjectError,
+    chunk_path,
+    decode_chunk,
+    encode_chunk,
+    model_tag,
+)
+from shadow.stores import open_store
+
+__all__ = ["SharedTier", "SharedTierConfig", "SharedTierError", "default_writer_id"]
+
+logger = logging.getLogger(__name__)
+
+
+class SharedTierError(ShadowError, ValueError):
+    """The shared tier is misconfigured (named, with what to do)."""
+
+
+def default_writer_id() -> str:
+    """This process's name as a writer of the tier: host and pid."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True, slots=True)
+class SharedTierConfig:
+    """Options of :class:`SharedTier`.
+
+    Args:
+        url: ``s3://bucket/prefix`` or ``file:///shared/path``.
+        endpoint_url: S3-compatible endpoint (MinIO, Ceph, moto); None: boto3's default.
+        chunk_blocks: blocks per object. Fewer: more requests per prompt; more: a
+            prompt's last ``chunk_blocks - 1`` blocks are shared less often.
+        deadline_s: a lookup or a load that takes longer gives up (the request
+            recomputes what it did not get).
+        max_age_s: objects not referenced by a live writer are collected after this
+            long (and refused by readers: a collected object brought back is stale).
+        pinned_max_age_s: the same for chunks holding a pinned block.
+        tenant_budget_bytes: collection deletes a tenant's least valuable objects
+            beyond this many bytes (unpinned first, then by importance and age).
+        lease_s: a writer's lease (the chunks it holds, which collection keeps) lasts
+            this long unless renewed.
+        io_threads: parallel requests of one lookup or load.
+        max_pending_bytes: write-behind memory: uploads beyond it are dropped
+            (counted), never queued without bound.
+    """
+
+    url: str
+    endpoint_url: str | None = None
+    chunk_blocks: int = 4
+    deadline_s: float = 1.0
+    max_age_s: float = 24 * 3600.0
+    pinned_max_age_s: float = 7 * 24 * 3600.0
+    tenant_budget_bytes: int = 4 << 30
+    lease_s: float = 300.0
+    io_threads: int = 8
+    max_pending_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        if not self.url:
+            raise SharedTierError("the shared tier needs a url: s3://bucket/prefix or "
+                                  "file:///shared/path")
+        for name in ("chunk_blocks", "io_threads", "tenant_budget_bytes",
+                     "max_pending_bytes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise SharedTierError(f"shared tier {name} must be an int >= 1, got "
+                                      f"{getattr(self, name)!r}")
+        for name in ("deadline_s", "max_age_s", "pinned_max_age_s", "lease_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or value <= 0:
+                raise SharedTierError(f"shared tier {name} must be a number > 0, got "
+                                      f"{value!r}")
+
+
+@dataclass
+class Counters:
+    """Requests and bytes since the last :meth:`SharedTier.take_counters`."""
+
+    heads: int = 0
+    gets: int = 0
+    puts: int = 0
+    deletes: int = 0
+    lists: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    deduplicated: int = 0
+    deadline_misses: int = 0
+    errors: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: v for k, v in vars(self).items() if k != "refused"}
+        out.update({f"refused_{k}": v for k, v in self.refused.items()})
+        return out
+
+
+class SharedTier:
+    """One replica's handle on the shared tier of one key identity.
+
+    Args:
+        identity: the key identity (the model, block size and key codec): objects of
+            another are refused; every name starts with its digest.
+        config: where and how.
+        mac_key: the deployment's key; None reads ``$CONTEXTKIT_SHADOW_KEY``. Every
+            replica must hold the same one. Required: the tier serves nothing
+            unauthenticated.
+        writer: this writer's name in its leases (default: host and pid).
+        store: a ready store (tests); opened from ``config`` when None.
+
+    Raises:
+        SharedTierError: no key, or a store that cannot be opened.
+    """
+
+    def __init__(self, identity: CacheIdentity, config: SharedTierConfig, *,
+                 mac_key: bytes | str | None = None, writer: str | None = None,
+                 store: ShadowStore | None = None) -> None:
+        key = resolve_key(mac_key)
+        if key is None:
+            raise SharedTierError(f"the shared tier needs a MAC key shared by every "
+                                  f"replica: {KEY_STEP} on each of them")
+        self.identity = identity
+        self.config = config
+        self.writer = writer or default_writer_id()
+        self._key = key
+        self._model = model_tag(identity)
+        try:
+            self.store = store or open_store(
+                config.url, StoreConfig(endpoint_url=config.endpoint_url, fsync=False))
+        except ShadowStoreError as exc:
+            raise SharedTierError(f"cannot open the shared tier {config.url}: {exc}") from None
+        self._pool = cf.ThreadPoolExecutor(max_workers=config.io_threads,
+                                           thread_name_prefix="contextkit-shared")
+        self._lock = threading.Lock()
+        self._counters = Counters()
+        #: names known to be in the tier (found or written): no HEAD before a PUT
+        self._known: OrderedDict[str, None] = OrderedDict()
+
+    # ------------------------------------------------------------------ names
+    def path(self, tenant: str, last_key: bytes) -> str:
+        """The name of the chunk whose last block has key ``last_key``."""
+        return chunk_path(self.identity, self._key, tenant, last_key)
+
+    @property
+    def lease_prefix(self) -> str:
+        return f"{self._model}/leases/"
+
+    @property
+    def tenants_prefix(self) -> str:
+        return f"{self._model}/t/"
+
+    # ------------------------------------------------------------------ accounting
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, n in deltas.items():
+                setattr(self._counters, name, getattr(self._counters, name) + n)
+
+    def _refuse(self, reason: str) -> None:
+        with self._lock:
+            self._counters.refused[reason] = self._counters.refused.get(reason, 0) + 1
+
+    def take_counters(self) -> dict[str, Any]:
+        """Requests, bytes, refusals and deadline misses since the last call."""
+        with self._lock:
+            out, self._counters = self._counters, Counters()
+        return out.as_dict()
+
+    def _remember(self, path: str) -> None:
+        with self._lock:
+            self._known[path] = None
+            self._known.move_to_end(path)
+            while len(self._known) > 65536:
+                self._known.popitem(last=False)
+
+    def _is_known(self, path: str) -> bool:
+        with self._lock:
+            return path in self._known
+
+    def _forget(self, path: str) -> None:
+        with self._lock:
+            self._known.pop(path, None)
+
+    # ------------------------------------------------------------------ lookups
+    def _head(self, path: str) -> bool:
+        self._count(heads=1)
+        try:
+            found = self.store.size(path) is not None
+        except ShadowStoreError as exc:
+            self._count(errors=1)
+            logger.warning("shared tier lookup of %s failed: %s", path, exc)
+            return False
+        if found:
+            self._remember(path)
+        return found
+
+    def probe(self, tenant: str, last_keys: Sequence[bytes],
+              deadline_s: float | None = None) -> int:
+        """How many of the chunks named by their last block's key, in order, the tier
+        holds: the length of the leading run found (HEADs in parallel). Past the
+        deadline, what was found by then counts and the rest is a miss (counted)."""
+        if not last_keys:
+            return 0
+        paths = [self.path(tenant, k) for k in last_keys]
+        futures = [self._pool.submit(self._head, p) for p in paths]
+        done, pending = cf.wait(futures, timeout=deadline_s or self.config.deadline_s)
+        if pending:
+            self._count(deadline_misses=1)
+        found = 0
+        for f in futures:
+            if f not in done or not f.result():
+                break
+            found += 1
+        return found
+
+    def _get(self, path: str, tenant: str, now: float) -> SharedChunk | None:
+        self._count(gets=1)
+        try:
+            data = self.store.get(path)
+        except BlobNotFoundError:
+            self._forget(path)
+            return None
+        except ShadowStoreError as exc:
+            self._count(errors=1)
+            logger.warning("shared tier load of %s failed: %s", path, exc)
+            return None
+        self._count(bytes_down=len(data))
+        try:
+            chunk = decode_chunk(data, self._key, path=path, identity=self.identity,
+                                 tenant=tenant, max_age_s=self._max_age(data), now=now)
+        except SharedObjectError as exc:
+            self._refuse(exc.reason)
+            logger.error("shared tier object refused (%s): %s; the request recomputes",
+                         exc.reason, exc)
+            return None
+        self._remember(path)
+        return chunk
+
+    def _max_age(self, data: bytes) -> float:
+        # pinned chunks live longer; the flag is read before the MAC is checked but
+        # the MAC check that follows covers it
+        return (self.config.pinned_max_age_s if b'"pinned":true' in data[:65536]
+                else self.config.max_age_s)
+
+    def fetch(self, tenant: str, last_keys: Sequence[bytes],
+              deadline_s: float | None = None) -> list[SharedChunk]:
+        """The verified chunks named by ``last_keys``: the leading run of them that
+        was found, verified and read before the deadline (GETs in parallel). A
+        refused object (tampered, replayed, expired, foreign) ends the run there."""
+        if not last_keys:
+            return []
+        now = time.time()
+        paths = [self.path(tenant, k) for k in last_keys]
+        futures = [self._pool.submit(self._get, p, tenant, now) for p in paths]
+        done, pending = cf.wait(futures, timeout=deadline_s or self.config.deadline_s)
+        if pending:
+            self._count(deadline_misses=1)
+        chunks: list[SharedChunk] = []
+        for f in futures:
+            chunk = f.result() if f in done else None
+            if chunk is None:
+                break
+            chunks.append(chunk)
+        return chunks
+
+    # ------------------------------------------------------------------ writes
+    def put(self, chunk: SharedChunk) -> bool:
+        """Upload a chunk unless the tier holds its name already (deduplicated: one
+        HEAD, none when this replica found or wrote it before). Returns whether it
+        was uploaded."""
+        if self._is_known(chunk.path) or self._head(chunk.path):
+            self._count(deduplicated=1)
+            return False
+        chunk.writer = self.writer
+        data = encode_chunk(chunk, self._key)
+        try:
+            self.store.put(chunk.path, data)
+        except ShadowStoreError as exc:
+            self._count(errors=1)
+            logger.warning("shared tier upload of %s failed: %s", chunk.path, exc)
+            return False
+        self._count(puts=1, bytes_up=len(data))
+        self._remember(chunk.path)
+        return True
+
+    def write_lease(self, paths: Sequence[str], now: float | None = None) -> None:
+        """Record (for :func:`~shadow.shared.retention.collect`) the chunks this writer
+        holds, for ``lease_s`` seconds."""
+        now = time.time() if now is None else now
+        doc = {"writer": self.writer, "expires_at": now + self.config.lease_s,
+               "chunks": sorted(set(paths))}
+        self._count(puts=1)
+        try:
+            self.store.put(self.lease_prefix + self.writer, json.dumps(doc).encode())
+        except ShadowStoreError as exc:
+            self._count(errors=1)
+            logger.warning("shared tier lease of %s failed: %s", self.writer, exc)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.store.close()

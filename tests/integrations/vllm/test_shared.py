@@ -1,0 +1,189 @@
+"""Two connector replicas sharing one live tier (no vLLM): what replica A computes and
+stores, replica B finds by name, brings into its DDR tier and loads byte for byte;
+tenants, refusals and write-behind deduplication on the way."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from integrations.vllm.config import ConnectorConfig, ConnectorConfigError
+from integrations.vllm.identity import vllm_cache_identity
+from integrations.vllm.planning import RequestPlanner, StepRequest, WorkerReport
+from integrations.vllm.shared import SharedLookups, SharedWriter
+from integrations.vllm.store import ConnectorStore
+from shadow.shared import SharedTier
+from tests.integrations.vllm.conftest import TINY_DIM, TINY_HEADS, TINY_LAYERS
+
+BS, C = 16, 4
+KEY = "shared-test-key"
+
+
+@dataclass
+class Replica:
+    planner: RequestPlanner
+    store: ConnectorStore
+    writer: SharedWriter
+    lookups: SharedLookups
+
+    def close(self) -> None:
+        self.writer.close()
+        self.lookups.close()
+
+
+def _replica(model: Path, tmp: Path, name: str, stats: Path | None = None) -> Replica:
+    config = ConnectorConfig(block_size=BS, shadow_url="", shadow_on_save=False,
+                             local_store=f"file://{tmp / name}", host_blocks=64,
+                             shared_url=f"file://{tmp / 'shared'}", shared_chunk_blocks=C)
+    ident = vllm_cache_identity(str(model), BS)
+    store = ConnectorStore(ident, config)
+    planner = RequestPlanner(ident.digest(), BS, policy=config.policy, head_dim=TINY_DIM,
+                             chunk_blocks=C)
+    tier = SharedTier(ident, config.shared_tier(), mac_key=KEY, writer=f"{name}-w")
+    writer = SharedWriter(tier, store, log_path=str(stats or ""))
+    lookups = SharedLookups(SharedTier(ident, config.shared_tier(), mac_key=KEY,
+                                       writer=f"{name}-l"), C)
+    return Replica(planner, store, writer, lookups)
+
+
+@pytest.fixture
+def replicas(model: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
+    a = _replica(model, tmp_path, "a", tmp_path / "a-stats.jsonl")
+    b = _replica(model, tmp_path, "b")
+    yield a, b
+    a.close()
+    b.close()
+
+
+TOKENS = list(range(1000, 1000 + 10 * BS + 5))  # 10 full blocks and 5 tokens
+
+
+def _compute(rep: Replica, req: str, tokens: list[int], tenant: str = "acme") -> list[bytes]:
+    """Replica computes the whole prompt and saves its blocks (as the connector does)."""
+    rep.planner.matched_tokens(req, tokens, len(tokens), 0, tenant=tenant)
+    _, saves = rep.planner.plan([StepRequest(req, tokens, 0, len(tokens), list(range(11)))])
+    g = torch.Generator().manual_seed(7)
+    stored: list[bytes] = []
+    for spec in saves:
+        n = len(spec.keys)
+        shape = (TINY_LAYERS, n, BS, TINY_HEADS, TINY_DIM)
+        k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+        result = rep.store.save(k, v, spec.keys, spec.tenant, spec.labels)
+        held = set(spec.keys) - set(result.failed) - set(result.skipped)
+        rep.writer.saved(spec, held)
+        stored += result.stored
+    assert rep.writer.flush()
+    return stored
+
+
+def _lookup(rep: Replica, req: str, tokens: list[int], tenant: str = "acme") -> int:
+    """Blocks the replica would load (DDR, then the shared tier), polling as vLLM does."""
+    hit = rep.planner.matched_tokens(req, tokens, len(tokens), 0, tenant=tenant)
+    local = hit // BS
+    t, keys = rep.planner.lookup_keys(req)
+    for _ in range(500):
+        end = rep.lookups.lookup(req, t, keys, local)
+        if end is not None:
+            break
+        time.sleep(0.01)
+    assert end is not None
+    if end > local:
+        rep.planner.note_shared(req, local, end)
+    return end
+
+
+def _load(rep: Replica, req: str, tokens: list[int], end: int) -> tuple[list[bytes], int]:
+    rep.planner.on_alloc(req, end * BS)
+    loads, _ = rep.planner.plan([StepRequest(req, tokens, end * BS, len(tokens) - end * BS,
+                                             list(range(11)))])
+    (spec,) = loads
+    imported = rep.writer.bring_in(spec)
+    parts = rep.store.read_parts(spec.keys, spec.tenant)
+    return imported, sum(len(p) for p, _, _ in parts)
+
+
+def test_a_prompt_one_replica_computed_loads_on_the_other(replicas: tuple[Replica, Replica],
+                                                           tmp_path: Path) -> None:
+    a, b = replicas
+    stored = _compute(a, "r1", TOKENS)
+    assert len(stored) == 10
+    # whole chunks only: blocks 0-7 (chunk 2 would end past the prompt's last full block)
+    assert _lookup(b, "r2", TOKENS) == 8
+    imported, loaded = _load(b, "r2", TOKENS, 8)
+    assert len(imported) == 8 and loaded == 8
+    ka, va = a.store.read(stored[:8], "acme")  # type: ignore[misc]
+    kb, vb = b.store.read(stored[:8], "acme")  # type: ignore[misc]
+    assert torch.equal(ka, kb) and torch.equal(va, vb)  # the same bytes, the same KV
+    # B's DDR tier holds them now: its next lookup is local, no shared request
+    b.lookups.tier.take_counters()
+    assert b.planner.matched_tokens("r3", TOKENS, len(TOKENS), 0, tenant="acme") == 0
+    b.planner.apply(WorkerReport(stored=set(imported)))  # the worker reports the import
+    assert b.planner.matched_tokens("r4", TOKENS, len(TOKENS), 0, tenant="acme") == 8 * BS
+    # the upload's lag is logged per chunk
+    lines = [json.loads(x) for x in (tmp_path / "a-stats.jsonl").read_text().splitlines()]
+    uploads = [x for x in lines if x["event"] == "shared_upload"]
+    assert len(uploads) == 2 and all(x["uploaded"] and x["lag_s"] >= 0 for x in uploads)
+
+
+def test_another_tenant_finds_nothing_of_the_same_prompt(replicas: tuple[Replica, Replica]
+                                                         ) -> None:
+    a, b = replicas
+    _compute(a, "r1", TOKENS, tenant="acme")
+    assert _lookup(b, "r2", TOKENS, tenant="globex") == 0
+    assert b.lookups.tier.take_counters()["heads"] == 2  # asked, by globex's names
+
+
+def test_a_tampered_chunk_is_refused_and_its_blocks_recomputed(
+        replicas: tuple[Replica, Replica]) -> None:
+    a, b = replicas
+    stored = _compute(a, "r1", TOKENS)
+    second = a.writer.tier.path("acme", stored[7])
+    data = bytearray(a.writer.tier.store.get(second))
+    data[-100] ^= 0xFF
+    a.writer.tier.store.put(second, bytes(data))
+    assert _lookup(b, "r2", TOKENS) == 8  # a HEAD cannot tell
+    imported, loaded = _load(b, "r2", TOKENS, 8)
+    assert len(imported) == 4 and loaded == 4  # blocks 4-7: load errors, vLLM recomputes
+    assert (b.store.take_stats() or {})["counters"]["shared_refused"] == 1
+
+
+def test_a_replica_does_not_upload_what_the_tier_holds(replicas: tuple[Replica, Replica]
+                                                       ) -> None:
+    a, b = replicas
+    _compute(a, "r1", TOKENS)
+    _compute(b, "r2", TOKENS)  # B computed it too (its lookup missed the deadline)
+    counters = (b.store.take_stats() or {})["counters"]
+    # no chunk uploaded (its one PUT is its lease: the chunks it holds)
+    assert counters["shared_deduplicated"] == 2 and "shared_bytes_up" not in counters
+    assert counters["shared_puts"] == 1
+
+
+def test_a_chunk_completed_across_two_saves_is_uploaded_once_whole(
+        replicas: tuple[Replica, Replica]) -> None:
+    a, b = replicas
+    tokens = TOKENS[:6 * BS]
+    a.planner.matched_tokens("r", tokens, len(tokens), 0, tenant="acme")
+    g = torch.Generator().manual_seed(3)
+    for done, step in ((0, 2 * BS), (2 * BS, 4 * BS)):  # chunked prefill: 2 then 4 blocks
+        _, saves = a.planner.plan([StepRequest("r", tokens, done, step, list(range(6)))])
+        for spec in saves:
+            shape = (TINY_LAYERS, len(spec.keys), BS, TINY_HEADS, TINY_DIM)
+            k = torch.randn(shape, generator=g)
+            result = a.store.save(k, k.clone(), spec.keys, "acme", spec.labels)
+            a.writer.saved(spec, set(result.stored))
+    assert a.writer.flush()
+    counters = (a.store.take_stats() or {})["counters"]
+    assert counters["shared_puts"] == 2  # chunk 0, whole, and the lease
+    assert _lookup(b, "x", [*tokens, 1]) == 4
+
+
+def test_shared_settings_are_checked_in_one_line() -> None:
+    with pytest.raises(ConnectorConfigError, match="shared_deadline_s"):
+        ConnectorConfig(shared_url="file:///tmp/x", shared_deadline_s=0)
+    with pytest.raises(ConnectorConfigError, match="shared_url must be a URL"):
+        ConnectorConfig(shared_url="/tmp/x")
