@@ -51,6 +51,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from gpu_cache.kernels import cpu_fused
 from integrations.vllm.config import ConnectorConfig, ConnectorConfigError
+from integrations.vllm.events import MEDIUM_SHARED, BlockEvents
 from integrations.vllm.identity import vllm_cache_identity
 from integrations.vllm.layout import LAYOUTS
 from integrations.vllm.metrics import ContextKitConnectorStats, ContextKitPromMetrics
@@ -66,7 +67,10 @@ from integrations.vllm.shared import SharedLookups, SharedWriter, record_counter
 from integrations.vllm.store import ConnectorStore, local_session_keys
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorStats,
         PromMetric,
@@ -165,6 +169,7 @@ class ContextKitConnector(KVConnectorBase_V1):
                                          self.config.shared_chunk_blocks)
         seeded = self.planner.seed(local_session_keys(self.config.local_store, self.identity))
         self._requests: dict[str, Request] = {}
+        self._events = BlockEvents(self.block_size)
         self._stats_path = Path(self.config.stats_path) if self.config.stats_path else None
         logger.info("ContextKitConnector scheduler: %d recovered block keys, identity %s",
                     seeded, self.identity.model_id)
@@ -222,12 +227,27 @@ class ContextKitConnector(KVConnectorBase_V1):
                                          cached.num_computed_tokens[i], num_scheduled[req_id],
                                          self._block_ids(req_id, None)))
         loads, saves = self.planner.plan(steps)
+        for spec in [*loads, *saves]:
+            request = self._requests.get(spec.req_id)
+            if request is not None:  # which vLLM blocks the keys are (KV events)
+                self._events.planned(spec.keys, spec.first_block, request.block_hashes,
+                                     request.all_token_ids, request.cache_salt)
         return ContextKitConnectorMetadata(loads, saves)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, ContextKitWorkerMetadata):
-            self._write_stats(self.planner.apply(meta.report))
+            report = meta.report
+            self._write_stats(self.planner.apply(report))
+            self._events.stored(report.stored)
+            self._events.removed(report.removed)
+            self._events.failed(report.failed - report.stored)
+            self._events.stored(report.shared, MEDIUM_SHARED)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """vLLM-native events of the blocks contextkit's tiers store and drop (see
+        :mod:`.events`); vLLM publishes them with its own on ``--kv-events-config``."""
+        return self._events.take()
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -274,7 +294,7 @@ class ContextKitConnector(KVConnectorBase_V1):
             self._writer = SharedWriter(
                 self._shared_tier("writer"), self.store,
                 gc_interval_s=self.config.shared_gc_interval_s,
-                log_path=self.config.stats_path)
+                log_path=self.config.stats_path, on_shared=self._uploaded)
         self._unpinned_tenants: set[str] = set()  # tenants told their prefix is unpinned
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -452,6 +472,10 @@ class ContextKitConnector(KVConnectorBase_V1):
                 self.store.shadow_now()
             except Exception:
                 logger.exception("shadow after save failed; the previous shadow stays")
+
+    def _uploaded(self, keys: list[bytes]) -> None:
+        with self._lock:
+            self._report.shared.update(keys)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         with self._lock:

@@ -99,6 +99,7 @@ class LoadSpec:
     #: shared-tier chunks to bring into the DDR tier first: each chunk's block keys
     #: (its name is the last one's); the load's keys among them come from there
     shared: list[list[bytes]] = field(default_factory=list)
+    first_block: int = 0  # index of the first block within the request
 
 
 @dataclass(slots=True)
@@ -125,11 +126,12 @@ class WorkerReport:
     failed: set[bytes] = field(default_factory=set)  # saves that did not make it
     loaded_tokens: dict[str, int] = field(default_factory=dict)
     load_failed_tokens: dict[str, int] = field(default_factory=dict)
+    shared: set[bytes] = field(default_factory=set)  # keys now in the shared tier
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         out = WorkerReport(self.stored | other.stored, self.removed | other.removed,
                            self.failed | other.failed, dict(self.loaded_tokens),
-                           dict(self.load_failed_tokens))
+                           dict(self.load_failed_tokens), self.shared | other.shared)
         # Every worker loads the same tokens (its own heads): a token counts as
         # loaded when all workers loaded it, and as failed when any worker failed.
         for req_id, n in other.loaded_tokens.items():
@@ -140,7 +142,7 @@ class WorkerReport:
 
     def __bool__(self) -> bool:
         return bool(self.stored or self.removed or self.failed or self.loaded_tokens
-                    or self.load_failed_tokens)
+                    or self.load_failed_tokens or self.shared)
 
 
 @dataclass(slots=True)
@@ -472,7 +474,7 @@ class RequestPlanner:
                 keys = self._keys(state, req.token_ids, first + n)[first:]
                 loads.append(LoadSpec(req.req_id, state.tenant, list(keys),
                                       list(req.block_ids[first:first + n]),
-                                      self._shared_chunks(state, first, first + n)))
+                                      self._shared_chunks(state, first, first + n), first))
             full = min(req.num_computed + req.num_scheduled, len(req.token_ids)) // bs
             full = min(full, len(req.block_ids))
             keys = self._keys(state, req.token_ids, full)

@@ -26,7 +26,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -127,15 +127,19 @@ class SharedWriter:
         gc_interval_s: collect the tier this often (0: never).
         log_path: append one JSON line per upload (``"shared_upload"``: name, bytes,
             lag) for benchmarks; empty: none.
+        on_shared: called (writer thread) with the keys of each chunk the tier holds
+            once its upload is done (or found there): the connector's KV events.
     """
 
     def __init__(self, tier: SharedTier, store: ConnectorStore, *, max_pending: int = 256,
-                 gc_interval_s: float = 0.0, log_path: str = "") -> None:
+                 gc_interval_s: float = 0.0, log_path: str = "",
+                 on_shared: Callable[[list[bytes]], None] | None = None) -> None:
         self.tier = tier
         self.store = store
         self.chunk_blocks = tier.config.chunk_blocks
         self.max_pending = max_pending
         self.gc_interval_s = gc_interval_s
+        self.on_shared = on_shared
         self._log = Path(log_path) if log_path else None
         self._queue: collections.deque[_Upload] = collections.deque()
         self._cond = threading.Condition()
@@ -234,6 +238,8 @@ class SharedWriter:
             return
         uploaded = self.tier.put(chunk)
         lag = time.monotonic() - job.saved_at
+        if self.on_shared is not None and (uploaded or self.tier.holds(name)):
+            self.on_shared(job.keys)
         self._held_chunks[name] = job.keys[-1]
         self._lag = max(self._lag, lag)
         if self._log is not None:

@@ -210,6 +210,10 @@ class SharedTier:
         with self._lock:
             return path in self._known
 
+    def holds(self, path: str) -> bool:
+        """Whether this replica found or wrote ``path`` (no request)."""
+        return self._is_known(path)
+
     def _forget(self, path: str) -> None:
         with self._lock:
             self._known.pop(path, None)

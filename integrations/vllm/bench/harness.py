@@ -55,7 +55,17 @@ def _read_stats(path: Path, start: int) -> tuple[list[dict[str, Any]], int]:
         f.seek(start)
         text = f.read()
         end = f.tell()
-    return [json.loads(line) for line in text.splitlines() if line.strip()], end
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    # per-request records only: the shared tier's writer logs its uploads there too
+    return [r for r in records if "event" not in r], end
+
+
+def read_events(path: Path, event: str) -> list[dict[str, Any]]:
+    """The records of one ``event`` (e.g. ``"shared_upload"``) in a stats file."""
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if r.get("event") == event]
 
 
 def source_text() -> str:
