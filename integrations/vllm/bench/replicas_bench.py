@@ -1,0 +1,347 @@
+"""The driver of ``contextkit bench replicas`` (run by module name, in .venv-vllm).
+
+``python -m integrations.vllm.bench.replicas_bench --out FILE [--dir DIR] [--agents N]
+[--tenants N] [--steps N] [--configs a,b] [--router PATH]`` drives the multi-agent
+workload (:class:`contextkit.workloads.agents.MultiAgentWorkload`, LangChain agents
+with contextkit's middleware) against vLLM OpenAI servers, each configuration on fresh
+servers with the same schedule, and writes the raw rows as JSON. Every agent's turns
+alternate between the two replicas (turn ``k`` of agent ``i`` goes to replica
+``(i + k) % 2``), so every turn after an agent's first lands on the other replica
+than its previous one. The figures are computed by :mod:`contextkit.bench.replicas`.
+
+Configurations: ``single`` (one replica serves every turn: what a single replica
+reuses, the ceiling of the shared tier), ``apc`` (two replicas, vLLM's prefix cache
+alone), ``local`` (+ the connector, each replica its own DDR tier), ``shared`` (+ the
+live shared tier on moto's S3 server over HTTP), ``routed`` (``shared`` behind
+vllm-router, by default its ``consistent_hash`` policy on the agent's session: OpenAI's
+``user`` field; ``--router-policy kv_aware`` feeds it the replicas' KV events, but
+vllm-router 0.1.17 gives no cache credit to requests with a ``cache_salt``, which every
+tenant's request has) and ``failover``
+(``shared``, replica 1 stopped halfway: its agents go on on replica 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from integrations.vllm.bench.agent_bench import SERVED, server_env
+from integrations.vllm.bench.agents_bench import BLOCK, _scrape, _WorkloadAgent, plan_sizes
+from integrations.vllm.bench.harness import free_port, read_events, read_stats
+
+__all__ = ["CONFIGS", "main", "measure"]
+
+CONFIGS = ("single", "apc", "local", "shared", "routed", "failover")
+#: The MAC key every replica of the bench shares (a deployment sets its own).
+BENCH_KEY = "contextkit-bench-replicas"
+BUCKET = "ck-replicas"
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    replicas: int = 2
+    connector: bool = True
+    shared: bool = False
+    router: bool = False
+    stop_at: float | None = None  # stop replica 1 after this share of the steps
+
+
+SETUPS = {
+    "single": Setup("single", replicas=1),
+    "apc": Setup("apc", connector=False),
+    "local": Setup("local"),
+    "shared": Setup("shared", shared=True),
+    "routed": Setup("routed", shared=True, router=True),
+    "failover": Setup("failover", shared=True, stop_at=0.5),
+}
+
+
+class MotoS3:
+    """moto's S3 server over HTTP in a child process (a real endpoint: boto3 talks to
+    it as to AWS)."""
+
+    def __init__(self, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> MotoS3:
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                stdout=out, stderr=subprocess.STDOUT)
+        for _ in range(200):
+            try:
+                urllib.request.urlopen(self.url, timeout=1)
+                break
+            except Exception:
+                time.sleep(0.1)
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.url, **_aws()).create_bucket(Bucket=BUCKET)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+def _aws() -> dict[str, str]:
+    return {"aws_access_key_id": "testing", "aws_secret_access_key": "testing",
+            "region_name": "us-east-1"}
+
+
+def _aws_env() -> dict[str, str]:
+    return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def _start_replica(setup: Setup, idx: int, work: Path, sizes: dict[str, Any],
+                   args: argparse.Namespace, s3: MotoS3 | None) -> tuple[Any, Any, int | None]:
+    from integrations.vllm.bench.harness import OpenAIServer
+    from integrations.vllm.config import ConnectorConfig
+
+    name = f"{setup.name}-{idx}"
+    for sub in (f"local-{name}",):
+        shutil.rmtree(work / sub, ignore_errors=True)
+    stats = work / f"stats-{name}.jsonl"
+    stats.unlink(missing_ok=True)
+    overrides: dict[str, Any] = {}
+    if setup.shared and s3 is not None:
+        overrides = {"shared_url": f"s3://{BUCKET}/{setup.name}", "shared_endpoint_url": s3.url,
+                     "shared_chunk_blocks": args.chunk_blocks,
+                     "shared_deadline_s": args.deadline_s}
+    config = (ConnectorConfig(block_size=BLOCK, shadow_url="",
+                              local_store=f"file://{work / f'local-{name}'}",
+                              stats_path=str(stats), host_blocks=sizes["host_blocks"],
+                              session_id=name, **overrides)
+              if setup.connector else ConnectorConfig(block_size=BLOCK))
+    env = {**server_env(), **_aws_env(), "CONTEXTKIT_SHADOW_KEY": BENCH_KEY}
+    extra = ["--enable-prompt-tokens-details", "--num-gpu-blocks-override",
+             str(sizes["kv_blocks_pressure"])]
+    events_port = None
+    if setup.router:
+        events_port = free_port()
+        extra += ["--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq",
+            "endpoint": f"tcp://*:{events_port}", "topic": "kv-events"})]
+    srv = OpenAIServer(args.model_dir, config, work / f"server-{name}.log", served_name=SERVED,
+                       block_size=BLOCK, max_model_len=sizes["max_model_len"],
+                       extra_args=extra, env=env)
+    if not setup.connector:
+        at = srv.cmd.index("--kv-transfer-config")
+        del srv.cmd[at:at + 2]
+    srv.start()
+    for words in (60, 1500):  # one-time costs of the first requests
+        srv.post("/v1/chat/completions", {
+            "model": SERVED, "max_tokens": 2, "cache_salt": "warmup",
+            "messages": [{"role": "user", "content": "warm up: " + "tick " * words}]})
+    return srv, config, events_port
+
+
+class Router:
+    """vllm-router (the PyPI wheel's Rust binary) in front of the replicas."""
+
+    def __init__(self, binary: str, workers: list[str], events: list[int | None],
+                 log: Path, policy: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [binary, "--host", "127.0.0.1", "--port", str(self.port),
+                    "--prometheus-port", str(free_port()), "--worker-urls", *workers,
+                    "--policy", policy]
+        if policy == "kv_aware":
+            for url, port in zip(workers, events, strict=True):
+                if port is not None:
+                    self.cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{port}"]
+            self.cmd += ["--kv-event-block-size", str(BLOCK)]
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Router:
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT)
+        for _ in range(300):
+            if self.proc.poll() is not None:
+                raise SystemExit(f"vllm-router exited: see {self.log}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=1)
+                return self
+            except Exception:
+                time.sleep(0.1)
+        raise SystemExit(f"vllm-router did not answer: see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+def _served_requests(srv: Any) -> float:
+    """Requests a replica has finished (its /metrics), to tell where a routed step went."""
+    totals = 0.0
+    try:
+        text = srv.get("/metrics")
+    except Exception:
+        return -1.0
+    for line in text.splitlines():
+        if line.startswith("vllm:request_success_total"):
+            totals += float(line.rpartition(" ")[2])
+    return totals
+
+
+def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], work: Path,
+               args: argparse.Namespace) -> dict[str, Any]:
+    """One configuration on fresh servers: every step of the schedule."""
+    from contextkit import CacheAwareContextPipeline
+
+    t0 = time.perf_counter()
+    s3 = MotoS3(work / f"moto-{setup.name}.log").start() if setup.shared else None
+    servers: list[Any] = []
+    configs: list[Any] = []
+    events: list[int | None] = []
+    router: Router | None = None
+    rows: list[dict[str, Any]] = []
+    errors: list[str] = []
+    try:
+        for idx in range(setup.replicas):
+            srv, config, port = _start_replica(setup, idx, work, sizes, args, s3)
+            servers.append(srv)
+            configs.append(config)
+            events.append(port)
+        if setup.router:
+            router = Router(args.router, [s.url for s in servers], events,
+                            work / f"router-{setup.name}.log", args.router_policy).start()
+        started = time.perf_counter() - t0
+        alive = list(range(setup.replicas))
+        agents: dict[str, _WorkloadAgent] = {}
+        turns: dict[str, int] = {}
+        last: dict[str, int] = {}
+        order = {spec.name: i for i, spec in enumerate(workload.agents)}
+        steps = list(workload.steps())
+        stop_step = (int(len(steps) * setup.stop_at) if setup.stop_at is not None
+                     else len(steps) + 1)
+        for spec in workload.agents:
+            pipeline = CacheAwareContextPipeline(served=served, tenant=spec.tenant,
+                                                 agent=spec.name, pin_stable=True)
+            agents[spec.name] = _WorkloadAgent(spec.name, spec.tenant, workload,
+                                               servers[0].base_url, args.max_tokens, pipeline)
+            agents[spec.name].user = spec.name  # the router's session key
+        for i, step in enumerate(steps):
+            if i == stop_step and len(alive) > 1:
+                servers[1].stop()  # replica 1 goes away; its agents go on on replica 0
+                alive = [0]
+            k = turns.get(step.agent, 0)
+            turns[step.agent] = k + 1
+            agent = agents[step.agent]
+            before = None
+            if router is not None:
+                target = -1
+                agent.connect(router.url + "/v1")
+                before = [_served_requests(s) for s in servers]
+            else:
+                target = alive[(order[step.agent] + k) % len(alive)]
+                agent.connect(servers[target].base_url)
+            try:
+                row = agent.turn(step.step, step.user_message)
+            except Exception as exc:  # a lost turn: counted, the run goes on
+                errors.append(f"step {step.step} {step.agent}: {type(exc).__name__}: {exc}")
+                rows.append({"step": step.step, "agent": step.agent, "error": str(exc)[:300]})
+                continue
+            if before is not None:
+                after = [_served_requests(s) for s in servers]
+                moved = [j for j, (b, a) in enumerate(zip(before, after, strict=True)) if a > b]
+                target = moved[0] if len(moved) == 1 else -1
+            row.update({"kind": step.kind, "agent_turn": step.agent_turn, "replica": target,
+                        "previous_replica": last.get(step.agent), "after_stop": i >= stop_step})
+            last[step.agent] = target
+            rows.append(row)
+            print(f"{setup.name:>9} step {step.step:>2} {step.agent:>10} -> {target}: ttft "
+                  f"{row['ttft_ms']:>8.1f} ms  prompt {row['prompt_tokens']}  cached "
+                  f"{row['cached_tokens']}", file=sys.stderr, flush=True)
+        metrics = [_scrape(s) for j, s in enumerate(servers) if j in alive]
+    finally:
+        if router is not None:
+            router.stop()
+        for srv in servers:
+            srv.stop()
+        if s3 is not None:
+            s3.stop()
+    stats = [read_stats(Path(c.stats_path))[0] if setup.connector else [] for c in configs]
+    uploads = [read_events(Path(c.stats_path), "shared_upload") if setup.connector else []
+               for c in configs]
+    return {"rows": rows, "errors": errors, "server_start_s": round(started, 1),
+            "seconds": round(time.perf_counter() - t0, 1), "replicas": setup.replicas,
+            "metrics": metrics, "connector_stats": stats, "uploads": uploads,
+            "router": router.cmd if router is not None else None,
+            "loadavg_1min": round(os.getloadavg()[0], 2)}
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    from contextkit.pipeline.served.model import ServedModel
+    from contextkit.workloads.agents import MultiAgentWorkload
+    from integrations.vllm.model import packaged_model_dir
+
+    args.model_dir = str(packaged_model_dir())
+    served = ServedModel.packaged(name=SERVED)
+    work = Path(args.dir or tempfile.mkdtemp(prefix="ck-bench-replicas-"))
+    work.mkdir(parents=True, exist_ok=True)
+    workload = MultiAgentWorkload(args.agents, num_tenants=args.tenants, steps=args.steps,
+                                  seed=args.seed, scale=args.scale)
+    sizes = plan_sizes(workload, served, args)
+    results: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    for name in args.configs:
+        try:
+            results[name] = run_config(SETUPS[name], workload, served, sizes, work, args)
+        except (Exception, SystemExit) as exc:
+            errors[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+            print(f"{name}: did not run: {errors[name]}", file=sys.stderr, flush=True)
+    return {"configs": results, "errors": errors, "sizes": sizes, "order": args.configs,
+            "workload": workload.describe(), "chunk_blocks": args.chunk_blocks,
+            "deadline_s": args.deadline_s, "router_policy": args.router_policy}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m integrations.vllm.bench.replicas_bench")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dir", default=None)
+    parser.add_argument("--agents", type=int, default=6)
+    parser.add_argument("--tenants", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--kv-agents", type=float, default=2.0)
+    parser.add_argument("--budget-agents", type=float, default=3.0)
+    parser.add_argument("--chunk-blocks", type=int, default=4)
+    parser.add_argument("--deadline-s", type=float, default=1.0)
+    parser.add_argument("--router", default=shutil.which("vllm-router") or "vllm-router")
+    parser.add_argument("--router-policy", default="consistent_hash")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    args = parser.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(args.configs) - set(CONFIGS))
+    if unknown:
+        parser.error(f"unknown configurations {unknown}; pick from {', '.join(CONFIGS)}")
+    Path(args.out).write_text(json.dumps(measure(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
