@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft bench-agents bench-agent-vllm bench-agents-vllm bench-vllm bench-decode docs lint typecheck clean
+.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft bench-agents bench-agent-vllm bench-agents-vllm bench-replicas bench-vllm bench-decode docs lint typecheck clean
 
 help:
 	@echo "make demo       set up, then replay a ten-layer agent on SmolLM2: TTFT with vs"
@@ -23,6 +23,8 @@ help:
 	@echo "                semantic+ooda, and a device-size sweep (~12 min on 2 cores)"
 	@echo "make bench-agent-vllm  a LangChain agent on vLLM, 4 cache configurations (~15 min)"
 	@echo "make bench-agents-vllm  6 agents on one vLLM server with KV for ~2, 8 configurations (~25 min)"
+	@echo "make bench-replicas  6 agents alternating between two vLLM replicas: APC, local DDR,"
+	@echo "                the shared S3 tier, vllm-router, failover, vs one replica (~25 min)"
 	@echo "make bench-vllm  vLLM answers and TTFT after a restart, 8 agent prompts, per connector"
 	@echo "                precision policy (7: all-tq4 .. native, the ablation; ~20 min)"
 	@echo "make bench-decode  decode tokens/s at 1K/6K/16K: contextkit vs llama.cpp on the same"
@@ -87,6 +89,16 @@ bench-agents-vllm:
 	.venv-vllm/bin/python -m contextkit.cli bench agents-vllm --json \
 		--out bench/results/agents-vllm-cpu.json --plot bench/results/agents-vllm-cpu.png \
 		2>&1 | tee bench/results/agents-vllm-cpu.log
+
+# Two vLLM CPU replicas, each agent's turns alternating between them (moto S3 for the shared
+# tier, vllm-router in front for `routed`): one replica, APC, local DDR, shared, routed,
+# failover (~25 min on 2 cores; .venv-vllm).
+bench-replicas:
+	@bash scripts/vllm_venv.sh
+	@mkdir -p bench/results
+	.venv-vllm/bin/python -m contextkit.cli bench replicas --json \
+		--out bench/results/replicas-cpu.json --plot bench/results/replicas-cpu.png \
+		2>&1 | tee bench/results/replicas-cpu.log
 
 # The connector's precision policies on vLLM (.venv-vllm): per policy a cold process,
 # recover --for-vllm, a recovered process; answers, stored bytes and TTFT (docs/vllm.md).

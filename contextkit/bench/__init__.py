@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, str] = {
     "agent-vllm": "contextkit.bench.agent_vllm",
     "agents": "contextkit.bench.agents",
     "agents-vllm": "contextkit.bench.agents_vllm",
+    "replicas": "contextkit.bench.replicas",
     "decode": "contextkit.bench.decode",
 }
 
