@@ -1,4 +1,4 @@
-"""The ``contextkit`` command: demo, status, recover, config, bench, and the commands other
+"""The ``contextkit`` command: demo, status, recover, shared, config, bench, and the commands other
 packages register as ``contextkit.commands`` entry points (``serve-vllm``).
 
 Every error a user can cause (a missing store, bad data, no credentials, a model that
@@ -338,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_option(recover)
     recover.set_defaults(func=_recover)
 
+    from contextkit.cli.shared import add_shared
+
+    add_shared(sub, parents)
     _add_config(sub, parents)
     _add_bench(sub, parents)
     _add_entry_point_commands(sub, parents)

@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shadow._errors import BlobNotFoundError, ShadowStoreError
+from shadow._store_base import ShadowStore
 from shadow.shared.objects import MAGIC, SharedObjectError, header_bytes_needed, read_header
-from shadow.shared.tier import SharedTier
+from shadow.shared.tier import SharedTier, SharedTierConfig
 
-__all__ = ["CollectReport", "collect"]
+__all__ = ["CollectReport", "collect", "collect_model", "collect_store"]
 
 logger = logging.getLogger(__name__)
 _HEAD_READ = 64 * 1024
@@ -60,10 +61,10 @@ class _Object:
     importance: float
 
 
-def _live_leases(tier: SharedTier, now: float, report: CollectReport) -> set[str]:
-    store = tier.store
+def _live_leases(store: ShadowStore, prefix: str, now: float, report: CollectReport
+                 ) -> set[str]:
     live: set[str] = set()
-    for key in store.list(tier.lease_prefix):
+    for key in store.list(prefix):
         try:
             doc = json.loads(store.get(key))
             expires, chunks = float(doc["expires_at"]), [str(c) for c in doc["chunks"]]
@@ -81,16 +82,16 @@ def _live_leases(tier: SharedTier, now: float, report: CollectReport) -> set[str
     return live
 
 
-def _read(tier: SharedTier, path: str, size: int) -> _Object | None:
+def _read(store: ShadowStore, path: str, size: int) -> _Object | None:
     buf = bytearray(min(size, _HEAD_READ))
-    n = tier.store.read_into(path, 0, memoryview(buf))
+    n = store.read_into(path, 0, memoryview(buf))
     head = bytes(buf[:n])
     if head[:len(MAGIC)] != MAGIC:
         return None
     need = header_bytes_needed(head)
     if need > len(head):
         more = bytearray(need)
-        tier.store.read_into(path, 0, memoryview(more))
+        store.read_into(path, 0, memoryview(more))
         head = bytes(more)
     doc = read_header(head)
     blocks = doc.get("blocks") or []
@@ -101,7 +102,24 @@ def _read(tier: SharedTier, path: str, size: int) -> _Object | None:
 
 
 def collect(tier: SharedTier, now: float | None = None) -> CollectReport:
-    """Apply the tier's expiry and per-tenant budget (see the module's docstring).
+    """Apply the tier's expiry and per-tenant budget to its model's objects (see the
+    module's docstring)."""
+    return collect_model(tier.store, tier.tenants_prefix.split("/", 1)[0], tier.config, now)
+
+
+def collect_store(store: ShadowStore, config: SharedTierConfig, now: float | None = None
+                  ) -> dict[str, CollectReport]:
+    """:func:`collect_model` for every model in the store (one listing to find them;
+    ``contextkit shared gc``). Returns each model tag's report."""
+    models = sorted({key.split("/", 1)[0] for key in store.list()
+                     if key.count("/") >= 2 and key.split("/")[1] in ("t", "leases")})
+    return {model: collect_model(store, model, config, now) for model in models}
+
+
+def collect_model(store: ShadowStore, model: str, config: SharedTierConfig,
+                  now: float | None = None) -> CollectReport:
+    """Apply ``config``'s expiry and per-tenant budget to the objects of the model
+    whose name prefix is ``model`` (:func:`~shadow.shared.objects.model_tag`).
 
     Objects that are not readable shared-tier objects are deleted as expired: no
     reader would serve them. Store errors end the collection (logged); what was
@@ -109,20 +127,20 @@ def collect(tier: SharedTier, now: float | None = None) -> CollectReport:
     """
     now = time.time() if now is None else now
     report = CollectReport()
-    config = tier.config
+    tenants_prefix = f"{model}/t/"
     try:
-        live = _live_leases(tier, now, report)
+        live = _live_leases(store, f"{model}/leases/", now, report)
         by_tenant: dict[str, list[_Object]] = {}
-        for path, size in tier.store.list_sizes(tier.tenants_prefix):
+        for path, size in store.list_sizes(tenants_prefix):
             report.objects += 1
             report.bytes += size
             try:
-                obj = _read(tier, path, size)
+                obj = _read(store, path, size)
             except (BlobNotFoundError, SharedObjectError):
                 obj = None
             if obj is None:
                 report.unreadable += 1
-                tier.store.delete(path)
+                store.delete(path)
                 report.bytes_deleted += size
                 continue
             if path in live:
@@ -130,11 +148,11 @@ def collect(tier: SharedTier, now: float | None = None) -> CollectReport:
             else:
                 max_age = config.pinned_max_age_s if obj.pinned else config.max_age_s
                 if now - obj.written_at > max_age:
-                    tier.store.delete(path)
+                    store.delete(path)
                     report.expired += 1
                     report.bytes_deleted += size
                     continue
-            tenant = path[len(tier.tenants_prefix):].split("/", 1)[0]
+            tenant = path[len(tenants_prefix):].split("/", 1)[0]
             by_tenant.setdefault(tenant, []).append(obj)
         for tenant, objs in by_tenant.items():
             held = sum(o.size for o in objs)
@@ -143,7 +161,7 @@ def collect(tier: SharedTier, now: float | None = None) -> CollectReport:
             for obj in victims:
                 if held <= config.tenant_budget_bytes:
                     break
-                tier.store.delete(obj.path)
+                store.delete(obj.path)
                 held -= obj.size
                 report.over_budget += 1
                 report.bytes_deleted += obj.size

@@ -309,3 +309,23 @@ def test_a_lease_is_what_the_writer_holds(url: str, request: pytest.FixtureReque
     tier.write_lease(["x/t/y/z"], now=1000.0)
     doc = json.loads(tier.store.get(tier.lease_prefix + "a"))
     assert doc == {"writer": "a", "expires_at": 1030.0, "chunks": ["x/t/y/z"]}
+
+
+def test_contextkit_shared_gc_collects_every_model_in_the_store(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from contextkit.cli.commands import main
+
+    url = f"file://{tmp_path / 'shared'}"
+    tier = _tier(url, max_age_s=60.0)
+    other = SharedTier(dataclasses.replace(SMALL, model_id="test/other"),
+                       SharedTierConfig(url=url, chunk_blocks=C), mac_key=KEY)
+    old, fresh = _keys("acme", 2, prompt="o"), _keys("acme", 2, prompt="f")
+    for t in (tier, other):
+        chunk = _chunk(t, "acme", old, identity=t.identity)
+        chunk.written_at = time.time() - 600
+        t.store.put(chunk.path, encode_chunk(chunk, KEY))
+        t.put(_chunk(t, "acme", fresh, identity=t.identity))
+    assert main(["shared", "gc", url, "--max-age-s", "60", "--json"]) == 0
+    models = json.loads(capsys.readouterr().out.splitlines()[-1])["models"]
+    assert len(models) == 2 and all(r["expired"] == 1 for r in models.values())
+    assert tier.probe("acme", [fresh[1]]) == 1 and tier.probe("acme", [old[1]]) == 0
