@@ -291,8 +291,11 @@ class ContextKitConnector(KVConnectorBase_V1):
         self._futures: list[Future[None]] = []
         self._writer: SharedWriter | None = None
         if self.config.shared_url:
+            tier = self._shared_tier("writer")
+            chunk_bytes = self.config.shared_chunk_blocks * self.identity.bytes_per_block
             self._writer = SharedWriter(
-                self._shared_tier("writer"), self.store,
+                tier, self.store,
+                max_pending=max(1, tier.config.max_pending_bytes // chunk_bytes),
                 gc_interval_s=self.config.shared_gc_interval_s,
                 log_path=self.config.stats_path, on_shared=self._uploaded)
         self._unpinned_tenants: set[str] = set()  # tenants told their prefix is unpinned

@@ -123,7 +123,8 @@ class SharedWriter:
     Args:
         tier: the shared tier.
         store: the connector's store (export and import of blocks).
-        max_pending: uploads queued at most; more are dropped (counted).
+        max_pending: uploads queued at most (the connector: the tier's
+            ``max_pending_bytes`` in chunks); more are dropped (counted).
         gc_interval_s: collect the tier this often (0: never).
         log_path: append one JSON line per upload (``"shared_upload"``: name, bytes,
             lag) for benchmarks; empty: none.
@@ -227,8 +228,8 @@ class SharedWriter:
                     self._cond.notify_all()
 
     def _next_chore(self) -> float:
-        now = time.monotonic()
-        return max(0.05, min(self._next_lease, self._next_gc) - now)
+        lease = self._next_lease if self._held_chunks else float("inf")
+        return max(0.05, min(lease, self._next_gc, time.monotonic() + 60) - time.monotonic())
 
     def _upload(self, job: _Upload) -> None:
         name = self.tier.path(job.tenant, job.keys[-1])
@@ -250,12 +251,11 @@ class SharedWriter:
 
     def _chores(self) -> None:
         now = time.monotonic()
-        if now >= self._next_lease:
+        if self._held_chunks and now >= self._next_lease:
             self._next_lease = now + self.tier.config.lease_s / 3
             held = set(self.store.keys())
             self._held_chunks = {n: k for n, k in self._held_chunks.items() if k in held}
-            if self._held_chunks:
-                self.tier.write_lease(list(self._held_chunks))
+            self.tier.write_lease(list(self._held_chunks))
         if now >= self._next_gc:
             self._next_gc = now + self.gc_interval_s
             report = collect(self.tier)

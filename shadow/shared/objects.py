@@ -19,8 +19,7 @@ the body. The MAC covers everything before it under the deployment's key
 
 - a changed byte anywhere (``tampered``);
 - a valid object copied to another name, another tenant's or another prefix's
-  (``replayed``: the path it was written for is under the MAC), or one older than
-  the tier's expiry brought back after collection (``expired``);
+  (``replayed``: the path it was written for is under the MAC);
 - an object of another model, block size or codec, written by a writer of another
   identity at this identity's path (``foreign``).
 """
@@ -54,7 +53,11 @@ _DTYPES = {str(dt).removeprefix("torch."): dt for dt in
 
 class SharedObjectError(ShadowError):
     """A shared-tier object that must not be served; ``reason`` is one of
-    ``corrupt``, ``tampered``, ``replayed``, ``expired``, ``foreign``."""
+    ``corrupt``, ``tampered``, ``replayed``, ``foreign``.
+
+    An object's age is not a reason: a name fixes its content (every token up to the
+    chunk's end, the tenant, the model), so an old object put back at its own name
+    after collection is the same KV; collection, not the reader, bounds age."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -189,18 +192,16 @@ def header_bytes_needed(first: bytes | memoryview) -> int:
 
 
 def decode_chunk(data: bytes, mac_key: bytes, *, path: str, identity: CacheIdentity,
-                 tenant: str, max_age_s: float | None = None,
-                 now: float | None = None) -> SharedChunk:
+                 tenant: str) -> SharedChunk:
     """Verify and decode an object read from ``path`` for ``tenant``.
 
     Args:
         tenant: the reader's tenant (the object records only its keyed tag).
         identity: the reader's key identity: the object must be of the same model,
             tokenizer, block size and key codec.
-        max_age_s: refuse objects written longer ago than this (the tier's expiry).
 
     Raises:
-        SharedObjectError: corrupt, tampered, replayed, expired or foreign (see the
+        SharedObjectError: corrupt, tampered, replayed or foreign (see the
             module's docstring); nothing of the object is returned.
     """
     if len(data) < len(MAGIC) + 4 + _MAC_BYTES:
@@ -226,10 +227,6 @@ def decode_chunk(data: bytes, mac_key: bytes, *, path: str, identity: CacheIdent
                                 f"is {identity.model_id} (block {identity.block_size}, "
                                 f"{identity.codec})")
     written_at = float(doc.get("written_at", 0.0))
-    now = time.time() if now is None else now
-    if max_age_s is not None and now - written_at > max_age_s:
-        raise SharedObjectError("expired", f"{path}: written {now - written_at:.0f} s ago, "
-                                f"past the tier's expiry of {max_age_s:.0f} s")
     try:
         blocks = [BlockEntry(bytes.fromhex(b["key"]), str(b["layer"]),
                              float(b["importance"]), bool(b["pinned"])) for b in doc["blocks"]]

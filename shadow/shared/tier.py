@@ -69,7 +69,7 @@ class SharedTierConfig:
         deadline_s: a lookup or a load that takes longer gives up (the request
             recomputes what it did not get).
         max_age_s: objects not referenced by a live writer are collected after this
-            long (and refused by readers: a collected object brought back is stale).
+            long.
         pinned_max_age_s: the same for chunks holding a pinned block.
         tenant_budget_bytes: collection deletes a tenant's least valuable objects
             beyond this many bytes (unpinned first, then by importance and age).
@@ -250,7 +250,7 @@ class SharedTier:
             found += 1
         return found
 
-    def _get(self, path: str, tenant: str, now: float) -> SharedChunk | None:
+    def _get(self, path: str, tenant: str) -> SharedChunk | None:
         self._count(gets=1)
         try:
             data = self.store.get(path)
@@ -264,7 +264,7 @@ class SharedTier:
         self._count(bytes_down=len(data))
         try:
             chunk = decode_chunk(data, self._key, path=path, identity=self.identity,
-                                 tenant=tenant, max_age_s=self._max_age(data), now=now)
+                                 tenant=tenant)
         except SharedObjectError as exc:
             self._refuse(exc.reason)
             logger.error("shared tier object refused (%s): %s; the request recomputes",
@@ -273,22 +273,15 @@ class SharedTier:
         self._remember(path)
         return chunk
 
-    def _max_age(self, data: bytes) -> float:
-        # pinned chunks live longer; the flag is read before the MAC is checked but
-        # the MAC check that follows covers it
-        return (self.config.pinned_max_age_s if b'"pinned":true' in data[:65536]
-                else self.config.max_age_s)
-
     def fetch(self, tenant: str, last_keys: Sequence[bytes],
               deadline_s: float | None = None) -> list[SharedChunk]:
         """The verified chunks named by ``last_keys``: the leading run of them that
         was found, verified and read before the deadline (GETs in parallel). A
-        refused object (tampered, replayed, expired, foreign) ends the run there."""
+        refused object (tampered, replayed, foreign) ends the run there."""
         if not last_keys:
             return []
-        now = time.time()
         paths = [self.path(tenant, k) for k in last_keys]
-        futures = [self._pool.submit(self._get, p, tenant, now) for p in paths]
+        futures = [self._pool.submit(self._get, p, tenant) for p in paths]
         done, pending = cf.wait(futures, timeout=deadline_s or self.config.deadline_s)
         if pending:
             self._count(deadline_misses=1)

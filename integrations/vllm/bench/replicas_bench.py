@@ -152,6 +152,12 @@ def _start_replica(setup: Setup, idx: int, work: Path, sizes: dict[str, Any],
     return srv, config, events_port
 
 
+def default_router() -> str:
+    """vllm-router on PATH, else beside this Python (a virtualenv run without activating)."""
+    beside = Path(sys.executable).parent / "vllm-router"
+    return shutil.which("vllm-router") or (str(beside) if beside.exists() else "vllm-router")
+
+
 class Router:
     """vllm-router (the PyPI wheel's Rust binary) in front of the replicas."""
 
@@ -171,6 +177,9 @@ class Router:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Router:
+        if not Path(self.cmd[0]).exists() and shutil.which(self.cmd[0]) is None:
+            raise SystemExit(f"no vllm-router at {self.cmd[0]}: pip install vllm-router "
+                             "(scripts/vllm_venv.sh installs it in .venv-vllm)")
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT)
         for _ in range(300):
@@ -331,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-agents", type=float, default=3.0)
     parser.add_argument("--chunk-blocks", type=int, default=4)
     parser.add_argument("--deadline-s", type=float, default=1.0)
-    parser.add_argument("--router", default=shutil.which("vllm-router") or "vllm-router")
+    parser.add_argument("--router", default=default_router())
     parser.add_argument("--router-policy", default="consistent_hash")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     args = parser.parse_args(argv)
