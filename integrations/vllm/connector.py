@@ -166,7 +166,7 @@ class ContextKitConnector(KVConnectorBase_V1):
         self._shared: SharedLookups | None = None
         if shared:
             self._shared = SharedLookups(self._shared_tier("lookups"),
-                                         self.config.shared_chunk_blocks)
+                                         self.config.shared_chunk_blocks, self.planner.stats)
         seeded = self.planner.seed(local_session_keys(self.config.local_store, self.identity))
         self._requests: dict[str, Request] = {}
         self._events = BlockEvents(self.block_size)

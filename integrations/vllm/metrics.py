@@ -32,7 +32,8 @@ The shared tier (:mod:`integrations.vllm.shared`) adds counters ``shared_hit_tok
 ``shared_heads``, ``shared_gets``, ``shared_puts``, ``shared_bytes_down``,
 ``shared_bytes_up``, ``shared_deadline_misses`` (gave up: the request recomputed),
 ``shared_refused`` (tampered, replayed, expired or foreign objects),
-``shared_deduplicated`` (not uploaded: held already), ``shared_dropped`` (write-behind
+``shared_deduplicated`` (not uploaded: held already), ``shared_lookup_seconds`` (what
+requests waited for lookups), ``shared_dropped`` (write-behind
 queue full, or blocks evicted first), ``shared_errors``, and the gauge
 ``shared_lag_seconds`` (longest save-to-upload time of the interval).
 
@@ -78,7 +79,7 @@ logger = logging.getLogger(__name__)
 SHARED_COUNTERS = ("shared_hit_tokens", "shared_imported_blocks", "shared_heads",
                    "shared_gets", "shared_puts", "shared_bytes_down", "shared_bytes_up",
                    "shared_deadline_misses", "shared_refused", "shared_deduplicated",
-                   "shared_dropped", "shared_errors")
+                   "shared_dropped", "shared_errors", "shared_lookup_seconds")
 #: Plain counters (one value per interval).
 COUNTERS = ("lookups", "hit_tokens", "loaded_blocks", "load_errors", "shadow_bytes",
             "label_mismatches", "demoted_blocks", "skipped_blocks", "load_seconds",
@@ -130,6 +131,8 @@ _DOCS = {
                       "or the blocks were evicted before their upload).",
     "shared_errors": "Shared-tier requests that failed (store errors; nothing was served "
                      "from them).",
+    "shared_lookup_seconds": "Seconds requests waited for shared-tier lookups (vLLM "
+                             "scheduled them once the answer was in).",
     "shared_lag_seconds": "Longest time, in the interval, from storing a block to its "
                           "chunk being findable in contextkit's shared tier.",
     "shadow_lag_seconds": "Age of the oldest block in contextkit's cache not yet shadowed "

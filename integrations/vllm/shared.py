@@ -63,14 +63,18 @@ def record_counters(tier: SharedTier, stats: StatsRecorder) -> None:
 class _Probe:
     first_chunk: int
     future: cf.Future[int]
+    started: float
+    waited: float | None = None  # seconds until its answer was first seen
 
 
 class SharedLookups:
     """Scheduler side: asynchronous lookups of a prompt's chunks past the DDR hit."""
 
-    def __init__(self, tier: SharedTier, chunk_blocks: int) -> None:
+    def __init__(self, tier: SharedTier, chunk_blocks: int,
+                 stats: StatsRecorder | None = None) -> None:
         self.tier = tier
         self.chunk_blocks = chunk_blocks
+        self.stats = stats
         self._probes: dict[str, _Probe] = {}
         self._exec = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="contextkit-probe")
 
@@ -90,10 +94,15 @@ class SharedLookups:
         probe = self._probes.get(req_id)
         if probe is None or probe.first_chunk != first:
             names = [keys[(j + 1) * c - 1] for j in range(first, last)]
-            probe = _Probe(first, self._exec.submit(self.tier.probe, tenant, names))
+            probe = _Probe(first, self._exec.submit(self.tier.probe, tenant, names),
+                           time.monotonic())
             self._probes[req_id] = probe
         if not probe.future.done():
             return None
+        if probe.waited is None:
+            probe.waited = time.monotonic() - probe.started
+            if self.stats is not None:
+                self.stats.count("shared_lookup_seconds", probe.waited)
         try:
             found = probe.future.result()
         except Exception:

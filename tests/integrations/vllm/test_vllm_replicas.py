@@ -50,7 +50,7 @@ class Events:
         self.thread.start()
 
     def _run(self) -> None:
-        import msgpack
+        import msgspec
         import zmq
 
         poller = zmq.Poller()
@@ -59,7 +59,7 @@ class Events:
         while not self.stop.is_set():
             for sock, _ in poller.poll(100):
                 _topic, _seq, payload = sock.recv_multipart()
-                batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+                batch = msgspec.msgpack.decode(payload)
                 self.events[self.socks.index(sock)].extend(batch[1])
 
     def close(self) -> None:
@@ -152,13 +152,16 @@ def _offset(config: Any) -> int:
 
 
 def _wait_uploads(config: Any, n: int) -> list[dict[str, Any]]:
+    """The replica's upload records once there are ``n`` or more and no more come."""
     from integrations.vllm.bench.harness import read_events
 
+    seen = -1
     for _ in range(300):
         ups = read_events(Path(config.stats_path), "shared_upload")
-        if len(ups) >= n:
+        if len(ups) >= n and len(ups) == seen:
             return ups
-        time.sleep(0.1)
+        seen = len(ups)
+        time.sleep(0.2)
     raise AssertionError(f"fewer than {n} uploads")
 
 
@@ -174,8 +177,9 @@ def test_a_prompt_one_replica_computed_loads_on_the_other(cluster: dict[str, Any
     a, b = cluster["servers"]
     ca, cb = cluster["configs"]
     text = _text(1)
-    _chat(a.url, text, "acme")
-    ups = _wait_uploads(ca, 2)
+    first = _chat(a.url, text, "acme")
+    # every whole chunk (2 blocks) of the prompt is uploaded
+    ups = _wait_uploads(ca, first["usage"]["prompt_tokens"] // BLOCK // 2)
     assert all(u["lag_s"] < 60 for u in ups)
     start = _offset(cb)
     reply = _chat(b.url, text, "acme")  # B never saw it: the shared tier has it
