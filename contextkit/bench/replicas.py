@@ -80,9 +80,14 @@ CONFIGS = ("single", "apc", "local", "shared", "routed", "failover")
 #: Counters per answered step in ``shared_tier`` (metric stem -> figure).
 PER_STEP = {"shared_bytes_down": "bytes_down_per_step", "shared_bytes_up": "bytes_up_per_step",
             "shared_gets": "gets_per_step", "shared_puts": "puts_per_step",
-            "shared_heads": "heads_per_step"}
+            "shared_heads": "heads_per_step",
+            # seconds: requests waiting for lookups, the forward waiting for loads
+            # (shared GETs and imports included), the save thread
+            "shared_lookup_seconds": "lookup_s_per_step", "load_seconds": "load_s_per_step",
+            "save_seconds": "save_s_per_step"}
 TOTALS = {"shared_deadline_misses": "deadline_misses", "shared_refused": "refused",
-          "load_errors": "load_errors"}
+          "load_errors": "load_errors", "shared_dropped": "dropped",
+          "shared_deduplicated": "deduplicated"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -189,7 +194,7 @@ def shared_tier(run: Mapping[str, Any]) -> dict[str, Any] | None:
     out: dict[str, Any] = {}
     for stem, key in PER_STEP.items():
         total = _metric_sum(run, stem)
-        out[key] = round(total / steps, 2) if total is not None and steps else None
+        out[key] = round(total / steps, 3) if total is not None and steps else None
     out.update({key: _metric_sum(run, stem) for stem, key in TOTALS.items()})
     return out
 
@@ -313,6 +318,9 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
                                              for r in routed) if "routed" in runs else None),
         "shared_lag_p50_s": statistics.median(lags) if lags else None,
         "shared_lag_p95_s": _p(lags, 0.95),
+        # tenant probe: probe-a's prompt on replica 0, then probe-b's identical one on
+        # replica 1 must share 0 tokens (probe-a's own on replica 1 shows the tier works)
+        "tenant_probe": shared_run.get("tenant_probe"),
         **failover(runs.get("failover")),
         "shared_tier": {n: c for n in names if (c := shared_tier(runs[n])) is not None},
         "lost_turns": {n: sum(not _answered(r) for r in rows[n]) for n in names},

@@ -211,6 +211,33 @@ def _served_requests(srv: Any) -> float:
     return totals
 
 
+def tenant_probe(servers: list[Any], configs: list[Any], workload: Any) -> dict[str, int]:
+    """One prompt sent by tenant ``probe-a`` to replica 0, then the identical prompt by
+    ``probe-b`` and by ``probe-a`` to replica 1: the shared tokens each got there (the
+    other tenant's must be 0; the same tenant's shows the tier works)."""
+    from contextkit.prompt.markup import render_marked
+
+    text = render_marked(workload.system_prompt(0))
+    out: dict[str, int] = {}
+    for tenant, idx in (("probe-a", 0), ("probe-b", 1), ("probe-a", 1)):
+        start = Path(configs[idx].stats_path).stat().st_size
+        servers[idx].post("/v1/chat/completions", {
+            "model": SERVED, "max_tokens": 1, "temperature": 0, "cache_salt": tenant,
+            "messages": [{"role": "system", "content": text},
+                         {"role": "user", "content": "probe"}]})
+        records: list[dict[str, Any]] = []
+        for _ in range(100):
+            records = read_stats(Path(configs[idx].stats_path), start)[0]
+            if records:
+                break
+            time.sleep(0.1)
+        key = f"{tenant}_on_{idx}_shared_tokens"
+        out[key] = int(records[-1].get("shared_hit_tokens") or 0) if records else -1
+        if idx == 0:
+            time.sleep(3.0)  # its chunks' uploads (the lag is well under this)
+    return out
+
+
 def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], work: Path,
                args: argparse.Namespace) -> dict[str, Any]:
     """One configuration on fresh servers: every step of the schedule."""
@@ -281,6 +308,8 @@ def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], 
                   f"{row['ttft_ms']:>8.1f} ms  prompt {row['prompt_tokens']}  cached "
                   f"{row['cached_tokens']}", file=sys.stderr, flush=True)
         metrics = [_scrape(s) for j, s in enumerate(servers) if j in alive]
+        probe = (tenant_probe(servers, configs, workload) if setup.shared and len(alive) > 1
+                 else None)
     finally:
         if router is not None:
             router.stop()
@@ -294,6 +323,7 @@ def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], 
     return {"rows": rows, "errors": errors, "server_start_s": round(started, 1),
             "seconds": round(time.perf_counter() - t0, 1), "replicas": setup.replicas,
             "metrics": metrics, "connector_stats": stats, "uploads": uploads,
+            "tenant_probe": probe,
             "router": router.cmd if router is not None else None,
             "loadavg_1min": round(os.getloadavg()[0], 2)}
 

@@ -120,7 +120,8 @@ def test_figures_equal_hand_computed_values(tmp_path: Path) -> None:
     assert result["shared_tier"]["shared"] == {
         "bytes_down_per_step": 1000.0, "bytes_up_per_step": 2000.0, "gets_per_step": 1.0,
         "puts_per_step": 2.0, "heads_per_step": 4.0, "deadline_misses": 1.0, "refused": 2.0,
-        "load_errors": 0.0}
+        "load_errors": 0.0, "lookup_s_per_step": None, "load_s_per_step": None,
+        "save_s_per_step": None, "dropped": None, "deduplicated": None}
     assert result["shared_tier"]["failover"]["bytes_down_per_step"] == 600.0  # 3000 / 5
     assert set(result["shared_tier"]) == {"local", "shared", "routed", "failover"}
     assert result["failover_errors"] == 1 and result["failover_lost_turns"] == 1
