@@ -121,6 +121,9 @@ class ConnectorConfig:
         shared_tenant_budget_mb: collection keeps each tenant within this many MB.
         shared_gc_interval_s: this server collects the tier this often (0: never;
             run ``contextkit shared gc`` instead). One collector per tier is enough.
+        shared_warm_share: at start, the DDR tier is warmed from the chunks the
+            live replicas lease (what their DDR tiers hold) up to this share of its
+            budget, beside serving (0: not warmed).
         recover_strict: ``contextkit serve-vllm`` does not start vLLM when the
             startup recovery reports an error (a session refused, a block skipped, a
             store it cannot read); default: it says so and serves, recomputing what
@@ -158,6 +161,7 @@ class ConnectorConfig:
     shared_pinned_max_age_s: float = 7 * 24 * 3600.0
     shared_tenant_budget_mb: int = 4096
     shared_gc_interval_s: float = 0.0
+    shared_warm_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.store_volatile not in STORE_VOLATILE:
@@ -189,6 +193,9 @@ class ConnectorConfig:
             raise ConnectorConfigError(f"save_threads must be >= 1, got {self.save_threads}")
         if self.shared_url:
             self.shared_tier()  # checks the shared tier's settings
+        if not 0.0 <= self.shared_warm_share <= 1.0:
+            raise ConnectorConfigError(
+                f"shared_warm_share must be in [0, 1], got {self.shared_warm_share}")
         if self.shared_gc_interval_s < 0:
             raise ConnectorConfigError(
                 f"shared_gc_interval_s must be >= 0, got {self.shared_gc_interval_s}")

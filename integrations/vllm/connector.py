@@ -298,6 +298,11 @@ class ContextKitConnector(KVConnectorBase_V1):
                 max_pending=max(1, tier.config.max_pending_bytes // chunk_bytes),
                 gc_interval_s=self.config.shared_gc_interval_s,
                 log_path=self.config.stats_path, on_shared=self._uploaded)
+            if self.config.shared_warm_share:
+                # the startup recovery, now from the live tier: what the fleet holds
+                budget = self.config.host_blocks * self.identity.bytes_per_block
+                self._writer.start_warm(int(budget * self.config.shared_warm_share),
+                                        self._warmed)
         self._unpinned_tenants: set[str] = set()  # tenants told their prefix is unpinned
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -475,6 +480,10 @@ class ContextKitConnector(KVConnectorBase_V1):
                 self.store.shadow_now()
             except Exception:
                 logger.exception("shadow after save failed; the previous shadow stays")
+
+    def _warmed(self, keys: list[bytes]) -> None:
+        with self._lock:
+            self._report.stored.update(keys)
 
     def _uploaded(self, keys: list[bytes]) -> None:
         with self._lock:

@@ -155,8 +155,10 @@ class SharedWriter:
         self._cond = threading.Condition()
         self._closed = False
         self._busy = False
+        self._warm: tuple[int, Callable[[list[bytes]], None]] | None = None
         self._lag = 0.0
-        self._held_chunks: dict[str, bytes] = {}  # name -> last key (for the lease)
+        #: name -> (last key, tenant) of the chunks whose blocks this replica holds
+        self._held_chunks: dict[str, tuple[bytes, str]] = {}
         self._next_lease = 0.0
         self._next_gc = time.monotonic() + gc_interval_s if gc_interval_s else float("inf")
         self._thread = threading.Thread(target=self._run, name="contextkit-shared-upload",
@@ -186,9 +188,39 @@ class SharedWriter:
             imported += [k for k in self.store.import_chunk(chunk, [k for k in expect
                                                                      if k in wanted])
                          if k not in held]
-            self._held_chunks[chunk.path] = expect[-1]
+            self._held_chunks[chunk.path] = (expect[-1], spec.tenant)
         record_counters(self.tier, self.store.stats)
         return imported
+
+    # ------------------------------------------------------------------ start
+    def warm(self, max_bytes: int, on_imported: Callable[[list[bytes]], None]) -> int:
+        """Warm the DDR tier from the shared tier: the chunks live replicas lease (what
+        their DDR tiers hold), newest lease first, until the store holds ``max_bytes``
+        (the startup recovery of a replica that joins or restarts; runs on the writer
+        thread, beside serving). ``on_imported`` gets the keys brought in. Returns the
+        blocks imported."""
+        total = 0
+        for path, tenant, last_key in self.tier.leased():
+            if self._closed or self.store.held_bytes() >= max_bytes:
+                break
+            if path in self._held_chunks:
+                continue
+            for chunk in self.tier.fetch(tenant, [last_key]):
+                keys = self.store.import_chunk(chunk, chunk.keys)
+                if keys:
+                    self._held_chunks[path] = (last_key, tenant)
+                    on_imported(keys)
+                    total += len(keys)
+        record_counters(self.tier, self.store.stats)
+        if total:
+            logger.info("warmed the DDR tier with %d blocks from the shared tier", total)
+        return total
+
+    def start_warm(self, max_bytes: int, on_imported: Callable[[list[bytes]], None]) -> None:
+        """:meth:`warm` on the writer thread, before the first upload."""
+        with self._cond:
+            self._warm = (max_bytes, on_imported)
+            self._cond.notify()
 
     # ------------------------------------------------------------------ saves
     def saved(self, spec: SaveSpec, held: set[bytes]) -> None:
@@ -218,13 +250,16 @@ class SharedWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                if not self._queue and not self._closed:
+                if not self._queue and not self._closed and self._warm is None:
                     self._cond.wait(timeout=self._next_chore())
                 if self._closed and not self._queue:
                     return
-                job = self._queue.popleft() if self._queue else None
-                self._busy = job is not None
+                warm, self._warm = self._warm, None
+                job = self._queue.popleft() if self._queue and warm is None else None
+                self._busy = job is not None or warm is not None
             try:
+                if warm is not None:
+                    self.warm(*warm)
                 if job is not None:
                     self._upload(job)
                 self._chores()
@@ -250,7 +285,7 @@ class SharedWriter:
         lag = time.monotonic() - job.saved_at
         if self.on_shared is not None and (uploaded or self.tier.holds(name)):
             self.on_shared(job.keys)
-        self._held_chunks[name] = job.keys[-1]
+        self._held_chunks[name] = (job.keys[-1], job.tenant)
         self._lag = max(self._lag, lag)
         if self._log is not None:
             with self._log.open("a") as f:
@@ -263,8 +298,8 @@ class SharedWriter:
         if self._held_chunks and now >= self._next_lease:
             self._next_lease = now + self.tier.config.lease_s / 3
             held = set(self.store.keys())
-            self._held_chunks = {n: k for n, k in self._held_chunks.items() if k in held}
-            self.tier.write_lease(list(self._held_chunks))
+            self._held_chunks = {n: v for n, v in self._held_chunks.items() if v[0] in held}
+            self.tier.write_lease({n: tenant for n, (_, tenant) in self._held_chunks.items()})
         if now >= self._next_gc:
             self._next_gc = now + self.gc_interval_s
             report = collect(self.tier)
@@ -278,7 +313,8 @@ class SharedWriter:
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued upload is done (tests, shutdown); False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+            return self._cond.wait_for(
+                lambda: not self._queue and not self._busy and self._warm is None, timeout)
 
     def close(self) -> None:
         with self._cond:

@@ -28,7 +28,7 @@ from gpu_cache import (
 )
 from gpu_cache.hashing import BlockHash
 from integrations.vllm.metrics import StatsRecorder
-from integrations.vllm.pools import Pool, fit_budget
+from integrations.vllm.pools import Pool, fit_budget, held_bytes
 from shadow.shared.objects import BlockEntry, PoolPart, SharedChunk
 
 __all__ = ["SharedBlocks", "tenant_slug"]
@@ -88,6 +88,11 @@ class SharedBlocks:
                 parts.append(PoolPart(pool.identity, positions, tensors,
                                       pool.cache.key_offsets))
         return SharedChunk(path, self.identity, tenant, entries, parts)
+
+    def held_bytes(self) -> int:
+        """Bytes the DDR tier holds (every pool)."""
+        with self._lock:
+            return held_bytes(list(self.pools.values()))
 
     def import_chunk(self, chunk: SharedChunk, want: Sequence[bytes]) -> list[bytes]:
         """Store the blocks of ``chunk`` whose keys are in ``want`` and not held yet, in

@@ -18,6 +18,8 @@ contents (any two writers of a name write the same blocks).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -25,7 +27,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,18 +315,75 @@ class SharedTier:
         self._remember(chunk.path)
         return True
 
-    def write_lease(self, paths: Sequence[str], now: float | None = None) -> None:
-        """Record (for :func:`~shadow.shared.retention.collect`) the chunks this writer
-        holds, for ``lease_s`` seconds."""
+    def write_lease(self, chunks: Mapping[str, str], now: float | None = None) -> None:
+        """Record the chunks this writer holds (name -> tenant), for ``lease_s`` seconds:
+        collection keeps them (:func:`~shadow.shared.retention.collect`), and a replica
+        that starts warms its DDR tier with them (:meth:`leased`). Tenants are sealed
+        (AES-GCM under the deployment key): a lease never spells a tenant's salt."""
         now = time.time() if now is None else now
         doc = {"writer": self.writer, "expires_at": now + self.config.lease_s,
-               "chunks": sorted(set(paths))}
+               "chunks": sorted(chunks),
+               "tenants": {path: self._seal(tenant) for path, tenant in chunks.items()}}
         self._count(puts=1)
         try:
             self.store.put(self.lease_prefix + self.writer, json.dumps(doc).encode())
         except ShadowStoreError as exc:
             self._count(errors=1)
             logger.warning("shared tier lease of %s failed: %s", self.writer, exc)
+
+    def leased(self, now: float | None = None) -> list[tuple[str, str, bytes]]:
+        """Every live writer's leased chunks as ``(name, tenant, last key)``, newest
+        lease first (one listing of the leases; a lease that cannot be read or
+        unsealed is skipped)."""
+        now = time.time() if now is None else now
+        out: list[tuple[float, str, str, bytes]] = []
+        try:
+            keys = self.store.list(self.lease_prefix)
+        except ShadowStoreError as exc:
+            logger.warning("shared tier leases unreadable: %s", exc)
+            return []
+        self._count(lists=1)
+        for key in keys:
+            try:
+                self._count(gets=1)
+                doc = json.loads(self.store.get(key))
+                expires = float(doc["expires_at"])
+                sealed = dict(doc.get("tenants") or {})
+            except (ShadowError, ValueError, KeyError, TypeError):
+                continue
+            if expires < now:
+                continue
+            for path, box in sealed.items():
+                tenant = self._unseal(str(box))
+                last = path.rsplit("/", 1)[-1]
+                try:
+                    last_key = bytes.fromhex(last)
+                except ValueError:
+                    continue
+                if tenant is not None and self.path(tenant, last_key) == path:
+                    out.append((expires, path, tenant, last_key))
+        out.sort(key=lambda x: -x[0])
+        unique: dict[str, tuple[str, str, bytes]] = {}
+        for _, path, tenant, last_key in out:
+            unique.setdefault(path, (path, tenant, last_key))
+        return list(unique.values())
+
+    def _aead(self) -> Any:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        return AESGCM(hmac.new(self._key, b"contextkit shared-tier lease tenants",
+                               hashlib.sha256).digest())
+
+    def _seal(self, tenant: str) -> str:
+        nonce = os.urandom(12)
+        return (nonce + self._aead().encrypt(nonce, tenant.encode(), self._model.encode())).hex()
+
+    def _unseal(self, box: str) -> str | None:
+        try:
+            raw = bytes.fromhex(box)
+            return str(self._aead().decrypt(raw[:12], raw[12:], self._model.encode()).decode())
+        except Exception:
+            return None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

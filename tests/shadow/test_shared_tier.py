@@ -266,9 +266,9 @@ def test_collection_expires_unleased_chunks_and_keeps_leased_and_pinned_ones(
         chunk.written_at = now - (10 if keys is fresh else 600)
         tier.store.put(chunk.path, encode_chunk(chunk, KEY))
     live = tier.path("acme", leased[1])
-    tier.write_lease([live], now=now)
+    tier.write_lease({live: "acme"}, now=now)
     stale = _tier(url, request, writer="gone")
-    stale.write_lease([tier.path("acme", old[1])], now=now - 10_000)  # its lease ran out
+    stale.write_lease({tier.path("acme", old[1]): "acme"}, now=now - 10_000)  # ran out
     report = collect(tier, now=now)
     assert (report.expired, report.leased, report.leases_expired) == (1, 1, 1)
     left = {p.rsplit("/", 1)[1] for p in tier.store.list(tier.tenants_prefix)}
@@ -302,11 +302,22 @@ def test_a_tenant_over_its_budget_loses_its_least_valuable_chunks_only(
     assert all(held <= tier.config.tenant_budget_bytes for held in report.tenants.values())
 
 
-def test_a_lease_is_what_the_writer_holds(url: str, request: pytest.FixtureRequest) -> None:
+def test_a_lease_is_what_the_writer_holds_tenants_sealed(url: str,
+                                                         request: pytest.FixtureRequest
+                                                         ) -> None:
     tier = _tier(url, request, lease_s=30.0)
-    tier.write_lease(["x/t/y/z"], now=1000.0)
-    doc = json.loads(tier.store.get(tier.lease_prefix + "a"))
-    assert doc == {"writer": "a", "expires_at": 1030.0, "chunks": ["x/t/y/z"]}
+    keys = _keys("acme-secret-salt", 2)
+    path = tier.path("acme-secret-salt", keys[1])
+    tier.write_lease({path: "acme-secret-salt"}, now=1000.0)
+    raw = tier.store.get(tier.lease_prefix + "a")
+    doc = json.loads(raw)
+    assert (doc["writer"], doc["expires_at"], doc["chunks"]) == ("a", 1030.0, [path])
+    assert b"acme-secret-salt" not in raw  # the salt is sealed
+    assert tier.leased(now=1010.0) == [(path, "acme-secret-salt", keys[1])]
+    assert tier.leased(now=1031.0) == []  # ran out
+    other = SharedTier(SMALL, tier.config, mac_key=b"another deployment", writer="x",
+                       store=tier.store)
+    assert other.leased(now=1010.0) == []  # another key cannot unseal it
 
 
 def test_contextkit_shared_gc_collects_every_model_in_the_store(

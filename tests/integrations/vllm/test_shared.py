@@ -187,3 +187,20 @@ def test_shared_settings_are_checked_in_one_line() -> None:
         ConnectorConfig(shared_url="file:///tmp/x", shared_deadline_s=0)
     with pytest.raises(ConnectorConfigError, match="shared_url must be a URL"):
         ConnectorConfig(shared_url="/tmp/x")
+
+
+def test_a_replica_that_starts_warms_its_ddr_tier_from_what_the_fleet_holds(
+        model: Path, tmp_path: Path, replicas: tuple[Replica, Replica]) -> None:
+    a, _ = replicas
+    stored = _compute(a, "r1", TOKENS)
+    a.writer._next_lease = 0.0  # renew now (it renews every lease_s / 3)
+    a.writer._chores()
+    c = _replica(model, tmp_path, "c")
+    try:
+        warmed: list[bytes] = []
+        c.writer.start_warm(1 << 30, warmed.extend)
+        assert c.writer.flush()
+        assert sorted(warmed) == sorted(stored[:8])  # A's whole chunks, no request
+        assert set(c.store.keys()) == set(stored[:8])
+    finally:
+        c.close()
