@@ -30,7 +30,9 @@ middle values for an even count), a p95 the nearest-rank value. Figures:
   requests dropped).
 - ``speedup_shared_vs_local_p50`` / ``speedup_shared_vs_apc_p50``: the other
   configuration's median TTFT on the cross-replica steps over ``shared``'s;
-  ``ceiling_fraction``: ``single``'s over ``shared``'s (1.0: as fast as one replica).
+  ``ceiling_fraction``: ``single``'s over ``shared``'s (1.0: as fast as one replica);
+  ``bound_shared_vs_local_p50``: ``local``'s over ``single``'s, the most any shared
+  tier reaches against ``local`` on these steps (one replica that saw every turn).
 - ``routed_vs_shared_p50``: ``shared``'s median TTFT over the warm steps (an agent's
   second and later turns) over ``routed``'s (>= 1: routing at least as fast);
   ``routed_replica_unknown_steps``: routed steps whose replica could not be told.
@@ -312,6 +314,9 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         "speedup_shared_vs_local_p50": _ratio(p50.get("local"), p50.get("shared")),
         "speedup_shared_vs_apc_p50": _ratio(p50.get("apc"), p50.get("shared")),
         "ceiling_fraction": _ratio(p50.get("single"), p50.get("shared")),
+        # the most any shared tier reaches against local on these steps: one replica
+        # that saw every turn (single) over local
+        "bound_shared_vs_local_p50": _ratio(p50.get("local"), p50.get("single")),
         "routed_vs_shared_p50": _ratio(_median_ttft(shared, warm_idx),
                                        _median_ttft(routed, warm_idx)),
         "routed_replica_unknown_steps": (sum(_answered(r) and not _known(r.get("replica"))
@@ -346,8 +351,8 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
     table += [(k, result[k]) for k in (
         "cross_replica_hit_rate", "cross_replica_hit_rate_local", "cross_replica_shared_tokens",
         "speedup_shared_vs_local_p50", "speedup_shared_vs_apc_p50", "ceiling_fraction",
-        "routed_vs_shared_p50", "routed_replica_unknown_steps", "shared_lag_p50_s",
-        "shared_lag_p95_s", "failover_errors", "failover_lost_turns",
+        "bound_shared_vs_local_p50", "routed_vs_shared_p50", "routed_replica_unknown_steps",
+        "shared_lag_p50_s", "shared_lag_p95_s", "failover_errors", "failover_lost_turns",
         "failover_recomputed_tokens_after_stop", "failover_hit_rate_after_stop")]
     table += [(f"{n}: down/up bytes, gets/puts/heads per step; misses, refused", (
         f"{c['bytes_down_per_step']}/{c['bytes_up_per_step']}, {c['gets_per_step']}/"

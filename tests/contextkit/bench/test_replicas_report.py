@@ -114,6 +114,7 @@ def test_figures_equal_hand_computed_values(tmp_path: Path) -> None:
     assert result["speedup_shared_vs_local_p50"] == round(650 / 275, 3)
     assert result["speedup_shared_vs_apc_p50"] == round(800 / 275, 3)
     assert result["ceiling_fraction"] == round(130 / 275, 3)
+    assert result["bound_shared_vs_local_p50"] == round(650 / 130, 3)
     assert result["routed_vs_shared_p50"] == round(275 / 225, 3)
     assert result["routed_replica_unknown_steps"] == 1
     assert result["shared_lag_p50_s"] == 0.3 and result["shared_lag_p95_s"] == 1.0
