@@ -159,6 +159,7 @@ class SharedWriter:
         self._lag = 0.0
         #: name -> (last key, tenant) of the chunks whose blocks this replica holds
         self._held_chunks: dict[str, tuple[bytes, str]] = {}
+        self._held_lock = threading.Lock()  # the loader and the writer threads add to it
         self._next_lease = 0.0
         self._next_gc = time.monotonic() + gc_interval_s if gc_interval_s else float("inf")
         self._thread = threading.Thread(target=self._run, name="contextkit-shared-upload",
@@ -188,7 +189,7 @@ class SharedWriter:
             imported += [k for k in self.store.import_chunk(chunk, [k for k in expect
                                                                      if k in wanted])
                          if k not in held]
-            self._held_chunks[chunk.path] = (expect[-1], spec.tenant)
+            self._hold(chunk.path, expect[-1], spec.tenant)
         record_counters(self.tier, self.store.stats)
         return imported
 
@@ -203,12 +204,13 @@ class SharedWriter:
         for path, tenant, last_key in self.tier.leased():
             if self._closed or self.store.held_bytes() >= max_bytes:
                 break
-            if path in self._held_chunks:
-                continue
+            with self._held_lock:
+                if path in self._held_chunks:
+                    continue
             for chunk in self.tier.fetch(tenant, [last_key]):
                 keys = self.store.import_chunk(chunk, chunk.keys)
                 if keys:
-                    self._held_chunks[path] = (last_key, tenant)
+                    self._hold(path, last_key, tenant)
                     on_imported(keys)
                     total += len(keys)
         record_counters(self.tier, self.store.stats)
@@ -285,7 +287,7 @@ class SharedWriter:
         lag = time.monotonic() - job.saved_at
         if self.on_shared is not None and (uploaded or self.tier.holds(name)):
             self.on_shared(job.keys)
-        self._held_chunks[name] = (job.keys[-1], job.tenant)
+        self._hold(name, job.keys[-1], job.tenant)
         self._lag = max(self._lag, lag)
         if self._log is not None:
             with self._log.open("a") as f:
@@ -298,12 +300,19 @@ class SharedWriter:
         if self._held_chunks and now >= self._next_lease:
             self._next_lease = now + self.tier.config.lease_s / 3
             held = set(self.store.keys())
-            self._held_chunks = {n: v for n, v in self._held_chunks.items() if v[0] in held}
-            self.tier.write_lease({n: tenant for n, (_, tenant) in self._held_chunks.items()})
+            with self._held_lock:
+                self._held_chunks = {n: v for n, v in self._held_chunks.items()
+                                     if v[0] in held}
+                lease = {n: tenant for n, (_, tenant) in self._held_chunks.items()}
+            self.tier.write_lease(lease)
         if now >= self._next_gc:
             self._next_gc = now + self.gc_interval_s
             report = collect(self.tier)
             logger.info("shared tier collected: %s", report.as_dict())
+
+    def _hold(self, name: str, last_key: bytes, tenant: str) -> None:
+        with self._held_lock:
+            self._held_chunks[name] = (last_key, tenant)
 
     def take_lag(self) -> float | None:
         """The longest save-to-upload lag since the last call (None: no upload)."""
