@@ -227,7 +227,8 @@ class ContextKitConnector(KVConnectorBase_V1):
                                          cached.num_computed_tokens[i], num_scheduled[req_id],
                                          self._block_ids(req_id, None)))
         loads, saves = self.planner.plan(steps)
-        for spec in [*loads, *saves]:
+        specs: list[LoadSpec | SaveSpec] = [*loads, *saves]
+        for spec in specs:
             request = self._requests.get(spec.req_id)
             if request is not None:  # which vLLM blocks the keys are (KV events)
                 self._events.planned(spec.keys, spec.first_block, request.block_hashes,
