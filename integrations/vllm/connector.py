@@ -33,6 +33,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,8 +68,6 @@ from integrations.vllm.shared import SharedLookups, SharedWriter, record_counter
 from integrations.vllm.store import ConnectorStore, local_session_keys
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -292,18 +291,15 @@ class ContextKitConnector(KVConnectorBase_V1):
         self._futures: list[Future[None]] = []
         self._writer: SharedWriter | None = None
         if self.config.shared_url:
-            tier = self._shared_tier("writer")
-            chunk_bytes = self.config.shared_chunk_blocks * self.identity.bytes_per_block
             self._writer = SharedWriter(
-                tier, self.store,
-                max_pending=max(1, tier.config.max_pending_bytes // chunk_bytes),
+                self._shared_tier("writer"), self.store,
                 gc_interval_s=self.config.shared_gc_interval_s,
                 log_path=self.config.stats_path, on_shared=self._uploaded)
             if self.config.shared_warm_share:
                 # the startup recovery, now from the live tier: what the fleet holds
                 budget = self.config.host_blocks * self.identity.bytes_per_block
                 self._writer.start_warm(int(budget * self.config.shared_warm_share),
-                                        self._warmed)
+                                        self._imported)
         self._unpinned_tenants: set[str] = set()  # tenants told their prefix is unpinned
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -349,13 +345,11 @@ class ContextKitConnector(KVConnectorBase_V1):
         if meta is None or not meta.loads:
             return
         t0 = time.perf_counter()
-        spec_imported: dict[str, list[bytes]] = {}
         for spec in meta.loads:
             if self._writer is not None and spec.shared:
                 # the shared tier's chunks into the DDR tier first (what is refused,
                 # missing or late is recomputed)
-                spec_imported[spec.req_id] = self._loader.submit(
-                    self._writer.bring_in, spec).result()
+                self._imported(*self._loader.submit(self._writer.bring_in, spec).result())
             # Decode on a helper thread: the fused CPU decoder (numba) sets the calling
             # thread's OpenMP thread count, which vLLM's CPU attention checks against
             # the step's metadata (and vLLM forbids setting it back).
@@ -365,7 +359,6 @@ class ContextKitConnector(KVConnectorBase_V1):
                 logger.warning("request %s: %d of %d blocks no longer stored; vLLM recomputes "
                                "them", spec.req_id, len(missing), len(spec.block_ids))
             with self._lock:
-                self._report.stored.update(spec_imported.pop(spec.req_id, ()))
                 self._load_errors.update(missing)
                 self._report.loaded_tokens[spec.req_id] = (
                     self._report.loaded_tokens.get(spec.req_id, 0) + n * self.block_size)
@@ -467,13 +460,9 @@ class ContextKitConnector(KVConnectorBase_V1):
         # planner drops it from its pending saves as it does a failed one)
         held = set(spec.keys) - set(result.failed) - set(result.skipped)
         with self._lock:
-            report = self._report
-            report.removed.difference_update(held)
-            report.stored.difference_update(result.removed)
-            report.stored.update(held)
-            report.removed.update(result.removed)
-            report.failed.update(result.failed)
-            report.failed.update(result.skipped)
+            self._now_held(held, result.removed)
+            self._report.failed.update(result.failed)
+            self._report.failed.update(result.skipped)
         if self._writer is not None:
             self._writer.saved(spec, held)
         if self.config.shadow_on_save and self.store.shadowing and result.stored:
@@ -482,9 +471,19 @@ class ContextKitConnector(KVConnectorBase_V1):
             except Exception:
                 logger.exception("shadow after save failed; the previous shadow stays")
 
-    def _warmed(self, keys: list[bytes]) -> None:
+    def _now_held(self, held: Iterable[bytes], removed: Iterable[bytes]) -> None:
+        """The store holds ``held`` now and dropped ``removed`` (caller holds _lock)."""
+        held, removed = set(held), set(removed)
+        report = self._report
+        report.removed.difference_update(held)
+        report.stored.difference_update(removed)
+        report.stored.update(held)
+        report.removed.update(removed)
+
+    def _imported(self, held: list[bytes], removed: list[bytes]) -> None:
+        """Blocks brought in from the shared tier, and blocks evicted for them."""
         with self._lock:
-            self._report.stored.update(keys)
+            self._now_held(held, removed)
 
     def _uploaded(self, keys: list[bytes]) -> None:
         with self._lock:
@@ -503,8 +502,9 @@ class ContextKitConnector(KVConnectorBase_V1):
         evictions and the shadow (:class:`ConnectorStore`).
         """
         if self.role == KVConnectorRole.SCHEDULER:
-            if getattr(self, "_shared", None) is not None:
-                record_counters(self._shared.tier, self.planner.stats)  # type: ignore[union-attr]
+            shared = getattr(self, "_shared", None)
+            if shared is not None:
+                record_counters(shared.tier, self.planner.stats)
             data = self.planner.stats.take() if hasattr(self, "planner") else None
         else:
             writer = getattr(self, "_writer", None)

@@ -8,7 +8,7 @@ is in, or the deadline passes (then the DDR hit stands and the rest is computed)
 Worker side, :class:`SharedWriter`:
 
 - before a load, :meth:`SharedWriter.bring_in` GETs the load's chunks in parallel,
-  verifies each (MAC, name, tenant, model, age) and imports their blocks into the
+  verifies each (MAC, name, tenant, model) and imports their blocks into the
   DDR tier; what is refused, missing or late is recomputed by vLLM
   (``kv_load_failure_policy = "recompute"``);
 - after a save, :meth:`SharedWriter.saved` queues the chunks the save completed; a
@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from integrations.vllm.metrics import StatsRecorder
 from shadow.shared.retention import collect
@@ -40,6 +40,9 @@ if TYPE_CHECKING:
     from integrations.vllm.store import ConnectorStore
 
 __all__ = ["SharedLookups", "SharedWriter"]
+
+#: Called with the keys a chunk import brought in and the keys it evicted for them.
+Imported = Callable[[list[bytes], list[bytes]], None]
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +135,8 @@ class SharedWriter:
     Args:
         tier: the shared tier.
         store: the connector's store (export and import of blocks).
-        max_pending: uploads queued at most (the connector: the tier's
-            ``max_pending_bytes`` in chunks); more are dropped (counted).
+        max_pending: uploads queued at most; more are dropped (counted). Default:
+            the tier's ``max_pending_bytes`` in chunks of the key format.
         gc_interval_s: collect the tier this often (0: never).
         log_path: append one JSON line per upload (``"shared_upload"``: name, bytes,
             lag) for benchmarks; empty: none.
@@ -141,13 +144,15 @@ class SharedWriter:
             once its upload is done (or found there): the connector's KV events.
     """
 
-    def __init__(self, tier: SharedTier, store: ConnectorStore, *, max_pending: int = 256,
+    def __init__(self, tier: SharedTier, store: ConnectorStore, *, max_pending: int | None = None,
                  gc_interval_s: float = 0.0, log_path: str = "",
                  on_shared: Callable[[list[bytes]], None] | None = None) -> None:
         self.tier = tier
         self.store = store
         self.chunk_blocks = tier.config.chunk_blocks
-        self.max_pending = max_pending
+        chunk_bytes = self.chunk_blocks * store.identity.bytes_per_block
+        self.max_pending = (max(1, tier.config.max_pending_bytes // chunk_bytes)
+                            if max_pending is None else max_pending)
         self.gc_interval_s = gc_interval_s
         self.on_shared = on_shared
         self._log = Path(log_path) if log_path else None
@@ -155,7 +160,7 @@ class SharedWriter:
         self._cond = threading.Condition()
         self._closed = False
         self._busy = False
-        self._warm: tuple[int, Callable[[list[bytes]], None]] | None = None
+        self._warm: tuple[int, Imported] | None = None
         self._lag = 0.0
         #: name -> (last key, tenant) of the chunks whose blocks this replica holds
         self._held_chunks: dict[str, tuple[bytes, str]] = {}
@@ -167,39 +172,39 @@ class SharedWriter:
         self._thread.start()
 
     # ------------------------------------------------------------------ loads
-    def bring_in(self, spec: LoadSpec) -> list[bytes]:
+    def bring_in(self, spec: LoadSpec) -> tuple[list[bytes], list[bytes]]:
         """Import the load's shared chunks whose keys it needs and the DDR tier lacks.
-        Returns the keys imported (what is missing after it is recomputed)."""
+        Returns the keys imported (what is missing after it is recomputed) and the keys
+        evicted to make room for them."""
         if not spec.shared:
-            return []
-        wanted = set(spec.keys)
-        held = set(self.store.keys())
-        todo = [chunk for chunk in spec.shared if any(k in wanted and k not in held
-                                                      for k in chunk)]
+            return [], []
+        missing = self.store.missing(spec.keys)
+        todo = [chunk for chunk in spec.shared if any(k in missing for k in chunk)]
         if not todo:
-            return []
+            return [], []
         got = self.tier.fetch(spec.tenant, [chunk[-1] for chunk in todo])
         imported: list[bytes] = []
+        removed: list[bytes] = []
         for chunk, expect in zip(got, todo, strict=False):
             if chunk.keys != list(expect):
                 self.store.stats.count("shared_refused")
                 logger.error("shared tier object %s holds other blocks than its name says; "
                              "refused", chunk.path)
                 break
-            imported += [k for k in self.store.import_chunk(chunk, [k for k in expect
-                                                                     if k in wanted])
-                         if k not in held]
+            held, gone = self.store.import_chunk(chunk, [k for k in expect if k in missing])
+            imported += held
+            removed += gone
             self._hold(chunk.path, expect[-1], spec.tenant)
         record_counters(self.tier, self.store.stats)
-        return imported
+        return imported, removed
 
     # ------------------------------------------------------------------ start
-    def warm(self, max_bytes: int, on_imported: Callable[[list[bytes]], None]) -> int:
+    def warm(self, max_bytes: int, on_imported: Imported) -> int:
         """Warm the DDR tier from the shared tier: the chunks live replicas lease (what
         their DDR tiers hold), newest lease first, until the store holds ``max_bytes``
         (the startup recovery of a replica that joins or restarts; runs on the writer
-        thread, beside serving). ``on_imported`` gets the keys brought in. Returns the
-        blocks imported."""
+        thread, beside serving). ``on_imported`` gets the keys brought in and the keys
+        evicted for them. Returns the blocks imported."""
         total = 0
         for path, tenant, last_key in self.tier.leased():
             if self._closed or self.store.held_bytes() >= max_bytes:
@@ -208,17 +213,18 @@ class SharedWriter:
                 if path in self._held_chunks:
                     continue
             for chunk in self.tier.fetch(tenant, [last_key]):
-                keys = self.store.import_chunk(chunk, chunk.keys)
+                keys, removed = self.store.import_chunk(chunk, chunk.keys)
+                if keys or removed:
+                    on_imported(keys, removed)
                 if keys:
                     self._hold(path, last_key, tenant)
-                    on_imported(keys)
                     total += len(keys)
         record_counters(self.tier, self.store.stats)
         if total:
             logger.info("warmed the DDR tier with %d blocks from the shared tier", total)
         return total
 
-    def start_warm(self, max_bytes: int, on_imported: Callable[[list[bytes]], None]) -> None:
+    def start_warm(self, max_bytes: int, on_imported: Imported) -> None:
         """:meth:`warm` on the writer thread, before the first upload."""
         with self._cond:
             self._warm = (max_bytes, on_imported)
@@ -331,7 +337,3 @@ class SharedWriter:
             self._cond.notify()
         self._thread.join(timeout=30)
         self.tier.close()
-
-    def stats(self) -> dict[str, Any]:
-        with self._cond:
-            return {"pending": len(self._queue), "held_chunks": len(self._held_chunks)}

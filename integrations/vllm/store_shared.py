@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,6 +60,8 @@ class SharedBlocks:
         @property
         def _budget(self) -> int: ...
 
+        def _forget_evicted(self) -> list[bytes]: ...
+
     def export_chunk(self, keys: Sequence[bytes], tenant: str, path: str
                      ) -> SharedChunk | None:
         """The held blocks ``keys`` (of ``tenant``'s slug) as the chunk named ``path``;
@@ -94,10 +96,17 @@ class SharedBlocks:
         with self._lock:
             return held_bytes(list(self.pools.values()))
 
-    def import_chunk(self, chunk: SharedChunk, want: Sequence[bytes]) -> list[bytes]:
+    def missing(self, keys: Iterable[bytes]) -> set[bytes]:
+        """The keys of ``keys`` the store does not hold."""
+        with self._lock:
+            return {key for key in keys if key not in self._ids}
+
+    def import_chunk(self, chunk: SharedChunk, want: Sequence[bytes]
+                     ) -> tuple[list[bytes], list[bytes]]:
         """Store the blocks of ``chunk`` whose keys are in ``want`` and not held yet, in
         the pool of their identity, making room as a save does. Returns the keys held
-        afterwards (imported now or before), in the chunk's order."""
+        afterwards (imported now or before), in the chunk's order, and the keys evicted
+        to make room."""
         wanted = set(want)
         slug = tenant_slug(chunk.tenant)
         held: list[bytes] = []
@@ -142,5 +151,8 @@ class SharedBlocks:
                         pool.pins.pin(pinned)
                 imported += len(ids)
             self.stats.count("shared_imported_blocks", imported)
+            removed = self._forget_evicted()
+            self.stats.count_layers("evicted_blocks",
+                                    [self._sources.pop(key, None) for key in removed])
         order = {b.key: i for i, b in enumerate(chunk.blocks)}
-        return sorted(set(held), key=order.__getitem__)
+        return sorted(set(held) - set(removed), key=order.__getitem__), removed

@@ -36,9 +36,10 @@ class Replica:
         self.lookups.close()
 
 
-def _replica(model: Path, tmp: Path, name: str, stats: Path | None = None) -> Replica:
+def _replica(model: Path, tmp: Path, name: str, stats: Path | None = None,
+             host_blocks: int = 64) -> Replica:
     config = ConnectorConfig(block_size=BS, shadow_url="", shadow_on_save=False,
-                             local_store=f"file://{tmp / name}", host_blocks=64,
+                             local_store=f"file://{tmp / name}", host_blocks=host_blocks,
                              shared_url=f"file://{tmp / 'shared'}", shared_chunk_blocks=C)
     ident = vllm_cache_identity(str(model), BS)
     store = ConnectorStore(ident, config)
@@ -102,7 +103,7 @@ def _load(rep: Replica, req: str, tokens: list[int], end: int) -> tuple[list[byt
     loads, _ = rep.planner.plan([StepRequest(req, tokens, end * BS, len(tokens) - end * BS,
                                              list(range(11)))])
     (spec,) = loads
-    imported = rep.writer.bring_in(spec)
+    imported, _ = rep.writer.bring_in(spec)
     parts = rep.store.read_parts(spec.keys, spec.tenant)
     return imported, sum(len(p) for p, _, _ in parts)
 
@@ -198,9 +199,27 @@ def test_a_replica_that_starts_warms_its_ddr_tier_from_what_the_fleet_holds(
     c = _replica(model, tmp_path, "c")
     try:
         warmed: list[bytes] = []
-        c.writer.start_warm(1 << 30, warmed.extend)
+        c.writer.start_warm(1 << 30, lambda keys, removed: warmed.extend(keys))
         assert c.writer.flush()
         assert sorted(warmed) == sorted(stored[:8])  # A's whole chunks, no request
         assert set(c.store.keys()) == set(stored[:8])
+    finally:
+        c.close()
+
+
+def test_blocks_evicted_to_make_room_for_an_import_are_forgotten(
+        model: Path, tmp_path: Path, replicas: tuple[Replica, Replica]) -> None:
+    a, _ = replicas
+    _compute(a, "r1", TOKENS)
+    c = _replica(model, tmp_path, "c", host_blocks=8)  # room for about 8 blocks
+    try:
+        own = _compute(c, "mine", list(range(5000, 5000 + 6 * BS + 1)))
+        assert own
+        assert _lookup(c, "r2", TOKENS) == 8
+        _load(c, "r2", TOKENS, 8)
+        # every key the store still lists is one it can read; the evicted are gone
+        listed = set(c.store.keys())
+        assert all(c.store.read([k], "acme") is not None for k in listed)
+        assert not listed >= set(own)  # the import evicted some of its own blocks
     finally:
         c.close()
