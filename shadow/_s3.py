@@ -244,15 +244,8 @@ class S3Store(ShadowStore):
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._object_key(key))
 
-    @_s3_errors("listing")
     def list(self, prefix: str = "") -> list[str]:
-        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        keys = []
-        for page in self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=full):
-            keys += [obj["Key"][strip:] for obj in page.get("Contents", [])]
-        return sorted(keys)
+        return [key for key, _ in self.list_sizes(prefix)]
 
     @_s3_errors("listing")
     def list_sizes(self, prefix: str = "") -> builtins.list[tuple[str, int]]:

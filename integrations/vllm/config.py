@@ -116,7 +116,7 @@ class ConnectorConfig:
             aligned on it; only whole chunks are shared).
         shared_deadline_s: a shared lookup or load that takes longer gives up; the
             request recomputes (counted in ``shared_deadline_misses``).
-        shared_max_age_s: unleased objects are collected (and refused) after this
+        shared_max_age_s: unleased objects are collected after this
             long; ``shared_pinned_max_age_s`` for chunks holding a pinned block.
         shared_tenant_budget_mb: collection keeps each tenant within this many MB.
         shared_gc_interval_s: this server collects the tier this often (0: never;

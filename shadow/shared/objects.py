@@ -74,9 +74,10 @@ def tenant_tag(mac_key: bytes, tenant: str) -> str:
     return hmac.new(mac_key, b"tenant\0" + tenant.encode(), hashlib.sha256).hexdigest()[:24]
 
 
-def chunk_path(identity: CacheIdentity, mac_key: bytes, tenant: str, last_key: bytes) -> str:
-    """The object name of the chunk whose last block has key ``last_key``."""
-    return f"{model_tag(identity)}/t/{tenant_tag(mac_key, tenant)}/{last_key.hex()}"
+def chunk_path(model: str, tenant: str, last_key: bytes) -> str:
+    """The object name of the chunk whose last block has key ``last_key``, for the
+    :func:`model_tag` ``model`` and the :func:`tenant_tag` ``tenant``."""
+    return f"{model}/t/{tenant}/{last_key.hex()}"
 
 
 @dataclass(slots=True)

@@ -42,6 +42,7 @@ from shadow.shared.objects import (
     decode_chunk,
     encode_chunk,
     model_tag,
+    tenant_tag,
 )
 from shadow.stores import open_store
 
@@ -116,7 +117,6 @@ class Counters:
     heads: int = 0
     gets: int = 0
     puts: int = 0
-    deletes: int = 0
     lists: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
@@ -160,6 +160,7 @@ class SharedTier:
         self.writer = writer or default_writer_id()
         self._key = key
         self._model = model_tag(identity)
+        self._tags: dict[str, str] = {}  # tenant -> its keyed tag
         try:
             self.store = store or open_store(
                 config.url, StoreConfig(endpoint_url=config.endpoint_url, fsync=False))
@@ -175,7 +176,10 @@ class SharedTier:
     # ------------------------------------------------------------------ names
     def path(self, tenant: str, last_key: bytes) -> str:
         """The name of the chunk whose last block has key ``last_key``."""
-        return chunk_path(self.identity, self._key, tenant, last_key)
+        tag = self._tags.get(tenant)
+        if tag is None:  # one HMAC per tenant, not per name
+            tag = self._tags[tenant] = tenant_tag(self._key, tenant)
+        return chunk_path(self._model, tag, last_key)
 
     @property
     def lease_prefix(self) -> str:
