@@ -88,10 +88,17 @@ class MotoS3:
                 break
             except Exception:
                 time.sleep(0.1)
+        self.client().create_bucket(Bucket=BUCKET)
+        return self
+
+    def client(self) -> Any:
+        """A boto3 S3 client of this server."""
         import boto3
 
-        boto3.client("s3", endpoint_url=self.url, **_aws()).create_bucket(Bucket=BUCKET)
-        return self
+        return boto3.client("s3", endpoint_url=self.url,
+                            aws_access_key_id=AWS_ENV["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+                            region_name=AWS_ENV["AWS_DEFAULT_REGION"])
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -99,14 +106,9 @@ class MotoS3:
             self.proc.wait(30)
 
 
-def _aws() -> dict[str, str]:
-    return {"aws_access_key_id": "testing", "aws_secret_access_key": "testing",
-            "region_name": "us-east-1"}
-
-
-def _aws_env() -> dict[str, str]:
-    return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1"}
+#: moto's credentials and region, as the replicas' environment gives them to boto3.
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 def _start_replica(setup: Setup, idx: int, work: Path, sizes: dict[str, Any],
@@ -115,8 +117,7 @@ def _start_replica(setup: Setup, idx: int, work: Path, sizes: dict[str, Any],
     from integrations.vllm.config import ConnectorConfig
 
     name = f"{setup.name}-{idx}"
-    for sub in (f"local-{name}",):
-        shutil.rmtree(work / sub, ignore_errors=True)
+    shutil.rmtree(work / f"local-{name}", ignore_errors=True)
     stats = work / f"stats-{name}.jsonl"
     stats.unlink(missing_ok=True)
     overrides: dict[str, Any] = {}
@@ -129,7 +130,7 @@ def _start_replica(setup: Setup, idx: int, work: Path, sizes: dict[str, Any],
                               stats_path=str(stats), host_blocks=sizes["host_blocks"],
                               session_id=name, **overrides)
               if setup.connector else ConnectorConfig(block_size=BLOCK))
-    env = {**server_env(), **_aws_env(), "CONTEXTKIT_SHADOW_KEY": BENCH_KEY}
+    env = {**server_env(), **AWS_ENV, "CONTEXTKIT_SHADOW_KEY": BENCH_KEY}
     extra = ["--enable-prompt-tokens-details", "--num-gpu-blocks-override",
              str(sizes["kv_blocks_pressure"])]
     events_port = None

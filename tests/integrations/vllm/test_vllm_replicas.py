@@ -72,10 +72,10 @@ class Events:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from integrations.vllm.bench.harness import OpenAIServer, free_port
     from integrations.vllm.bench.replicas_bench import (
+        AWS_ENV,
         BUCKET,
         MotoS3,
         Router,
-        _aws_env,
         default_router,
     )
     from integrations.vllm.config import ConnectorConfig
@@ -96,7 +96,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             port = free_port()
             env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)),
-                   "CONTEXTKIT_SHADOW_KEY": KEY, **_aws_env()}
+                   "CONTEXTKIT_SHADOW_KEY": KEY, **AWS_ENV}
             srv = OpenAIServer(str(packaged_model_dir()), config, work / f"server-{name}.log",
                                served_name=SERVED, block_size=BLOCK, max_model_len=2048,
                                extra_args=["--enable-prompt-tokens-details", "--kv-events-config",
@@ -224,13 +224,11 @@ def test_events_say_where_the_blocks_are_with_the_tenant_salt(cluster: dict[str,
 
 
 def test_a_tampered_object_is_refused_and_the_turn_recomputed(cluster: dict[str, Any]) -> None:
-    import boto3
-
-    from integrations.vllm.bench.replicas_bench import BUCKET, _aws
+    from integrations.vllm.bench.replicas_bench import BUCKET
 
     a, b = cluster["servers"]
     ca, cb = cluster["configs"]
-    client = boto3.client("s3", endpoint_url=cluster["s3"].url, **_aws())
+    client = cluster["s3"].client()
     before = {o["Key"] for o in client.list_objects_v2(Bucket=BUCKET).get("Contents", [])}
     n = len(_wait_uploads(ca, 1))
     text = _text(3)
