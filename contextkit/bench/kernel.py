@@ -82,6 +82,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads for the run (default: leave torch's setting)")
     parser.add_argument("--seconds", type=positive_float, default=None,
                         help="timing budget per measurement (default 1.0 on CPU, 0.5 on CUDA)")
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="also draw the result: times by context and, with --sweep, "
+                             "each launch setting's speed against SDPA")
+    parser.add_argument("--from-json", default=None, metavar="FILE",
+                        help="measure nothing: read a result this bench wrote (e.g. on a "
+                             "GPU machine) and draw it with --plot")
+    parser.add_argument("--sweep", action="store_true",
+                        help="CUDA with Triton: also time the decode kernel's alternative "
+                             "launch settings (tile size, warps, stages, float16 tiles, "
+                             "centroid lookup, splits) at each context, against the exact "
+                             "float32 launch")
 
 
 def _time(fn: Any, device: torch.device, budget_s: float) -> float:
@@ -199,8 +210,133 @@ def _cuda_row(context: int, layer: list[torch.Tensor], kv: tuple[torch.Tensor, t
     return row
 
 
+def _sweep_configs() -> list[Any]:
+    """The exact float32 launch first (the others' reference), then the CUDA default,
+    then one or two changes from it at a time."""
+    from gpu_cache.kernels.decode_config import CUDA_DECODE, EXACT_DECODE, DecodeConfig
+
+    def f16(**changes: Any) -> DecodeConfig:
+        return DecodeConfig(**{"fp16": True, "lookup": "table", **changes})
+
+    variants = [
+        CUDA_DECODE, DecodeConfig(lookup="table"), DecodeConfig(lookup="table", num_warps=2),
+        f16(num_warps=4), f16(num_warps=2, splits_per_sm=4), f16(num_warps=2, num_stages=1),
+        f16(num_warps=2, block_n=128), f16(num_warps=2, block_n=32), f16(num_warps=1),
+    ]
+    out = [EXACT_DECODE]
+    for v in variants:
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def _sweep_rows(context: int, layer: list[torch.Tensor], args: tuple[Any, ...],
+                sdpa_graph_ms: float | None, packed_bytes: int, device: torch.device,
+                budget_s: float) -> list[dict[str, Any]]:
+    """Every :func:`_sweep_configs` launch at one context: eager and graph times over
+    cold-L2 copies, compiled registers/spills, and its largest difference from the
+    exact launch's output (relative to that output's largest magnitude)."""
+    from gpu_cache.kernels import triton_ops
+
+    query, table, seq_lens, codec, scale = args
+    copies = [[t.clone() for t in layer] for _ in range(_num_copies(packed_bytes, device))]
+    rows: list[dict[str, Any]] = []
+    base_out: torch.Tensor | None = None
+    for cfg in _sweep_configs():
+        row: dict[str, Any] = {"context": context, "config": cfg.label()}
+
+        def call(c: list[torch.Tensor], cfg: Any = cfg) -> torch.Tensor:
+            k_packed, k_norms, v_packed, v_norms = c
+            out = triton_ops.tq4_decode_attention_triton(
+                query, k_packed, k_norms, v_packed, v_norms, table, seq_lens, codec, scale,
+                config=cfg)
+            return cast("torch.Tensor", out)
+
+        try:
+            out = call(layer)
+            if base_out is None:
+                base_out = out
+            row["max_rel_diff"] = float((out - base_out).abs().max()
+                                        / base_out.abs().max().clamp_min(1e-12))
+            row["compiled"] = _compiled_info()
+            fns = [lambda c=c: call(c) for c in copies]
+            eager = _cuda_seconds(fns, budget_s, graph=False)
+            graph = _cuda_seconds(fns, budget_s, graph=True)
+            row.update(tq4_ms=eager * 1e3, tq4_graph_ms=graph * 1e3,
+                       achieved_graph_gbps=packed_bytes / graph / 1e9)
+            if sdpa_graph_ms is not None:
+                row["ratio_graph"] = sdpa_graph_ms / (graph * 1e3)
+        except Exception as exc:  # a setting this Triton or device refuses: report it
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        rows.append(row)
+    return rows
+
+
+def plot(path: str, result: dict[str, Any]) -> None:
+    """Graph-replay (else eager) ms of both attentions by context; with a sweep, each
+    launch setting's SDPA/TQ4 ratio by context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["contexts"]
+    key = "graph_ms" if rows and rows[0].get("tq4_graph_ms") is not None else "ms"
+    sweep = result.get("sweep") or []
+    fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(13 if sweep else 6.5, 4.5),
+                             squeeze=False)
+    ax = axes[0][0]
+    ctx = [r["context"] for r in rows]
+    ax.plot(ctx, [r[f"tq4_{key}"] for r in rows], "o-", label=f"TQ4 ({result['backend']})")
+    ax.plot(ctx, [r[f"sdpa_{key}"] for r in rows], "s--",
+            label=f"SDPA ({result['shape']['sdpa_dtype']})")
+    ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel=key.replace("_", " "),
+           title=f"decode attention, {result['machine'].get('device_name', 'cpu')}")
+    ax.legend()
+    if sweep:
+        ax = axes[0][1]
+        for label in dict.fromkeys(r["config"] for r in sweep):
+            pts = [r for r in sweep if r["config"] == label and r.get("ratio_graph")]
+            if pts:
+                ax.plot([r["context"] for r in pts], [r["ratio_graph"] for r in pts], "o-",
+                        label=label, linewidth=1)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set(xscale="log", xlabel="context tokens", ylabel="SDPA time / TQ4 time (graph)",
+               title="launch settings (higher is faster)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Time both attentions at every context; print a table; return the JSON result."""
+    if getattr(args, "from_json", None):
+        result = _read_result(args.from_json)
+        if args.plot:
+            plot(args.plot, result)
+        return result
+    result = _measure(args)
+    if getattr(args, "plot", None):
+        plot(args.plot, result)
+    return result
+
+
+def _read_result(path: str) -> dict[str, Any]:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            result = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--from-json {path}: cannot read it ({exc}); give a file that "
+                         "`contextkit bench kernel --json` wrote") from None
+    if not isinstance(result, dict) or result.get("bench") != "kernel":
+        raise SystemExit(f"--from-json {path}: not a `bench kernel` result")
+    return result
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
     from gpu_cache.codec import TQ4Codec
     from gpu_cache.kernels import tq4_decode_attention
 
@@ -221,7 +357,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     query = torch.randn(1, NUM_Q_HEADS, HEAD_DIM, generator=gen).to(device)
     q_sdpa = query.to(sdpa_dtype).view(1, NUM_Q_HEADS, 1, HEAD_DIM)
 
+    sweep = bool(getattr(args, "sweep", False)) and cuda_events and backend == "triton"
     rows: list[dict[str, Any]] = []
+    sweep_rows: list[dict[str, Any]] = []
+    compiled: dict[str, dict[str, Any]] | None = None
     for context in contexts:
         num_blocks = -(-context // BLOCK_SIZE)
         packed_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, codec.packed_dim)
@@ -264,6 +403,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row["achieved_gbps"] = packed_bytes / tq4_s / 1e9
                 row["copy_gbps"] = 2 * packed_bytes / copy_s / 1e9  # read + write traffic
         rows.append(row)
+        compiled = _compiled_info() if backend == "triton" else None
+        if sweep:
+            sweep_rows += _sweep_rows(context, layer, (query, table, seq_lens, codec, scale),
+                                      row.get("sdpa_graph_ms"), packed_bytes, device,
+                                      budget_s)
         del keys, values, layer
 
     table_rows = []
@@ -281,7 +425,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"on {device.type} (Hq {NUM_Q_HEADS}, Hkv {NUM_KV_HEADS}, D {HEAD_DIM}, batch 1)",
         table_rows,
     )
-    compiled = _compiled_info() if backend == "triton" else None
+    if sweep_rows:
+        print_table("decode kernel launch settings (graph ms, sdpa/tq4, max diff vs exact)", [
+            (f"{r['context']:>6} {r['config']}",
+             r.get("error") or f"{r['tq4_graph_ms']:7.3f} ms  {r.get('ratio_graph', 0):5.2f}  "
+                               f"{r['achieved_graph_gbps']:7.1f} GB/s  "
+                               f"diff {r['max_rel_diff']:.1e}  {r['compiled']}")
+            for r in sweep_rows])
     return {
         "bench": "kernel",
         "backend": backend,
@@ -300,4 +450,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "sdpa_dtype": str(sdpa_dtype).removeprefix("torch."),
         },
         "contexts": rows,
+        "sweep": sweep_rows or None,
     }

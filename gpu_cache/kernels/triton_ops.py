@@ -31,13 +31,19 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_cache.kernels.decode_config import CUDA_DECODE, EXACT_DECODE, DecodeConfig
+
 if TYPE_CHECKING:
     from gpu_cache.codec import TQ4Codec
 
 __all__ = [
+    "CUDA_DECODE",
+    "EXACT_DECODE",
     "INTERPRETED",
     "LAST_COMPILED",
     "MAX_SPLITS",
+    "DecodeConfig",
+    "default_decode",
     "pick_num_splits",
     "quantize_into_cache_triton",
     "tq4_decode_attention_triton",
@@ -53,6 +59,12 @@ LAST_COMPILED: dict[str, Any] = {}
 
 #: Most split-K partitions :func:`pick_num_splits` picks.
 MAX_SPLITS = 256
+
+
+
+def default_decode(device: torch.device) -> DecodeConfig:
+    """The launch :func:`tq4_decode_attention_triton` uses on ``device`` unless told."""
+    return CUDA_DECODE if device.type == "cuda" and not INTERPRETED else EXACT_DECODE
 
 _LOG2E = 1.4426950408889634
 #: fp32 ``tl.dot`` precision. "ieee" is exact fp32 FMA; on CUDA "tf32x3" keeps fp32
@@ -253,6 +265,23 @@ def quantize_into_cache_triton(
 
 # ----------------------------------------------------------------------- decode
 @triton.jit
+def _centroids(packed, cent_ptr, table, LOOKUP: tl.constexpr, BLOCK_N: tl.constexpr,
+               DOT_DTYPE: tl.constexpr):
+    """Centroid values ``(low nibbles, high nibbles)`` of ``packed`` bytes ``[BLOCK_N, D/2]``
+    as ``DOT_DTYPE``: loaded (L1-cached) from ``cent_ptr`` (``LOOKUP`` 0) or gathered
+    from the 16-entry register ``table`` (1)."""
+    if LOOKUP == 1:
+        rows = tl.broadcast_to(table[None, :], (BLOCK_N, 16))
+        lo = tl.gather(rows, (packed & 0xF).to(tl.int32), axis=1)
+        hi = tl.gather(rows, (packed >> 4).to(tl.int32), axis=1)
+        return lo.to(DOT_DTYPE), hi.to(DOT_DTYPE)
+    else:
+        lo = tl.load(cent_ptr + (packed & 0xF).to(tl.int32))
+        hi = tl.load(cent_ptr + (packed >> 4).to(tl.int32))
+        return lo.to(DOT_DTYPE), hi.to(DOT_DTYPE)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_packed_ptr,
@@ -289,6 +318,8 @@ def _decode_kernel(
     HALF_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    LOOKUP: tl.constexpr,
 ):
     """Grid ``(B, Hkv, num_splits)``; writes partial (acc, max, sum) per split.
 
@@ -296,7 +327,8 @@ def _decode_kernel(
     the running max/sum are in base 2. ``mid_acc`` is ``[B, Hq, num_splits, D]``
     (rotated domain, unnormalised), ``mid_max``/``mid_sum`` ``[B, Hq, num_splits]``. The
     split count is a runtime argument: a sequence that grows past a split boundary
-    reuses the compiled kernel.
+    reuses the compiled kernel. ``DOT_DTYPE`` and ``LOOKUP`` (0 load, 1 table):
+    see :class:`DecodeConfig`.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -311,8 +343,9 @@ def _decode_kernel(
     g_mask = offs_g < GROUP
     q_heads = kv_head * GROUP + offs_g
     q_rows = q_ptr + b * stride_qb + q_heads[:, None] * stride_qh + offs_p[None, :]
-    q_lo = tl.load(q_rows, mask=g_mask[:, None], other=0.0)
-    q_hi = tl.load(q_rows + HALF_DIM, mask=g_mask[:, None], other=0.0)
+    q_lo = tl.load(q_rows, mask=g_mask[:, None], other=0.0).to(DOT_DTYPE)
+    q_hi = tl.load(q_rows + HALF_DIM, mask=g_mask[:, None], other=0.0).to(DOT_DTYPE)
+    table = tl.load(cent_ptr + tl.arange(0, 16))
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -331,10 +364,11 @@ def _decode_kernel(
                           mask=n_mask[:, None], other=0)
         k_norm = tl.load(k_norms_ptr + block_idx * stride_knb + pos * stride_knp
                          + kv_head * stride_knh, mask=n_mask, other=0.0)
-        k_lo = tl.load(cent_ptr + (k_bytes & 0xF).to(tl.int32))
-        k_hi = tl.load(cent_ptr + (k_bytes >> 4).to(tl.int32))
-        scores = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION)
-        scores += tl.dot(q_hi, tl.trans(k_hi), input_precision=DOT_PRECISION)
+        k_lo, k_hi = _centroids(k_bytes, cent_ptr, table, LOOKUP, BLOCK_N, DOT_DTYPE)
+        scores = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PRECISION,
+                        out_dtype=tl.float32)
+        scores += tl.dot(q_hi, tl.trans(k_hi), input_precision=DOT_PRECISION,
+                         out_dtype=tl.float32)
         scores = scores * k_norm[None, :]
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
 
@@ -349,11 +383,12 @@ def _decode_kernel(
                           mask=n_mask[:, None], other=0)
         v_norm = tl.load(v_norms_ptr + block_idx * stride_vnb + pos * stride_vnp
                          + kv_head * stride_vnh, mask=n_mask, other=0.0)
-        v_lo = tl.load(cent_ptr + (v_bytes & 0xF).to(tl.int32))
-        v_hi = tl.load(cent_ptr + (v_bytes >> 4).to(tl.int32))
-        weights = probs * v_norm[None, :]
-        acc_lo = acc_lo * alpha[:, None] + tl.dot(weights, v_lo, input_precision=DOT_PRECISION)
-        acc_hi = acc_hi * alpha[:, None] + tl.dot(weights, v_hi, input_precision=DOT_PRECISION)
+        v_lo, v_hi = _centroids(v_bytes, cent_ptr, table, LOOKUP, BLOCK_N, DOT_DTYPE)
+        weights = (probs * v_norm[None, :]).to(DOT_DTYPE)
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(weights, v_lo, input_precision=DOT_PRECISION,
+                                                  out_dtype=tl.float32)
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(weights, v_hi, input_precision=DOT_PRECISION,
+                                                  out_dtype=tl.float32)
         m_i = m_new
 
     mid_row = (b * (GROUP * tl.num_programs(1)) + q_heads).to(tl.int64) * num_splits + split
@@ -370,11 +405,12 @@ def _num_sms(device_index: int) -> int:
 
 
 def pick_num_splits(
-    batch: int, num_kv_heads: int, max_tokens: int, block_n: int, device: torch.device
+    batch: int, num_kv_heads: int, max_tokens: int, block_n: int, device: torch.device,
+    per_sm: int = 8,
 ) -> int:
     """Splits of the context so that ``B * Hkv * splits`` programs fill the device.
 
-    Aims at eight programs per SM: each program's tile loads wait on the block-table
+    Aims at ``per_sm`` (eight) programs per SM: each program's tile loads wait on the block-table
     load before them, so the device needs many programs in flight to keep HBM busy
     (measured on an H200: two per SM reached 107 GB/s at 32K tokens). Never below two
     ``BLOCK_N`` tiles per split, at most 256 splits (the merge reads every split).
@@ -384,7 +420,7 @@ def pick_num_splits(
         num_sms = _num_sms(index)
     else:
         num_sms = 4
-    wanted = triton.cdiv(8 * num_sms, max(1, batch * num_kv_heads))
+    wanted = triton.cdiv(per_sm * num_sms, max(1, batch * num_kv_heads))
     most = max(1, triton.cdiv(max_tokens, 2 * block_n))
     return max(1, min(wanted, most, MAX_SPLITS))
 
@@ -401,6 +437,7 @@ def tq4_decode_attention_triton(
     scale: float,
     num_splits: int | None = None,
     return_lse: bool = False,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launch :func:`_decode_kernel` and merge its splits (no validation).
 
@@ -411,6 +448,7 @@ def tq4_decode_attention_triton(
         codec: the codec the cache was written with; scale: softmax scale.
         num_splits: split-K factor; ``None`` picks one from the block-table width.
         return_lse: also return the natural-log log-sum-exp of the scaled scores.
+        config: how the kernel is compiled and launched (default: :func:`default_decode`).
 
     Returns:
         float32 ``[B, Hq, D]``, plus the log-sum-exp ``[B, Hq]`` with ``return_lse``.
@@ -421,9 +459,11 @@ def tq4_decode_attention_triton(
     device = query.device
     # Sizing from the table width (not seq_lens.max()) keeps the launch sync-free.
     max_tokens = max(1, block_table.shape[1] * block_size)
-    block_n = 64 if max_tokens >= 64 else 16
+    cfg = config or default_decode(device)
+    block_n = cfg.block_n if max_tokens >= cfg.block_n else 16
     if num_splits is None:
-        num_splits = pick_num_splits(batch, num_kv_heads, max_tokens, block_n, device)
+        num_splits = pick_num_splits(batch, num_kv_heads, max_tokens, block_n, device,
+                                     cfg.splits_per_sm)
         # Whole tiles per split; the rounding may leave fewer splits than picked.
         tokens_per_split = triton.cdiv(triton.cdiv(max_tokens, num_splits), block_n) * block_n
     else:
@@ -452,8 +492,10 @@ def tq4_decode_attention_triton(
         HALF_DIM=head_dim // 2,
         BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(device),
-        num_warps=4,
-        num_stages=2,
+        DOT_DTYPE=tl.float16 if cfg.fp16 else tl.float32,
+        LOOKUP=("load", "table").index(cfg.lookup),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     out = torch.empty(batch, num_q_heads, head_dim, device=device)
     lse = torch.empty(batch, num_q_heads, device=device)
