@@ -140,6 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chunk-reuse", action="store_true",
                         help="prefix reuse only: a changed layer recomputes everything after "
                              "it (the ablation of reuse beyond the prefix)")
+    parser.add_argument("--no-memory-chunks", action="store_true",
+                        help="do not compute the memories' lines when they enter the graph "
+                             "(a memory's first appearance is computed in the turn)")
     parser.add_argument("--reserve-candidates", type=non_negative_int, default=2,
                         help="predicted memory neighborhoods reserved and prefilled after "
                              "each reply (default 2)")
@@ -166,6 +169,7 @@ def run_replay(
     reserve_candidates: int = 2,
     think_s: float = DEFAULT_THINK_S,
     chunk_reuse: bool = True,
+    memory_chunks: bool = True,
 ) -> dict[str, Any]:
     """Run the agent replay; per-turn TTFTs and reuse, plus quality figures.
 
@@ -186,6 +190,10 @@ def run_replay(
             waits for the background work, with nothing else running.
         chunk_reuse: reuse layers, lines and turns past the cached prefix
             (:mod:`contextkit.engine.chunks`); off: prefix reuse only (the ablation).
+        memory_chunks: with chunk reuse and a graph, compute each memory's line once
+            when the graph is seeded, before the first turn
+            (:class:`~contextkit.pipeline.memory_chunks.MemoryChunks`), for this engine
+            and the chunk ceiling's.
     """
     from contextkit.engine.chunks import ChunkReuse
     from contextkit.engine.engine import Engine
@@ -205,6 +213,8 @@ def run_replay(
         replay.seed_memory(memory_graph)  # idempotent: nothing added when seeded already
     reservations = _reservations(engine, replay, reserve_candidates) if reserve else None
     pipeline = CacheAwareContextPipeline(engine, reservations=reservations)
+    memory_chunks = memory_chunks and memory_graph is not None and engine.chunk_reuse.enabled
+    ingest = _memory_chunks(engine, pipeline, replay) if memory_chunks else None
     build = pipeline.wrap(replay.build_system_message)
 
     # Native-format siblings share the weights; their blocks are ~20x larger, so they
@@ -243,6 +253,8 @@ def run_replay(
                             num_device_blocks=device_blocks, num_host_blocks=host_blocks,
                             chunk_reuse=ChunkReuse(repair_ratio=0.0, repair_first=0,
                                                    select_layer=0, max_hops=1 << 30))
+                        if memory_chunks:
+                            _memory_chunks(ceiling, pipeline, replay)
 
             ck = pipeline.generate(turn.user_message, history=history,
                                    max_new_tokens=max_new_tokens)
@@ -326,7 +338,10 @@ def run_replay(
         stats = reservations.stats().as_dict()
 
     out: dict[str, Any] = {"turns": turns, "records": records,
-                           "chunk_reuse": engine.chunk_reuse.enabled}
+                           "chunk_reuse": engine.chunk_reuse.enabled,
+                           "memory_chunks": None if ingest is None else {
+                               "lines": ingest.lines, "computed_tokens": ingest.computed_tokens,
+                               "wall_s": round(ingest.wall_s, 3)}}
     out.update(_reservation_figures(records, stats, reserve=reserve, think_s=think_s,
                                     candidates=reserve_candidates))
     later = records[1:] if len(records) > 1 else records
@@ -382,6 +397,15 @@ def _median_of(records: list[dict[str, Any]], key: str) -> float | None:
     """Median of a per-turn figure over the turns that have it (``None`` if none)."""
     values = [r[key] for r in records if r.get(key) is not None]
     return statistics.median(values) if values else None
+
+
+def _memory_chunks(engine: Any, pipeline: Any, replay: Any) -> Any:
+    """Compute the seeded memories' lines on ``engine``, as an application does when it
+    writes them to the graph (before the first turn: no turn waits for it)."""
+    from contextkit.pipeline.memory_chunks import MemoryChunks
+
+    return MemoryChunks(engine, config=pipeline.config).sync(
+        replay.memory_graph, graph_tenant=replay.tenant, tenant=pipeline.tenant)
 
 
 def _reservations(engine: Any, replay: Any, candidates: int) -> Any:
@@ -531,7 +555,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 host_blocks=args.host_blocks, quality=not args.no_quality,
                                 memory_graph=graph, reserve=not args.no_reserve,
                                 reserve_candidates=args.reserve_candidates,
-                                think_s=args.think_s, chunk_reuse=not args.no_chunk_reuse)
+                                think_s=args.think_s, chunk_reuse=not args.no_chunk_reuse,
+                                memory_chunks=not args.no_memory_chunks)
         finally:
             graph.close()
     return report(result, Path(args.out), plot_ttft)

@@ -164,6 +164,7 @@ def run_demo(args: argparse.Namespace) -> int:
         "blocks_per_tier": records[-1]["blocks_per_tier"],
         "recovered_blocks": recovered.get("blocks", 0),
         "reservations": _reservation_summary(result),
+        "memory_chunks": result["memory_chunks"],
         "shadow": {"store": store_url, "session": SESSION_ID,
                    "blocks": written.num_blocks, "bytes_written": written.bytes_written,
                    "signed": signed},
@@ -191,12 +192,22 @@ def run_demo(args: argparse.Namespace) -> int:
         f"Cache: {summary['pinned_blocks']} pinned blocks (the stable prefix); blocks per tier: "
         f"{tiers}. Restored at start: {summary['recovered_blocks']} blocks.\n"
         f"{_reservation_line(summary['reservations'])}\n"
+        f"{_memory_chunks_line(summary['memory_chunks'])}\n"
         f"Shadowed {written.num_blocks} blocks to {store_url} (session {SESSION_ID}), "
         f"{_signed_line(signed)}; see `contextkit status`.\n"
         f"Wrote {out / 'demo.json'} and {png}.\n")
     if agents is not None:
         sys.stdout.write(_agents_text(agents["summary"], agents["plot"]))
     return 0
+
+
+def _memory_chunks_line(ingest: dict[str, Any] | None) -> str:
+    """What computing the memories' lines at seeding cost (reused as chunks later)."""
+    if not ingest:
+        return "Memory lines: computed in the turns that first bring them in."
+    return (f"Memory lines: {ingest['lines']} computed when the graph was seeded "
+            f"({ingest['computed_tokens']:,} tokens, {ingest['wall_s']:.1f} s, before turn 1); "
+            "turns that bring them in move them in as chunks.")
 
 
 def _agents_text(a: dict[str, Any], plot: str) -> str:

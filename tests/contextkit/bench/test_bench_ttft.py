@@ -51,6 +51,9 @@ def test_bench_ttft_reports_every_field(tmp_path: Path, capsys: pytest.CaptureFi
     # reuse beyond the prefix: turn 2 changes a layer mid-prompt and moves the rest in;
     # the ceiling (every chunk moved, none repaired) never computes more than it
     assert result["chunk_reuse"] is True and result["chunk_reused_tokens"][0] == 0
+    # every seeded memory's line was computed before turn 1, in whole blocks
+    ingest = result["memory_chunks"]
+    assert ingest["lines"] > 20 and ingest["computed_tokens"] % 16 == 0
     assert result["chunk_reused_tokens"][1] > 0 and result["chunk_turns"] >= 1
     assert all(top <= c for top, c in zip(result["computed_tokens_chunk_ceiling"],
                                           result["computed_tokens"], strict=True))
@@ -79,7 +82,7 @@ def test_bench_ttft_think_time_runs_background_work_and_reserves_memories(
     neighborhood; turn 2's memories do not change, so it expires unused (no leak)."""
     assert main(["bench", "ttft", "--turns", "2", "--scale", "0.3", "--max-new-tokens", "4",
                  "--no-quality", "--json", "--out", str(tmp_path), "--think-s", "600",
-                 "--reserve-candidates", "1"]) == 0
+                 "--reserve-candidates", "1", "--no-memory-chunks"]) == 0
     on = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert on["think_s"] == 600 and on["reserve"] is True and on["reserve_candidates"] == 1
     assert on["memory_change_turns"] == [] and on["reservation_hit_rate"] is None
@@ -95,6 +98,7 @@ def test_bench_ttft_think_time_runs_background_work_and_reserves_memories(
     assert on["speedup_total"] > 0 and on["speedup_steady_p50"] > 0  # reported; tokens above
     assert on["computed_tokens"][1] < on["prompt_tokens"][1] - 2_000
     assert on["speedup_memory_change_p50"] is None
+    assert on["memory_chunks"] is None
     assert on["blocks_per_tier"]["host"] == 0  # the expired reservation's DDR blocks freed
     # without the quality runs the baseline stops at its first token: no decode rate
     ck = check_decode(on, "contextkit", 4)
