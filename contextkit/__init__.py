@@ -46,6 +46,8 @@ _EXPORTS = {
     "BackgroundPrefiller": "contextkit.engine.background",
     "PrefillOutcome": "contextkit.engine.background",
     "cache_aware": "contextkit.pipeline.pipeline",
+    "MemoryChunks": "contextkit.pipeline.memory_chunks",
+    "MemoryChunkStats": "contextkit.pipeline.memory_chunks",
     "LayerConfig": "contextkit.prompt.layers",
     "LayerSpec": "contextkit.prompt.layers",
     "DEFAULT_LAYERS": "contextkit.prompt.layers",

@@ -117,3 +117,5 @@ non_negative_float = _number(float, 0.0)
 positive_float = _number(float, 0.0, inclusive=False)
 #: ``type=`` for fractions in (0, 1].
 fraction = _number(float, 0.0, inclusive=False, high=1.0)
+#: ``type=`` for shares in [0, 1].
+unit_float = _number(float, 0.0, high=1.0)

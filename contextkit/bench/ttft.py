@@ -86,6 +86,7 @@ from contextkit.bench._common import (
     non_negative_int,
     positive_float,
     positive_int,
+    unit_float,
 )
 from contextkit.bench._ttft_report import report
 
@@ -140,6 +141,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chunk-reuse", action="store_true",
                         help="prefix reuse only: a changed layer recomputes everything after "
                              "it (the ablation of reuse beyond the prefix)")
+    parser.add_argument("--repair-ratio", type=unit_float, default=None,
+                        help="share of reused chunk tokens recomputed (default: the engine's, "
+                             "0.15)")
+    parser.add_argument("--select-layer", type=non_negative_int, default=None,
+                        help="model layers 0..N run over every token after the prefix and "
+                             "pick the repaired ones at N (default: the engine's, 1)")
     parser.add_argument("--no-memory-chunks", action="store_true",
                         help="do not compute the memories' lines when they enter the graph "
                              "(a memory's first appearance is computed in the turn)")
@@ -170,6 +177,7 @@ def run_replay(
     think_s: float = DEFAULT_THINK_S,
     chunk_reuse: bool = True,
     memory_chunks: bool = True,
+    chunk_settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run the agent replay; per-turn TTFTs and reuse, plus quality figures.
 
@@ -194,6 +202,8 @@ def run_replay(
             when the graph is seeded, before the first turn
             (:class:`~contextkit.pipeline.memory_chunks.MemoryChunks`), for this engine
             and the chunk ceiling's.
+        chunk_settings: :class:`~contextkit.engine.chunks.ChunkReuse` fields other than
+            the defaults (e.g. ``repair_ratio``), with chunk reuse on.
     """
     from contextkit.engine.chunks import ChunkReuse
     from contextkit.engine.engine import Engine
@@ -202,11 +212,13 @@ def run_replay(
 
     if turns < 1:
         raise ValueError(f"turns must be >= 1, got {turns}")
+    reuse: ChunkReuse | bool = (ChunkReuse(**chunk_settings) if chunk_reuse and chunk_settings
+                                else chunk_reuse)
     if engine is None:
         engine = Engine.from_pretrained(num_device_blocks=device_blocks,
-                                        num_host_blocks=host_blocks, chunk_reuse=chunk_reuse)
-    elif engine.chunk_reuse.enabled != chunk_reuse:
-        engine = engine.sibling(chunk_reuse=chunk_reuse, num_device_blocks=device_blocks,
+                                        num_host_blocks=host_blocks, chunk_reuse=reuse)
+    elif engine.chunk_reuse.enabled != chunk_reuse or chunk_settings:
+        engine = engine.sibling(chunk_reuse=reuse, num_device_blocks=device_blocks,
                                 num_host_blocks=host_blocks)
     replay = AgentReplay(turns, scale=scale, memory_graph=memory_graph)
     if memory_graph is not None:
@@ -339,6 +351,10 @@ def run_replay(
 
     out: dict[str, Any] = {"turns": turns, "records": records,
                            "chunk_reuse": engine.chunk_reuse.enabled,
+                           "chunk_settings": {
+                               k: getattr(engine.chunk_reuse, k)
+                               for k in ("repair_ratio", "repair_first", "repair_rule",
+                                         "select_layer", "min_share", "max_hops")},
                            "memory_chunks": None if ingest is None else {
                                "lines": ingest.lines, "computed_tokens": ingest.computed_tokens,
                                "wall_s": round(ingest.wall_s, 3)}}
@@ -556,7 +572,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 memory_graph=graph, reserve=not args.no_reserve,
                                 reserve_candidates=args.reserve_candidates,
                                 think_s=args.think_s, chunk_reuse=not args.no_chunk_reuse,
-                                memory_chunks=not args.no_memory_chunks)
+                                memory_chunks=not args.no_memory_chunks,
+                                chunk_settings={k: v for k, v in (
+                                    ("repair_ratio", args.repair_ratio),
+                                    ("select_layer", args.select_layer)) if v is not None})
         finally:
             graph.close()
     return report(result, Path(args.out), plot_ttft)

@@ -6,7 +6,8 @@ turn's token layout (``building``), tenants and per-tenant views (``tenancy``), 
 path to a served model (``served``: the model as a vLLM server renders it, the request
 fields that label token ranges for the connector, and the wire format they use,
 ``served.wire``); with the cache lookup and generation on an embedded engine, the
-calls' reports (``reports``) and stable-prefix pins (``pins``).
+calls' reports (``reports``), stable-prefix pins (``pins``) and memory lines computed
+when they enter the memory graph (``memory_chunks``).
 
 The loop above is reached through Protocols declared here and implemented there: the
 blocks of a call registered with a tier manager (``registration``:
@@ -34,6 +35,8 @@ _EXPORTS = {
     "LabelRangeError": "contextkit.pipeline.served.model",
     "TurnHooks": "contextkit.pipeline.hooks",
     "TurnPipeline": "contextkit.pipeline.hooks",
+    "MemoryChunks": "contextkit.pipeline.memory_chunks",
+    "MemoryChunkStats": "contextkit.pipeline.memory_chunks",
 }
 
 __getattr__, __dir__, __all__ = _lazy_face(__name__, _EXPORTS)
