@@ -166,14 +166,20 @@ class PromptBuilder:
             "given once per layer", layer, spilled, lines, budget)
 
 
+def section_pieces(layer: str, lines: Sequence[str]) -> list[str]:
+    """The texts a layer's section is made of, in order: its opening tag, each line with
+    its newline, its closing tag."""
+    tag = layer.upper()
+    return [f"[{tag}]\n", *(text + "\n" for text in lines), f"[/{tag}]\n"]
+
+
 def _line_pieces(section: PromptSection, ids: Sequence[int],
                  encode: Encode) -> tuple[int, ...]:
     """Token counts of a section's pieces (its opening tag, each line, its closing
     tag, each with its newline) when tokenizing them apart gives the section's own ids
     (so each line is a chunk by content: :mod:`contextkit.engine.chunks`); ``()``
     otherwise."""
-    tag = section.layer.upper()
-    texts = [f"[{tag}]\n", *(line.text + "\n" for line in section.lines), f"[/{tag}]\n"]
+    texts = section_pieces(section.layer, [line.text for line in section.lines])
     out: list[int] = []
     pos = 0
     for text in texts:

@@ -20,11 +20,13 @@ Use it where memories are written::
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from contextkit.engine.types import TokenSpan
+from contextkit.pipeline.building import section_pieces
 from contextkit.prompt.chatml import _ChatML
 from contextkit.prompt.layers import LayerConfig
 
@@ -73,8 +75,9 @@ class MemoryChunks:
         self.engine = engine
         spec = (config or LayerConfig()).get(layer)
         self.label = spec.source
+        self.layer = spec.name
         self._head = [*engine.encode(_ChatML.open("system")),
-                      *engine.encode(f"[{spec.name.upper()}]\n")]
+                      *engine.encode(section_pieces(spec.name, [])[0])]
         self._pad = engine.encode("\n")
         self.group_tokens = group_tokens
         self.to_host = to_host
@@ -98,8 +101,6 @@ class MemoryChunks:
         prefill (pass it to a :class:`~contextkit.engine.background.BackgroundPrefiller`
         to run it there).
         """
-        import time
-
         t0 = time.perf_counter()
         todo = self.pending(texts, tenant)
         skipped = len(texts) - len(todo)
@@ -132,12 +133,12 @@ class MemoryChunks:
         return self.add(texts, graph_tenant if tenant is None else tenant)
 
     def _groups(self, texts: Sequence[str]) -> list[list[list[int]]]:
-        """Token ids of each line (text and newline, as the pipeline splits a layer),
-        grouped up to :attr:`group_tokens`."""
+        """Token ids of each line (as the pipeline splits a layer's section), grouped up
+        to :attr:`group_tokens`."""
         groups: list[list[list[int]]] = []
         size = self.group_tokens
-        for text in texts:
-            piece = self.engine.encode(text + "\n")
+        for text in section_pieces(self.layer, texts)[1:-1]:
+            piece = self.engine.encode(text)
             if not groups or size + len(piece) > self.group_tokens:
                 groups.append([])
                 size = 0

@@ -60,12 +60,6 @@ LAST_COMPILED: dict[str, Any] = {}
 #: Most split-K partitions :func:`pick_num_splits` picks.
 MAX_SPLITS = 256
 
-
-
-def default_decode(device: torch.device) -> DecodeConfig:
-    """The launch :func:`tq4_decode_attention_triton` uses on ``device`` unless told."""
-    return CUDA_DECODE if device.type == "cuda" and not INTERPRETED else EXACT_DECODE
-
 _LOG2E = 1.4426950408889634
 #: fp32 ``tl.dot`` precision. "ieee" is exact fp32 FMA; on CUDA "tf32x3" keeps fp32
 #: accuracy (three TF32 MMAs) while using the tensor cores.
@@ -74,6 +68,11 @@ _CUDA_DOT_PRECISION = "tf32x3"
 _rotation_t_cache: weakref.WeakKeyDictionary[TQ4Codec, torch.Tensor] = (
     weakref.WeakKeyDictionary()
 )
+
+
+def default_decode(device: torch.device) -> DecodeConfig:
+    """The launch :func:`tq4_decode_attention_triton` uses on ``device`` unless told."""
+    return CUDA_DECODE if device.type == "cuda" and not INTERPRETED else EXACT_DECODE
 
 
 def _dot_precision(device: torch.device) -> str:
@@ -270,15 +269,15 @@ def _centroids(packed, cent_ptr, table, LOOKUP: tl.constexpr, BLOCK_N: tl.conste
     """Centroid values ``(low nibbles, high nibbles)`` of ``packed`` bytes ``[BLOCK_N, D/2]``
     as ``DOT_DTYPE``: loaded (L1-cached) from ``cent_ptr`` (``LOOKUP`` 0) or gathered
     from the 16-entry register ``table`` (1)."""
+    low, high = (packed & 0xF).to(tl.int32), (packed >> 4).to(tl.int32)
     if LOOKUP == 1:
         rows = tl.broadcast_to(table[None, :], (BLOCK_N, 16))
-        lo = tl.gather(rows, (packed & 0xF).to(tl.int32), axis=1)
-        hi = tl.gather(rows, (packed >> 4).to(tl.int32), axis=1)
-        return lo.to(DOT_DTYPE), hi.to(DOT_DTYPE)
+        lo = tl.gather(rows, low, axis=1)
+        hi = tl.gather(rows, high, axis=1)
     else:
-        lo = tl.load(cent_ptr + (packed & 0xF).to(tl.int32))
-        hi = tl.load(cent_ptr + (packed >> 4).to(tl.int32))
-        return lo.to(DOT_DTYPE), hi.to(DOT_DTYPE)
+        lo = tl.load(cent_ptr + low)
+        hi = tl.load(cent_ptr + high)
+    return lo.to(DOT_DTYPE), hi.to(DOT_DTYPE)
 
 
 @triton.jit
@@ -410,10 +409,11 @@ def pick_num_splits(
 ) -> int:
     """Splits of the context so that ``B * Hkv * splits`` programs fill the device.
 
-    Aims at ``per_sm`` (eight) programs per SM: each program's tile loads wait on the block-table
-    load before them, so the device needs many programs in flight to keep HBM busy
-    (measured on an H200: two per SM reached 107 GB/s at 32K tokens). Never below two
-    ``BLOCK_N`` tiles per split, at most 256 splits (the merge reads every split).
+    Aims at ``per_sm`` (default eight) programs per SM: each program's tile loads wait on
+    the block-table load before them, so the device needs many programs in flight to
+    keep HBM busy (measured on an H200: two per SM reached 107 GB/s at 32K tokens).
+    Never below two ``BLOCK_N`` tiles per split, at most 256 splits (the merge reads
+    every split).
     """
     if device.type == "cuda" and not INTERPRETED:
         index = device.index if device.index is not None else torch.cuda.current_device()

@@ -278,12 +278,10 @@ class ConnectorStore(PoolShadows, SharedBlocks):
                     self._upgraded[keys[i]] = labels[i].fmt
             result.stored = [keys[i] for i in sorted(stored)]
             result.failed = [keys[i] for i in sorted(failed)]
-            result.removed = self._forget_evicted()
-            result.removed_layers = [self._sources.pop(key, None) for key in result.removed]
+            result.removed, result.removed_layers = self._forget_evicted()
             self.num_saved += len(result.stored)
             self.stats.count_layers("saved_blocks",
                                     [self._sources[key] for key in result.stored])
-            self.stats.count_layers("evicted_blocks", result.removed_layers)
             if self.shadowing:
                 self._shadow_lag.saved(result.stored, result.removed, stored_at)
         return result
@@ -439,12 +437,16 @@ class ConnectorStore(PoolShadows, SharedBlocks):
                                                       len(to_pin), exc)
         return True
 
-    def _forget_evicted(self) -> list[bytes]:
+    def _forget_evicted(self) -> tuple[list[bytes], list[str | None]]:
+        """Forget the blocks the pools evicted (to make room for a save or an import)
+        and count them by layer; returns their keys and layers."""
         gone = [key for key, (pool, bid) in self._ids.items() if bid not in pool.cache.metadata]
         for key in gone:
             del self._ids[key]
             self._upgraded.pop(key, None)
-        return gone
+        layers = [self._sources.pop(key, None) for key in gone]
+        self.stats.count_layers("evicted_blocks", layers)
+        return gone, layers
 
     # ------------------------------------------------------------------ load
     def read(self, keys: Sequence[bytes], tenant: str

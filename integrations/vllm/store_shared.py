@@ -60,7 +60,7 @@ class SharedBlocks:
         @property
         def _budget(self) -> int: ...
 
-        def _forget_evicted(self) -> list[bytes]: ...
+        def _forget_evicted(self) -> tuple[list[bytes], list[str | None]]: ...
 
     def export_chunk(self, keys: Sequence[bytes], tenant: str, path: str
                      ) -> SharedChunk | None:
@@ -151,8 +151,6 @@ class SharedBlocks:
                         pool.pins.pin(pinned)
                 imported += len(ids)
             self.stats.count("shared_imported_blocks", imported)
-            removed = self._forget_evicted()
-            self.stats.count_layers("evicted_blocks",
-                                    [self._sources.pop(key, None) for key in removed])
+            removed, _ = self._forget_evicted()
         order = {b.key: i for i, b in enumerate(chunk.blocks)}
         return sorted(set(held) - set(removed), key=order.__getitem__), removed
