@@ -99,7 +99,7 @@ def report(result: dict[str, Any], out_dir: Path,
         ("chunk reuse | tokens reused | repaired (all turns)",
          f"{'on' if out['chunk_reuse'] else 'off (--no-chunk-reuse)'} | "
          f"{sum(out['chunk_reused_tokens']):,} | {sum(out['repaired_tokens']):,}"),
-        ("memory lines computed at seeding | tokens | s",
+        ("memory lines ready at seeding | tokens computed | s",
          "off" if not out.get("memory_chunks") else
          f"{out['memory_chunks']['lines']} | {out['memory_chunks']['computed_tokens']:,} | "
          f"{out['memory_chunks']['wall_s']}"),

@@ -205,8 +205,9 @@ def _memory_chunks_line(ingest: dict[str, Any] | None) -> str:
     """What computing the memories' lines at seeding cost (reused as chunks later)."""
     if not ingest:
         return "Memory lines: computed in the turns that first bring them in."
-    return (f"Memory lines: {ingest['lines']} computed when the graph was seeded "
-            f"({ingest['computed_tokens']:,} tokens, {ingest['wall_s']:.1f} s, before turn 1); "
+    return (f"Memory lines: {ingest['lines']} ready when the graph was seeded "
+            f"({ingest['computed_tokens']:,} tokens computed, the rest found in the cache; "
+            f"{ingest['wall_s']:.1f} s, before turn 1); "
             "turns that bring them in move them in as chunks.")
 
 

@@ -41,7 +41,8 @@ class MemoryChunkStats:
     """What one :meth:`MemoryChunks.add` did.
 
     Attributes:
-        lines: memory lines computed now.
+        lines: memory lines made ready now: computed, or found in the cache already (a
+            cache restored from the shadow holds them); ``computed_tokens`` says which.
         skipped: lines given that were computed before (for this tenant) or are empty.
         computed_tokens: tokens computed (opening, lines and padding to whole blocks).
         wall_s: wall time.
