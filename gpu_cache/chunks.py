@@ -15,6 +15,12 @@ valid exactly as long as those blocks are cached (any tier) and a stale entry is
 dropped on lookup. Entries are tenant-salted (another tenant's identical text has
 another key) and bounded (least recently used first). Nothing here imports an engine:
 the vLLM connector can key its DDR tier's chunks the same way.
+
+A chunk whose text changed a little (a status line whose figures moved) has a new key.
+The index also remembers, per ``(tenant, label, first tokens)``, the token ids of the
+last few chunks registered under that signature (:meth:`ChunkIndex.versions`), so a
+caller can align the new text against an earlier version and reuse the tokens they
+share (:mod:`contextkit.engine.chunks`). Versions live in memory only.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ __all__ = ["ChunkEntry", "ChunkIndex", "chunk_key"]
 
 #: Entries an index keeps by default (a few hundred prompts' layers and turns).
 DEFAULT_MAX_ENTRIES = 4096
+
+#: Versions kept per signature (:meth:`ChunkIndex.versions`), most recent first.
+VERSIONS_PER_SIGNATURE = 4
 
 
 def chunk_key(identity_digest: bytes, tenant: str, label: str,
@@ -89,6 +98,9 @@ class ChunkIndex:
         # block key -> hops of the reused K/V the block holds (absent: computed in
         # full context); bounded like the entries.
         self._hops: OrderedDict[BlockHash, int] = OrderedDict()
+        # signature -> [(tenant, token ids, chunk key)], most recent first
+        self._versions: OrderedDict[bytes, list[tuple[str, tuple[int, ...], bytes]]] = \
+            OrderedDict()
         self._lock = threading.Lock()
 
     def key(self, tenant: str, label: str, token_ids: Sequence[int]) -> bytes:
@@ -137,6 +149,30 @@ class ChunkIndex:
         with self._lock:
             return max((self._hops.get(bk, 0) for bk in block_keys), default=0)
 
+    def signature(self, tenant: str, label: str, token_ids: Sequence[int]) -> bytes:
+        """The key under which versions of a chunk starting with ``token_ids`` (its first
+        tokens) are kept for ``tenant`` and ``label``."""
+        return chunk_key(self.identity_digest, tenant, "\x00versions:" + label, token_ids)
+
+    def note_version(self, signature: bytes, tenant: str, token_ids: Sequence[int],
+                     key: bytes) -> None:
+        """Remember that the chunk ``token_ids`` (registered under ``key``) is the latest
+        version under ``signature``."""
+        ids = tuple(token_ids)
+        with self._lock:
+            held = [v for v in self._versions.get(signature, []) if v[1] != ids]
+            self._versions[signature] = [(tenant, ids, key), *held][:VERSIONS_PER_SIGNATURE]
+            self._versions.move_to_end(signature)
+            while len(self._versions) > self.max_entries:
+                self._versions.popitem(last=False)
+
+    def versions(self, signature: bytes, tenant: str) -> list[tuple[tuple[int, ...], bytes]]:
+        """``tenant``'s versions under ``signature``: token ids and chunk key, most recent
+        first (their entries may be gone: look each key up with :meth:`get`)."""
+        with self._lock:
+            return [(ids, key) for t, ids, key in self._versions.get(signature, [])
+                    if t == tenant]
+
     def discard(self, key: bytes) -> None:
         """Forget ``key`` (its blocks are gone)."""
         with self._lock:
@@ -148,6 +184,12 @@ class ChunkIndex:
             gone = [k for k, e in self._entries.items() if e.tenant == tenant]
             for k in gone:
                 del self._entries[k]
+            for sig in list(self._versions):
+                kept = [v for v in self._versions[sig] if v[0] != tenant]
+                if kept:
+                    self._versions[sig] = kept
+                else:
+                    del self._versions[sig]
             return len(gone)
 
     def of_tenant(self, tenant: str) -> Iterator[ChunkEntry]:

@@ -286,6 +286,8 @@ def run_replay(
                 "computed_tokens": ck.generation.computed_tokens,
                 "chunk_reused_tokens": ck.generation.chunk_reused_tokens,
                 "repaired_tokens": ck.generation.repaired_tokens,
+                "edited_chunks": len(ck.generation.reused_chunk_edits),
+                "edited_tokens": ck.generation.edited_tokens,
                 "reused_chunks": dict(ck.report.reused_chunks),
                 "flop_ratio": (engine.prefill_flops(len(ids))
                                / engine.prefill_flops(len(ids), ck.generation.reused_tokens)),
@@ -321,7 +323,8 @@ def run_replay(
                 target = torch.tensor(base.token_ids)
                 reused = ck.generation.reused_tokens
                 path = {"max_reuse_tokens": reused, "spans": spans,
-                        "chunk_starts": ck.generation.reused_chunk_starts}
+                        "chunk_starts": ck.generation.reused_chunk_starts,
+                        "chunk_edits": ck.generation.reused_chunk_edits}
                 logits = engine.score(ids, base.token_ids, **path)
                 hits = int((logits.argmax(dim=-1) == target).sum())
                 if ck.generation.reused_chunks:  # the turns whose chunks were reused

@@ -39,10 +39,12 @@ __all__ = ["prefill_reusing_chunks"]
 
 def prefill_reusing_chunks(engine: Engine, ids: Sequence[int], start: int, kv: _PagedKV,
                            spans: Sequence[TokenSpan], tenant: str, cfg: ChunkReuse,
-                           only: Sequence[int] | None = None) -> tuple[torch.Tensor, ChunkUse]:
+                           only: Sequence[int] | None = None,
+                           edits: Sequence[int] = ()) -> tuple[torch.Tensor, ChunkUse]:
     """Prefill ``ids[start:]`` into ``kv``, reusing cached chunks where the index has
-    them (``only``: just the chunks starting there, to replay a request's path);
-    logits of the last token and what was reused.
+    them (``only``: just the chunks starting there, and ``edits``: of those, the ones
+    aligned against a version, to replay a request's path); logits of the last token
+    and what was reused.
 
     Without a chunk to reuse (or a tail longer than the engine's ``prefill_chunk``)
     this is the plain prefill.
@@ -54,7 +56,7 @@ def prefill_reusing_chunks(engine: Engine, ids: Sequence[int], start: int, kv: _
     hits: list[ChunkHit] = []
     if cfg.enabled and spans and n - start <= engine.prefill_chunk \
             and cfg.select_layer < engine.model.num_layers:
-        hits = find_chunks(engine.cache, ids, spans, tenant, lo, window, cfg, only)
+        hits = find_chunks(engine.cache, ids, spans, tenant, lo, window, cfg, only, edits)
         if only is None and sum(h.length for h in hits) < cfg.min_share * (n - start):
             release_chunks(engine.cache, hits)  # too little to gain: a plain prefill
             hits = []
@@ -68,11 +70,19 @@ def prefill_reusing_chunks(engine: Engine, ids: Sequence[int], start: int, kv: _
     logits, repaired = _blend_forward(engine, ids, start, kv, hits, cfg)
     use.repaired_tokens = sum(repaired)
     use.reused_tokens = sum(h.length for h in hits) - use.repaired_tokens
-    use.moved = [h.length - r for h, r in zip(hits, repaired, strict=True)]
-    use.chunks = [h.label for h in hits]
-    use.starts = [h.start for h in hits]
-    use.lengths = [h.length for h in hits]
-    use.hops = [h.entry.hops + 1 for h in hits]
+    for hit, fixed in zip(hits, repaired, strict=True):  # per span, its runs summed
+        if not use.starts or use.starts[-1] != hit.span_start:
+            use.chunks.append(hit.label)
+            use.starts.append(hit.span_start)
+            use.lengths.append(hit.span_length)
+            use.moved.append(0)
+            use.hops.append(hit.entry.hops + 1)
+            if hit.edit:
+                use.edits.append(hit.span_start)
+                use.edited_tokens += hit.span_length
+        use.moved[-1] += hit.length - fixed
+        if hit.edit:
+            use.edited_tokens -= hit.length
     return logits, use
 
 
@@ -117,7 +127,7 @@ def _blend_forward(engine: Engine, ids: Sequence[int], start: int, kv: _PagedKV,
                 new_k = new_k - offset
             deviation = ((new_k - old_k) ** 2).sum(dim=(1, 2)) + \
                 ((v[mask].float() - old_v) ** 2).sum(dim=(1, 2))
-            pick = select_repair(deviation, chunk_rows, cfg)
+            pick = select_repair(deviation, chunk_rows, cfg, [h.first for h in hits])
             repaired = [int(pick[a:b].sum()) for a, b in chunk_rows]
             attn = kv.attend(i, q, k, v, start, engine.scale)
             keep = ~reused

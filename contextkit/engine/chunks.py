@@ -18,6 +18,12 @@ the pipeline gives) is also registered by content in the cache's
    whose K/V deviate most there (plus each chunk's first tokens) are picked
    (:func:`select_repair`), and only they and the new tokens run through the rest.
 
+A span whose text changed a little since it was cached (a status line whose figures
+moved: a new key) is **aligned** against the earlier versions of it the index keeps
+(same tenant, label and first tokens, :meth:`~gpu_cache.chunks.ChunkIndex.versions`):
+the runs of tokens the two share are moved in like chunks of their own, the changed
+tokens are computed, and the repair treats the token after each change as a seam.
+
 Spans inside the float residual window or the attention sink are always computed.
 An entry computed in full context has 0 hops; K/V reused from an ``n``-hop entry
 (repaired or not) are ``n + 1`` hops away, and entries past ``max_hops`` are not
@@ -26,9 +32,10 @@ reused: re-rotating and re-encoding does not accumulate without bound.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,7 +51,7 @@ if TYPE_CHECKING:
     from contextkit.engine.llama import _Model
 
 __all__ = ["REPAIR_RULES", "ChunkHit", "ChunkReuse", "ChunkUse", "copy_chunks",
-           "find_chunks", "register_chunks", "select_repair"]
+           "find_chunks", "register_chunks", "select_repair", "shared_runs"]
 
 #: How the tokens of reused chunks that are recomputed are picked: "deviation" (the
 #: largest K/V deviation at the selection layer, CacheBlend's rule), "first" (each
@@ -72,6 +79,15 @@ class ChunkReuse:
         min_share: a request reuses chunks only when they cover at least this share of
             the tokens after its cached prefix (below it the first layers over every
             token and the moves cost about what the chunks save: a plain prefill).
+        edits: align a span that is not cached as it is against earlier versions of
+            it and reuse the runs of tokens they share.
+        edit_signature: the first this-many tokens name a span's versions (a version
+            must start the same way).
+        edit_min_run: shared runs shorter than this are computed.
+        edit_min_share: a version is used only when the runs reused cover at least
+            this share of the span.
+        edit_repair_first: the first this-many tokens of each run after a change are
+            recomputed (rules "first" and "both"; at most ``repair_first``).
     """
 
     enabled: bool = True
@@ -83,15 +99,21 @@ class ChunkReuse:
     select_layer: int = 1
     max_hops: int = 3
     min_share: float = 0.2
+    edits: bool = True
+    edit_signature: int = 4
+    edit_min_run: int = 3
+    edit_min_share: float = 0.5
+    edit_repair_first: int = 1
 
     def __post_init__(self) -> None:
         if self.repair_rule not in REPAIR_RULES:
             raise ValueError(f"repair_rule must be one of {REPAIR_RULES}, got "
                              f"{self.repair_rule!r}")
-        for name in ("repair_ratio", "min_share"):
+        for name in ("repair_ratio", "min_share", "edit_min_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        for name in ("min_tokens", "repair_first", "select_layer", "max_hops"):
+        for name in ("min_tokens", "repair_first", "select_layer", "max_hops",
+                     "edit_signature", "edit_min_run", "edit_repair_first"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.labels is not None:
@@ -105,29 +127,52 @@ class ChunkReuse:
 
 @dataclass(slots=True)
 class ChunkHit:
-    """One chunk a request reuses: where it goes and where its K/V are (the source
-    blocks hold one reference until the request lets them go)."""
+    """One run of tokens a request reuses: where it goes and where its K/V are (the
+    source blocks hold one reference until the request lets them go). A span cached as
+    it is is one run; an edited span is a run per stretch it shares with its version.
+
+    Attributes:
+        start, length: the run's place in the request.
+        label: its span's label.
+        entry: where the run's K/V lie (its first token at ``entry.offset``,
+            computed at ``entry.position``).
+        src_blocks: the blocks of ``entry``.
+        span_start, span_length: the span the run is part of.
+        first: its first tokens recomputed under the rules "first" and "both".
+        edit: the span was aligned against an earlier version.
+    """
 
     start: int
     length: int
     label: str
     entry: ChunkEntry
     src_blocks: list[int]
+    span_start: int = -1
+    span_length: int = 0
+    first: int = 0
+    edit: bool = False
+
+    def __post_init__(self) -> None:
+        if self.span_start < 0:
+            self.span_start, self.span_length = self.start, self.length
 
 
 @dataclass(slots=True)
 class ChunkUse:
-    """What one request did with chunks (for its result and report).
+    """What one request did with chunks (for its result and report), per span reused
+    (as it was cached, or edited).
 
     Attributes:
         reused_tokens: chunk tokens whose K/V came from the cache and were not
             recomputed.
         repaired_tokens: chunk tokens found but recomputed (the seams).
-        chunks: labels of the reused chunks, in prompt order.
+        chunks: labels of the reused spans, in prompt order.
         starts: their positions in the prompt.
         lengths: their tokens.
-        moved: per chunk, its tokens moved in and not recomputed.
-        hops: per reused chunk, the hops of its K/V now (entry's + 1).
+        moved: per span, its tokens moved in and not recomputed.
+        hops: per span, the hops of its K/V now (entry's + 1).
+        edits: the starts of the spans reused by aligning an earlier version.
+        edited_tokens: tokens of those spans computed because they changed.
     """
 
     reused_tokens: int = 0
@@ -137,6 +182,8 @@ class ChunkUse:
     lengths: list[int] = field(default_factory=list)
     moved: list[int] = field(default_factory=list)
     hops: list[int] = field(default_factory=list)
+    edits: list[int] = field(default_factory=list)
+    edited_tokens: int = 0
 
     def taint(self, cache: TQGPUCache, keys: Sequence[BlockHash]) -> None:
         """Record the hops of the blocks (of the prompt's full blocks ``keys``) that
@@ -149,38 +196,105 @@ class ChunkUse:
 
 def find_chunks(cache: TQGPUCache, ids: Sequence[int], spans: Sequence[TokenSpan],
                 tenant: str, lo: int, hi: int, cfg: ChunkReuse,
-                only: Sequence[int] | None = None) -> list[ChunkHit]:
+                only: Sequence[int] | None = None,
+                edits: Sequence[int] = ()) -> list[ChunkHit]:
     """The eligible spans inside positions ``[lo, hi)`` cached by content for
-    ``tenant`` (``only``: just the spans starting there); their source blocks are
-    acquired and on the device tier.
+    ``tenant``, or aligned against a cached version (``cfg.edits``); their source
+    blocks are acquired and on the device tier. ``only``: just the spans starting
+    there, and ``edits``: of those, the ones to align (to replay a request's path).
 
     A stale entry (a block of it gone) is dropped; a chunk whose blocks cannot be
     brought to the device tier is left to compute.
     """
     hits: list[ChunkHit] = []
-    index = cache.chunks
     with cache.locked():
         for span in sorted(spans, key=lambda s: s.start):
             if span.start < lo or span.end > hi or not cfg.eligible(span) or (
                     only is not None and span.start not in only):
                 continue
-            key = index.key(tenant, span.source_layer, ids[span.start : span.end])
-            entry = index.get(key, tenant)
-            if entry is None or entry.hops >= cfg.max_hops:
-                continue
-            if hits and span.start < hits[-1].start + hits[-1].length:
+            if hits and span.start < hits[-1].span_start + hits[-1].span_length:
                 continue  # overlapping spans: the first wins
-            bids = cache.lookup(entry.block_keys, tenant)
-            if len(bids) < len(entry.block_keys):
-                index.discard(key)
-                continue
-            cache.acquire(bids)
-            host = [b for b in bids if cache.metadata.get(b).tier is Tier.HOST]
-            if host and cache.warm_blocks(host) is None:
-                cache.release(bids)
-                continue
-            hits.append(ChunkHit(span.start, span.end - span.start, span.source_layer,
-                                 entry, bids))
+            tokens = ids[span.start : span.end]
+            found: list[ChunkHit] | None = None
+            if only is None or span.start not in edits:
+                found = _exact(cache, span, tokens, tenant, cfg)
+            if found is None and cfg.edits and (only is None or span.start in edits):
+                found = _edited(cache, span, tokens, tenant, cfg)
+            hits.extend(found or ())
+    return hits
+
+
+def _sources(cache: TQGPUCache, key: bytes, tenant: str,
+             cfg: ChunkReuse) -> tuple[ChunkEntry, list[int]] | None:
+    """The entry under ``key`` and its blocks, acquired and on the device tier; ``None``
+    when it is gone, too many hops away, or cannot be brought up."""
+    index = cache.chunks
+    entry = index.get(key, tenant)
+    if entry is None or entry.hops >= cfg.max_hops:
+        return None
+    bids = cache.lookup(entry.block_keys, tenant)
+    if len(bids) < len(entry.block_keys):
+        index.discard(key)
+        return None
+    cache.acquire(bids)
+    host = [b for b in bids if cache.metadata.get(b).tier is Tier.HOST]
+    if host and cache.warm_blocks(host) is None:
+        cache.release(bids)
+        return None
+    return entry, bids
+
+
+def _exact(cache: TQGPUCache, span: TokenSpan, tokens: Sequence[int], tenant: str,
+           cfg: ChunkReuse) -> list[ChunkHit] | None:
+    """``span`` cached as it is: one run."""
+    src = _sources(cache, cache.chunks.key(tenant, span.source_layer, tokens), tenant, cfg)
+    if src is None:
+        return None
+    entry, bids = src
+    return [ChunkHit(span.start, span.end - span.start, span.source_layer, entry, bids,
+                     first=cfg.repair_first)]
+
+
+def shared_runs(old: Sequence[int], new: Sequence[int], min_run: int) -> list[tuple[int, int, int]]:
+    """The runs of tokens ``old`` and ``new`` share, in order, as ``(i, j, n)``:
+    ``old[i:i+n] == new[j:j+n]``, ``n >= min_run`` (difflib's longest matching blocks)."""
+    matcher = difflib.SequenceMatcher(None, list(old), list(new), autojunk=False)
+    return [(b.a, b.b, b.size) for b in matcher.get_matching_blocks()
+            if b.size >= max(1, min_run)]
+
+
+def _edited(cache: TQGPUCache, span: TokenSpan, tokens: Sequence[int], tenant: str,
+            cfg: ChunkReuse) -> list[ChunkHit] | None:
+    """``span`` aligned against the cached version of it sharing the most tokens: a
+    run per stretch they share."""
+    n = len(tokens)
+    if cfg.edit_signature < 1 or n <= cfg.edit_signature:
+        return None
+    index = cache.chunks
+    sig = index.signature(tenant, span.source_layer, tokens[: cfg.edit_signature])
+    best: tuple[int, list[tuple[int, int, int]], bytes] | None = None
+    for old, key in index.versions(sig, tenant):
+        if tuple(old) == tuple(tokens):
+            continue  # itself: reused as it is or not at all
+        runs = shared_runs(old, tokens, cfg.edit_min_run)
+        shared = sum(r[2] for r in runs)
+        if shared >= cfg.edit_min_share * n and (best is None or shared > best[0]):
+            best = (shared, runs, key)
+    if best is None:
+        return None
+    src = _sources(cache, best[2], tenant, cfg)
+    if src is None:
+        return None
+    entry, bids = src
+    hits = []
+    for r, (i, j, size) in enumerate(best[1]):
+        if r:
+            cache.acquire(bids)  # one reference per run: each is released on its own
+        first = cfg.repair_first if j == 0 else min(cfg.repair_first, cfg.edit_repair_first)
+        hits.append(ChunkHit(span.start + j, size, span.source_layer,
+                             replace(entry, offset=entry.offset + i,
+                                     position=entry.position + i, length=size),
+                             bids, span.start, n, first, True))
     return hits
 
 
@@ -235,20 +349,24 @@ def copy_chunks(cache: TQGPUCache, model: _Model, hits: Sequence[ChunkHit],
 
 
 def select_repair(deviation: torch.Tensor, chunk_rows: Sequence[tuple[int, int]],
-                  cfg: ChunkReuse) -> torch.Tensor:
+                  cfg: ChunkReuse, first: Sequence[int] | None = None) -> torch.Tensor:
     """Which reused rows to recompute: a bool mask over ``deviation``'s rows.
 
     Args:
         deviation: ``[n]`` per reused row, how far its cached K/V are from this
             context's at the selection layer.
-        chunk_rows: per chunk, its rows ``[a, b)`` among those ``n``.
+        chunk_rows: per chunk (run), its rows ``[a, b)`` among those ``n``.
         cfg: the rule, ratio and first tokens.
+        first: per chunk, its first tokens to recompute (rules "first" and "both");
+            default ``cfg.repair_first`` each.
     """
     n = deviation.shape[0]
     pick = torch.zeros(n, dtype=torch.bool)
+    if first is None:
+        first = [cfg.repair_first] * len(chunk_rows)
     if cfg.repair_rule in ("first", "both"):
-        for a, b in chunk_rows:
-            pick[a : min(b, a + cfg.repair_first)] = True
+        for (a, b), k in zip(chunk_rows, first, strict=True):
+            pick[a : min(b, a + k)] = True
     if cfg.repair_rule in ("deviation", "both"):
         want = min(n, math.ceil(cfg.repair_ratio * n))
         extra = want - int(pick.sum())
@@ -278,7 +396,12 @@ def register_chunks(cache: TQGPUCache, ids: Sequence[int], spans: Sequence[Token
         entry = ChunkEntry(tenant=tenant, label=span.source_layer,
                            block_keys=tuple(keys[b0:b1]), offset=span.start % bs,
                            position=span.start, length=span.end - span.start, hops=hops)
-        key = index.key(tenant, span.source_layer, ids[span.start : span.end])
+        tokens = ids[span.start : span.end]
+        key = index.key(tenant, span.source_layer, tokens)
+        if cfg.edits and cfg.edit_signature >= 1 and len(tokens) > cfg.edit_signature:
+            index.note_version(index.signature(tenant, span.source_layer,
+                                               tokens[: cfg.edit_signature]),
+                               tenant, tokens, key)
         held = index.get(key, tenant)
         keep = None
         if held is not None and held != entry and held.hops <= hops \

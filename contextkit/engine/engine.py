@@ -552,7 +552,8 @@ class Engine:
             computed_tokens=len(ids) - (start if use_cache else 0) - chunks.reused_tokens,
             chunk_reused_tokens=chunks.reused_tokens, repaired_tokens=chunks.repaired_tokens,
             reused_chunks=chunks.chunks, reused_chunk_starts=chunks.starts,
-            reused_chunk_tokens=chunks.moved,
+            reused_chunk_tokens=chunks.moved, reused_chunk_edits=chunks.edits,
+            edited_tokens=chunks.edited_tokens,
             ttft_ms=ttft * 1000, total_ms=total * 1000,
             blocks_per_tier=self._blocks_per_tier(tenant) if use_cache else {},
             kv_format=self.kv_format if use_cache else "native",
@@ -574,9 +575,11 @@ class Engine:
         sink_tokens: int | None = None,
         spans: Sequence[TokenSpan] | None = None,
         chunk_starts: Sequence[int] | None = None,
+        chunk_edits: Sequence[int] = (),
     ) -> torch.Tensor:
         """Teacher-forced logits ``[len(target), V]``: row ``i`` predicts ``target[i]``
         (:func:`contextkit.engine.scoring.score`, which documents every argument)."""
         return _score(self, prompt_ids, target_ids, tenant=tenant, use_cache=use_cache,
                       max_reuse_tokens=max_reuse_tokens, residual_tokens=residual_tokens,
-                      sink_tokens=sink_tokens, spans=spans, chunk_starts=chunk_starts)
+                      sink_tokens=sink_tokens, spans=spans, chunk_starts=chunk_starts,
+                      chunk_edits=chunk_edits)

@@ -34,6 +34,7 @@ def score(
     sink_tokens: int | None = None,
     spans: Sequence[TokenSpan] | None = None,
     chunk_starts: Sequence[int] | None = None,
+    chunk_edits: Sequence[int] = (),
 ) -> torch.Tensor:
     """Teacher-forced logits ``[len(target), V]``: row ``i`` predicts ``target[i]``.
 
@@ -51,7 +52,9 @@ def score(
         spans, chunk_starts: replay a request's chunk reuse
             (:mod:`contextkit.engine.chunks`): the chunks of ``spans`` starting at
             ``chunk_starts`` (a :class:`~contextkit.engine.types.GenerationResult`'s
-            ``reused_chunk_starts``) are reused and repaired as that request did.
+            ``reused_chunk_starts``) are reused and repaired as that request did;
+        chunk_edits: of those, the ones it aligned against an earlier version
+            (``reused_chunk_edits``).
 
     Raises:
         ValueError: an empty target or an over-long sequence.
@@ -79,7 +82,8 @@ def score(
                                sink_tokens)
             if spans and chunk_starts:
                 first, _ = prefill_reusing_chunks(engine, prompt, start, kv, spans, tenant,
-                                                  engine.chunk_reuse, only=chunk_starts)
+                                                  engine.chunk_reuse, only=chunk_starts,
+                                                  edits=chunk_edits)
             else:
                 first = engine._prefill(prompt, start, kv)
             if len(target) == 1:

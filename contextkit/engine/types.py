@@ -56,6 +56,10 @@ class GenerationResult:
         reused_chunks: the labels of the reused chunks, in prompt order.
         reused_chunk_starts: their positions (to replay the path in ``Engine.score``).
         reused_chunk_tokens: per reused chunk, its tokens not recomputed.
+        reused_chunk_edits: the starts of the reused chunks whose text had changed:
+            the tokens they share with a cached version were moved in.
+        edited_tokens: tokens of those chunks computed because they changed (in
+            ``computed_tokens``).
     """
 
     text: str
@@ -75,6 +79,8 @@ class GenerationResult:
     reused_chunks: list[str] = field(default_factory=list)
     reused_chunk_starts: list[int] = field(default_factory=list)
     reused_chunk_tokens: list[int] = field(default_factory=list)
+    reused_chunk_edits: list[int] = field(default_factory=list)
+    edited_tokens: int = 0
 
     @property
     def kv_reuse_ratio(self) -> float:
@@ -102,6 +108,8 @@ class GenerationResult:
             "chunk_reused_tokens": self.chunk_reused_tokens,
             "repaired_tokens": self.repaired_tokens,
             "reused_chunks": list(self.reused_chunks),
+            "edited_chunks": len(self.reused_chunk_edits),
+            "edited_tokens": self.edited_tokens,
             "kv_reuse_ratio": round(self.kv_reuse_ratio, 4),
             "generated_tokens": len(self.token_ids),
             "decode_tps": None if (tps := self.decode_tps) is None else round(tps, 2),
