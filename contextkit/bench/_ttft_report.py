@@ -41,6 +41,8 @@ def report(result: dict[str, Any], out_dir: Path,
         "computed_tokens": [r["computed_tokens"] for r in records],
         "chunk_reused_tokens": [r["chunk_reused_tokens"] for r in records],
         "repaired_tokens": [r["repaired_tokens"] for r in records],
+        "edited_chunks": [r.get("edited_chunks", 0) for r in records],
+        "edited_tokens": [r.get("edited_tokens", 0) for r in records],
         **({"ttft_ms_chunk_ceiling": [round(r["ttft_ms_chunk_ceiling"], 1) for r in records],
             "computed_tokens_chunk_ceiling": [r["computed_tokens_chunk_ceiling"]
                                               for r in records]}
@@ -99,6 +101,8 @@ def report(result: dict[str, Any], out_dir: Path,
         ("chunk reuse | tokens reused | repaired (all turns)",
          f"{'on' if out['chunk_reuse'] else 'off (--no-chunk-reuse)'} | "
          f"{sum(out['chunk_reused_tokens']):,} | {sum(out['repaired_tokens']):,}"),
+        ("edited lines | their changed tokens computed (all turns)",
+         f"{sum(out['edited_chunks']):,} | {sum(out['edited_tokens']):,}"),
         ("memory lines ready at seeding | tokens computed | s",
          "off" if not out.get("memory_chunks") else
          f"{out['memory_chunks']['lines']} | {out['memory_chunks']['computed_tokens']:,} | "

@@ -28,8 +28,11 @@ adds ``decode_tps_native_cached``. ``contextkit bench decode`` measures decode a
 Reuse beyond the prefix (:mod:`contextkit.engine.chunks`, on unless
 ``--no-chunk-reuse``): per turn ``chunk_reused_tokens`` (moved in from layers, lines and
 turns cached at other positions, not recomputed), ``repaired_tokens`` and
-``reused_chunks`` (per label); with the quality runs, a TQ4 sibling that moves every
-cached chunk in and repairs nothing follows the same prompts: ``ttft_ms_chunk_ceiling``,
+``reused_chunks`` (per label), and ``edited_chunks`` / ``edited_tokens``: lines whose
+text changed, aligned against their cached version (the runs they share moved in, the
+changed tokens computed; ``--no-chunk-edits`` is the ablation); with the quality runs,
+a TQ4 sibling that moves every cached chunk (and shared run) in and repairs nothing
+follows the same prompts: ``ttft_ms_chunk_ceiling``,
 ``speedup_memory_change_ceiling_p50`` and ``ceiling_fraction_memory_change``, what reuse
 by content can reach on the memory-change turns. ``top1_agreement_chunk_turns`` and
 ``ppl_ratio_chunk_turns`` (held-out perplexity after the prompt, the turn's path over a
@@ -141,6 +144,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chunk-reuse", action="store_true",
                         help="prefix reuse only: a changed layer recomputes everything after "
                              "it (the ablation of reuse beyond the prefix)")
+    parser.add_argument("--no-chunk-edits", action="store_true",
+                        help="a line whose text changed is computed whole, not aligned "
+                             "against its cached version (the ablation of edited chunks)")
     parser.add_argument("--repair-ratio", type=unit_float, default=None,
                         help="share of reused chunk tokens recomputed (default: the engine's, "
                              "0.15)")
@@ -260,11 +266,13 @@ def run_replay(
                     native = engine.sibling("native", num_device_blocks=room,
                                             num_host_blocks=16, chunk_reuse=False)
                     if engine.chunk_reuse.enabled:
-                        # reuse's ceiling: every cached chunk moved in, nothing repaired
+                        # reuse's ceiling: every cached chunk (and every run an edited
+                        # line shares with its version) moved in, nothing repaired
                         ceiling = engine.sibling(
                             num_device_blocks=device_blocks, num_host_blocks=host_blocks,
                             chunk_reuse=ChunkReuse(repair_ratio=0.0, repair_first=0,
-                                                   select_layer=0, max_hops=1 << 30))
+                                                   select_layer=0, max_hops=1 << 30,
+                                                   edits=engine.chunk_reuse.edits))
                         if memory_chunks:
                             _memory_chunks(ceiling, pipeline, replay)
 
@@ -578,7 +586,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 memory_chunks=not args.no_memory_chunks,
                                 chunk_settings={k: v for k, v in (
                                     ("repair_ratio", args.repair_ratio),
-                                    ("select_layer", args.select_layer)) if v is not None})
+                                    ("select_layer", args.select_layer),
+                                    ("edits", False if args.no_chunk_edits else None))
+                                    if v is not None})
         finally:
             graph.close()
     return report(result, Path(args.out), plot_ttft)

@@ -104,6 +104,8 @@ class EngineSettings:
         chunk_repair_ratio: share of a request's reused chunk tokens recomputed, [0, 1].
         chunk_repair_rule: ``deviation`` (largest K/V deviation at an early layer),
             ``first`` (each chunk's first tokens) or ``both``.
+        chunk_edits: align a line whose text changed against its cached version and
+            reuse the tokens they share (``false``: such a line is computed whole).
     """
 
     model: str | None = None
@@ -117,6 +119,7 @@ class EngineSettings:
     chunk_layers: str | None = None
     chunk_repair_ratio: float = 0.15
     chunk_repair_rule: str = "both"
+    chunk_edits: bool = True
 
     def engine_kwargs(self, cache: CacheSettings, pins: PinConfig) -> dict[str, Any]:
         """Keyword arguments of :class:`contextkit.engine.engine.Engine` for these settings,
@@ -136,7 +139,7 @@ class EngineSettings:
         labels = None if self.chunk_layers is None else tuple(
             part.strip() for part in self.chunk_layers.split(",") if part.strip())
         return {"labels": labels, "repair_ratio": self.chunk_repair_ratio,
-                "repair_rule": self.chunk_repair_rule}
+                "repair_rule": self.chunk_repair_rule, "edits": self.chunk_edits}
 
     def __post_init__(self) -> None:
         if self.kv_format not in ("tq4", "native"):

@@ -134,3 +134,12 @@ def test_an_edited_path_replays_exactly(fresh: Callable[..., Engine]) -> None:
             "chunk_starts": res.reused_chunk_starts, "chunk_edits": res.reused_chunk_edits}
     replay = eng.score(after, res.token_ids, **path)
     torch.testing.assert_close(replay[0], res.first_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_the_configuration_switches_edits_off() -> None:
+    from contextkit.config.settings import EngineSettings
+
+    on, off = EngineSettings().chunk_reuse_kwargs(), EngineSettings(chunk_edits=False)
+    assert isinstance(on, dict) and ChunkReuse(**on).edits
+    kwargs = off.chunk_reuse_kwargs()
+    assert isinstance(kwargs, dict) and not ChunkReuse(**kwargs).edits
