@@ -365,7 +365,7 @@ def run_replay(
                            "chunk_settings": {
                                k: getattr(engine.chunk_reuse, k)
                                for k in ("repair_ratio", "repair_first", "repair_rule",
-                                         "select_layer", "min_share", "max_hops")},
+                                         "select_layer", "min_share", "max_hops", "edits")},
                            "memory_chunks": None if ingest is None else {
                                "lines": ingest.lines, "computed_tokens": ingest.computed_tokens,
                                "wall_s": round(ingest.wall_s, 3)}}
