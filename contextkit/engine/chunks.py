@@ -119,6 +119,10 @@ class ChunkReuse:
         if self.labels is not None:
             object.__setattr__(self, "labels", tuple(self.labels))
 
+    def versioned(self, tokens: int) -> bool:
+        """Whether a span of ``tokens`` tokens keeps versions to align edits against."""
+        return self.edits and 1 <= self.edit_signature < tokens
+
     def eligible(self, span: TokenSpan) -> bool:
         """Whether ``span`` may be reused by content."""
         return (span.end - span.start >= max(1, self.min_tokens)
@@ -267,14 +271,14 @@ def _edited(cache: TQGPUCache, span: TokenSpan, tokens: Sequence[int], tenant: s
             cfg: ChunkReuse) -> list[ChunkHit] | None:
     """``span`` aligned against the cached version of it sharing the most tokens: a
     run per stretch they share."""
-    n = len(tokens)
-    if cfg.edit_signature < 1 or n <= cfg.edit_signature:
+    tokens, n = tuple(tokens), len(tokens)
+    if not cfg.versioned(n):
         return None
     index = cache.chunks
     sig = index.signature(tenant, span.source_layer, tokens[: cfg.edit_signature])
     best: tuple[int, list[tuple[int, int, int]], bytes] | None = None
     for old, key in index.versions(sig, tenant):
-        if tuple(old) == tuple(tokens):
+        if old == tokens:
             continue  # itself: reused as it is or not at all
         runs = shared_runs(old, tokens, cfg.edit_min_run)
         shared = sum(r[2] for r in runs)
@@ -398,7 +402,7 @@ def register_chunks(cache: TQGPUCache, ids: Sequence[int], spans: Sequence[Token
                            position=span.start, length=span.end - span.start, hops=hops)
         tokens = ids[span.start : span.end]
         key = index.key(tenant, span.source_layer, tokens)
-        if cfg.edits and cfg.edit_signature >= 1 and len(tokens) > cfg.edit_signature:
+        if cfg.versioned(len(tokens)):
             index.note_version(index.signature(tenant, span.source_layer,
                                                tokens[: cfg.edit_signature]),
                                tenant, tokens, key)
