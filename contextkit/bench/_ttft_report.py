@@ -12,8 +12,8 @@ from contextkit.bench._common import machine_info, print_table
 __all__ = ["report"]
 
 
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _rounded(value: float | None, rate: bool) -> float | None:
@@ -116,8 +116,10 @@ def report(result: dict[str, Any], out_dir: Path,
                  ("  packed only (no float sink/window)", out["top1_agreement_tq4_packed_only"]),
                  ("ppl_ratio_tq4", out["ppl_ratio_tq4"]),
                  ("chunk turns: top1_agreement | ppl_ratio",
-                  f"{_fmt(out['top1_agreement_chunk_turns'])} | "
-                  f"{_fmt(out['ppl_ratio_chunk_turns'])} ({out['chunk_turns']} turns)")]
+                  f"{_fmt(out['top1_agreement_chunk_turns'], 4)} | "
+                  f"{_fmt(out['ppl_ratio_chunk_turns'])} ({out['chunk_turns']} turns)"),
+                 ("  the same turns, prefix reuse only (every chunk token computed)",
+                  _fmt(out["top1_agreement_chunk_turns_prefix_only"], 4))]
     rows.append(("plot", png))
     print_table("bench ttft", rows)
     return out

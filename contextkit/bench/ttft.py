@@ -36,7 +36,10 @@ follows the same prompts: ``ttft_ms_chunk_ceiling``,
 ``speedup_memory_change_ceiling_p50`` and ``ceiling_fraction_memory_change``, what reuse
 by content can reach on the memory-change turns. ``top1_agreement_chunk_turns`` and
 ``ppl_ratio_chunk_turns`` (held-out perplexity after the prompt, the turn's path over a
-full prefill, geometric mean) are measured on exactly the turns that reused chunks.
+full prefill, geometric mean) are measured on exactly the turns that reused chunks;
+``top1_agreement_chunk_turns_prefix_only`` teacher-forces the same replies through the
+same turns' cached prefix alone (every chunk token computed, same TQ4 cache): the
+quality ceiling of chunk reuse (:mod:`contextkit.bench._ttft_quality`).
 
 Quality: ``top1_agreement_tq4`` teacher-forces the baseline's replies through the
 TQ4 path the turn took (the same reused prefix, the same chunks moved in and repaired,
@@ -72,7 +75,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import statistics
 import sys
 import tempfile
@@ -81,7 +83,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from contextkit.bench._common import (
@@ -91,6 +92,7 @@ from contextkit.bench._common import (
     positive_int,
     unit_float,
 )
+from contextkit.bench._ttft_quality import ReplyQuality, perplexity
 from contextkit.bench._ttft_report import report
 
 __all__ = ["DEFAULT_THINK_S", "HELD_OUT", "HELP", "add_arguments", "run", "run_replay"]
@@ -153,6 +155,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--select-layer", type=non_negative_int, default=None,
                         help="model layers 0..N run over every token after the prefix and "
                              "pick the repaired ones at N (default: the engine's, 1)")
+    parser.add_argument("--max-hops", type=non_negative_int, default=None,
+                        help="K/V moved this many times since a full computation are "
+                             "computed whole instead (default: the engine's, 8)")
     parser.add_argument("--no-memory-chunks", action="store_true",
                         help="do not compute the memories' lines when they enter the graph "
                              "(a memory's first appearance is computed in the turn)")
@@ -241,10 +246,8 @@ def run_replay(
     records: list[dict[str, Any]] = []
     history: list[tuple[str, str]] = []
     agree_native: list[bool] = []
-    top1_hits = top1_total = top1_packed_hits = 0
-    chunk_hits = chunk_total = 0
-    chunk_nll: list[float] = []
     held = engine.encode(HELD_OUT)
+    scores = ReplyQuality(engine, held)
     bar = tqdm(total=turns, desc="replay", unit="turn", file=sys.stderr, disable=not progress)
     for t in range(turns):
         think = _think_window(reservations, think_s if t else 0.0)
@@ -328,24 +331,8 @@ def run_replay(
                 record["decode_tps_native_cached"] = nat.decode_tps
                 record["reused_tokens_native_cached"] = nat.reused_tokens
                 record["native_reply_identical"] = same
-                target = torch.tensor(base.token_ids)
-                reused = ck.generation.reused_tokens
-                path = {"max_reuse_tokens": reused, "spans": spans,
-                        "chunk_starts": ck.generation.reused_chunk_starts,
-                        "chunk_edits": ck.generation.reused_chunk_edits}
-                logits = engine.score(ids, base.token_ids, **path)
-                hits = int((logits.argmax(dim=-1) == target).sum())
-                if ck.generation.reused_chunks:  # the turns whose chunks were reused
-                    chunk_hits += hits
-                    chunk_total += len(base.token_ids)
-                    chunk_nll.append(_nll(engine.score(ids, held, **path), held)
-                                     - _nll(engine.score(ids, held, use_cache=False), held))
-                packed = engine.score(ids, base.token_ids, max_reuse_tokens=reused,
-                                      residual_tokens=0, sink_tokens=0)
-                top1_packed_hits += int((packed.argmax(dim=-1) == target).sum())
-                top1_hits += hits
-                top1_total += len(base.token_ids)
-                record["top1_agreement_tq4"] = hits / len(base.token_ids)
+                record["top1_agreement_tq4"] = scores.turn(ids, spans, ck.generation,
+                                                           base.token_ids)
         records.append(record)
         if on_turn is not None:
             on_turn(record)
@@ -390,19 +377,12 @@ def run_replay(
         out["speedup_native_cached_p50"] = statistics.median(
             r["ttft_ms_baseline"] / r["ttft_ms_native_cached"] for r in later)
         out["decode_tps_native_cached_p50"] = _median_of(records, "decode_tps_native_cached")
-        out["top1_agreement_tq4"] = top1_hits / max(1, top1_total)
-        out["chunk_turns"] = len(chunk_nll)
-        out["top1_agreement_chunk_turns"] = chunk_hits / chunk_total if chunk_total else None
-        # perplexity of the held-out text after each chunk turn's prompt, the path
-        # the turn took over a full prefill (geometric mean over those turns)
-        out["ppl_ratio_chunk_turns"] = (math.exp(statistics.fmean(chunk_nll))
-                                        if chunk_nll else None)
-        out["top1_agreement_tq4_packed_only"] = top1_packed_hits / max(1, top1_total)
+        out.update(scores.figures())
         out["residual_tokens"] = engine.residual_tokens
         out["sink_tokens"] = engine.sink_tokens
         ids, _, _ = pipeline.assemble(replay.turn(turns - 1).user_message, history)
-        out["ppl_tq4"] = _perplexity(engine.score(ids, held), held)
-        out["ppl_native"] = _perplexity(engine.score(ids, held, use_cache=False), held)
+        out["ppl_tq4"] = perplexity(engine.score(ids, held), held)
+        out["ppl_native"] = perplexity(engine.score(ids, held, use_cache=False), held)
         out["ppl_ratio_tq4"] = out["ppl_tq4"] / out["ppl_native"]
         out["held_out_tokens"] = len(held)
     out["cache"] = engine.cache.summary()
@@ -518,16 +498,6 @@ def _reservation_figures(records: list[dict[str, Any]], stats: dict[str, Any] | 
     }
 
 
-def _nll(logits: torch.Tensor, target: list[int]) -> float:
-    """Mean negative log-likelihood of ``target`` under teacher-forced ``logits``."""
-    return math.log(_perplexity(logits, target))
-
-
-def _perplexity(logits: torch.Tensor, target: list[int]) -> float:
-    loss = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(target))
-    return math.exp(float(loss))
-
-
 def plot_ttft(records: list[dict[str, Any]], path: Path, title: str) -> Path:
     """TTFT per turn: baseline, prefix cache (if measured) and contextkit."""
     import matplotlib
@@ -587,6 +557,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 chunk_settings={k: v for k, v in (
                                     ("repair_ratio", args.repair_ratio),
                                     ("select_layer", args.select_layer),
+                                    ("max_hops", args.max_hops),
                                     ("edits", False if args.no_chunk_edits else None))
                                     if v is not None})
         finally:

@@ -58,6 +58,8 @@ def test_bench_ttft_reports_every_field(tmp_path: Path, capsys: pytest.CaptureFi
     assert all(top <= c for top, c in zip(result["computed_tokens_chunk_ceiling"],
                                           result["computed_tokens"], strict=True))
     assert result["top1_agreement_chunk_turns"] > 0.8
+    # the same turns' replies through the prefix alone, every chunk token computed
+    assert result["top1_agreement_chunk_turns_prefix_only"] > 0.8
     assert 0.9 < result["ppl_ratio_chunk_turns"] < 1.2
     # the lossless sibling reused what the TQ4 path reused
     assert result["reused_tokens_native_cached"][1:] == result["reused_tokens"][1:]
