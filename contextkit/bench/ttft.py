@@ -157,7 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "pick the repaired ones at N (default: the engine's, 1)")
     parser.add_argument("--max-hops", type=non_negative_int, default=None,
                         help="K/V moved this many times since a full computation are "
-                             "computed whole instead (default: the engine's, 8)")
+                             "computed whole instead (default: the engine's, 4)")
     parser.add_argument("--no-memory-chunks", action="store_true",
                         help="do not compute the memories' lines when they enter the graph "
                              "(a memory's first appearance is computed in the turn)")

@@ -106,6 +106,8 @@ class EngineSettings:
             ``first`` (each chunk's first tokens) or ``both``.
         chunk_edits: align a line whose text changed against its cached version and
             reuse the tokens they share (``false``: such a line is computed whole).
+        chunk_max_hops: K/V moved this many times since a full computation are not
+            moved again: the chunk is computed whole (bounds drift).
     """
 
     model: str | None = None
@@ -120,6 +122,7 @@ class EngineSettings:
     chunk_repair_ratio: float = 0.15
     chunk_repair_rule: str = "both"
     chunk_edits: bool = True
+    chunk_max_hops: int = 4
 
     def engine_kwargs(self, cache: CacheSettings, pins: PinConfig) -> dict[str, Any]:
         """Keyword arguments of :class:`contextkit.engine.engine.Engine` for these settings,
@@ -139,7 +142,8 @@ class EngineSettings:
         labels = None if self.chunk_layers is None else tuple(
             part.strip() for part in self.chunk_layers.split(",") if part.strip())
         return {"labels": labels, "repair_ratio": self.chunk_repair_ratio,
-                "repair_rule": self.chunk_repair_rule, "edits": self.chunk_edits}
+                "repair_rule": self.chunk_repair_rule, "edits": self.chunk_edits,
+                "max_hops": self.chunk_max_hops}
 
     def __post_init__(self) -> None:
         if self.kv_format not in ("tq4", "native"):
@@ -153,6 +157,8 @@ class EngineSettings:
         if self.chunk_repair_rule not in ("deviation", "first", "both"):
             raise ValueError("chunk_repair_rule must be 'deviation', 'first' or 'both', got "
                              f"{self.chunk_repair_rule!r}")
+        if self.chunk_max_hops < 0:
+            raise ValueError(f"chunk_max_hops must be >= 0, got {self.chunk_max_hops}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,7 +97,7 @@ class ChunkReuse:
     repair_first: int = 4
     repair_rule: str = "both"
     select_layer: int = 1
-    max_hops: int = 3
+    max_hops: int = 4
     min_share: float = 0.2
     edits: bool = True
     edit_signature: int = 4

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from contextkit.engine.chunks import ChunkReuse, select_repair, shared_runs
@@ -143,3 +144,9 @@ def test_the_configuration_switches_edits_off() -> None:
     assert isinstance(on, dict) and ChunkReuse(**on).edits
     kwargs = off.chunk_reuse_kwargs()
     assert isinstance(kwargs, dict) and not ChunkReuse(**kwargs).edits
+    # the hop limit travels from the configuration to the engine, and is checked
+    hops = EngineSettings(chunk_max_hops=7).chunk_reuse_kwargs()
+    assert isinstance(hops, dict) and ChunkReuse(**hops).max_hops == 7
+    assert ChunkReuse(**on).max_hops == ChunkReuse().max_hops
+    with pytest.raises(ValueError, match="chunk_max_hops"):
+        EngineSettings(chunk_max_hops=-1)
