@@ -21,15 +21,16 @@ import torch
 __all__ = ["ReplyQuality", "nll", "perplexity"]
 
 
-def perplexity(logits: torch.Tensor, target: Sequence[int]) -> float:
-    """Perplexity of ``target`` under teacher-forced ``logits`` ``[len(target), V]``."""
-    loss = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(list(target)))
-    return math.exp(float(loss))
-
-
 def nll(logits: torch.Tensor, target: Sequence[int]) -> float:
-    """Mean negative log-likelihood of ``target`` under teacher-forced ``logits``."""
-    return math.log(perplexity(logits, target))
+    """Mean negative log-likelihood of ``target`` under teacher-forced ``logits``
+    ``[len(target), V]``."""
+    return float(torch.nn.functional.cross_entropy(logits.float(),
+                                                   torch.tensor(list(target))))
+
+
+def perplexity(logits: torch.Tensor, target: Sequence[int]) -> float:
+    """Perplexity of ``target`` under teacher-forced ``logits``."""
+    return math.exp(nll(logits, target))
 
 
 class ReplyQuality:
