@@ -129,11 +129,11 @@ def _blend_forward(engine: Engine, ids: Sequence[int], start: int, kv: _PagedKV,
                 ((v[mask].float() - old_v) ** 2).sum(dim=(1, 2))
             pick = select_repair(deviation, chunk_rows, cfg, [h.first for h in hits])
             repaired = [int(pick[a:b].sum()) for a, b in chunk_rows]
-            attn = kv.attend(i, q, k, v, start, engine.scale)
             keep = ~reused
             keep[reused.nonzero()[:, 0][pick]] = True
             keep_dev = keep.to(dev)
-            attn = attn[keep_dev]
+            # every token's K/V are written here; only the rows that go on attend
+            attn = kv.attend_some(i, q, k, v, start, keep_dev.nonzero()[:, 0], engine.scale)
             h, cos, sin, positions = h[keep_dev], cos[keep_dev], sin[keep_dev], positions[keep_dev]
         else:
             attn = kv.attend_rows(i, q, k, v, positions, engine.scale)

@@ -358,6 +358,21 @@ class _PagedKV:
             v_all[positions] = v.float()
         return attend_positions(q.float(), positions, k_all, v_all, scale).to(q.dtype)
 
+    def attend_some(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    start: int, rows: torch.Tensor, scale: float) -> torch.Tensor:
+        """Write the K/V of tokens ``start..start+T`` as :meth:`attend` does (a
+        prefill: their own K/V read fresh) and return the attention of the query
+        ``rows`` alone (indices into the ``T``, ascending): ``[len(rows), Hq, D]``,
+        what ``attend(...)[rows]`` gives without the other rows' work."""
+        self._write(layer, k, v, start)
+        k_new = k.float() if self.native else self._centered(layer, k)
+        v_new = v.float()
+        if start:
+            k_pre, v_pre = self._read(layer, start)
+            k_new, v_new = torch.cat([k_pre, k_new]), torch.cat([v_pre, v_new])
+        positions = rows.to(q.device) + start
+        return attend_positions(q[rows].float(), positions, k_new, v_new, scale).to(q.dtype)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                start: int, scale: float) -> torch.Tensor:
         n = q.shape[0]

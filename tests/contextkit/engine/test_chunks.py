@@ -12,7 +12,8 @@ import torch
 
 from contextkit.engine.chunks import ChunkHit, ChunkReuse, copy_chunks, find_chunks, select_repair
 from contextkit.engine.engine import Engine
-from contextkit.engine.kv import _ContiguousKV, read_slots, write_slots
+from contextkit.engine.kv import _ContiguousKV, _PagedKV, read_slots, write_slots
+from contextkit.engine.sequence import close_sequence, open_sequence
 from contextkit.engine.types import TokenSpan
 from gpu_cache import Tier
 from gpu_cache.chunks import ChunkEntry, ChunkIndex, chunk_key
@@ -158,6 +159,49 @@ def test_recomputing_every_reused_token_is_exactly_a_full_prefill(
     full = eng.generate(after, max_new_tokens=1, use_cache=False)
     assert res.first_logits is not None and full.first_logits is not None
     torch.testing.assert_close(res.first_logits, full.first_logits, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_format", ["tq4", "native"])
+def test_the_select_layer_attends_only_the_rows_that_go_on(
+        fresh: Callable[..., Engine], kv_format: str) -> None:
+    """At the select layer the blend writes every token's K/V but only the kept rows
+    attend: ``attend_some`` gives ``attend(...)[rows]`` (grouped-query heads, a cached
+    prefix read from the packed cache with its float sink, the float residual window
+    starting among the new tokens) and leaves the same cache bytes and window."""
+    eng = fresh(kv_format, device=64)
+    bs = eng.cache.block_size
+    start, num_new, sink = 3 * bs + 5, 2 * bs + 7, bs
+    window = start + num_new - 9
+    m = eng.model
+    gen = torch.Generator().manual_seed(3)
+    prefix_k = torch.randn(start, m.num_kv_heads, m.head_dim, generator=gen)
+    prefix_v = torch.randn(start, m.num_kv_heads, m.head_dim, generator=gen)
+    q = torch.randn(num_new, m.num_heads, m.head_dim, generator=gen)
+    k = torch.randn(num_new, m.num_kv_heads, m.head_dim, generator=gen)
+    v = torch.randn(num_new, m.num_kv_heads, m.head_dim, generator=gen)
+    rows = torch.tensor([0, 1, 5, bs, bs + 1, num_new - 10, num_new - 9, num_new - 1])
+    ids = list(range(start + num_new))
+    outs, views = [], []
+    seqs = [open_sequence(eng.cache, ids, 1, "default", None, reuse=False) for _ in range(2)]
+    try:
+        for seq in seqs:
+            kv = _PagedKV(eng.cache, seq.block_ids, 0, window_start=window, sink=sink)
+            kv._write(0, prefix_k, prefix_v, 0)  # the cached prefix, and the sink's floats
+            kv.cached = start
+            views.append(kv)
+        assert m.num_heads != m.num_kv_heads  # grouped-query heads
+        outs.append(views[0].attend(0, q, k, v, start, eng.scale)[rows])
+        outs.append(views[1].attend_some(0, q, k, v, start, rows, eng.scale))
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+        slots = [kv._slots(start, num_new) for kv in views]
+        for a, b in zip(read_slots(eng.cache, 0, slots[0]), read_slots(eng.cache, 0, slots[1]),
+                        strict=True):
+            assert a is not None and b is not None and torch.equal(a, b)
+        assert views[0].win_len[0] == views[1].win_len[0] == (
+            0 if kv_format == "native" else start + num_new - window)
+    finally:
+        for seq in seqs:
+            close_sequence(eng.cache, seq, ids, 0)
 
 
 def test_chunks_are_never_served_to_another_tenant_or_identity(
