@@ -155,6 +155,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--select-layer", type=non_negative_int, default=None,
                         help="model layers 0..N run over every token after the prefix and "
                              "pick the repaired ones at N (default: the engine's, 1)")
+    parser.add_argument("--deviation-at", choices=("source", "moved"), default=None,
+                        help="measure a reused token's fresh K/V against its K/V where "
+                             "they are cached (source) or after the move (moved: tq4 keys "
+                             "then carry a second quantization); default: the engine's, "
+                             "source")
     parser.add_argument("--max-hops", type=non_negative_int, default=None,
                         help="K/V moved this many times since a full computation are "
                              "computed whole instead (default: the engine's, 4)")
@@ -352,7 +357,8 @@ def run_replay(
                            "chunk_settings": {
                                k: getattr(engine.chunk_reuse, k)
                                for k in ("repair_ratio", "repair_first", "repair_rule",
-                                         "select_layer", "min_share", "max_hops", "edits")},
+                                         "select_layer", "deviation_at", "min_share",
+                                         "max_hops", "edits")},
                            "memory_chunks": None if ingest is None else {
                                "lines": ingest.lines, "computed_tokens": ingest.computed_tokens,
                                "wall_s": round(ingest.wall_s, 3)}}
@@ -557,6 +563,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 chunk_settings={k: v for k, v in (
                                     ("repair_ratio", args.repair_ratio),
                                     ("select_layer", args.select_layer),
+                                    ("deviation_at", args.deviation_at),
                                     ("max_hops", args.max_hops),
                                     ("edits", False if args.no_chunk_edits else None))
                                     if v is not None})

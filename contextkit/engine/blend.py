@@ -22,9 +22,11 @@ from contextkit.engine.attention import _rotate
 from contextkit.engine.chunks import (
     ChunkHit,
     ChunkReuse,
+    ChunkSource,
     ChunkUse,
     copy_chunks,
     find_chunks,
+    read_sources,
     release_chunks,
     select_repair,
 )
@@ -62,12 +64,18 @@ def prefill_reusing_chunks(engine: Engine, ids: Sequence[int], start: int, kv: _
             hits = []
     if not hits:
         return engine._prefill(ids, start, kv), use
+    source = None
     try:
-        layers = range(cfg.select_layer, engine.model.num_layers)
-        copy_chunks(engine.cache, engine.model, hits, kv.table, layers)
+        # the selection layer's rows are all written afresh: the move there serves
+        # only to compare against ("moved"); "source" reads them where they lie
+        first = cfg.select_layer + (cfg.deviation_at == "source")
+        copy_chunks(engine.cache, engine.model, hits, kv.table,
+                    range(first, engine.model.num_layers))
+        if cfg.deviation_at == "source":
+            source = read_sources(engine.cache, engine.model, hits, cfg.select_layer)
     finally:
         release_chunks(engine.cache, hits)
-    logits, repaired = _blend_forward(engine, ids, start, kv, hits, cfg)
+    logits, repaired = _blend_forward(engine, ids, start, kv, hits, cfg, source)
     use.repaired_tokens = sum(repaired)
     use.reused_tokens = sum(h.length for h in hits) - use.repaired_tokens
     for hit, fixed in zip(hits, repaired, strict=True):  # per span, its runs summed
@@ -88,9 +96,11 @@ def prefill_reusing_chunks(engine: Engine, ids: Sequence[int], start: int, kv: _
 
 @torch.inference_mode()
 def _blend_forward(engine: Engine, ids: Sequence[int], start: int, kv: _PagedKV,
-                   hits: Sequence[ChunkHit], cfg: ChunkReuse) -> tuple[torch.Tensor, list[int]]:
+                   hits: Sequence[ChunkHit], cfg: ChunkReuse,
+                   source: ChunkSource | None = None) -> tuple[torch.Tensor, list[int]]:
     """The staged forward; logits of the last token and, per chunk, how many of its
-    tokens were recomputed."""
+    tokens were recomputed (``source``: the reused rows at the selection layer as
+    cached, else they are read after the move)."""
     m = engine.model
     n = len(ids)
     dev = m.device
@@ -119,14 +129,17 @@ def _blend_forward(engine: Engine, ids: Sequence[int], start: int, kv: _PagedKV,
         if i < cfg.select_layer:
             attn = kv.attend(i, q, k, v, start, engine.scale)
         elif i == cfg.select_layer:
-            old_k, old_v = kv.rows(i, reused_pos)
             mask = reused.to(dev)
-            new_k = k[mask].float()
-            offset = kv.cache.key_offset(i)
-            if offset is not None and not kv.native:
-                new_k = new_k - offset
-            deviation = ((new_k - old_k) ** 2).sum(dim=(1, 2)) + \
-                ((v[mask].float() - old_v) ** 2).sum(dim=(1, 2))
+            offset = None if kv.native else kv.cache.key_offset(i)
+            if source is not None:
+                deviation = source.deviation(k[mask], v[mask], offset)
+            else:
+                old_k, old_v = kv.rows(i, reused_pos)
+                new_k = k[mask].float()
+                if offset is not None:
+                    new_k = new_k - offset
+                deviation = ((new_k - old_k) ** 2).sum(dim=(1, 2)) + \
+                    ((v[mask].float() - old_v) ** 2).sum(dim=(1, 2))
             pick = select_repair(deviation, chunk_rows, cfg, [h.first for h in hits])
             repaired = [int(pick[a:b].sum()) for a, b in chunk_rows]
             keep = ~reused

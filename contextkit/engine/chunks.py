@@ -50,13 +50,20 @@ from gpu_cache.hashing import BlockHash
 if TYPE_CHECKING:
     from contextkit.engine.llama import _Model
 
-__all__ = ["REPAIR_RULES", "ChunkHit", "ChunkReuse", "ChunkUse", "copy_chunks",
-           "find_chunks", "register_chunks", "select_repair", "shared_runs"]
+__all__ = ["DEVIATION_AT", "REPAIR_RULES", "ChunkHit", "ChunkReuse", "ChunkSource",
+           "ChunkUse", "copy_chunks", "find_chunks", "read_sources", "register_chunks",
+           "select_repair", "shared_runs"]
 
 #: How the tokens of reused chunks that are recomputed are picked: "deviation" (the
 #: largest K/V deviation at the selection layer, CacheBlend's rule), "first" (each
 #: chunk's first tokens only), "both" (the union).
 REPAIR_RULES = ("deviation", "first", "both")
+
+#: What a reused token's fresh K/V at the selection layer are measured against:
+#: "source" (the K/V as the chunk's source blocks hold them, the fresh keys rotated
+#: back to the cached positions) or "moved" (the K/V after the move; on tq4 the moved
+#: keys carry a second quantization, noise that then takes part in the pick).
+DEVIATION_AT = ("source", "moved")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +82,7 @@ class ChunkReuse:
         repair_rule: one of :data:`REPAIR_RULES`.
         select_layer: model layers ``0..select_layer`` run over every token; the
             deviation at ``select_layer`` picks the repaired ones.
+        deviation_at: one of :data:`DEVIATION_AT`.
         max_hops: entries this many reuses away from a full computation are not reused.
         min_share: a request reuses chunks only when they cover at least this share of
             the tokens after its cached prefix (below it the first layers over every
@@ -97,6 +105,7 @@ class ChunkReuse:
     repair_first: int = 4
     repair_rule: str = "both"
     select_layer: int = 1
+    deviation_at: str = "source"
     max_hops: int = 4
     min_share: float = 0.2
     edits: bool = True
@@ -109,6 +118,9 @@ class ChunkReuse:
         if self.repair_rule not in REPAIR_RULES:
             raise ValueError(f"repair_rule must be one of {REPAIR_RULES}, got "
                              f"{self.repair_rule!r}")
+        if self.deviation_at not in DEVIATION_AT:
+            raise ValueError(f"deviation_at must be one of {DEVIATION_AT}, got "
+                             f"{self.deviation_at!r}")
         for name in ("repair_ratio", "min_share", "edit_min_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
@@ -318,22 +330,33 @@ def _rope_delta(model: _Model, deltas: torch.Tensor) -> tuple[torch.Tensor, torc
     return cos.float(), sin.float()
 
 
-def copy_chunks(cache: TQGPUCache, model: _Model, hits: Sequence[ChunkHit],
-                dst_table: torch.Tensor, layers: range) -> None:
-    """Write the K/V of ``hits`` at their new positions (``dst_table``: the request's
-    block table) for ``layers``: values as stored, keys rotated by the position delta."""
-    if not hits:
-        return
+def _moves(cache: TQGPUCache, hits: Sequence[ChunkHit],
+           dst_table: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                    torch.Tensor]:
+    """Per row of ``hits`` (in order): its source slot, its slot under ``dst_table``
+    (``None``: not asked) and its position delta (new position minus cached one)."""
     bs = cache.block_size
     src, dst, delta = [], [], []
     for hit in hits:
         src.append(slots_of(cache.block_table(hit.src_blocks).long(),
                             torch.arange(hit.length) + hit.entry.offset, bs))
-        dst.append(slots_of(dst_table, torch.arange(hit.start, hit.start + hit.length), bs))
+        if dst_table is not None:
+            dst.append(slots_of(dst_table, torch.arange(hit.start, hit.start + hit.length),
+                                bs))
         delta.append(torch.full((hit.length,), hit.start - hit.entry.position))
-    src_slots = torch.cat(src).to(cache.device)
-    dst_slots = torch.cat(dst).to(cache.device)
-    cos, sin = _rope_delta(model, torch.cat(delta).to(model.device))
+    return (torch.cat(src).to(cache.device),
+            torch.cat(dst).to(cache.device) if dst else None, torch.cat(delta))
+
+
+def copy_chunks(cache: TQGPUCache, model: _Model, hits: Sequence[ChunkHit],
+                dst_table: torch.Tensor, layers: range) -> None:
+    """Write the K/V of ``hits`` at their new positions (``dst_table``: the request's
+    block table) for ``layers``: values as stored, keys rotated by the position delta."""
+    if not hits or not len(layers):
+        return
+    src_slots, dst_slots, delta = _moves(cache, hits, dst_table)
+    assert dst_slots is not None
+    cos, sin = _rope_delta(model, delta.to(model.device))
     cos, sin = cos.to(cache.device), sin.to(cache.device)
     native = cache.identity.codec == "native"
     for layer in layers:
@@ -350,6 +373,47 @@ def copy_chunks(cache: TQGPUCache, model: _Model, hits: Sequence[ChunkHit],
                 continue
             flat = t.view(-1, *t.shape[2:])
             flat.index_copy_(0, dst_slots, flat.index_select(0, src_slots))
+
+
+@dataclass(slots=True)
+class ChunkSource:
+    """The reused rows' K/V at one layer as their source blocks hold them (read before
+    the blocks are let go), to measure a request's fresh K/V against.
+
+    Attributes:
+        k: keys ``[n, Hkv, D]``, centered as the cache stores them, at the cached
+            positions.
+        v: values ``[n, Hkv, D]``.
+        cos, sin: ``[n, 1, D]``, the rotation by each row's position delta.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def deviation(self, k: torch.Tensor, v: torch.Tensor,
+                  offset: torch.Tensor | None) -> torch.Tensor:
+        """``[n]``: how far fresh ``k`` (uncentered, at the new positions) and ``v`` are
+        from the cached rows; the keys are rotated back to the cached positions, so
+        the comparison carries the cache's one quantization, not a move's second."""
+        back = _rotate(k.float(), self.cos, -self.sin)
+        if offset is not None:
+            back = back - offset
+        return (((back - self.k) ** 2).sum(dim=(1, 2))
+                + ((v.float() - self.v) ** 2).sum(dim=(1, 2)))
+
+
+def read_sources(cache: TQGPUCache, model: _Model, hits: Sequence[ChunkHit],
+                 layer: int) -> ChunkSource | None:
+    """The K/V of ``hits`` at ``layer`` as their source blocks hold them."""
+    if not hits:
+        return None
+    src_slots, _, delta = _moves(cache, hits, None)
+    k, v = read_slots(cache, layer, src_slots)
+    assert v is not None
+    cos, sin = _rope_delta(model, delta.to(model.device))
+    return ChunkSource(k.to(model.device), v.to(model.device), cos, sin)
 
 
 def select_repair(deviation: torch.Tensor, chunk_rows: Sequence[tuple[int, int]],

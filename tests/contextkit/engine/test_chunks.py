@@ -10,7 +10,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from contextkit.engine.chunks import ChunkHit, ChunkReuse, copy_chunks, find_chunks, select_repair
+from contextkit.engine.chunks import (
+    ChunkHit,
+    ChunkReuse,
+    copy_chunks,
+    find_chunks,
+    read_sources,
+    select_repair,
+)
 from contextkit.engine.engine import Engine
 from contextkit.engine.kv import _ContiguousKV, _PagedKV, read_slots, write_slots
 from contextkit.engine.sequence import close_sequence, open_sequence
@@ -121,6 +128,54 @@ def test_rerotated_tq4_keys_stay_within_the_codec_error(fresh: Callable[..., Eng
         cos = torch.nn.functional.cosine_similarity(k.flatten(0, 1), ref.flatten(0, 1), dim=-1)
         # one 4-bit encoding keeps ~0.99 cosine; a second (after the rotation) stays close
         assert float(cos.mean()) > 0.98
+
+
+@pytest.mark.parametrize("kv_format", ["native", "tq4"])
+def test_the_repair_signal_measures_against_the_source_not_the_move(
+        fresh: Callable[..., Engine], kv_format: str) -> None:
+    """A chunk computed in the same context deviates by nothing but the cache's one
+    quantization when measured where it is cached (fresh keys rotated back); measured
+    after the move, tq4 keys add a second quantization's noise to the signal."""
+    eng = fresh(kv_format)
+    m, cache, bs = eng.model, eng.cache, eng.cache.block_size
+    chunk = eng.encode(LAYERS["identity"])[:48]
+    n, p0, p1, layer = len(chunk), 13, 58, 1
+    src = cache.allocate(-(-(p0 + n) // bs), Tier.DEVICE, tenant="t")
+    dst = cache.allocate(-(-(p1 + n) // bs), Tier.DEVICE, tenant="t")
+    assert src is not None and dst is not None
+    src_table, dst_table = cache.block_table(src).long(), cache.block_table(dst).long()
+    pos0, pos1 = torch.arange(p0, p0 + n), torch.arange(p1, p1 + n)
+    at_p0, at_p1 = _isolated(eng, chunk, p0), _isolated(eng, chunk, p1)
+    k0, v0, k1, v1 = at_p0.k[layer], at_p0.v[layer], at_p1.k[layer], at_p1.v[layer]
+    assert k0 is not None and v0 is not None and k1 is not None and v1 is not None
+    write_slots(cache, layer, src_table[pos0 // bs] * bs + pos0 % bs, k0, v0)
+    hit = ChunkHit(p1, n, "identity", ChunkEntry("t", "identity", (), p0 % bs, p0, n),
+                   src[p0 // bs:])
+    offset = cache.key_offset(layer)
+    source = read_sources(cache, m, [hit], layer)
+    assert source is not None
+    at_source = source.deviation(k1, v1, offset)
+    # what the cache's one encoding of the chunk lost, straight from the codec
+    stored_k, stored_v = read_slots(cache, layer, src_table[pos0 // bs] * bs + pos0 % bs)
+    assert stored_v is not None
+    centered = k0.float() - (offset if offset is not None else 0)
+    def dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return ((a.float() - b) ** 2).sum(dim=(1, 2))
+
+    once = dist(centered, stored_k) + dist(v0, stored_v)
+    torch.testing.assert_close(at_source, once, atol=1e-4, rtol=1e-3)
+    copy_chunks(cache, m, [hit], dst_table, range(layer, layer + 1))
+    moved_k, moved_v = read_slots(cache, layer, dst_table[pos1 // bs] * bs + pos1 % bs)
+    assert moved_v is not None
+    fresh_k = k1.float() - (offset if offset is not None else 0)
+    after_move = dist(fresh_k, moved_k) + dist(v1, moved_v)
+    scale = float((k1.float() ** 2).sum(dim=(1, 2)).mean())
+    if kv_format == "native":  # nothing lost either way
+        assert float(at_source.max()) < 1e-6 * scale
+        assert float(after_move.max()) < 1e-6 * scale
+    else:  # a second encoding roughly doubles the keys' part of the noise
+        assert float(at_source.mean()) > 0
+        assert float(after_move.mean()) > 1.3 * float(at_source.mean())
 
 
 def test_a_changed_layer_no_longer_recomputes_the_layers_after_it(
