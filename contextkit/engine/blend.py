@@ -2,7 +2,8 @@
 
 The first model layers (``0..select_layer``) run over every token after the prefix,
 the reused chunks' too: their K/V there are computed afresh, and at ``select_layer``
-each reused token's fresh K/V are compared with the ones moved in from the cache.
+each reused token's fresh K/V are compared with the cached ones (where the chunk lies,
+its fresh keys rotated back: ``ChunkReuse.deviation_at``).
 The tokens picked by :func:`contextkit.engine.chunks.select_repair` and every token
 that is not part of a reused chunk (changed layers, the template between spans, the
 residual window at the end) run through the remaining layers; the others keep the

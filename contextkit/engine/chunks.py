@@ -15,7 +15,8 @@ the pipeline gives) is also registered by content in the cache's
    rotated and re-encoded;
 3. **repairs the seams** (:mod:`contextkit.engine.blend`): a reused chunk's K/V were
    computed after other text, so the first layers run over every token, the tokens
-   whose K/V deviate most there (plus each chunk's first tokens) are picked
+   whose K/V deviate most there from the cached ones (read where the chunk lies,
+   :func:`read_sources`) plus each chunk's first tokens are picked
    (:func:`select_repair`), and only they and the new tokens run through the rest.
 
 A span whose text changed a little since it was cached (a status line whose figures
