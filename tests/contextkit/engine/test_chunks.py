@@ -101,17 +101,30 @@ def test_rerotated_keys_equal_a_fresh_computation_at_the_new_position(
     assert p0 == p1 or not torch.allclose(k0, k1, atol=1e-2)
 
 
-def test_rerotated_tq4_keys_stay_within_the_codec_error(fresh: Callable[..., Engine]) -> None:
-    eng = fresh("tq4")
-    m, cache, bs = eng.model, eng.cache, eng.cache.block_size
-    chunk = eng.encode(LAYERS["capabilities"])[:48]
-    n, p0, p1 = len(chunk), 21, 70
+def _moved_chunk(eng: Engine, text: str, p0: int, p1: int) -> tuple[
+        list[int], list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+        _ContiguousKV, _ContiguousKV]:
+    """A 48-token chunk of ``text`` to move from ``p0`` to ``p1``: its source and
+    destination blocks, their tables, the positions, and the chunk computed alone at
+    each place."""
+    cache, bs = eng.cache, eng.cache.block_size
+    chunk = eng.encode(text)[:48]
+    n = len(chunk)
     src = cache.allocate(-(-(p0 + n) // bs), Tier.DEVICE, tenant="t")
     dst = cache.allocate(-(-(p1 + n) // bs), Tier.DEVICE, tenant="t")
     assert src is not None and dst is not None
-    src_table, dst_table = cache.block_table(src).long(), cache.block_table(dst).long()
-    pos0, pos1 = torch.arange(p0, p0 + n), torch.arange(p1, p1 + n)
-    at_p0, at_p1 = _isolated(eng, chunk, p0), _isolated(eng, chunk, p1)
+    return (src, dst, cache.block_table(src).long(), cache.block_table(dst).long(),
+            torch.arange(p0, p0 + n), torch.arange(p1, p1 + n),
+            _isolated(eng, chunk, p0), _isolated(eng, chunk, p1))
+
+
+def test_rerotated_tq4_keys_stay_within_the_codec_error(fresh: Callable[..., Engine]) -> None:
+    eng = fresh("tq4")
+    m, cache, bs = eng.model, eng.cache, eng.cache.block_size
+    p0, p1 = 21, 70
+    src, _, src_table, dst_table, pos0, pos1, at_p0, at_p1 = _moved_chunk(
+        eng, LAYERS["capabilities"], p0, p1)
+    n = len(pos0)
     layers = range(m.num_layers)
     for layer in layers:
         write_slots(cache, layer, src_table[pos0 // bs] * bs + pos0 % bs,
@@ -138,14 +151,10 @@ def test_the_repair_signal_measures_against_the_source_not_the_move(
     after the move, tq4 keys add a second quantization's noise to the signal."""
     eng = fresh(kv_format)
     m, cache, bs = eng.model, eng.cache, eng.cache.block_size
-    chunk = eng.encode(LAYERS["identity"])[:48]
-    n, p0, p1, layer = len(chunk), 13, 58, 1
-    src = cache.allocate(-(-(p0 + n) // bs), Tier.DEVICE, tenant="t")
-    dst = cache.allocate(-(-(p1 + n) // bs), Tier.DEVICE, tenant="t")
-    assert src is not None and dst is not None
-    src_table, dst_table = cache.block_table(src).long(), cache.block_table(dst).long()
-    pos0, pos1 = torch.arange(p0, p0 + n), torch.arange(p1, p1 + n)
-    at_p0, at_p1 = _isolated(eng, chunk, p0), _isolated(eng, chunk, p1)
+    p0, p1, layer = 13, 58, 1
+    src, _, src_table, dst_table, pos0, pos1, at_p0, at_p1 = _moved_chunk(
+        eng, LAYERS["identity"], p0, p1)
+    n = len(pos0)
     k0, v0, k1, v1 = at_p0.k[layer], at_p0.v[layer], at_p1.k[layer], at_p1.v[layer]
     assert k0 is not None and v0 is not None and k1 is not None and v1 is not None
     write_slots(cache, layer, src_table[pos0 // bs] * bs + pos0 % bs, k0, v0)
