@@ -27,7 +27,7 @@ from contextkit.engine.chunks import (
     ChunkUse,
     copy_chunks,
     find_chunks,
-    read_sources,
+    kv_deviation,
     release_chunks,
     select_repair,
 )
@@ -65,15 +65,13 @@ def prefill_reusing_chunks(engine: Engine, ids: Sequence[int], start: int, kv: _
             hits = []
     if not hits:
         return engine._prefill(ids, start, kv), use
-    source = None
     try:
         # the selection layer's rows are all written afresh: the move there serves
         # only to compare against ("moved"); "source" reads them where they lie
-        first = cfg.select_layer + (cfg.deviation_at == "source")
-        copy_chunks(engine.cache, engine.model, hits, kv.table,
-                    range(first, engine.model.num_layers))
-        if cfg.deviation_at == "source":
-            source = read_sources(engine.cache, engine.model, hits, cfg.select_layer)
+        at_source = cfg.deviation_at == "source"
+        source = copy_chunks(engine.cache, engine.model, hits, kv.table,
+                             range(cfg.select_layer + at_source, engine.model.num_layers),
+                             read_at=cfg.select_layer if at_source else None)
     finally:
         release_chunks(engine.cache, hits)
     logits, repaired = _blend_forward(engine, ids, start, kv, hits, cfg, source)
@@ -139,8 +137,7 @@ def _blend_forward(engine: Engine, ids: Sequence[int], start: int, kv: _PagedKV,
                 new_k = k[mask].float()
                 if offset is not None:
                     new_k = new_k - offset
-                deviation = ((new_k - old_k) ** 2).sum(dim=(1, 2)) + \
-                    ((v[mask].float() - old_v) ** 2).sum(dim=(1, 2))
+                deviation = kv_deviation(new_k, v[mask], old_k, old_v)
             pick = select_repair(deviation, chunk_rows, cfg, [h.first for h in hits])
             repaired = [int(pick[a:b].sum()) for a, b in chunk_rows]
             keep = ~reused

@@ -16,7 +16,7 @@ the pipeline gives) is also registered by content in the cache's
 3. **repairs the seams** (:mod:`contextkit.engine.blend`): a reused chunk's K/V were
    computed after other text, so the first layers run over every token, the tokens
    whose K/V deviate most there from the cached ones (read where the chunk lies,
-   :func:`read_sources`) plus each chunk's first tokens are picked
+   :func:`copy_chunks` with ``read_at``) plus each chunk's first tokens are picked
    (:func:`select_repair`), and only they and the new tokens run through the rest.
 
 A span whose text changed a little since it was cached (a status line whose figures
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from contextkit.engine.llama import _Model
 
 __all__ = ["DEVIATION_AT", "REPAIR_RULES", "ChunkHit", "ChunkReuse", "ChunkSource",
-           "ChunkUse", "copy_chunks", "find_chunks", "read_sources", "register_chunks",
+           "ChunkUse", "copy_chunks", "find_chunks", "kv_deviation", "register_chunks",
            "select_repair", "shared_runs"]
 
 #: How the tokens of reused chunks that are recomputed are picked: "deviation" (the
@@ -331,49 +331,11 @@ def _rope_delta(model: _Model, deltas: torch.Tensor) -> tuple[torch.Tensor, torc
     return cos.float(), sin.float()
 
 
-def _moves(cache: TQGPUCache, hits: Sequence[ChunkHit],
-           dst_table: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                    torch.Tensor]:
-    """Per row of ``hits`` (in order): its source slot, its slot under ``dst_table``
-    (``None``: not asked) and its position delta (new position minus cached one)."""
-    bs = cache.block_size
-    src, dst, delta = [], [], []
-    for hit in hits:
-        src.append(slots_of(cache.block_table(hit.src_blocks).long(),
-                            torch.arange(hit.length) + hit.entry.offset, bs))
-        if dst_table is not None:
-            dst.append(slots_of(dst_table, torch.arange(hit.start, hit.start + hit.length),
-                                bs))
-        delta.append(torch.full((hit.length,), hit.start - hit.entry.position))
-    return (torch.cat(src).to(cache.device),
-            torch.cat(dst).to(cache.device) if dst else None, torch.cat(delta))
-
-
-def copy_chunks(cache: TQGPUCache, model: _Model, hits: Sequence[ChunkHit],
-                dst_table: torch.Tensor, layers: range) -> None:
-    """Write the K/V of ``hits`` at their new positions (``dst_table``: the request's
-    block table) for ``layers``: values as stored, keys rotated by the position delta."""
-    if not hits or not len(layers):
-        return
-    src_slots, dst_slots, delta = _moves(cache, hits, dst_table)
-    assert dst_slots is not None
-    cos, sin = _rope_delta(model, delta.to(model.device))
-    cos, sin = cos.to(cache.device), sin.to(cache.device)
-    native = cache.identity.codec == "native"
-    for layer in layers:
-        offset = None if native else cache.key_offset(layer)
-        k, _ = read_slots(cache, layer, src_slots, values=False)
-        view = cache.layer_view(layer)
-        if offset is not None:
-            k = k + offset
-        write_slots(cache, layer, dst_slots, _rotate(k, cos, sin), None)
-        # values carry no position: the stored bytes move as they are
-        for name in ("v_packed", "v_norms"):
-            t = getattr(view, name)
-            if t.numel() == 0:  # native blocks keep no norms
-                continue
-            flat = t.view(-1, *t.shape[2:])
-            flat.index_copy_(0, dst_slots, flat.index_select(0, src_slots))
+def kv_deviation(k: torch.Tensor, v: torch.Tensor, ref_k: torch.Tensor,
+                 ref_v: torch.Tensor) -> torch.Tensor:
+    """``[n]``: the squared distance of K/V ``[n, Hkv, D]`` rows from reference rows."""
+    return (((k.float() - ref_k) ** 2).sum(dim=(1, 2))
+            + ((v.float() - ref_v) ** 2).sum(dim=(1, 2)))
 
 
 @dataclass(slots=True)
@@ -401,20 +363,53 @@ class ChunkSource:
         back = _rotate(k.float(), self.cos, -self.sin)
         if offset is not None:
             back = back - offset
-        return (((back - self.k) ** 2).sum(dim=(1, 2))
-                + ((v.float() - self.v) ** 2).sum(dim=(1, 2)))
+        return kv_deviation(back, v, self.k, self.v)
 
 
-def read_sources(cache: TQGPUCache, model: _Model, hits: Sequence[ChunkHit],
-                 layer: int) -> ChunkSource | None:
-    """The K/V of ``hits`` at ``layer`` as their source blocks hold them."""
+def copy_chunks(cache: TQGPUCache, model: _Model, hits: Sequence[ChunkHit],
+                dst_table: torch.Tensor, layers: range,
+                read_at: int | None = None) -> ChunkSource | None:
+    """Write the K/V of ``hits`` at their new positions (``dst_table``: the request's
+    block table) for ``layers``: values as stored, keys rotated by the position delta.
+
+    Returns:
+        With ``read_at``, the K/V of ``hits`` at that layer as their source blocks hold
+        them (:class:`ChunkSource`), else ``None``.
+    """
     if not hits:
         return None
-    src_slots, _, delta = _moves(cache, hits, None)
-    k, v = read_slots(cache, layer, src_slots)
-    assert v is not None
-    cos, sin = _rope_delta(model, delta.to(model.device))
-    return ChunkSource(k.to(model.device), v.to(model.device), cos, sin)
+    bs = cache.block_size
+    src, dst, delta = [], [], []
+    for hit in hits:
+        src.append(slots_of(cache.block_table(hit.src_blocks).long(),
+                            torch.arange(hit.length) + hit.entry.offset, bs))
+        dst.append(slots_of(dst_table, torch.arange(hit.start, hit.start + hit.length), bs))
+        delta.append(torch.full((hit.length,), hit.start - hit.entry.position))
+    src_slots = torch.cat(src).to(cache.device)
+    dst_slots = torch.cat(dst).to(cache.device)
+    cos, sin = _rope_delta(model, torch.cat(delta).to(model.device))
+    source = None
+    if read_at is not None:
+        k, v = read_slots(cache, read_at, src_slots)
+        assert v is not None
+        source = ChunkSource(k.to(model.device), v.to(model.device), cos, sin)
+    cos, sin = cos.to(cache.device), sin.to(cache.device)
+    native = cache.identity.codec == "native"
+    for layer in layers:
+        offset = None if native else cache.key_offset(layer)
+        k, _ = read_slots(cache, layer, src_slots, values=False)
+        view = cache.layer_view(layer)
+        if offset is not None:
+            k = k + offset
+        write_slots(cache, layer, dst_slots, _rotate(k, cos, sin), None)
+        # values carry no position: the stored bytes move as they are
+        for name in ("v_packed", "v_norms"):
+            t = getattr(view, name)
+            if t.numel() == 0:  # native blocks keep no norms
+                continue
+            flat = t.view(-1, *t.shape[2:])
+            flat.index_copy_(0, dst_slots, flat.index_select(0, src_slots))
+    return source
 
 
 def select_repair(deviation: torch.Tensor, chunk_rows: Sequence[tuple[int, int]],

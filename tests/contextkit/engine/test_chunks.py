@@ -15,7 +15,7 @@ from contextkit.engine.chunks import (
     ChunkReuse,
     copy_chunks,
     find_chunks,
-    read_sources,
+    kv_deviation,
     select_repair,
 )
 from contextkit.engine.engine import Engine
@@ -161,23 +161,20 @@ def test_the_repair_signal_measures_against_the_source_not_the_move(
     hit = ChunkHit(p1, n, "identity", ChunkEntry("t", "identity", (), p0 % bs, p0, n),
                    src[p0 // bs:])
     offset = cache.key_offset(layer)
-    source = read_sources(cache, m, [hit], layer)
+    # the move of this layer, and its rows as the source holds them
+    source = copy_chunks(cache, m, [hit], dst_table, range(layer, layer + 1), read_at=layer)
     assert source is not None
     at_source = source.deviation(k1, v1, offset)
     # what the cache's one encoding of the chunk lost, straight from the codec
     stored_k, stored_v = read_slots(cache, layer, src_table[pos0 // bs] * bs + pos0 % bs)
     assert stored_v is not None
     centered = k0.float() - (offset if offset is not None else 0)
-    def dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return ((a.float() - b) ** 2).sum(dim=(1, 2))
-
-    once = dist(centered, stored_k) + dist(v0, stored_v)
-    torch.testing.assert_close(at_source, once, atol=1e-4, rtol=1e-3)
-    copy_chunks(cache, m, [hit], dst_table, range(layer, layer + 1))
+    torch.testing.assert_close(at_source, kv_deviation(centered, v0, stored_k, stored_v),
+                               atol=1e-4, rtol=1e-3)
     moved_k, moved_v = read_slots(cache, layer, dst_table[pos1 // bs] * bs + pos1 % bs)
     assert moved_v is not None
     fresh_k = k1.float() - (offset if offset is not None else 0)
-    after_move = dist(fresh_k, moved_k) + dist(v1, moved_v)
+    after_move = kv_deviation(fresh_k, v1, moved_k, moved_v)
     scale = float((k1.float() ** 2).sum(dim=(1, 2)).mean())
     if kv_format == "native":  # nothing lost either way
         assert float(at_source.max()) < 1e-6 * scale
