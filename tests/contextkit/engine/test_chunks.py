@@ -102,18 +102,18 @@ def test_rerotated_keys_equal_a_fresh_computation_at_the_new_position(
 
 
 def _moved_chunk(eng: Engine, text: str, p0: int, p1: int) -> tuple[
-        list[int], list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+        list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
         _ContiguousKV, _ContiguousKV]:
-    """A 48-token chunk of ``text`` to move from ``p0`` to ``p1``: its source and
-    destination blocks, their tables, the positions, and the chunk computed alone at
-    each place."""
+    """A 48-token chunk of ``text`` to move from ``p0`` to ``p1``: its source blocks,
+    the source and destination block tables, the positions, and the chunk computed
+    alone at each place."""
     cache, bs = eng.cache, eng.cache.block_size
     chunk = eng.encode(text)[:48]
     n = len(chunk)
     src = cache.allocate(-(-(p0 + n) // bs), Tier.DEVICE, tenant="t")
     dst = cache.allocate(-(-(p1 + n) // bs), Tier.DEVICE, tenant="t")
     assert src is not None and dst is not None
-    return (src, dst, cache.block_table(src).long(), cache.block_table(dst).long(),
+    return (src, cache.block_table(src).long(), cache.block_table(dst).long(),
             torch.arange(p0, p0 + n), torch.arange(p1, p1 + n),
             _isolated(eng, chunk, p0), _isolated(eng, chunk, p1))
 
@@ -122,7 +122,7 @@ def test_rerotated_tq4_keys_stay_within_the_codec_error(fresh: Callable[..., Eng
     eng = fresh("tq4")
     m, cache, bs = eng.model, eng.cache, eng.cache.block_size
     p0, p1 = 21, 70
-    src, _, src_table, dst_table, pos0, pos1, at_p0, at_p1 = _moved_chunk(
+    src, src_table, dst_table, pos0, pos1, at_p0, at_p1 = _moved_chunk(
         eng, LAYERS["capabilities"], p0, p1)
     n = len(pos0)
     layers = range(m.num_layers)
@@ -152,7 +152,7 @@ def test_the_repair_signal_measures_against_the_source_not_the_move(
     eng = fresh(kv_format)
     m, cache, bs = eng.model, eng.cache, eng.cache.block_size
     p0, p1, layer = 13, 58, 1
-    src, _, src_table, dst_table, pos0, pos1, at_p0, at_p1 = _moved_chunk(
+    src, src_table, dst_table, pos0, pos1, at_p0, at_p1 = _moved_chunk(
         eng, LAYERS["identity"], p0, p1)
     n = len(pos0)
     k0, v0, k1, v1 = at_p0.k[layer], at_p0.v[layer], at_p1.k[layer], at_p1.v[layer]
