@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft bench-agents bench-agent-vllm bench-agents-vllm bench-replicas bench-vllm bench-decode docs lint typecheck clean
+.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft bench-agents bench-agent-vllm bench-agents-vllm bench-replicas bench-vllm bench-decode figures docs lint typecheck clean
 
 help:
 	@echo "make demo       set up, then replay a ten-layer agent on SmolLM2: TTFT with vs"
@@ -29,6 +29,7 @@ help:
 	@echo "                precision policy (7: all-tq4 .. native, the ablation; ~20 min)"
 	@echo "make bench-decode  decode tokens/s at 1K/6K/16K: contextkit vs llama.cpp on the same"
 	@echo "                GGUF (builds .venv-llamacpp first, ~5-15 min once; then ~40 min on an idle machine)"
+	@echo "make figures    regenerate README's and docs/benchmarks.md's figure tables from bench/results"
 	@echo "make docs       set up, then build the API reference into site/ (mkdocs --strict:"
 	@echo "                any broken reference or docstring warning fails; CI runs it)"
 	@echo "make lint       ruff; make typecheck: mypy"
@@ -117,6 +118,10 @@ bench-decode: setup
 	@mkdir -p bench/results
 	$(PY) -m contextkit.cli bench decode --json --llamacpp-python .venv-llamacpp/bin/python \
 		--out bench/results | tee bench/results/decode-cpu.log | tail -n 1 > bench/results/decode-cpu.json
+
+# The published figures: tables generated from the committed bench JSON (never typed).
+figures: setup
+	$(PY) -m contextkit.bench.figures
 
 # Strict: a broken cross-reference, a docstring that does not match its signature or a
 # missing page is an error. Static analysis only: nothing is imported (see mkdocs.yml).

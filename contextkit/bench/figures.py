@@ -1,0 +1,385 @@
+"""Published figures, generated from the committed bench JSON: never typed by hand.
+
+README.md and docs/benchmarks.md hold their measured numbers only between
+``<!-- figures:NAME -->`` and ``<!-- /figures:NAME -->`` markers. Each block is the
+rendering of a table of `Row`s: a row names the committed JSON files under
+bench/results, the function that reads its figure from one file, and where the same
+run measured one, its ceiling. Several files are several runs: the row shows their
+median and each run. ``python -m contextkit.bench.figures`` rewrites the blocks;
+``--check`` (and tests/contextkit/bench/test_figures.py) fails when a block differs
+from what the JSON gives.
+
+Ceilings here are bounds by construction (tokens, or ratios of sums over the same
+turns), so a configuration cannot beat its own ceiling. Where two configurations
+compute the same tokens, the row says so instead of printing a speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
+#: Where each older file was run, recorded by hand from the session notes before the
+#: benches wrote it themselves (files written since carry ``provenance``).
+MACHINES = RESULTS / "machines.json"
+#: The files whose blocks are generated.
+TARGETS = ("README.md", "docs/benchmarks.md")
+
+BLOCK = re.compile(r"(<!-- figures:([\w-]+) -->\n)(.*?)(<!-- /figures:\2 -->)", re.S)
+
+Figure = Callable[[dict], float]
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A target: ``op`` is ">=" or "<="; ``lower`` says the value compared is the lower
+    end of a confidence interval (quality gates)."""
+
+    op: str
+    value: float
+
+    def met(self, measured: float) -> bool:
+        return measured >= self.value if self.op == ">=" else measured <= self.value
+
+    def __str__(self) -> str:
+        return f"{self.op} {_number(self.value)}"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One published figure: the files it comes from and how to read it."""
+
+    bench: str
+    figure: str
+    files: tuple[str, ...]
+    value: Figure
+    fmt: str = "{:.2f}"
+    goal: Goal | None = None
+    #: The same run's bound on this figure (tokens or a ratio of sums), if it has one.
+    ceiling: Figure | None = None
+    #: Shown instead of the value's status, e.g. why a difference is noise.
+    remark: Callable[[dict], str] | None = None
+    #: Interval (low, high) around the value; a goal is then judged on the low end.
+    interval: Callable[[dict], tuple[float, float]] | None = None
+    tags: tuple[str, ...] = field(default=())
+
+
+# --------------------------------------------------------------------------- helpers
+def load(name: str) -> dict:
+    path = RESULTS / name
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"figures: {path} is missing; a row names a file that is not "
+                         f"committed under bench/results") from None
+
+
+def machine(name: str, data: dict) -> str:
+    """Where a file was run: its own provenance, else the hand-kept record."""
+    prov = data.get("provenance") or {}
+    if prov.get("cpu_model"):
+        where = prov.get("gpu") or prov["cpu_model"]
+        return f"{where} ({prov.get('cpu_count', '?')} CPUs)"
+    recorded = json.loads(MACHINES.read_text()) if MACHINES.exists() else {}
+    if name in recorded:
+        return recorded[name]
+    gpu = (data.get("machine") or {}).get("device_name")
+    if gpu and gpu != "cpu":
+        return gpu
+    raise SystemExit(f"figures: {name} does not say where it was run: add it to "
+                     f"{MACHINES.relative_to(ROOT)}")
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (95% at z=1.96)."""
+    if n <= 0:
+        raise ValueError("wilson: n must be positive")
+    p = successes / n
+    centre = p + z * z / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    scale = 1 + z * z / n
+    return (centre - spread) / scale, (centre + spread) / scale
+
+
+def ratio_of_sums(numerator: Sequence[float], denominator: Sequence[float]) -> float:
+    return float(sum(numerator)) / float(sum(denominator))
+
+
+def _number(value: float) -> str:
+    return f"{value:,.0f}" if float(value).is_integer() and abs(value) >= 100 else f"{value:g}"
+
+
+# --------------------------------------------------------------------------- readers
+def _chunk_turn_positions(d: dict) -> tuple[int, int]:
+    """(agreeing, positions) of the chunk turns' teacher-forced top-1 agreement."""
+    turns = [i for i, t in enumerate(d["chunk_reused_tokens"]) if t > 0]
+    positions = sum(d["generated_tokens_baseline"][i] for i in turns)
+    agreeing = round(d["top1_agreement_chunk_turns"] * positions)
+    if abs(agreeing / positions - d["top1_agreement_chunk_turns"]) > 1e-9:
+        raise SystemExit("figures: chunk-turn agreement does not match a whole count of "
+                         f"{positions} positions")
+    return agreeing, positions
+
+
+def _memory_change(d: dict, key: str) -> list[float]:
+    return [d[key][turn - 1] for turn in d["memory_change_turns"]]
+
+
+def _vllm_same_tokens(d: dict) -> str:
+    cached = {c: sum(v) for c, v in d["cached_tokens"].items()}
+    same = sorted(c for c in ("connector", "connector_lru") if cached[c] == cached["ceiling"])
+    if same:
+        return (f"{' and '.join(same)} reuse the ceiling's own {cached['ceiling']:,} tokens: "
+                "same tokens, timing difference is noise")
+    return ""
+
+
+def _replica_order(d: dict) -> str:
+    return ("configurations ran in one fixed order (" + ", ".join(d["order"]) + "): "
+            "the first server of a run is slow, so this is not an interleaved bound")
+
+
+TTFT_SOURCE_NORESERVE = ("ttft-amd-source-noreserve.json", "ttft-amd-source-noreserve-run2.json",
+                         "ttft-amd-source-noreserve-run3.json")
+TTFT_SOURCE_RESERVE = ("ttft-amd-source-reserve.json",)
+AGENTS = ("agents-amd-source.json",)
+AGENTS_VLLM = ("agents-vllm-cpu-k.json", "agents-vllm-cpu-l.json")
+REPLICAS = tuple(f"replicas-cpu-r{i}.json" for i in range(1, 5))
+
+ROWS: tuple[Row, ...] = (
+    # ttft: the 20-turn agent replay (docs/chunks.md, docs/reservations.md)
+    Row("ttft", "memory-change turns: tokens computed (sum of the 5 turns); ceiling: "
+        "every cached chunk moved in, none repaired (run 1)", TTFT_SOURCE_NORESERVE[:1],
+        lambda d: sum(_memory_change(d, "computed_tokens")), fmt="{:,.0f}",
+        ceiling=lambda d: sum(_memory_change(d, "computed_tokens_chunk_ceiling")),
+        tags=("readme",)),
+    Row("ttft", "`speedup_memory_change_p50`, `--no-reserve`", TTFT_SOURCE_NORESERVE,
+        lambda d: d["speedup_memory_change_p50"], goal=Goal(">=", 3.5), tags=("readme",)),
+    Row("ttft", "TTFT sum full prefill / contextkit, all 20 turns (turn 1 included), "
+        "`--no-reserve`", TTFT_SOURCE_NORESERVE,
+        lambda d: ratio_of_sums(d["ttft_ms_baseline"], d["ttft_ms_contextkit"])),
+    Row("ttft", "the same, turns 2-20 (`speedup_total`), `--no-reserve`", TTFT_SOURCE_NORESERVE,
+        lambda d: ratio_of_sums(d["ttft_ms_baseline"][1:], d["ttft_ms_contextkit"][1:])),
+    Row("ttft", "TTFT sum full prefill / contextkit, all 20 turns (turn 1 included), "
+        "reservations on", TTFT_SOURCE_RESERVE,
+        lambda d: ratio_of_sums(d["ttft_ms_baseline"], d["ttft_ms_contextkit"]),
+        tags=("readme",)),
+    Row("ttft", "the same, turns 2-20 (`speedup_total`), reservations on", TTFT_SOURCE_RESERVE,
+        lambda d: ratio_of_sums(d["ttft_ms_baseline"][1:], d["ttft_ms_contextkit"][1:]),
+        goal=Goal(">=", 4.5), tags=("readme",)),
+    Row("ttft", "chunk turns: teacher-forced top-1 agreement with a full float prefill, "
+        "95% Wilson interval over positions (run 1)", TTFT_SOURCE_NORESERVE[:1],
+        lambda d: d["top1_agreement_chunk_turns"], fmt="{:.4f}", goal=Goal(">=", 0.97),
+        interval=lambda d: wilson(*_chunk_turn_positions(d)), tags=("readme",)),
+    Row("ttft", "chunk turns: perplexity ratio to a full float prefill (run 1)",
+        TTFT_SOURCE_NORESERVE[:1], lambda d: d["ppl_ratio_chunk_turns"], fmt="{:.3f}",
+        goal=Goal("<=", 1.03)),
+    # agents: 6 agents sharing a cache too small for all of them (docs/agents.md)
+    Row("agents", "tokens computed, lru; ceiling: the same steps on a cache that holds "
+        "every agent", AGENTS, lambda d: d["policies"]["lru"]["computed_tokens"],
+        fmt="{:,.0f}", ceiling=lambda d: d["ceiling"]["computed_tokens"]),
+    Row("agents", "tokens computed, semantic", AGENTS,
+        lambda d: d["policies"]["semantic"]["computed_tokens"], fmt="{:,.0f}",
+        ceiling=lambda d: d["ceiling"]["computed_tokens"]),
+    Row("agents", "tokens computed, semantic+ooda (goal: under the prefix-only floor "
+        "of the same run)", AGENTS,
+        lambda d: d["policies"]["semantic+ooda"]["computed_tokens"], fmt="{:,.0f}",
+        ceiling=lambda d: d["ceiling"]["computed_tokens"], tags=("readme",),
+        remark=lambda d: ("under the prefix-only floor of "
+                          f"{d['ceiling']['computed_tokens_prefix_only']:,} tokens"
+                          if d["policies"]["semantic+ooda"]["computed_tokens"]
+                          < d["ceiling"]["computed_tokens_prefix_only"]
+                          else "not under the prefix-only floor")),
+    Row("agents", "pinned blocks evicted, semantic+ooda", AGENTS,
+        lambda d: d["policies"]["semantic+ooda"]["pinned_blocks_evicted"], fmt="{:.0f}",
+        goal=Goal("<=", 0)),
+    # agents-vllm: six agents on one vLLM CPU server with KV for about two
+    Row("agents-vllm", "prompt tokens served from cache, connector; ceiling: a server "
+        "whose KV holds every agent", AGENTS_VLLM,
+        lambda d: sum(d["cached_tokens"]["connector"]), fmt="{:,.0f}",
+        ceiling=lambda d: sum(d["cached_tokens"]["ceiling"]), remark=_vllm_same_tokens,
+        tags=("readme",)),
+    Row("agents-vllm", "prompt tokens served from cache, vLLM's prefix caching (APC)",
+        AGENTS_VLLM, lambda d: sum(d["cached_tokens"]["apc"]), fmt="{:,.0f}",
+        ceiling=lambda d: sum(d["cached_tokens"]["ceiling"])),
+    Row("agents-vllm", "prompt tokens served from cache, LMCache", AGENTS_VLLM,
+        lambda d: sum(d["cached_tokens"]["lmcache"]), fmt="{:,.0f}",
+        ceiling=lambda d: sum(d["cached_tokens"]["ceiling"])),
+    # replicas: six agents alternating between two vLLM CPU replicas
+    Row("replicas", "`cross_replica_hit_rate` (shared S3 tier)", REPLICAS,
+        lambda d: d["cross_replica_hit_rate"], fmt="{:.3f}", goal=Goal(">=", 0.9),
+        tags=("readme",)),
+    Row("replicas", "TTFT sum local DDR / shared tier (same 24 turns)", REPLICAS,
+        lambda d: ratio_of_sums(d["local_ttft_ms"], d["shared_ttft_ms"]),
+        goal=Goal(">=", 2.0), remark=_replica_order),
+    Row("replicas", "turns lost at failover", REPLICAS,
+        lambda d: d["failover_lost_turns"], fmt="{:.0f}", goal=Goal("<=", 0)),
+    Row("replicas", "another tenant's tokens found in the shared tier", REPLICAS,
+        lambda d: d["tenant_probe"]["probe-b_on_1_shared_tokens"], fmt="{:.0f}",
+        goal=Goal("<=", 0), tags=("readme",)),
+    # vllm: restart and recovery on vLLM's CPU build, default precision policy
+    Row("vllm", "teacher-forced agreement after recovery (default policy)",
+        ("vllm-cpu-rows.json",), lambda d: d["teacher_forced_agreement"], fmt="{:.3f}",
+        goal=Goal(">=", 0.98)),
+    Row("vllm", "stored bytes / fp16", ("vllm-cpu-rows.json",), lambda d: d["vs_fp16"],
+        fmt="{:.3f}", goal=Goal("<=", 0.35)),
+    Row("vllm", "TTFT cold / recovered process", ("vllm-cpu-rows.json",),
+        lambda d: d["speedup"], fmt="{:.1f}", goal=Goal(">=", 10), tags=("readme",)),
+    Row("vllm", "identical 32-token greedy replies (share of 8 prompts)",
+        ("vllm-cpu-rows.json",), lambda d: d["greedy_match"], fmt="{:.3f}",
+        goal=Goal(">=", 0.9)),
+    # decode and kernels
+    Row("decode", "decode tokens/s at 6K context, TQ4 (embedded engine, int8 weights)",
+        ("decode-cpu.json",), lambda d: d["decode_tps_tq4_6k"], fmt="{:.1f}"),
+    Row("decode", "decode tokens/s at 6K context, llama.cpp on the same GGUF",
+        ("decode-cpu.json",), lambda d: d["decode_tps_llamacpp_6k"], fmt="{:.1f}"),
+    Row("decode", "decode tokens/s at 6K context, TQ4, on CUDA", ("decode-h200.json",),
+        lambda d: d["decode_tps_tq4_6k"], fmt="{:.1f}", goal=Goal(">=", 300)),
+    Row("kernel", "fp16 SDPA ms / TQ4 decode ms at 32K (CUDA graphs)", ("kernel-h100.json",),
+        lambda d: _kernel_ratio(d, 32768), goal=Goal(">=", 2.0)),
+    Row("kernel", "fp16 SDPA ms / TQ4 decode ms at 128K (CUDA graphs)", ("kernel-h100.json",),
+        lambda d: _kernel_ratio(d, 131072), goal=Goal(">=", 2.5)),
+    # the quick CPU benches
+    Row("tiers", "host-to-device warm rate / plain copy rate", ("tiers-cpu.json",),
+        lambda d: d["warm_ratio"], fmt="{:.3f}", goal=Goal(">=", 0.8)),
+    Row("tiers", "host-to-device warm rate / plain copy rate, over PCIe", ("tiers-h200.json",),
+        lambda d: d["warm_ratio"], fmt="{:.3f}", goal=Goal(">=", 0.8)),
+    Row("quant", "bytes per token, TQ4 / fp16", ("quant-cpu.json",),
+        lambda d: d["bytes_per_token_tq4"] / d["bytes_per_token_fp16"], fmt="{:.3f}"),
+    Row("quant", "attention output cosine over TQ4 keys and values (real K/V)",
+        ("quant-cpu.json",), lambda d: d["attn_cosine_real"], fmt="{:.4f}"),
+    # The file's *_runs lists were added by hand: only the fields the bench wrote count.
+    Row("shadow", "shadow write rate / raw write rate (one run)", ("shadow-cpu.json",),
+        lambda d: d["write_ratio"], fmt="{:.2f}", goal=Goal(">=", 0.8)),
+    Row("shadow", "recovery read rate / raw read rate (one run)", ("shadow-cpu.json",),
+        lambda d: d["read_ratio"], fmt="{:.2f}", goal=Goal(">=", 0.8)),
+    Row("ooda", "OODA cycle ms p50, 100K items", ("ooda-cpu.json",),
+        lambda d: d["cycle_ms_p50"], fmt="{:.2f}"),
+    Row("ooda", "share of the 60 s interval spent in the cycle", ("ooda-cpu.json",),
+        lambda d: d["overhead_fraction"], fmt="{:.5f}", goal=Goal("<=", 0.01)),
+    Row("graph", "hybrid query ms p50, 100K nodes", ("graph-cpu.json",),
+        lambda d: d["query_p50_ms"], fmt="{:.1f}", goal=Goal("<=", 20)),
+    Row("graph", "ingest nodes/s", ("graph-cpu.json",), lambda d: d["ingest_nodes_per_s"],
+        fmt="{:.1f}"),
+)
+
+
+def _kernel_ratio(d: dict, context: int) -> float:
+    row = next(c for c in d["contexts"] if c["context"] == context)
+    return row["sdpa_graph_ms"] / row["tq4_graph_ms"]
+
+
+# --------------------------------------------------------------------------- rendering
+def _cell(row: Row, data: list[dict]) -> tuple[str, str, str]:
+    """(value, ceiling, status) cells of one row."""
+    values = [row.value(d) for d in data]
+    value = statistics.median(values)
+    shown = row.fmt.format(value)
+    if len(values) > 1:
+        shown = (f"median {shown} ({len(values)} runs: "
+                 + ", ".join(row.fmt.format(v) for v in values) + ")")
+    judged = value
+    if row.interval is not None:
+        lo, hi = row.interval(data[0])
+        shown += f" [95%: {lo:.4f}, {hi:.4f}]"
+        judged = lo
+    ceiling = ""
+    if row.ceiling is not None:
+        bounds = [row.ceiling(d) for d in data]
+        bound = statistics.median(bounds)
+        ceiling = row.fmt.format(bound)
+        if len(bounds) > 1:
+            ceiling = "median " + ceiling
+        if bound and value:
+            # Tokens computed: smaller is better, so the fraction is bound / value;
+            # tokens served from cache: value / bound.
+            fraction = bound / value if "computed" in row.figure else value / bound
+            ceiling += f" ({fraction:.2f} of it)"
+    status = ""
+    if row.goal is not None:
+        verdict = "met" if row.goal.met(judged) else "not met"
+        if row.interval is not None:
+            verdict += " (judged on the interval's lower end)"
+        if len(values) > 1 and row.goal is not None:
+            met = sum(row.goal.met(v) for v in values)
+            verdict += f"; {met} of {len(values)} runs met it"
+        status = f"{row.goal}: {verdict}"
+    if row.remark is not None:
+        remark = "; ".join(dict.fromkeys(r for r in (row.remark(d) for d in data) if r))
+        status = f"{status}; {remark}" if status and remark else status or remark
+    return shown, ceiling, status
+
+
+def render(rows: Sequence[Row]) -> str:
+    lines = ["| bench | figure | value | same-run ceiling | goal | machine | JSON |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        data = [load(name) for name in row.files]
+        value, ceiling, status = _cell(row, data)
+        machines = sorted({machine(name, d) for name, d in zip(row.files, data, strict=True)})
+        files = ", ".join(f"`{name}`" for name in row.files)
+        lines.append(f"| {row.bench} | {row.figure} | {value} | {ceiling} | {status} | "
+                     f"{'; '.join(machines)} | {files} |")
+    return "\n".join(lines) + "\n"
+
+
+def blocks() -> dict[str, str]:
+    """Block name -> its generated Markdown."""
+    out = {"headline": render([r for r in ROWS if "readme" in r.tags])}
+    for bench in dict.fromkeys(r.bench for r in ROWS):
+        out[bench] = render([r for r in ROWS if r.bench == bench])
+    return out
+
+
+def rewrite(text: str, generated: dict[str, str]) -> str:
+    def fill(match: re.Match[str]) -> str:
+        name = match.group(2)
+        if name not in generated:
+            raise SystemExit(f"figures: no table is named {name!r} (known: "
+                             f"{', '.join(generated)})")
+        return match.group(1) + generated[name] + match.group(4)
+
+    return BLOCK.sub(fill, text)
+
+
+def stale(text: str, generated: dict[str, str]) -> list[str]:
+    """Names of the blocks in ``text`` that differ from what the JSON gives."""
+    return [m.group(2) for m in BLOCK.finditer(text)
+            if generated.get(m.group(2)) != m.group(3)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m contextkit.bench.figures",
+        description="Rewrite the figure tables of README.md and docs/benchmarks.md "
+                    "from bench/results/*.json.")
+    parser.add_argument("--check", action="store_true",
+                        help="change nothing; exit 1 if a table differs from the JSON")
+    args = parser.parse_args(argv)
+    generated = blocks()
+    bad = []
+    for target in TARGETS:
+        path = ROOT / target
+        text = path.read_text()
+        if args.check:
+            bad += [f"{target}: {name}" for name in stale(text, generated)]
+        else:
+            path.write_text(rewrite(text, generated))
+    if bad:
+        print("figures differ from bench/results (run `python -m contextkit.bench.figures`): "
+              + ", ".join(bad), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
