@@ -518,7 +518,7 @@ def test_bench_counts_out_of_range_are_usage_errors(
 @pytest.mark.parametrize(("argv", "says"), [
     (["demo", "--turns", "0"], "--turns must be >= 1, got 0"),
     (["demo", "--think-s", "-1"], "--think-s must be >= 0, got -1.0"),
-    (["demo", "--agent-steps", "3"], "--agent-steps must be 0 (skip) or >= 6"),
+    (["demo", "--agent-steps", "3"], "--agent-steps must be 0 (skip) or >= 12"),
 ], ids=["turns-0", "think-negative", "agent-steps-too-few"])
 def test_demo_values_out_of_range_are_one_line_and_exit_2(
         argv: list[str], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

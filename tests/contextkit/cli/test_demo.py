@@ -46,6 +46,11 @@ def test_demo_runs_shadows_and_restarts_warm(tmp_path: Path, capsys: pytest.Capt
     assert agents["reference"]["policy"] == "lru"
     assert len(first["agents_reference"]) == len(first["agents"]) == agents["steps"]
     assert "LRU reference (recency only" in printed.out
+    # more agents than the tiers hold: the policy computes fewer prompt tokens than LRU,
+    # and no fewer than a cache that holds every agent
+    assert agents["ceiling"]["computed_tokens"] <= agents["computed_tokens"]
+    assert agents["computed_tokens"] < agents["reference"]["computed_tokens"]
+    assert "prompt tokens against LRU" in printed.out
     assert "Turn 1 (" in printed.out and "nothing is cached yet" in printed.out
     assert (out / "agents.png").stat().st_size > 10_000
     capsys.readouterr()
