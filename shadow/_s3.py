@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 from shadow._errors import BlobNotFoundError, ShadowError, ShadowStoreError
 from shadow._store_base import BlobWriter, ShadowStore, StoreConfig, check_key
 
-__all__ = ["S3Store"]
+__all__ = ["S3Store", "client_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,12 +141,22 @@ class _S3Writer(BlobWriter):
                 logger.warning("could not abort multipart upload of %s", self.key, exc_info=True)
 
 
+def client_config(config: StoreConfig) -> Any:
+    """The ``botocore.config.Config`` of a store's S3 client: retry mode and attempts,
+    connect and read timeouts, connection pool size (needs boto3)."""
+    from botocore.config import Config
+
+    return Config(retries={"mode": config.retry_mode, "total_max_attempts": config.max_attempts},
+                  connect_timeout=config.connect_timeout_s, read_timeout=config.read_timeout_s,
+                  max_pool_connections=config.max_pool_connections)
+
+
 class S3Store(ShadowStore):
     """An S3 bucket and key prefix, through boto3 (imported on first use).
 
     Args:
         url: ``s3://bucket/prefix``.
-        config: endpoint, region and multipart sizes.
+        config: endpoint, region, multipart sizes, retries, timeouts and pool size.
         client: a ready boto3 S3 client (tests, custom sessions); built from
             ``config`` when ``None``.
     """
@@ -175,7 +185,8 @@ class S3Store(ShadowStore):
                         "s3:// shadow stores need boto3: pip install 'contextkit[shadow]'"
                     ) from None
                 self._client = boto3.client("s3", endpoint_url=self.config.endpoint_url,
-                                            region_name=self.config.region_name)
+                                            region_name=self.config.region_name,
+                                            config=client_config(self.config))
             return self._client
 
     def _object_key(self, key: str) -> str:

@@ -15,10 +15,13 @@ from typing import Any, ClassVar
 
 from shadow._errors import ShadowStoreError
 
-__all__ = ["S3_MIN_PART_BYTES", "BlobWriter", "ShadowStore", "StoreConfig", "check_key"]
+__all__ = ["S3_MIN_PART_BYTES", "S3_RETRY_MODES", "BlobWriter", "ShadowStore", "StoreConfig",
+           "check_key"]
 
 #: S3 refuses multipart parts below 5 MiB (except the last one).
 S3_MIN_PART_BYTES = 5 * 1024 * 1024
+#: botocore's retry modes (``StoreConfig.retry_mode``).
+S3_RETRY_MODES = ("standard", "adaptive", "legacy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +41,13 @@ class StoreConfig:
             page-cache copy on the CPU (recovery needs that CPU for checksums and the
             tier import). Other reads, and filesystems without ``O_DIRECT``, read
             through the page cache.
+        retry_mode: botocore's retry mode of the S3 client: ``"standard"``,
+            ``"adaptive"`` (client-side rate limiting too) or ``"legacy"``.
+        max_attempts: S3 attempts per request, the first one included.
+        connect_timeout_s: seconds to open a connection to the S3 endpoint.
+        read_timeout_s: seconds to wait for data on an open S3 connection.
+        max_pool_connections: the S3 client's connection pool size; at least the
+            number of threads that share one store (the shared tier's ``io_threads``).
     """
 
     fsync: bool = True
@@ -46,8 +56,24 @@ class StoreConfig:
     multipart_threshold: int = 64 * 1024 * 1024
     multipart_chunksize: int = 16 * 1024 * 1024
     direct_io: bool = True
+    retry_mode: str = "standard"
+    max_attempts: int = 3
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0
+    max_pool_connections: int = 10
 
     def __post_init__(self) -> None:
+        if self.retry_mode not in S3_RETRY_MODES:
+            raise ValueError(f"retry_mode must be one of {', '.join(S3_RETRY_MODES)}, got "
+                             f"{self.retry_mode!r}")
+        for name in ("max_attempts", "max_pool_connections"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("connect_timeout_s", "read_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
         if self.multipart_chunksize < S3_MIN_PART_BYTES:
             raise ValueError(f"multipart_chunksize must be >= {S3_MIN_PART_BYTES} (5 MiB, the "
                              f"S3 minimum part size), got {self.multipart_chunksize}")

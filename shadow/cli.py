@@ -120,7 +120,11 @@ def run_recover(args: argparse.Namespace, cache: TQGPUCache | None = None) -> di
         The JSON-able summary: sessions, blocks, bytes, skipped, seconds, plus
         per-session errors and skipped blocks.
     """
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        raise ShadowError("contextkit recover needs tqdm: "
+                          "pip install 'contextkit[shadow]'") from None
 
     start = time.perf_counter()
     url = args.store or default_store_url()

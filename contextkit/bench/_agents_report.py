@@ -112,7 +112,9 @@ def speedups(ttft: Mapping[str, Sequence[float]], rows: Sequence[Mapping[str, An
 # ---------------------------------------------------------------------- plot
 def plot(path: Path, ttft: Mapping[str, Sequence[float]], sweep: Sequence[Mapping[str, Any]],
           title: str) -> None:
-    import matplotlib
+    from contextkit.config import require
+
+    matplotlib = require("matplotlib", "plot")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

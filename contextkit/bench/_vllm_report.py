@@ -182,7 +182,9 @@ def table_rows(policies: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, Any
 def plot(path: str | Path, policies: Mapping[str, Mapping[str, Any]], title: str) -> None:
     """Per policy: bars of teacher-forced agreement and greedy match (left), stored
     bytes per token relative to fp16 (right), the targets as dashed lines."""
-    import matplotlib
+    from contextkit.config import require
+
+    matplotlib = require("matplotlib", "plot")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -176,7 +176,9 @@ def label_coverage(blocks: Sequence[Any], tenant: str, default_layer: str = "use
 
 
 def _plot(path: Path, ttft: Mapping[str, Sequence[float]], restart: int, title: str) -> None:
-    import matplotlib
+    from contextkit.config import require
+
+    matplotlib = require("matplotlib", "plot")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

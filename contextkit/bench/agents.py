@@ -52,8 +52,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tqdm import tqdm
-
 from contextkit.bench._agents_report import POLICIES, percentile, policy_figures, speedups
 from contextkit.bench._agents_report import plot as _plot
 from contextkit.bench._common import (
@@ -64,6 +62,7 @@ from contextkit.bench._common import (
     print_table,
     write_result,
 )
+from contextkit.config import require
 
 if TYPE_CHECKING:
     from contextkit.engine.engine import Engine
@@ -312,6 +311,7 @@ def run_policy(engine: Engine, workload: MultiAgentWorkload, policy: str, sizes:
     history: dict[str, list[tuple[str, str]]] = {a.name: [] for a in workload.agents}
     homes = {a.name: a.tenant for a in workload.agents}
     rows: list[dict[str, Any]] = []
+    tqdm = require("tqdm", "bench").tqdm
     bar = tqdm(total=steps, desc=f"{policy} @{sizes.device_agents}", unit="step",
                file=sys.stderr, disable=not progress)
     try:

@@ -237,7 +237,9 @@ def connector_costs(metrics: Mapping[str, float], steps: int) -> dict[str, Any] 
 
 def _plot(path: Path, ttft: Mapping[str, Sequence[float]], warm: Sequence[bool],
           title: str) -> None:
-    import matplotlib
+    from contextkit.config import require
+
+    matplotlib = require("matplotlib", "plot")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

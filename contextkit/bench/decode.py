@@ -470,7 +470,9 @@ def _print(result: dict[str, Any]) -> None:
 
 def plot_decode(result: dict[str, Any], path: Path) -> Path:
     """Decode tokens/s against context, one line per engine."""
-    import matplotlib
+    from contextkit.config import require
+
+    matplotlib = require("matplotlib", "plot")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -131,7 +131,9 @@ def synthetic_corpus(num_nodes: int, seed: int = 0) -> SyntheticCorpus:
 def cached_embeddings(corpus: SyntheticCorpus, embedder: Any, *,
                       cache_dir: Path = CACHE_DIR, progress: bool = True) -> np.ndarray:
     """Embeddings of ``corpus`` (float32 ``[N, dim]``), computed once and cached on disk."""
-    from tqdm import tqdm
+    from contextkit.config import require
+
+    tqdm = require("tqdm", "bench").tqdm
 
     key = f"{embedder.model_id}-{embedder.dim}-{corpus.digest()[:20]}-{len(corpus.texts)}"
     path = cache_dir / f"{key}.npy"
@@ -184,7 +186,9 @@ def _queries(num: int, seed: int = 1) -> list[str]:
 
 def _build_graph(graph: Any, corpus: SyntheticCorpus, vecs: np.ndarray, tenant: str,
                  prefix: str, progress: bool) -> list[str]:
-    from tqdm import tqdm
+    from contextkit.config import require
+
+    tqdm = require("tqdm", "bench").tqdm
 
     ids = [f"{prefix}{i}" for i in range(len(corpus.texts))]
     chunk = 10_000

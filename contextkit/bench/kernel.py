@@ -275,7 +275,9 @@ def _sweep_rows(context: int, layer: list[torch.Tensor], args: tuple[Any, ...],
 def plot(path: str, result: dict[str, Any]) -> None:
     """Graph-replay (else eager) ms of both attentions by context; with a sweep, each
     launch setting's SDPA/TQ4 ratio by context."""
-    import matplotlib
+    from contextkit.config import require
+
+    matplotlib = require("matplotlib", "plot")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -222,7 +222,9 @@ def failover(run: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def _plot(path: Path, ttft: Mapping[str, Sequence[float | None]], cross: Sequence[int],
           stop: int | None, title: str) -> None:
-    import matplotlib
+    from contextkit.config import require
+
+    matplotlib = require("matplotlib", "plot")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -83,8 +83,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from contextkit.bench._common import (
     non_negative_float,
     non_negative_int,
@@ -94,6 +92,7 @@ from contextkit.bench._common import (
 )
 from contextkit.bench._ttft_quality import ReplyQuality, perplexity
 from contextkit.bench._ttft_report import report
+from contextkit.config import require
 
 __all__ = ["DEFAULT_THINK_S", "HELD_OUT", "HELP", "add_arguments", "run", "run_replay"]
 
@@ -253,6 +252,7 @@ def run_replay(
     agree_native: list[bool] = []
     held = engine.encode(HELD_OUT)
     scores = ReplyQuality(engine, held)
+    tqdm = require("tqdm", "bench").tqdm
     bar = tqdm(total=turns, desc="replay", unit="turn", file=sys.stderr, disable=not progress)
     for t in range(turns):
         think = _think_window(reservations, think_s if t else 0.0)
@@ -506,7 +506,9 @@ def _reservation_figures(records: list[dict[str, Any]], stats: dict[str, Any] | 
 
 def plot_ttft(records: list[dict[str, Any]], path: Path, title: str) -> Path:
     """TTFT per turn: baseline, prefix cache (if measured) and contextkit."""
-    import matplotlib
+    from contextkit.config import require
+
+    matplotlib = require("matplotlib", "plot")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -38,8 +38,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from contextkit.config.settings import WEIGHT_FORMATS
 
 __all__ = ["SESSION_ID", "add_demo_arguments", "run_demo"]
@@ -79,6 +77,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _say(message: str) -> None:
+    from contextkit.config import require
+
+    tqdm = require("tqdm", "bench").tqdm
     tqdm.write(message, file=sys.stderr)
 
 
@@ -405,7 +406,9 @@ def agents_figure(rows: list[dict[str, Any]], reference: list[dict[str, Any]],
                   device_blocks: int, host_blocks: int, *, cpu_only: bool) -> Any:
     """TTFT per step (bars by agent; the LRU reference as markers) over the tiers'
     occupancy, and the blocks prefetched, drawn only when a prefetch warmed any."""
-    import matplotlib
+    from contextkit.config import require
+
+    matplotlib = require("matplotlib", "plot")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -15,8 +15,8 @@ the defaults (there is no second copy of them anywhere)::
 Values come from, lowest precedence first:
 
 1. the defaults of the section dataclasses;
-2. a TOML or YAML file (``--config PATH`` or ``$CONTEXTKIT_CONFIG``), one table per
-   section (``[shadow]`` ``url = "file:///var/lib/contextkit"``);
+2. a TOML, YAML (the ``yaml`` extra) or JSON file (``--config PATH`` or
+   ``$CONTEXTKIT_CONFIG``), one table per section (``[shadow]`` ``url = "file:///var/lib/contextkit"``);
 3. environment variables ``CONTEXTKIT_<SECTION>_<FIELD>`` (``CONTEXTKIT_SHADOW_URL``,
    ``CONTEXTKIT_PINS_TENANT_SHARE``; nested fields join with ``__``:
    ``CONTEXTKIT_TIERS_THRESHOLDS__PROMOTE``);
@@ -39,6 +39,7 @@ import json
 import math
 import os
 import re
+import tomllib
 import types
 import typing
 from collections.abc import Mapping
@@ -360,18 +361,19 @@ def _read_file(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"cannot read configuration file {str(path)!r} "
                           f"({exc.strerror or exc}); fix --config or ${CONFIG_ENV}") from None
-    try:
-        if path.suffix.lower() in (".yaml", ".yml"):
+    suffix = path.suffix.lower()
+    if suffix in (".yaml", ".yml"):
+        try:
             import yaml
-
+        except ModuleNotFoundError:
+            raise ConfigError(f"configuration file {str(path)!r} is YAML, which needs PyYAML: "
+                              f"pip install 'contextkit[yaml]', or use TOML") from None
+    try:
+        if suffix in (".yaml", ".yml"):
             doc = yaml.safe_load(text)
-        elif path.suffix.lower() == ".json":
+        elif suffix == ".json":
             doc = json.loads(text)
         else:
-            try:
-                import tomllib
-            except ModuleNotFoundError:  # Python 3.10
-                import tomli as tomllib  # type: ignore[no-redef]
             doc = tomllib.loads(text)
     except Exception as exc:  # every parser has its own error class
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

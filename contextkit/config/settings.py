@@ -192,6 +192,11 @@ class PipelineSettings:
             raise ValueError(f"volatility_alpha must be in (0, 1], got {self.volatility_alpha}")
 
 
+#: ShadowSettings fields passed on to shadow.StoreConfig when set.
+_S3_CLIENT_FIELDS = ("retry_mode", "max_attempts", "connect_timeout_s", "read_timeout_s",
+                     "max_pool_connections")
+
+
 @dataclass(frozen=True, slots=True)
 class ShadowSettings:
     """The cold-tier shadow (:mod:`shadow`).
@@ -205,6 +210,9 @@ class ShadowSettings:
         upload_abort_after_seconds: age past which incomplete S3 uploads are aborted.
         endpoint_url: S3-compatible endpoint (MinIO, Ceph, moto); ``None``: boto3's.
         region_name: S3 region; ``None``: boto3's.
+        retry_mode, max_attempts, connect_timeout_s, read_timeout_s,
+            max_pool_connections: the S3 client's retries, timeouts and pool;
+            ``None``: :class:`shadow.StoreConfig`'s defaults.
     """
 
     url: str = ""
@@ -215,11 +223,17 @@ class ShadowSettings:
     upload_abort_after_seconds: float = 3600.0
     endpoint_url: str | None = None
     region_name: str | None = None
+    retry_mode: str | None = None
+    max_attempts: int | None = None
+    connect_timeout_s: float | None = None
+    read_timeout_s: float | None = None
+    max_pool_connections: int | None = None
 
     def __post_init__(self) -> None:
         if self.url and "://" not in self.url:
             raise ValueError(f"url must be file:///path or s3://bucket/prefix, got {self.url!r}")
         self.shadow_config()
+        self.store_config()
 
     def shadow_config(self, **kwargs: Any) -> Any:
         """A :class:`shadow.ShadowConfig` of these settings (``kwargs`` override)."""
@@ -236,7 +250,10 @@ class ShadowSettings:
         """A :class:`shadow.StoreConfig` of these settings."""
         from shadow import StoreConfig
 
-        return StoreConfig(endpoint_url=self.endpoint_url, region_name=self.region_name)
+        client = {name: getattr(self, name) for name in _S3_CLIENT_FIELDS
+                  if getattr(self, name) is not None}
+        return StoreConfig(endpoint_url=self.endpoint_url, region_name=self.region_name,
+                           **client)
 
     def _require_url(self) -> str:
         if not self.url:

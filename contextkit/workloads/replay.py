@@ -27,7 +27,7 @@ import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from contextkit.prompt.markup import PromptLine, PromptSection, StructuredPrompt, render_marked
@@ -246,7 +246,7 @@ class AgentReplay:
                 [self._memories[i].text for i in new], tenant=self.tenant,
                 kinds=[self._memories[i].kind for i in new], node_ids=[ids[i] for i in new],
                 created_at=[datetime.strptime(self._memories[i].date, "%Y-%m-%d")
-                            .replace(tzinfo=timezone.utc).timestamp() for i in new])
+                            .replace(tzinfo=UTC).timestamp() for i in new])
         fresh = set(new)
         edges = [(ids[a], ids[b], kind, w) for a, b, kind, w in self._memory_edges()
                  if a in fresh or b in fresh]
