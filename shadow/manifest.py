@@ -43,7 +43,7 @@ import torch
 
 from gpu_cache import TENSOR_NAMES, CacheIdentity, CacheIdentityError, InvalidNameError
 from gpu_cache.calibration import key_offset_digest
-from gpu_cache.formats import FORMATS, tensor_specs
+from gpu_cache.format_specs import FORMATS, tensor_specs
 from gpu_cache.ids import MAX_NAME_LENGTH, validate_name, validate_tenant
 from shadow._chunk_index import ChunkSection
 from shadow._errors import CorruptShadowError, InvalidSessionIdError
@@ -141,7 +141,7 @@ def segment_files(session_id: str, segment_id: int, token: str = "") -> dict[str
 
 def block_shapes(identity: CacheIdentity) -> dict[str, tuple[int, ...]]:
     """Per tensor, the shape of one block in a blob (``[L, BS, ...]``), in the identity's
-    codec (:func:`gpu_cache.formats.tensor_specs`; fp16/native norms are empty)."""
+    codec (:func:`gpu_cache.format_specs.tensor_specs`; fp16/native norms are empty)."""
     lead = (identity.num_layers, identity.block_size)
     return {name: (*lead, *shape) for name, (shape, _) in tensor_specs(identity).items()}
 
