@@ -87,7 +87,7 @@ from contextkit.pipeline.reports import (
 from contextkit.pipeline.served.model import ServedModel
 from contextkit.pipeline.served.requests import ServedRequests
 from contextkit.pipeline.tenancy import TenantViews, _check_tenant
-from contextkit.prompt.chatml import _ChatML
+from contextkit.prompt.chatml import ChatML
 from contextkit.prompt.layers import LayerConfig, LayerSpec
 from contextkit.prompt.markup import SpilloverQueue
 from contextkit.prompt.ordering import (
@@ -194,7 +194,7 @@ class CacheAwareContextPipeline:
         self._metrics = _LazyMetrics(metrics)
         self._pins: PrefixPinManager | None = None
         if engine is not None:
-            _ChatML.check(engine.tokenizer)
+            ChatML.check(engine.tokenizer)
             self._pins = PrefixPinManager(engine.cache)
         self._tenants = TenantViews(self.config, tenant, self._lock, attached=self.attached,
                                     cache=engine.cache if engine is not None else None,
