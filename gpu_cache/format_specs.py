@@ -29,8 +29,6 @@ are tq4. It needs ``D % 16 == 0`` (whole bytes per token-head for K and V togeth
 
 ``int8`` rotates with the cache's TQ4 rotation (same seed) so outliers spread over
 the coordinates, then stores ``round(r / s)`` with ``s = max|r| / 127`` per vector.
-Key offsets (``TQGPUCache.key_offsets``) apply to the keys of every format: encode
-``k - mu[layer]``, decode ``+ mu[layer]``.
 """
 
 from __future__ import annotations

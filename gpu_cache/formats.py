@@ -285,8 +285,9 @@ def decode_layer_into(fmt: str, exported: dict[str, torch.Tensor], layer: int,
         codec: the cache's codec.
         out: ``[num_rows, D]`` destination (any float dtype; float32 contiguous on the
             CPU takes the fused path).
-        k_rows, v_rows: int64 ``[n * block_size * H]``, the row of ``out`` of each
-            token-head's key and value, in the blocks' order (block, token, head).
+        k_rows: int64 ``[n * block_size * H]``, the row of ``out`` of each token-head's
+            key, in the blocks' order (block, token, head).
+        v_rows: the same for the values.
         key_offsets: ``[L, H, D]`` the cache's key offsets, added back to the keys.
 
     Raises:
