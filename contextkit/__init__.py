@@ -112,7 +112,7 @@ if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
     sys.meta_path.append(_MovedModuleFinder())
 
 
-def _lazy_face(
+def lazy_face(
     package: str, exports: Mapping[str, str],
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
     """``__getattr__``, ``__dir__`` and ``__all__`` of a face whose names load on use.
@@ -134,7 +134,7 @@ def _lazy_face(
     return getattr_, dir_, names
 
 
-__getattr__ = _lazy_face(__name__, _EXPORTS)[0]
+__getattr__ = lazy_face(__name__, _EXPORTS)[0]
 
 
 def __dir__() -> list[str]:

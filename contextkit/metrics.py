@@ -27,15 +27,63 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from contextkit.engine.types import GenerationResult
-    from contextkit.pipeline.reports import CallReport
-
-__all__ = ["ContextkitMetrics", "TenantLabels", "default_metrics", "resolve", "serve"]
+__all__ = ["CallCounts", "ContextkitMetrics", "GenerationCounts", "TenantLabels", "default_metrics",
+           "resolve", "serve"]
 
 logger = logging.getLogger(__name__)
+
+
+class CallCounts(Protocol):
+    """What the recorders read of a pipeline call's report
+    (:class:`~contextkit.pipeline.reports.CallReport`); metrics sits below the pipeline
+    room, so it names the fields rather than import the class."""
+
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def prefix_broken_by(self) -> str | None: ...
+
+    @property
+    def spilled_by_layer(self) -> Mapping[str, int]: ...
+
+    @property
+    def reused_by_layer(self) -> Mapping[str, int]: ...
+
+    @property
+    def computed_by_layer(self) -> Mapping[str, int]: ...
+
+    @property
+    def pinned_blocks(self) -> int: ...
+
+
+class GenerationCounts(Protocol):
+    """What :meth:`ContextkitMetrics.record_generation` reads of an engine result
+    (:class:`~contextkit.engine.types.GenerationResult`)."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def reused_tokens(self) -> int: ...
+
+    @property
+    def computed_tokens(self) -> int: ...
+
+    @property
+    def chunk_reused_tokens(self) -> int: ...
+
+    @property
+    def repaired_tokens(self) -> int: ...
+
+    @property
+    def ttft_ms(self) -> float: ...
+
+    @property
+    def total_ms(self) -> float: ...
 
 #: TTFT buckets (seconds): a cached turn on a GPU to a cold 20K-token prefill on a CPU.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
@@ -113,7 +161,7 @@ class ContextkitMetrics:
                                        "decode rate of the last request")
 
     # ------------------------------------------------------------------ recorders
-    def record_build(self, report: CallReport) -> None:
+    def record_build(self, report: CallCounts) -> None:
         """Count one pipeline call when its prompt is built: the call, the layer that
         broke the cached prefix, and the lines spilled over their layer's budget."""
         self.pipeline_calls.labels(self.tenant(report.tenant)).inc()
@@ -123,7 +171,7 @@ class ContextkitMetrics:
             if lines:
                 self.spilled_lines.labels(layer).inc(lines)
 
-    def record_generate(self, report: CallReport) -> None:
+    def record_generate(self, report: CallCounts) -> None:
         """Count what the engine did for one call: reused and computed prompt tokens per
         layer, and the tenant's pinned blocks afterwards."""
         for kind, by_layer in (("reused", report.reused_by_layer),
@@ -133,7 +181,7 @@ class ContextkitMetrics:
                     self.pipeline_tokens.labels(layer, kind).inc(tokens)
         self.pinned_blocks.labels(self.tenant(report.tenant)).set(report.pinned_blocks)
 
-    def record_generation(self, result: GenerationResult) -> None:
+    def record_generation(self, result: GenerationCounts) -> None:
         """Count one engine request from its result."""
         self.engine_requests.inc()
         self.engine_tokens.labels("reused").inc(result.reused_tokens)

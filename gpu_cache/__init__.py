@@ -15,7 +15,7 @@ from gpu_cache._errors import (
 from gpu_cache.cache import TENSOR_NAMES, CacheConfig, LayerView, TQGPUCache
 from gpu_cache.codebook import Codebook, lloyd_max_codebook
 from gpu_cache.codec import TQ4Codec, TQ4Encoded, rotation_matrix
-from gpu_cache.formats import FORMATS, PRECISION_RANK, bytes_per_token_head, check_format
+from gpu_cache.format_specs import FORMATS, PRECISION_RANK, bytes_per_token_head, check_format
 from gpu_cache.hashing import BlockHash, hash_block_tokens, hash_token_blocks
 from gpu_cache.identity import SCHEMA_VERSION, CacheIdentity
 from gpu_cache.ids import validate_name, validate_tenant

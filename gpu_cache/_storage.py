@@ -9,10 +9,10 @@ import numpy as np
 import torch
 
 from gpu_cache._errors import BlockStateError
-from gpu_cache.formats import TENSOR_NAMES, tensor_specs
+from gpu_cache.format_specs import TENSOR_NAMES, tensor_specs
 from gpu_cache.identity import CacheIdentity
 
-__all__ = ["TENSOR_NAMES", "LayerView", "MoveStats", "TierStorage"]
+__all__ = ["TENSOR_NAMES", "LayerView", "MoveStats", "TierStorage", "contiguous_run"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +26,7 @@ class LayerView:
 
 
 class TierStorage:
-    """The four tensors of a tier (laid out by :func:`gpu_cache.formats.tensor_specs`)
+    """The four tensors of a tier (laid out by :func:`gpu_cache.format_specs.tensor_specs`)
     plus its free-slot map."""
 
     def __init__(self, identity: CacheIdentity, num_blocks: int, device: torch.device,
@@ -93,7 +93,7 @@ class MoveStats:
     last_move_copies: int = 0
 
 
-def _run(slots: np.ndarray) -> tuple[int, int] | None:
+def contiguous_run(slots: np.ndarray) -> tuple[int, int] | None:
     """``(start, stop)`` when ``slots`` is one ascending contiguous run."""
     if slots.size == 0:
         return None

@@ -33,7 +33,7 @@ from gpu_cache._errors import (
     UnknownBlockError,
 )
 from gpu_cache._records import check_import_record
-from gpu_cache._storage import TENSOR_NAMES, LayerView, MoveStats, TierStorage, _run
+from gpu_cache._storage import TENSOR_NAMES, LayerView, MoveStats, TierStorage, contiguous_run
 from gpu_cache.calibration import key_offset_digest
 from gpu_cache.chunks import ChunkIndex
 from gpu_cache.codec import TQ4Codec
@@ -362,7 +362,7 @@ class TQGPUCache:
                      dst_slots: np.ndarray) -> None:
         """``dst[:, dst_slots] = src[:, src_slots]`` as one transfer between devices."""
         non_blocking = src.device != dst.device
-        s_run, d_run = _run(src_slots), _run(dst_slots)
+        s_run, d_run = contiguous_run(src_slots), contiguous_run(dst_slots)
         if s_run and d_run:
             dst[:, d_run[0]:d_run[1]].copy_(src[:, s_run[0]:s_run[1]], non_blocking=non_blocking)
             return

@@ -1,33 +1,10 @@
-"""Block formats: how one block's K/V bytes are stored.
+"""Block formats: encode K/V rows into a cache's tensors and decode them back.
 
-A cache holds blocks of one format (its identity's ``codec``); a store that mixes
-precisions keeps one cache per format. Every format fills the same four tensors
-(:data:`TENSOR_NAMES`), laid out ``[num_layers, num_blocks, block_size, ...]``:
-
-========  =========================  ========  ==========================  ============
-format    ``*_packed`` per token     dtype     ``*_norms`` per token       bytes/token-
-          and head                             and head                    head (D=64)
-========  =========================  ========  ==========================  ============
-tq4       D/2 (two 4-bit codes)      uint8     1 float32 (norm)            36
-k5v4      keys 5D/8 (5-bit codes),   uint8     1 float32 (norm)            44 K, 36 V
-          values D/2 (as tq4)
-int8      D (rotated, absmax)        int8      1 float32 (scale)           68
-fp16      D                          float16   none (trailing dim 0)       128
-native    D                          float32   none (trailing dim 0)       256
-========  =========================  ========  ==========================  ============
-
-``k5v4`` spends one more bit on the keys than on the values: attention scores are
-inner products with the keys, and on SmolLM2 nearly all of TQ4's error after a cache
-round trip comes from its keys (docs/vllm.md has the measurement). Its keys use the same
-rotation and a 5-bit Lloyd-Max codebook for the rotated coordinates, stored as a plane
-of low nibbles (split-half order, as tq4) followed by a plane of the fifth bits (eight
-coordinates per byte, coordinate ``j`` in bit ``j % 8`` of byte ``j // 8``); its values
-are tq4. It needs ``D % 16 == 0`` (whole bytes per token-head for K and V together).
-
-``int8`` rotates with the cache's TQ4 rotation (same seed) so outliers spread over
-the coordinates, then stores ``round(r / s)`` with ``s = max|r| / 127`` per vector.
-Key offsets (``TQGPUCache.key_offsets``) apply to the keys of every format: encode
-``k - mu[layer]``, decode ``+ mu[layer]``.
+The formats themselves (names, per-side encodings, tensor shapes and sizes) are
+:mod:`gpu_cache.format_specs`, re-exported here; this module holds the kernels' side:
+tq4 through the fused quantizer, tq5 (``k5v4``'s keys) and int8 through the codec's
+rotation, fp16/native as plain copies. Key offsets (``TQGPUCache.key_offsets``) apply to
+the keys of every format: encode ``k - mu[layer]``, decode ``+ mu[layer]``.
 """
 
 from __future__ import annotations
@@ -40,12 +17,25 @@ import torch
 from gpu_cache._errors import CodecInputError
 from gpu_cache.codebook import lloyd_max_codebook
 from gpu_cache.codec import TQ4Encoded
+from gpu_cache.format_specs import (
+    FORMATS,
+    PRECISION_RANK,
+    TENSOR_NAMES,
+    VECTOR_DTYPES,
+    bytes_per_token_head,
+    check_format,
+    check_head_dim,
+    format_sides,
+    has_scale,
+    head_dim_multiple,
+    side_width,
+    tensor_specs,
+)
 from gpu_cache.kernels import cpu_fused, quantize_into_cache
 
 if TYPE_CHECKING:
     from gpu_cache._storage import LayerView
     from gpu_cache.codec import TQ4Codec
-    from gpu_cache.identity import CacheIdentity
 
 __all__ = [
     "FORMATS",
@@ -62,90 +52,7 @@ __all__ = [
     "warm_up",
 ]
 
-#: Known formats, lowest precision first.
-FORMATS: tuple[str, ...] = ("tq4", "k5v4", "int8", "fp16", "native")
-#: Precision order (higher is more exact).
-PRECISION_RANK: dict[str, int] = {fmt: rank for rank, fmt in enumerate(FORMATS)}
-
-#: The four tensors of a tier, in the order moves and shadows handle them.
-TENSOR_NAMES = ("k_packed", "k_norms", "v_packed", "v_norms")
-
-#: The encodings of one side (keys or values) of a block; a format is one per side.
-_VECTOR_DTYPES: dict[str, torch.dtype] = {
-    "tq4": torch.uint8, "tq5": torch.uint8, "int8": torch.int8, "fp16": torch.float16,
-    "native": torch.float32}
-#: Formats whose keys and values are encoded differently: (keys, values).
-_MIXED: dict[str, tuple[str, str]] = {"k5v4": ("tq5", "tq4")}
 _INT8_MAX = 127.0
-
-
-def _sides(fmt: str) -> tuple[str, str]:
-    """The encodings of a format's (keys, values)."""
-    return _MIXED.get(fmt, (fmt, fmt))
-
-
-def check_format(fmt: object) -> str:
-    """Return ``fmt`` if it names a known format.
-
-    Raises:
-        CodecInputError: (a ValueError) one line naming the known formats.
-    """
-    if not isinstance(fmt, str) or fmt not in PRECISION_RANK:
-        raise CodecInputError(f"unknown KV format {fmt!r}; use one of {', '.join(FORMATS)}")
-    return fmt
-
-
-def _has_scale(side: str) -> bool:
-    return side in ("tq4", "tq5", "int8")
-
-
-def _side_width(side: str, head_dim: int) -> int:
-    """Elements of one stored vector of a side encoding."""
-    if side == "tq4":
-        return head_dim // 2
-    if side == "tq5":
-        return head_dim * 5 // 8
-    return head_dim
-
-
-def _side_bytes(side: str, head_dim: int) -> int:
-    return (_side_width(side, head_dim) * _VECTOR_DTYPES[side].itemsize
-            + (4 if _has_scale(side) else 0))
-
-
-def head_dim_multiple(fmt: str) -> int:
-    """What a format asks of head_dim beyond being even (which the cache identity
-    checks): a multiple of 16 for k5v4 (eight 5-bit codes in 5 bytes, whole bytes per
-    token-head for K and V together), else nothing (1)."""
-    return 16 if fmt == "k5v4" else 1
-
-
-def check_head_dim(fmt: str, head_dim: int) -> None:
-    """Raise CodecInputError when ``fmt`` cannot pack vectors of ``head_dim``."""
-    if head_dim % head_dim_multiple(fmt):
-        raise CodecInputError(f"format {fmt} needs a head_dim divisible by "
-                              f"{head_dim_multiple(fmt)}, got {head_dim}; use tq4")
-
-
-def bytes_per_token_head(fmt: str, head_dim: int) -> int:
-    """Stored bytes of one token's key or value vector in one head: the mean of the
-    two, which differ only for ``k5v4`` (44 and 36 at D=64, so 40)."""
-    fmt = check_format(fmt)
-    check_head_dim(fmt, head_dim)
-    k_side, v_side = _sides(fmt)
-    return (_side_bytes(k_side, head_dim) + _side_bytes(v_side, head_dim)) // 2
-
-
-def tensor_specs(identity: CacheIdentity) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Per tensor name, its trailing shape (after ``[..., num_blocks, block_size]``) and dtype."""
-    fmt = check_format(identity.codec)
-    heads, dim = identity.num_kv_heads, identity.head_dim
-    check_head_dim(fmt, dim)
-    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for name, side in zip(("k", "v"), _sides(fmt), strict=True):
-        out[f"{name}_packed"] = ((heads, _side_width(side, dim)), _VECTOR_DTYPES[side])
-        out[f"{name}_norms"] = ((heads,) if _has_scale(side) else (0,), torch.float32)
-    return out
 
 
 # ---------------------------------------------------------------------- encode
@@ -174,13 +81,13 @@ def encode_into(fmt: str, k: torch.Tensor, v: torch.Tensor, token_slots: torch.T
                             view.v_norms, codec, check_bounds=check_bounds,
                             key_offset=key_offset)
         return
-    sides = _sides(fmt)
+    sides = format_sides(fmt)
     dest = view.k_packed
     heads, dim = dest.shape[-2], codec.head_dim
     num_slots = dest.shape[0] * dest.shape[1]
     for name, t, side in (("k_packed", view.k_packed, sides[0]),
                           ("v_packed", view.v_packed, sides[1])):
-        want_dtype, width = _VECTOR_DTYPES[side], _side_width(side, dim)
+        want_dtype, width = VECTOR_DTYPES[side], side_width(side, dim)
         if t.dtype != want_dtype or t.dim() != 4 or t.shape[-1] != width:
             raise CodecInputError(f"{name} must be a {want_dtype} [NB, BS, H, {width}] view "
                                   f"for format {fmt}, got {t.dtype} {tuple(t.shape)}")
@@ -212,12 +119,12 @@ def encode_into(fmt: str, k: torch.Tensor, v: torch.Tensor, token_slots: torch.T
              (vf, view.v_packed, view.v_norms, sides[1]))
     for x, packed, norms, side in pairs:
         flat = packed.view(-1, heads, packed.shape[-1])
-        if _has_scale(side):
+        if has_scale(side):
             q, scale = _SIDE_ENCODERS[side](x, codec)
             flat.index_copy_(0, slots, q)
             norms.view(-1, heads).index_copy_(0, slots, scale)
         else:
-            flat.index_copy_(0, slots, x.to(_VECTOR_DTYPES[side]))
+            flat.index_copy_(0, slots, x.to(VECTOR_DTYPES[side]))
 
 
 def _int8_encode(x: torch.Tensor, codec: TQ4Codec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,7 +208,7 @@ def _exported_side(fmt: str, exported: dict[str, torch.Tensor], side_name: str, 
     """The ``*_packed`` tensor of one side, checked against the format."""
     name = f"{side_name}_packed"
     packed = exported[name]
-    want_dtype, width = _VECTOR_DTYPES[side], _side_width(side, head_dim)
+    want_dtype, width = VECTOR_DTYPES[side], side_width(side, head_dim)
     if packed.dtype != want_dtype or packed.dim() != 5 or packed.shape[-1] != width:
         raise CodecInputError(f"{name} must be {want_dtype} [L, n, BS, H, {width}] for "
                               f"format {fmt}, got {packed.dtype} {tuple(packed.shape)}; it "
@@ -343,7 +250,7 @@ def decode_blocks(fmt: str, exported: dict[str, torch.Tensor], codec: TQ4Codec,
     """
     fmt = check_format(fmt)
     out = []
-    for side_name, side in zip(("k", "v"), _sides(fmt), strict=True):
+    for side_name, side in zip(("k", "v"), format_sides(fmt), strict=True):
         packed = _exported_side(fmt, exported, side_name, side, codec.head_dim)
         out.append(_decode_side(side, packed, exported[f"{side_name}_norms"], codec))
     k, v = out
@@ -378,8 +285,9 @@ def decode_layer_into(fmt: str, exported: dict[str, torch.Tensor], layer: int,
         codec: the cache's codec.
         out: ``[num_rows, D]`` destination (any float dtype; float32 contiguous on the
             CPU takes the fused path).
-        k_rows, v_rows: int64 ``[n * block_size * H]``, the row of ``out`` of each
-            token-head's key and value, in the blocks' order (block, token, head).
+        k_rows: int64 ``[n * block_size * H]``, the row of ``out`` of each token-head's
+            key, in the blocks' order (block, token, head).
+        v_rows: the same for the values.
         key_offsets: ``[L, H, D]`` the cache's key offsets, added back to the keys.
 
     Raises:
@@ -391,7 +299,7 @@ def decode_layer_into(fmt: str, exported: dict[str, torch.Tensor], layer: int,
     if out.dim() != 2 or out.shape[1] != dim:
         raise CodecInputError(f"out must be [num_rows, D={dim}], got {tuple(out.shape)}")
     signs = codec.hadamard_signs
-    for side_name, side, rows in zip(("k", "v"), _sides(fmt), (k_rows, v_rows), strict=True):
+    for side_name, side, rows in zip(("k", "v"), format_sides(fmt), (k_rows, v_rows), strict=True):
         packed = _exported_side(fmt, exported, side_name, side, dim)[layer]
         norms = exported[f"{side_name}_norms"][layer]
         num = packed.shape[0] * packed.shape[1] * packed.shape[2]

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from gpu_cache._errors import CacheIdentityError
-from gpu_cache.formats import FORMATS, bytes_per_token_head, head_dim_multiple
+from gpu_cache.format_specs import FORMATS, bytes_per_token_head, head_dim_multiple
 
 __all__ = ["CODECS", "SCHEMA_VERSION", "CacheIdentity"]
 
-#: Block codecs = :data:`gpu_cache.formats.FORMATS`: "tq4" (4-bit packed nibbles +
+#: Block codecs = :data:`gpu_cache.format_specs.FORMATS`: "tq4" (4-bit packed nibbles +
 #: float32 norms), "k5v4" (5-bit keys, tq4 values), "int8" (rotated int8 + float32
 #: scales), "fp16" and "native" (float32 K/V as the model computed them, for exactness
-#: checks); see :mod:`gpu_cache.formats`.
+#: checks); see :mod:`gpu_cache.format_specs`.
 CODECS = FORMATS
 
 #: Version of the block layout and metadata schema. Bump on any incompatible change.
@@ -107,7 +107,7 @@ class CacheIdentity:
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block across all layers, K and V, in the codec's format
-        (:func:`gpu_cache.formats.bytes_per_token_head`)."""
+        (:func:`gpu_cache.format_specs.bytes_per_token_head`)."""
         per_token_head = bytes_per_token_head(self.codec, self.head_dim)
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_token_head
 

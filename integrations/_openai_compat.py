@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from contextkit.pipeline.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport
-from integrations._common import usage_from
+from integrations._call_log import usage_from
 
 __all__ = [
     "FIELD_NAMES",

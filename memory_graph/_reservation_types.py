@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 __all__ = [
+    "ACTIVE_STATES",
+    "WARMABLE_STATES",
     "NodeBlocks",
     "PrefillFn",
     "ReservationResult",
@@ -27,9 +29,11 @@ class ReservationState(enum.Enum):
     EXPIRED = "expired"  # not warmed in time; blocks freed
 
 
-_ACTIVE = frozenset({ReservationState.RESERVED, ReservationState.PARTIAL,
-                     ReservationState.WARMED})
-_WARMABLE = frozenset({ReservationState.RESERVED, ReservationState.PARTIAL})
+#: States whose reservation still holds its blocks (until consumed or released).
+ACTIVE_STATES = frozenset({ReservationState.RESERVED, ReservationState.PARTIAL,
+                           ReservationState.WARMED})
+#: States a warm can promote from.
+WARMABLE_STATES = frozenset({ReservationState.RESERVED, ReservationState.PARTIAL})
 
 
 class PrefillFn(Protocol):

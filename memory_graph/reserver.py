@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 
 from gpu_cache import BlockAnnotation, RequestBlockManager, Tier, TQGPUCache
 from memory_graph._errors import UnknownReservationError
+from memory_graph._reservation_types import ACTIVE_STATES as _ACTIVE
+from memory_graph._reservation_types import WARMABLE_STATES as _WARMABLE
 from memory_graph._reservation_types import (
-    _ACTIVE,
-    _WARMABLE,
     NodeBlocks,
     PrefillFn,
     ReservationResult,

@@ -19,13 +19,8 @@ from shadow._errors import (
     UnauthenticatedShadowError,
 )
 from shadow.auth import KEY_ENV, describe_auth, resolve_key
-from shadow.manifest import (
-    BlockRecord,
-    Manifest,
-    SegmentRecord,
-    SessionInfo,
-    validate_session_id,
-)
+from shadow.manifest import Manifest, SessionInfo, validate_session_id
+from shadow.records import BlockRecord, SegmentRecord
 from shadow.recovery import (
     RecoveryReport,
     SkippedBlock,

@@ -38,7 +38,7 @@ from shadow._fields import FieldError, int_field, list_field, mapping_field, val
 
 if TYPE_CHECKING:
     from gpu_cache import TQGPUCache
-    from shadow.manifest import BlockRecord
+    from shadow.records import BlockRecord
 
 __all__ = ["MAX_CHUNK_ENTRIES", "MAX_HOPS", "ChunkSection"]
 

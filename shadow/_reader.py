@@ -25,7 +25,8 @@ from gpu_cache import TENSOR_NAMES, Tier, TQGPUCache
 from shadow._errors import BlobNotFoundError
 from shadow._report import RecoveryReport, SkippedBlock
 from shadow.auth import BlockBinding, block_mac
-from shadow.manifest import BlockRecord, Manifest, block_dtypes, block_shapes, checksum
+from shadow.manifest import Manifest, block_dtypes, block_shapes, checksum
+from shadow.records import BlockRecord
 from shadow.stores import ShadowStore
 
 __all__ = ["ChunkReader", "import_chunks", "plan_chunks", "prefetched"]

@@ -17,7 +17,8 @@ import numpy as np
 
 from gpu_cache import TENSOR_NAMES, BlockMeta, TQGPUCache
 from shadow.auth import BlockBinding, block_mac, new_block_nonces
-from shadow.manifest import BlockRecord, SegmentRecord, block_nbytes, checksum
+from shadow.manifest import block_nbytes, checksum
+from shadow.records import BlockRecord, SegmentRecord
 from shadow.stores import ShadowStore
 
 __all__ = ["SegmentWriter"]

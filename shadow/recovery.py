@@ -36,7 +36,8 @@ from shadow._reader import ChunkReader, import_chunks, plan_chunks
 from shadow._report import RecoveryReport, SkippedBlock
 from shadow.auth import KEY_ENV, resolve_key
 from shadow.freshness import newest_known, rollback_reason
-from shadow.manifest import BlockRecord, Manifest, SessionInfo, manifest_key, validate_session_id
+from shadow.manifest import Manifest, SessionInfo, manifest_key, validate_session_id
+from shadow.records import BlockRecord
 from shadow.stores import ShadowStore
 
 __all__ = [

@@ -51,9 +51,7 @@ from shadow.debris import (
 )
 from shadow.freshness import HEAD_NAME, newest_known, write_head
 from shadow.manifest import (
-    BlockRecord,
     Manifest,
-    SegmentRecord,
     SessionInfo,
     manifest_key,
     new_segment_token,
@@ -61,6 +59,7 @@ from shadow.manifest import (
     validate_label,
     validate_session_id,
 )
+from shadow.records import BlockRecord, SegmentRecord
 from shadow.recovery import (
     DEFAULT_CHUNK_BYTES,
     RecoveryReport,

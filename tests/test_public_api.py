@@ -79,27 +79,28 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return name or None
 
 
-def _type_checking_only(tree: ast.Module) -> set[int]:
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                skipped.update(id(n) for n in ast.walk(child))
-    return skipped
+def _import_base(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The absolute module a ``from ... import`` statement in ``module`` reads from."""
+    if not node.level:
+        return node.module or ""
+    parts = module.split(".") if is_package else module.split(".")[:-1]
+    parts = parts[:len(parts) - node.level + 1]
+    return ".".join(parts + ([node.module] if node.module else []))
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the project modules it imports at run time.
+    """Module -> the project modules it imports.
 
-    Import statements anywhere in the module (functions included; not those under
-    ``if TYPE_CHECKING``), ``"package.module:Name"`` strings (configuration registries)
-    and ``importlib.import_module("...")`` literals. Lazy faces' tables are left out.
+    Import statements anywhere in the module (functions and ``if TYPE_CHECKING:`` blocks
+    included: a type-only loop is still a loop a reader must untangle),
+    ``"package.module:Name"`` strings (configuration registries) and
+    ``importlib.import_module("...")`` literals. Lazy faces' tables are left out.
     """
     modules = _module_names()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
-        skipped = _type_checking_only(tree)
+        skipped: set[int] = set()
         for node in tree.body:
             if isinstance(node, ast.Assign) and any(
                     isinstance(t, ast.Name) and t.id in _FACE_TABLES for t in node.targets):
@@ -113,11 +114,7 @@ def import_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 found = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = name.split(".") if is_package else name.split(".")[:-1]
-                    parts = parts[:len(parts) - node.level + 1]
-                    base = ".".join(parts + ([node.module] if node.module else []))
+                base = _import_base(node, name, is_package)
                 found = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
                          for alias in node.names]
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -184,7 +181,7 @@ def test_the_cycle_finder_finds_cycles() -> None:
 
 def test_no_import_loop_inside_a_package() -> None:
     loops = _cycles(import_graph())
-    assert not loops, f"import loops (runtime imports and registry strings): {loops}"
+    assert not loops, f"import loops (TYPE_CHECKING imports and registry strings count): {loops}"
 
 
 def test_no_import_loop_across_packages() -> None:
@@ -197,6 +194,49 @@ def test_no_import_loop_across_packages() -> None:
     order = {"gpu_cache": 0, "memory_graph": 1, "shadow": 1, "contextkit": 2, "integrations": 3}
     upward = sorted((a, b) for a, bs in packages.items() for b in bs if order[b] >= order[a])
     assert not upward, f"dependencies must point down (integrations -> contextkit -> ...): {upward}"
+
+
+def _private_imports(source: str, module: str, is_package: bool,
+                     modules: set[str]) -> list[str]:
+    """``from x import _name`` statements in ``module`` that take a private name.
+
+    A private module (``from gpu_cache import _storage``) is a module's public face and
+    fine; a private name (``from gpu_cache._storage import _run``) is another module's
+    inside. Dunder names are not private.
+    """
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = _import_base(node, module, is_package)
+        if _resolve(base, {m: Path() for m in modules}) is None:
+            continue  # not one of ours
+        for alias in node.names:
+            private = alias.name.startswith("_") and not alias.name.startswith("__")
+            if private and f"{base}.{alias.name}" not in modules:
+                found.append(f"{module}: from {base} import {alias.name}")
+    return found
+
+
+def test_the_private_import_finder_finds_them() -> None:
+    modules = {"pkg", "pkg.a", "pkg._b", "pkg.sub", "pkg.sub.c"}
+    assert _private_imports("from pkg._b import _run", "pkg.a", False, modules) == [
+        "pkg.a: from pkg._b import _run"]
+    assert _private_imports("from ..a import _X, Y", "pkg.sub.c", False, modules) == [
+        "pkg.sub.c: from pkg.a import _X"]
+    assert _private_imports("from .. import _helper", "pkg.sub", True, modules) == [
+        "pkg.sub: from pkg import _helper"]
+    assert not _private_imports("from pkg import _b\nfrom . import _b", "pkg.a", False, modules)
+    assert not _private_imports("from pkg.a import __all__, Public", "pkg.sub.c", False, modules)
+    assert not _private_imports("from os import _exit", "pkg.a", False, modules)
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    modules = _module_names()
+    found = [hit for name, path in sorted(modules.items())
+             for hit in _private_imports(path.read_text(), name, path.name == "__init__.py",
+                                         set(modules))]
+    assert not found, f"make these names public, or move them where they belong: {found}"
 
 
 def _room(module: str) -> str | None:
@@ -232,13 +272,6 @@ def test_contextkit_top_folder_holds_only_faces_config_and_metrics() -> None:
             doc = ast.get_docstring(ast.parse((path / "__init__.py").read_text()))
             assert doc and "import" in doc, (
                 f"contextkit/{room}/__init__.py: say what the room owns and may import")
-
-
-def test_no_module_over_600_lines() -> None:
-    long = {str(p.relative_to(ROOT)): n for package in PACKAGES
-            for p in (ROOT / package).rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 600}
-    assert not long, f"split these along their seams: {long}"
 
 
 def test_old_module_paths_still_import_as_the_new_modules() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["machine_info", "median_seconds", "print_table", "sync"]
+__all__ = ["machine_info", "median_seconds", "number_type", "print_table", "sync"]
 
 
 def sync(device: torch.device | str | None = None) -> None:
@@ -82,7 +82,7 @@ def print_table(title: str, rows: Sequence[tuple[str, Any]]) -> None:
     out.flush()
 
 
-def _number(kind: type, low: float, *, inclusive: bool = True,
+def number_type(kind: type, low: float, *, inclusive: bool = True,
             high: float | None = None) -> Callable[[str], Any]:
     """An argparse ``type`` that parses ``kind`` and refuses values out of range, so a
     bad count is one usage line (``argument --blocks: must be >= 1, got 0``)."""
@@ -108,14 +108,14 @@ def _number(kind: type, low: float, *, inclusive: bool = True,
 
 
 #: ``type=`` for counts that must be at least 1 (blocks, turns, repeats, ...).
-positive_int = _number(int, 1)
+positive_int = number_type(int, 1)
 #: ``type=`` for counts that may be 0 (warm-up rounds, seeds).
-non_negative_int = _number(int, 0)
+non_negative_int = number_type(int, 0)
 #: ``type=`` for durations that may be 0 (a think time).
-non_negative_float = _number(float, 0.0)
+non_negative_float = number_type(float, 0.0)
 #: ``type=`` for durations and scales that must be > 0.
-positive_float = _number(float, 0.0, inclusive=False)
+positive_float = number_type(float, 0.0, inclusive=False)
 #: ``type=`` for fractions in (0, 1].
-fraction = _number(float, 0.0, inclusive=False, high=1.0)
+fraction = number_type(float, 0.0, inclusive=False, high=1.0)
 #: ``type=`` for shares in [0, 1].
-unit_float = _number(float, 0.0, high=1.0)
+unit_float = number_type(float, 0.0, high=1.0)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WORKER", "LlamaCppError", "LlamaCppPeer"]
+__all__ = ["WORKER", "LlamaCppError", "LlamaCppPeer", "Slot"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def _llamacpp_python(args: argparse.Namespace) -> Path | None:
     return None
 
 
-class _Slot:
+class Slot:
     """The llama.cpp peer while it lives: a failure closes it, records the one-line
     reason and leaves the contextkit rows running."""
 

@@ -60,8 +60,8 @@ from contextkit.bench._common import (
 )
 from contextkit.bench.agent_vllm import vllm_installed
 
-__all__ = ["CONFIGS", "HELP", "add_arguments", "connector_costs", "quality", "run",
-           "speedups"]
+__all__ = ["CONFIGS", "HELP", "add_arguments", "connector_costs", "percentile", "quality",
+           "run", "speedups"]
 
 HELP = ("many LangChain agents on one vLLM server whose KV holds ~2 of them: vLLM APC, "
         "contextkit order, + connector (semantic, LRU, fp16, one that holds everything), "
@@ -112,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------- pure figures
-def _p(values: Sequence[float], q: float) -> float | None:
+def percentile(values: Sequence[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
@@ -311,7 +311,7 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         values = ttft[n]
         warm_values = [t for t, w in zip(values, warm, strict=True) if w]
         result[f"{n}_ttft_p50"] = statistics.median(values)
-        result[f"{n}_ttft_p95"] = _p(values, 0.95)
+        result[f"{n}_ttft_p95"] = percentile(values, 0.95)
         result[f"{n}_warm_ttft_p50"] = statistics.median(warm_values) if warm_values else None
     reference = (runs.get("ceiling") or {}).get("probe")
     qualities = {}

@@ -44,14 +44,15 @@ from typing import Any
 import torch
 
 from contextkit.bench._common import (
-    _number,
     machine_info,
     non_negative_int,
     positive_float,
     positive_int,
     print_table,
 )
-from contextkit.bench._llamacpp_peer import LlamaCppError, LlamaCppPeer, _Slot
+from contextkit.bench._common import number_type as _number
+from contextkit.bench._llamacpp_peer import LlamaCppError, LlamaCppPeer
+from contextkit.bench._llamacpp_peer import Slot as _Slot
 from contextkit.config.settings import WEIGHT_FORMATS
 from gpu_cache.kernels import cpu_decode
 
@@ -135,7 +136,7 @@ def context_prompts(engine: Any, contexts: Sequence[int], scale: float = 1.0
     assistant header after the cut system prompt.
     """
     from contextkit.pipeline.pipeline import CacheAwareContextPipeline
-    from contextkit.prompt.chatml import _ChatML
+    from contextkit.prompt.chatml import ChatML as _ChatML
     from contextkit.workloads.replay import AgentReplay
 
     longest = max(contexts)
@@ -221,7 +222,7 @@ def _llamacpp_run(peer: LlamaCppPeer, ids: list[int], new_tokens: int) -> dict[s
 
 def _memcpy_gbps() -> float:
     """Plain-copy GB/s of this machine, ``bench tiers``' measurement (128 MB)."""
-    from contextkit.bench.tiers import _measure
+    from contextkit.bench.tiers import measure as _measure
 
     m = _measure(num_layers=32, num_blocks=240, repeats=5)
     return float((m["memcpy_h2d_gbps"] + m["memcpy_d2h_gbps"]) / 2)

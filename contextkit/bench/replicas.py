@@ -70,7 +70,7 @@ from contextkit.bench._common import (
     write_result,
 )
 from contextkit.bench.agent_vllm import vllm_installed
-from contextkit.bench.agents_vllm import _p
+from contextkit.bench.agents_vllm import percentile as _p
 
 __all__ = ["CONFIGS", "HELP", "add_arguments", "result_of", "run"]
 

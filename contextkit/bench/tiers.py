@@ -13,7 +13,7 @@ import torch
 from contextkit.bench._common import machine_info, positive_int, print_table, sync
 from gpu_cache import CacheConfig, CacheIdentity, Tier, TQGPUCache
 
-__all__ = ["HELP", "add_arguments", "run"]
+__all__ = ["HELP", "add_arguments", "measure", "run"]
 
 HELP = "warm (DDR->VRAM) and spill (VRAM->DDR) GB/s vs a plain torch copy of the same bytes"
 
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=positive_int, default=7)
 
 
-def _measure(num_layers: int, num_blocks: int, repeats: int) -> dict[str, Any]:
+def measure(num_layers: int, num_blocks: int, repeats: int) -> dict[str, Any]:
     identity = CacheIdentity("bench-tiers", num_layers=num_layers, num_kv_heads=8, head_dim=128)
     # Device tier holds exactly the moved set, so a warm needs no eviction.
     cache = TQGPUCache(identity, CacheConfig(num_device_blocks=num_blocks,
@@ -73,7 +73,7 @@ def _measure(num_layers: int, num_blocks: int, repeats: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    per_layers = [_measure(n, args.blocks if n == args.layers[0] else max(64, args.blocks // 8),
+    per_layers = [measure(n, args.blocks if n == args.layers[0] else max(64, args.blocks // 8),
                            args.repeats) for n in args.layers]
     main = per_layers[0]
     memcpy = (main["memcpy_h2d_gbps"] + main["memcpy_d2h_gbps"]) / 2

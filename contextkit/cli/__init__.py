@@ -10,7 +10,7 @@ contextkit.cli`` runs it too. It sits on top: it may import every room and
 
 from __future__ import annotations
 
-from contextkit import _lazy_face
+from contextkit import lazy_face
 
 _EXPORTS = {
     "main": "contextkit.cli.commands",
@@ -21,4 +21,4 @@ _EXPORTS = {
     "EXIT_USER_ERROR": "contextkit.cli.commands",
 }
 
-__getattr__, __dir__, __all__ = _lazy_face(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = lazy_face(__name__, _EXPORTS)

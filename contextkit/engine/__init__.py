@@ -16,7 +16,7 @@ face (or :mod:`contextkit.engine.models`) does not import torch.
 
 from __future__ import annotations
 
-from contextkit import _lazy_face
+from contextkit import lazy_face
 
 _EXPORTS = {
     "Engine": "contextkit.engine.engine",
@@ -39,4 +39,4 @@ _EXPORTS = {
     "load_tokenizer": "contextkit.engine.models",
 }
 
-__getattr__, __dir__, __all__ = _lazy_face(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = lazy_face(__name__, _EXPORTS)

@@ -20,7 +20,7 @@ May import: :mod:`contextkit.pipeline` (through its public methods and Protocols
 
 from __future__ import annotations
 
-from contextkit import _lazy_face
+from contextkit import lazy_face
 
 _EXPORTS = {
     "ContextTierManager": "contextkit.loop.tiers",
@@ -48,4 +48,4 @@ _EXPORTS = {
     "prefill_prefix": "contextkit.engine.background",
 }
 
-__getattr__, __dir__, __all__ = _lazy_face(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = lazy_face(__name__, _EXPORTS)

@@ -32,7 +32,7 @@ import numpy as np
 
 from contextkit.loop.table import ItemStore
 from contextkit.loop.tier_types import (
-    _KINDS,
+    KINDS,
     Action,
     BlockSkip,
     ContextTier,
@@ -359,7 +359,7 @@ class Lookahead:
     def _candidates_locked(self, agent: str) -> tuple[list[_Candidate], list[_Candidate]]:
         """The agent's items in prompt order, and every other item with blocks."""
         t, lookahead, row_agents = self.items.table, self._lookahead, self.items.row_agents
-        reservation = _KINDS.index(ItemKind.RESERVATION)
+        reservation = KINDS.index(ItemKind.RESERVATION)
         mine_ids = self._agent_items.get(agent, [])
         mine_rows = {t.row_of[i] for i in mine_ids if i in t.row_of}
         # agents not seen yet may reuse any block of their tenant (its shared layers)

@@ -10,9 +10,9 @@ import hashlib
 
 import numpy as np
 
-from contextkit.loop.table import ItemStore, _ItemTable
+from contextkit.loop.table import ItemStore, ItemTable
 from contextkit.loop.tier_types import (
-    _KINDS,
+    KINDS,
     Action,
     ContextTier,
     Decision,
@@ -79,7 +79,7 @@ def ingest(items: ItemStore, lines: list[SpilledLine], blocks: tuple[np.ndarray,
     return accesses
 
 
-def orient(t: _ItemTable, cfg: TierManagerConfig, now: float, elapsed: float,
+def orient(t: ItemTable, cfg: TierManagerConfig, now: float, elapsed: float,
            due: np.ndarray | None) -> None:
     """Score every row: weighted frequency, recency, relevance, and ``due`` (the look-ahead's
     term, :meth:`~contextkit.loop.lookahead.Lookahead.due_term_locked`) when given.
@@ -105,7 +105,7 @@ def orient(t: _ItemTable, cfg: TierManagerConfig, now: float, elapsed: float,
         score += due
 
 
-def decide(t: _ItemTable, cfg: TierManagerConfig,
+def decide(t: ItemTable, cfg: TierManagerConfig,
            th: Thresholds) -> tuple[list[Decision], dict[str, int]]:
     """Promote / demote / archive lists, applied to the table's tiers.
 
@@ -143,7 +143,7 @@ def decide(t: _ItemTable, cfg: TierManagerConfig,
     tiers = tuple(ContextTier)
     ids, kinds, blocks, tenants, payloads = t.ids, t.kind, t.blocks, t.tenant, t.payload
     return [
-        Decision(ids[r] or "", _KINDS[k], by_code[c], tiers[f], tiers[to], s, lim,
+        Decision(ids[r] or "", KINDS[k], by_code[c], tiers[f], tiers[to], s, lim,
                  blocks[r], tenants[r], payloads[r])
         for r, k, c, f, to, s, lim in zip(
             rows.tolist(), kinds[rows].tolist(), codes.tolist(), from_tier.tolist(),

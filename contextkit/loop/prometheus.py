@@ -8,10 +8,10 @@ from typing import Any
 from contextkit.config.errors import require
 from contextkit.loop.tier_types import CycleMetrics
 
-__all__: list[str] = []
+__all__ = ["TierPrometheus"]
 
 
-class _Prometheus:
+class TierPrometheus:
     """Counters, gauges and a histogram of the cycles on one CollectorRegistry."""
 
     def __init__(self, registry: Any | None) -> None:

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from contextkit.engine.background import BackgroundPrefiller, PrefillOutcome, prefill_prefix
 from contextkit.engine.types import TokenSpan
-from contextkit.prompt.chatml import _ChatML
+from contextkit.prompt.chatml import ChatML
 from contextkit.prompt.markup import PromptLine, PromptSection, StructuredPrompt
 
 if TYPE_CHECKING:
@@ -240,9 +240,9 @@ class MemoryReservations:
         ids, spans, _ = pipeline.assemble(None, history, tenant=tenant, built=built)
         if built.trailing:
             cut = spans[built.num_spans(built.main) + len(history)].start - \
-                len(self.engine.encode(_ChatML.open("system")))
+                len(self.engine.encode(ChatML.open("system")))
         else:
-            cut = len(ids) - len(self.engine.encode(_ChatML.open("assistant")))
+            cut = len(ids) - len(self.engine.encode(ChatML.open("assistant")))
         kept = [replace(s, end=min(s.end, cut)) for s in spans if s.start < cut]
         return ids[:cut], kept
 

@@ -9,13 +9,13 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from contextkit.loop.tier_types import _KIND_CODE, _KINDS, ContextTier, ItemKind, TierItem
+from contextkit.loop.tier_types import KIND_CODE, KINDS, ContextTier, ItemKind, TierItem
 from gpu_cache import TQGPUCache
 
-__all__: list[str] = []
+__all__ = ["ItemStore", "ItemTable"]
 
 
-class _ItemTable:
+class ItemTable:
     """Columnar item store: numpy columns for scoring, lists for the rest."""
 
     def __init__(self, capacity: int = 1024) -> None:
@@ -56,7 +56,7 @@ class _ItemTable:
     def snapshot(self, row: int) -> TierItem:
         item_id = self.ids[row]
         assert item_id is not None
-        return TierItem(item_id, _KINDS[int(self.kind[row])], ContextTier(int(self.tier[row])),
+        return TierItem(item_id, KINDS[int(self.kind[row])], ContextTier(int(self.tier[row])),
                         self.tenant[row], self.blocks[row], float(self.relevance[row]),
                         float(self.freq[row] + self.hits[row]), float(self.last_access[row]),
                         float(self.score[row]), self.payload[row])
@@ -77,7 +77,7 @@ class ItemStore:
 
     def __init__(self, cache: TQGPUCache | None) -> None:
         self.cache = cache
-        self.table = _ItemTable()
+        self.table = ItemTable()
         self.owner: dict[int, int] = {}
         self.row_agents: dict[int, frozenset[str]] = {}
 
@@ -103,7 +103,7 @@ class ItemStore:
         t.row_of[item_id] = row
         t.ids[row], t.tenant[row], t.blocks[row], t.payload[row] = (
             item_id, tenant, block_ids, payload)
-        t.alive[row], t.kind[row], t.tier[row] = True, _KIND_CODE[kind], int(tier)
+        t.alive[row], t.kind[row], t.tier[row] = True, KIND_CODE[kind], int(tier)
         t.relevance[row], t.freq[row], t.hits[row] = relevance, 0.0, 0.0
         t.last_access[row], t.score[row] = last_access, 0.0
         for bid in block_ids:
@@ -143,7 +143,7 @@ class ItemStore:
                 t.blocks[row] = tuple(b for b in t.blocks[row] if b != bid)
                 if not t.blocks[row]:
                     emptied.add(row)
-        segment = _KINDS.index(ItemKind.SEGMENT)
+        segment = KINDS.index(ItemKind.SEGMENT)
         for row in emptied:
             if t.alive[row] and t.kind[row] == segment:
                 self.drop_row(row)

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
 __all__ = [
+    "KINDS",
+    "KIND_CODE",
     "ActReport",
     "Action",
     "BlockSkip",
@@ -48,8 +50,9 @@ class ItemKind(enum.Enum):
     SEGMENT = "segment"
 
 
-_KINDS = tuple(ItemKind)
-_KIND_CODE = {kind: code for code, kind in enumerate(_KINDS)}
+#: Item kinds in code order: a table row stores ``KIND_CODE[kind]``, read back by index.
+KINDS = tuple(ItemKind)
+KIND_CODE = {kind: code for code, kind in enumerate(KINDS)}
 
 
 class Action(enum.Enum):

@@ -67,7 +67,7 @@ from contextkit.loop.bridge import TierCacheBridge
 from contextkit.loop.lookahead import Lookahead
 from contextkit.loop.ooda import decide, ingest, orient
 from contextkit.loop.ooda import spilled_line_id as spilled_line_id  # its import path
-from contextkit.loop.prometheus import _Prometheus
+from contextkit.loop.prometheus import TierPrometheus
 from contextkit.loop.table import ItemStore
 from contextkit.loop.tier_types import (
     Action,
@@ -160,7 +160,7 @@ class ContextTierManager:
         self.num_errors = 0
         self.last_error: BaseException | None = None
         self.last_report: CycleReport | None = None
-        self._prom = _Prometheus(registry) if prometheus else None
+        self._prom = TierPrometheus(registry) if prometheus else None
         self._ahead = Lookahead(self._items, self.config, clock, self._lock, self._cycle_lock)
 
     @classmethod

@@ -21,7 +21,7 @@ May import: :mod:`contextkit.prompt`, :mod:`contextkit.engine`, config and metri
 
 from __future__ import annotations
 
-from contextkit import _lazy_face
+from contextkit import lazy_face
 
 _EXPORTS = {
     "CacheAwareContextPipeline": "contextkit.pipeline.pipeline",
@@ -39,4 +39,4 @@ _EXPORTS = {
     "MemoryChunkStats": "contextkit.pipeline.memory_chunks",
 }
 
-__getattr__, __dir__, __all__ = _lazy_face(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = lazy_face(__name__, _EXPORTS)

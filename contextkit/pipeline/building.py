@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from contextkit.engine.types import TokenSpan
 from contextkit.pipeline.reports import BuiltPrompt, CallReport
 from contextkit.pipeline.tenancy import TenantViews
-from contextkit.prompt.chatml import _ChatML
+from contextkit.prompt.chatml import ChatML
 from contextkit.prompt.layers import LayerConfig
 from contextkit.prompt.markup import (
     PromptSection,
@@ -113,7 +113,7 @@ class PromptBuilder:
                     rates[name] = (1 - self.alpha) * rates[name] + self.alpha * hit
             main, trailing = order_sections(sections, rates, self.config, reorder=self.reorder,
                                             trailing_message=self.trailing_message)
-            stable_ids = self._encode(_ChatML.open("system"))
+            stable_ids = self._encode(ChatML.open("system"))
             stable_layers: list[str] = []
             for sec in main:
                 if not self.config.get(sec.layer).stable:
@@ -234,7 +234,7 @@ def assemble_turn(built: BuiltPrompt, config: LayerConfig, encode: Encode,
 
     def add_system(sections: Sequence[PromptSection]) -> None:
         nonlocal stable_end, in_stable
-        add(_ChatML.open("system"))
+        add(ChatML.open("system"))
         for s in sections:
             spec = config.get(s.layer)
             imp = max((line.importance for line in s.lines), default=0.5)
@@ -249,15 +249,15 @@ def assemble_turn(built: BuiltPrompt, config: LayerConfig, encode: Encode,
                 stable_end = len(ids)
             else:
                 in_stable = False
-        add(_ChatML.close())
+        add(ChatML.close())
 
     def add_turns(turns: Sequence[tuple[str, str]]) -> None:
         for role, text in turns:
             if role not in _ROLES:
                 raise ValueError(f"message role must be one of {', '.join(_ROLES)}, "
                                  f"got {role!r}")
-            add(_ChatML.open(role))
-            add(text + _ChatML.close(), "user_turn", 0.3)
+            add(ChatML.open(role))
+            add(text + ChatML.close(), "user_turn", 0.3)
 
     add_system(main)
     in_stable = False
@@ -267,5 +267,5 @@ def assemble_turn(built: BuiltPrompt, config: LayerConfig, encode: Encode,
     if user_message is not None:
         add_turns([("user", user_message)])
     add_turns(after)
-    add(_ChatML.open("assistant"))
+    add(ChatML.open("assistant"))
     return ids, spans, stable_end

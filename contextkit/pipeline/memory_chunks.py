@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from contextkit.engine.types import TokenSpan
 from contextkit.pipeline.building import section_pieces
-from contextkit.prompt.chatml import _ChatML
+from contextkit.prompt.chatml import ChatML
 from contextkit.prompt.layers import LayerConfig
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class MemoryChunks:
         spec = (config or LayerConfig()).get(layer)
         self.label = spec.source
         self.layer = spec.name
-        self._head = [*engine.encode(_ChatML.open("system")),
+        self._head = [*engine.encode(ChatML.open("system")),
                       *engine.encode(section_pieces(spec.name, [])[0])]
         self._pad = engine.encode("\n")
         self.group_tokens = group_tokens

@@ -79,15 +79,15 @@ from contextkit.pipeline.registration import register_call
 from contextkit.pipeline.reports import (
     BuiltPrompt,
     CallReport,
+    LazyMetrics,
     PipelineResult,
     TurnPlan,
-    _LazyMetrics,
     fill_report,
 )
 from contextkit.pipeline.served.model import ServedModel
 from contextkit.pipeline.served.requests import ServedRequests
-from contextkit.pipeline.tenancy import TenantViews, _check_tenant
-from contextkit.prompt.chatml import _ChatML
+from contextkit.pipeline.tenancy import TenantViews, check_tenant
+from contextkit.prompt.chatml import ChatML
 from contextkit.prompt.layers import LayerConfig, LayerSpec
 from contextkit.prompt.markup import SpilloverQueue
 from contextkit.prompt.ordering import (
@@ -181,7 +181,7 @@ class CacheAwareContextPipeline:
         self.engine = engine
         self.served = served
         self.config = layers or LayerConfig()
-        tenant = _check_tenant(tenant)
+        tenant = check_tenant(tenant)
         self.agent = validate_name(agent, "agent") if agent is not None else None
         self.tiers = tiers
         self.reservations = reservations
@@ -191,10 +191,10 @@ class CacheAwareContextPipeline:
         self.alpha = volatility_alpha
         self.spillover = spillover if spillover is not None else SpilloverQueue()
         self._lock = threading.RLock()
-        self._metrics = _LazyMetrics(metrics)
+        self._metrics = LazyMetrics(metrics)
         self._pins: PrefixPinManager | None = None
         if engine is not None:
-            _ChatML.check(engine.tokenizer)
+            ChatML.check(engine.tokenizer)
             self._pins = PrefixPinManager(engine.cache)
         self._tenants = TenantViews(self.config, tenant, self._lock, attached=self.attached,
                                     cache=engine.cache if engine is not None else None,
@@ -354,7 +354,7 @@ class CacheAwareContextPipeline:
         if self.engine is None:
             raise RuntimeError("plan_turn needs the embedded engine: build the pipeline "
                                "with CacheAwareContextPipeline(engine)")
-        tenant = _check_tenant(tenant if tenant is not None else self.resolve_tenant())
+        tenant = check_tenant(tenant if tenant is not None else self.resolve_tenant())
         ids, _, _ = self.assemble(user_message, history, tenant=tenant, built=built)
         cache = self.engine.cache
         hits = cache.lookup(cache.block_keys(ids, tenant), tenant)
@@ -399,7 +399,7 @@ class CacheAwareContextPipeline:
         check_max_new_tokens(max_new_tokens)
         if tenant is None:
             tenant = built.report.tenant if built is not None else self.resolve_tenant()
-        tenant = _check_tenant(tenant)
+        tenant = check_tenant(tenant)
         if built is not None and built.report.tenant != tenant:
             raise ValueError(f"this prompt was built for tenant {built.report.tenant!r}, not "
                              f"{tenant!r}; tenants never share blocks")
@@ -443,7 +443,7 @@ class CacheAwareContextPipeline:
 
     @tenant.setter
     def tenant(self, tenant: str) -> None:
-        self._tenants.default = _check_tenant(tenant)
+        self._tenants.default = check_tenant(tenant)
 
     def tenant_scope(self, tenant: str) -> AbstractContextManager[str]:
         """Make ``tenant`` the tenant of every call and read on this pipeline, in this

@@ -12,7 +12,8 @@ from contextkit.metrics import ContextkitMetrics
 from contextkit.metrics import resolve as resolve_metrics
 from contextkit.prompt.markup import PromptSection
 
-__all__ = ["BuiltPrompt", "CallReport", "PipelineResult", "fill_report"]
+__all__ = ["BuiltPrompt", "CallReport", "LazyMetrics", "PipelineResult", "fill_report",
+           "tokens_by_layer"]
 
 #: Reports' and metrics' name for prompt tokens of the chat markup (in no layer's span).
 _TEMPLATE = "template"
@@ -192,7 +193,7 @@ class PipelineResult:
     report: CallReport
 
 
-def _tokens_by_layer(spans: Sequence[TokenSpan], prompt_tokens: int, reused: int,
+def tokens_by_layer(spans: Sequence[TokenSpan], prompt_tokens: int, reused: int,
                      moved: dict[int, int] | None = None) -> tuple[dict[str, int], dict[str, int]]:
     """Split a prompt's reused (the first ``reused``, plus ``moved[start]`` tokens of
     the span starting there) and computed tokens by the source layer of their span;
@@ -235,13 +236,13 @@ def fill_report(report: CallReport, result: GenerationResult, spans: Sequence[To
     report.reused_chunks = {}
     for label in result.reused_chunks:
         report.reused_chunks[label] = report.reused_chunks.get(label, 0) + 1
-    report.reused_by_layer, report.computed_by_layer = _tokens_by_layer(
+    report.reused_by_layer, report.computed_by_layer = tokens_by_layer(
         spans, result.prompt_tokens, result.reused_tokens,
         dict(zip(result.reused_chunk_starts, result.reused_chunk_tokens, strict=True)))
     report.reservation_hit = reservation_hit
 
 
-class _LazyMetrics:
+class LazyMetrics:
     """Where a pipeline's figures go, resolved on first use: ``metrics=`` at
     construction (default: :func:`contextkit.metrics.default_metrics`; ``False``:
     nowhere). Shared by the pipeline and the parts that record for it."""

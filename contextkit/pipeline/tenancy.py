@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("contextkit.pipeline.pipeline")
 
 
-def _check_tenant(tenant: str) -> str:
+def check_tenant(tenant: str) -> str:
     return validate_tenant(tenant)  # InvalidNameError is a ValueError
 
 
@@ -81,7 +81,7 @@ class TenantViews:
                  attached: bool, cache: TQGPUCache | None = None,
                  pins: PrefixPinManager | None = None) -> None:
         self.config = config
-        self.default = _check_tenant(default)
+        self.default = check_tenant(default)
         self.lock = lock
         self.attached = attached
         self.cache = cache
@@ -112,7 +112,7 @@ class TenantViews:
     @contextlib.contextmanager
     def scope(self, tenant: str) -> Iterator[str]:
         """See :meth:`CacheAwareContextPipeline.tenant_scope`."""
-        token = self._scope.set(_check_tenant(tenant))
+        token = self._scope.set(check_tenant(tenant))
         try:
             yield tenant
         finally:
@@ -121,7 +121,7 @@ class TenantViews:
     def resolve(self, tenant: str | None = None) -> str:
         """See :meth:`CacheAwareContextPipeline.resolve_tenant`."""
         if tenant is not None:
-            return _check_tenant(tenant)
+            return check_tenant(tenant)
         scoped = self._scope.get()
         return scoped if scoped is not None else self.default
 

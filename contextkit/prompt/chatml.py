@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__: list[str] = []
+__all__ = ["ChatML"]
 
 
-class _ChatML:
+class ChatML:
     """ChatML pieces (``<|im_start|>role\\n ... <|im_end|>\\n``), as SmolLM2 uses."""
 
     START, END = "<|im_start|>", "<|im_end|>"

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 __all__ = ["DEFAULT_LAYERS", "LAYER_NAME", "LayerConfig", "LayerSpec", "UnknownLayerError",
-           "check_layer_name"]
+           "check_layer_name", "shown"]
 
 #: The one rule for layer names, aliases and sources: 1-64 ASCII letters, digits and
 #: ``_``, starting with a letter. A name is written as the marker ``[NAME]`` (upper
@@ -32,7 +32,7 @@ def check_layer_name(value: object, what: str) -> str:
     """
     if not isinstance(value, str) or not LAYER_NAME.fullmatch(value):
         raise ValueError(f"{what} must be a str of letters, digits and '_', got "
-                         f"{_shown(value)}; {_RULE}")
+                         f"{shown(value)}; {_RULE}")
     return value
 
 
@@ -73,14 +73,14 @@ class LayerSpec:
             value = getattr(self, budget)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"layer {self.name!r}: {budget} must be a positive int "
-                                 f"(tokens), got {_shown(value)}")
+                                 f"(tokens), got {shown(value)}")
         for flag in ("stable", "volatile"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"layer {self.name!r}: {flag} must be a bool, got "
-                                 f"{_shown(getattr(self, flag))}")
+                                 f"{shown(getattr(self, flag))}")
         if not isinstance(self.source, str):
             raise ValueError(f"layer {self.name!r}: source must be a str, got "
-                             f"{_shown(self.source)}")
+                             f"{shown(self.source)}")
         if self.source:
             check_layer_name(self.source, f"layer {self.name!r}: source")
         if isinstance(self.aliases, list):
@@ -88,7 +88,7 @@ class LayerSpec:
         if not isinstance(self.aliases, tuple) or not all(
                 isinstance(a, str) for a in self.aliases):
             raise ValueError(f"layer {self.name!r}: aliases must be a tuple of names, got "
-                             f"{_shown(self.aliases)}")
+                             f"{shown(self.aliases)}")
         for alias in self.aliases:
             check_layer_name(alias, f"layer {self.name!r}: alias")
         if self.budget <= 0 or self.expanded_budget <= 0:
@@ -101,7 +101,7 @@ class LayerSpec:
         return self.expanded_budget if expanded else self.budget
 
 
-def _shown(value: object) -> str:
+def shown(value: object) -> str:
     """``type repr`` of a bad value, short enough for a one-line error."""
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
@@ -136,7 +136,7 @@ class LayerConfig:
         self.layers = tuple(layers)
         for spec in self.layers:
             if not isinstance(spec, LayerSpec):
-                raise ValueError(f"layers must be LayerSpec objects, got {_shown(spec)}")
+                raise ValueError(f"layers must be LayerSpec objects, got {shown(spec)}")
         self._by_name: dict[str, LayerSpec] = {}
         for spec in self.layers:
             for name in (spec.name, *spec.aliases):

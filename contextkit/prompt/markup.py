@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Real
 
-from contextkit.prompt.layers import LayerConfig, _shown
+from contextkit.prompt.layers import LayerConfig, shown
 
 __all__ = [
     "PromptFormatError",
@@ -48,10 +48,10 @@ class PromptLine:
 
     def __post_init__(self) -> None:
         if not isinstance(self.text, str):
-            raise PromptFormatError(f"the text must be a str, got {_shown(self.text)}")
+            raise PromptFormatError(f"the text must be a str, got {shown(self.text)}")
         if isinstance(self.importance, bool) or not isinstance(self.importance, Real):
             raise PromptFormatError(f"importance must be a number in [0, 1], got "
-                                    f"{_shown(self.importance)} for line {self.text[:40]!r}")
+                                    f"{shown(self.importance)} for line {self.text[:40]!r}")
         object.__setattr__(self, "importance", float(self.importance))
         if not 0.0 <= self.importance <= 1.0:
             raise PromptFormatError(f"importance must be within [0, 1], got {self.importance} "
@@ -167,7 +167,7 @@ def _line(item: object) -> PromptLine:
     if isinstance(item, str):
         return PromptLine(item)
     if not isinstance(item, tuple):
-        raise PromptFormatError(f"expected {_LINE_FORMS}, got {_shown(item)}")
+        raise PromptFormatError(f"expected {_LINE_FORMS}, got {shown(item)}")
     if len(item) != 2:
         raise PromptFormatError(f"expected {_LINE_FORMS}, got a tuple of {len(item)}")
     text, importance = item
@@ -217,7 +217,7 @@ def coerce_prompt(value: object, config: LayerConfig) -> StructuredPrompt:
         sections = []
         for layer, items in value.items():
             if not isinstance(layer, str):
-                raise PromptFormatError(f"layer names must be str, got {_shown(layer)}; use "
+                raise PromptFormatError(f"layer names must be str, got {shown(layer)}; use "
                                         "the layer's name, e.g. {'memories': [...]}")
             if layer not in config:
                 raise _unknown_layer(layer, config)

@@ -11,7 +11,7 @@ May import every room below it (prompt, engine, pipeline, loop) and
 
 from __future__ import annotations
 
-from contextkit import _lazy_face
+from contextkit import lazy_face
 
 _EXPORTS = {
     "AgentReplay": "contextkit.workloads.replay",
@@ -22,4 +22,4 @@ _EXPORTS = {
     "AgentStep": "contextkit.workloads.agents",
 }
 
-__getattr__, __dir__, __all__ = _lazy_face(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = lazy_face(__name__, _EXPORTS)

@@ -32,45 +32,45 @@ from typing import TYPE_CHECKING, Any
 
 from contextkit.prompt.markup import PromptLine, PromptSection, StructuredPrompt, render_marked
 from contextkit.workloads.replay_content import (
-    _AFFECT,
-    _AWARENESS_BASE,
-    _AXIOMS,
-    _BASE_AWARENESS_LINES,
-    _BASE_MEMORY_TOKENS,
-    _BASE_NEURON_LINES,
-    _BASE_STATE_LINES,
-    _CAPABILITIES,
-    _CLUSTERS,
-    _CUSTOMER_FACING,
-    _DEPLOY_SIGNS,
-    _HANDOFF,
-    _IDENTITY,
-    _NEURONS_CORE,
-    _RELATED,
-    _SCRIPT,
-    _SERVICE_NAMES,
-    _SERVICES,
-    _SESSION_DAY,
-    _SYMPTOMS,
-    _SYSTEM_KNOWLEDGE,
-    _TOPIC_QUERIES,
-    _clamp,
-    _confidence_importance,
-    _date,
-    _estimate_tokens,
-    _fill_tokens,
-    _Lines,
-    _multipliers,
-    _prompt_lines,
-    _rng,
-    _take,
+    AFFECT,
+    AWARENESS_BASE,
+    AXIOMS,
+    BASE_AWARENESS_LINES,
+    BASE_MEMORY_TOKENS,
+    BASE_NEURON_LINES,
+    BASE_STATE_LINES,
+    CAPABILITIES,
+    CLUSTERS,
+    CUSTOMER_FACING,
+    DEPLOY_SIGNS,
+    HANDOFF,
+    IDENTITY,
+    NEURONS_CORE,
+    RELATED,
+    SCRIPT,
+    SERVICE_NAMES,
+    SERVICES,
+    SESSION_DAY,
+    SYMPTOMS,
+    SYSTEM_KNOWLEDGE,
+    TOPIC_QUERIES,
+    Lines,
+    clamp_importance,
+    confidence_importance,
+    estimate_tokens,
+    fill_tokens,
+    multipliers,
+    prompt_lines,
+    random_date,
+    seeded_rng,
+    take_lines,
 )
 from contextkit.workloads.replay_memories import (
-    _GENERAL_MEMORIES,
-    _MEMORY_TEMPLATES,
-    _SLOT_CHOICES,
-    _Memory,
-    _memory_slots,
+    GENERAL_MEMORIES,
+    MEMORY_TEMPLATES,
+    SLOT_CHOICES,
+    ReplayMemory,
+    memory_slots,
 )
 
 if TYPE_CHECKING:
@@ -143,23 +143,23 @@ class AgentReplay:
         self.scale = float(scale)
         self.memory_graph = memory_graph
         self.tenant = tenant
-        mult = _multipliers(self.scale)
-        self._state_lines = max(1, round(_BASE_STATE_LINES * mult["system_state"]))
-        self._neuron_lines = max(1, round(_BASE_NEURON_LINES * mult["neurons"]))
-        self._memory_tokens = max(1, round(_BASE_MEMORY_TOKENS * mult["memories"]))
-        self._awareness_lines = max(1, round(_BASE_AWARENESS_LINES * mult["awareness"]))
+        mult = multipliers(self.scale)
+        self._state_lines = max(1, round(BASE_STATE_LINES * mult["system_state"]))
+        self._neuron_lines = max(1, round(BASE_NEURON_LINES * mult["neurons"]))
+        self._memory_tokens = max(1, round(BASE_MEMORY_TOKENS * mult["memories"]))
+        self._awareness_lines = max(1, round(BASE_AWARENESS_LINES * mult["awareness"]))
         self._memories = self._build_memories(mult["memories"])
-        self._topic_memories: dict[str, _Lines] = {}
+        self._topic_memories: dict[str, Lines] = {}
         self._built_topic: str | None = None  # the memories of the last built prompt
         self._times = self._build_times()
         self._constant: dict[str, tuple[PromptLine, ...]] = {
-            "axioms": _prompt_lines(_AXIOMS),
-            "identity": _prompt_lines(_IDENTITY),
-            "system_knowledge": _prompt_lines(_SYSTEM_KNOWLEDGE),
-            "capabilities": _prompt_lines(_CAPABILITIES),
-            "neurons": _prompt_lines(self._neurons()),
-            "affect": _prompt_lines(_AFFECT),
-            "awareness": _prompt_lines(self._awareness()),
+            "axioms": prompt_lines(AXIOMS),
+            "identity": prompt_lines(IDENTITY),
+            "system_knowledge": prompt_lines(SYSTEM_KNOWLEDGE),
+            "capabilities": prompt_lines(CAPABILITIES),
+            "neurons": prompt_lines(self._neurons()),
+            "affect": prompt_lines(AFFECT),
+            "awareness": prompt_lines(self._awareness()),
         }
 
     # ------------------------------------------------------------------ turns
@@ -170,7 +170,7 @@ class AgentReplay:
         return i
 
     def _script(self, i: int) -> tuple[str, str, str]:
-        return _SCRIPT[i % len(_SCRIPT)]
+        return SCRIPT[i % len(SCRIPT)]
 
     def turn(self, i: int) -> ReplayTurn:
         """Turn ``i`` (0-based) with its message, topic and changed layers.
@@ -214,9 +214,9 @@ class AgentReplay:
     def _sections(self, i: int) -> dict[str, tuple[PromptLine, ...]]:
         topic, _, _ = self._script(i)
         out = dict(self._constant)
-        out["system_state"] = _prompt_lines(self._system_state(i))
-        out["current_time"] = _prompt_lines(self._current_time(i))
-        out["memories"] = _prompt_lines(self._memory_lines(topic))
+        out["system_state"] = prompt_lines(self._system_state(i))
+        out["current_time"] = prompt_lines(self._current_time(i))
+        out["memories"] = prompt_lines(self._memory_lines(topic))
         return out
 
     # ------------------------------------------------------------------ memories
@@ -274,21 +274,21 @@ class AgentReplay:
             prev[topic] = i
         return edges
 
-    def _build_memories(self, mult: float) -> list[_Memory]:
+    def _build_memories(self, mult: float) -> list[ReplayMemory]:
         per_topic = max(1, round(9 * mult))
-        out: list[_Memory] = []
-        for topic, templates in _MEMORY_TEMPLATES.items():
+        out: list[ReplayMemory] = []
+        for topic, templates in MEMORY_TEMPLATES.items():
             for j in range(per_topic):
-                rng = _rng(self.seed, "memory", topic, j)
-                slots = _memory_slots(rng)
+                rng = seeded_rng(self.seed, "memory", topic, j)
+                slots = memory_slots(rng)
                 kind, template = templates[j % len(templates)]
-                out.append(_Memory(f"{topic}-{j}", template.format(**slots), kind, (topic,),
+                out.append(ReplayMemory(f"{topic}-{j}", template.format(**slots), kind, (topic,),
                                    round(rng.uniform(0.55, 1.0), 2), slots["date"], False))
-        for j, (text, kind, topics, importance, date) in enumerate(_GENERAL_MEMORIES):
-            out.append(_Memory(f"general-{j}", text, kind, topics, importance, date, True))
+        for j, (text, kind, topics, importance, date) in enumerate(GENERAL_MEMORIES):
+            out.append(ReplayMemory(f"general-{j}", text, kind, topics, importance, date, True))
         return out
 
-    def _memory_lines(self, topic: str) -> _Lines:
+    def _memory_lines(self, topic: str) -> Lines:
         """The memories of ``topic``, computed (or queried) once per topic and instance."""
         cached = self._topic_memories.get(topic)
         if cached is None:
@@ -297,11 +297,11 @@ class AgentReplay:
             self._topic_memories[topic] = cached
         return list(cached)
 
-    def _scripted_memory_lines(self, topic: str) -> _Lines:
+    def _scripted_memory_lines(self, topic: str) -> Lines:
         """Best-first memories for ``topic``: its own, then general and related ones."""
-        related = _RELATED.get(topic, ())
+        related = RELATED.get(topic, ())
 
-        def relevance(m: _Memory) -> float:
+        def relevance(m: ReplayMemory) -> float:
             if m.general:
                 return 0.7 if topic in m.topics else 0.4
             if m.topics[0] == topic:
@@ -310,8 +310,8 @@ class AgentReplay:
 
         scored = sorted(((relevance(m) * m.importance, i) for i, m in
                          enumerate(self._memories)), key=lambda s: (-s[0], s[1]))
-        return _fill_tokens([(self._memories[i].text, _clamp(score)) for score, i in scored],
-                            self._memory_tokens)
+        return fill_tokens([(self._memories[i].text, clamp_importance(score))
+                            for score, i in scored], self._memory_tokens)
 
     def memory_candidates(self, history: Sequence[tuple[str, str]],
                           k: int = 2) -> list[MemoryCandidate]:
@@ -362,94 +362,95 @@ class AgentReplay:
         """Graph node id -> the topics of the replay memory it holds."""
         return {f"replay:{self.tenant}:{self.seed}:{m.key}": m.topics for m in self._memories}
 
-    def _graph_memory_lines(self, topic: str) -> _Lines:
+    def _graph_memory_lines(self, topic: str) -> Lines:
         from memory_graph.layer import memories_layer_lines
 
         assert self.memory_graph is not None
-        avg = sum(_estimate_tokens(m.text) for m in self._memories) / len(self._memories)
+        avg = sum(estimate_tokens(m.text) for m in self._memories) / len(self._memories)
         k = max(4, math.ceil(self._memory_tokens / avg))
-        lines = memories_layer_lines(self.memory_graph, _TOPIC_QUERIES[topic], self.tenant,
+        lines = memories_layer_lines(self.memory_graph, TOPIC_QUERIES[topic], self.tenant,
                                      k=k, hops=1)
-        return _fill_tokens([(text, _clamp(imp)) for text, imp in lines], self._memory_tokens)
+        return fill_tokens([(text, clamp_importance(imp)) for text, imp in lines],
+                           self._memory_tokens)
 
     # ------------------------------------------------------------------ generated layers
-    def _neurons(self) -> _Lines:
+    def _neurons(self) -> Lines:
         head = ("Learned heuristics; confidence is the share of past cases where this first "
                 "check found the cause.", 0.9)
-        return [head, *_take(self._neuron_stream(), self._neuron_lines - 1)]
+        return [head, *take_lines(self._neuron_stream(), self._neuron_lines - 1)]
 
     def _neuron_stream(self) -> Iterator[tuple[str, float]]:
-        for text, conf, seen in _NEURONS_CORE:
-            yield f"{text} (confidence {conf:.2f}, seen {seen}x).", _confidence_importance(conf)
+        for text, conf, seen in NEURONS_CORE:
+            yield f"{text} (confidence {conf:.2f}, seen {seen}x).", confidence_importance(conf)
         # (template, a, b): symptom -> first check, deploy sign -> cause, co-failing pair
         generated: list[tuple[str, str, str]] = []
-        for svc in _SERVICE_NAMES:
+        for svc in SERVICE_NAMES:
             generated.extend(("When {a} shows {b}, check {c} first", svc, symptom)
-                             for symptom, _ in _SYMPTOMS)
+                             for symptom, _ in SYMPTOMS)
             generated.extend(("After {a} deploys, {b} usually means {c}", svc, sign)
-                             for sign, _ in _DEPLOY_SIGNS)
+                             for sign, _ in DEPLOY_SIGNS)
         generated.extend(("{a} and {b} degraded together in {c}% of past incidents; check both "
-                          "when either alerts", _SERVICE_NAMES[i], _SERVICE_NAMES[j])
-                         for i in range(len(_SERVICE_NAMES))
-                         for j in range(i + 1, len(_SERVICE_NAMES)))
-        _rng(self.seed, "neuron-order").shuffle(generated)
-        follow = dict(_SYMPTOMS) | dict(_DEPLOY_SIGNS)
+                          "when either alerts", SERVICE_NAMES[i], SERVICE_NAMES[j])
+                         for i in range(len(SERVICE_NAMES))
+                         for j in range(i + 1, len(SERVICE_NAMES)))
+        seeded_rng(self.seed, "neuron-order").shuffle(generated)
+        follow = dict(SYMPTOMS) | dict(DEPLOY_SIGNS)
         rounds = 0
         while True:  # later rounds (only at large scales) scope the pool to one cluster
             for n, (template, a, b) in enumerate(generated):
-                rng = _rng(self.seed, "neuron", rounds, n)
+                rng = seeded_rng(self.seed, "neuron", rounds, n)
                 c = follow.get(b) or str(rng.randrange(20, 75))
                 text = template.format(a=a, b=b, c=c)
                 if rounds:
-                    cluster = _CLUSTERS[rounds % len(_CLUSTERS)][0]
-                    variant = f" (variant {rounds // len(_CLUSTERS)})" \
-                        if rounds >= len(_CLUSTERS) else ""
+                    cluster = CLUSTERS[rounds % len(CLUSTERS)][0]
+                    variant = f" (variant {rounds // len(CLUSTERS)})" \
+                        if rounds >= len(CLUSTERS) else ""
                     text = f"In {cluster}{variant}: {text[0].lower()}{text[1:]}"
                 conf = rng.uniform(0.52, 0.92)
                 yield (f"{text} (confidence {conf:.2f}, seen {rng.randrange(2, 41)}x).",
-                       _confidence_importance(conf))
+                       confidence_importance(conf))
             rounds += 1
 
-    def _awareness(self) -> _Lines:
-        return _take(self._awareness_stream(), self._awareness_lines)
+    def _awareness(self) -> Lines:
+        return take_lines(self._awareness_stream(), self._awareness_lines)
 
     def _awareness_stream(self) -> Iterator[tuple[str, float]]:
-        yield from _AWARENESS_BASE
+        yield from AWARENESS_BASE
         n = 0
         while True:
-            rng = _rng(self.seed, "awareness", n)
-            svc = rng.choice(_SERVICE_NAMES)
-            date = _date(rng)
+            rng = seeded_rng(self.seed, "awareness", n)
+            svc = rng.choice(SERVICE_NAMES)
+            date = random_date(rng)
             choice = n % 3
             if choice == 0:
                 text = (f"Earlier session {date}: Jonas asked about {svc} "
                         f"{rng.choice(('latency', 'restarts', 'cost', 'replicas', 'errors'))}; "
                         f"he used the answer and asked for the PromQL.")
             elif choice == 1:
-                status = rng.choice(_SLOT_CHOICES["followup_status"])
+                status = rng.choice(SLOT_CHOICES["followup_status"])
                 text = (f"Open thread from {date}: {svc} follow-up ticket "
                         f"PLAT-{rng.randrange(600, 811)} is {status}.")
             else:
-                text = (f"Context: {svc} is owned by the {_SERVICES[_SERVICE_NAMES.index(svc)][1]}"
+                text = (f"Context: {svc} is owned by the {SERVICES[SERVICE_NAMES.index(svc)][1]}"
                         f" team; Jonas last touched its dashboards on {date}.")
             yield text, round(rng.uniform(0.2, 0.6), 2)
             n += 1
 
     # ------------------------------------------------------------------ per-turn layers
     def _build_times(self) -> list[datetime]:
-        start = _SESSION_DAY + timedelta(seconds=_rng(self.seed, "start").randrange(0, 300))
+        start = SESSION_DAY + timedelta(seconds=seeded_rng(self.seed, "start").randrange(0, 300))
         times = [start]
         for i in range(1, self.num_turns):
-            times.append(times[-1] + timedelta(seconds=_rng(self.seed, "dt", i)
+            times.append(times[-1] + timedelta(seconds=seeded_rng(self.seed, "dt", i)
                                                .randrange(50, 200)))
         return times
 
-    def _current_time(self, i: int) -> _Lines:
+    def _current_time(self, i: int) -> Lines:
         now, start = self._times[i], self._times[0]
-        lines: _Lines = [(f"Now: {now:%A} {now.day} {now:%B %Y}, {now:%H:%M:%S} CET (UTC+1).",
+        lines: Lines = [(f"Now: {now:%A} {now.day} {now:%B %Y}, {now:%H:%M:%S} CET (UTC+1).",
                           1.0)]
-        if now < _HANDOFF:
-            left = math.ceil((_HANDOFF - now).total_seconds() / 60)
+        if now < HANDOFF:
+            left = math.ceil((HANDOFF - now).total_seconds() / 60)
             lines.append((f"Business hours: yes, {left} min left; handoff to Tom at 18:00.",
                           0.6))
         else:
@@ -458,13 +459,13 @@ class AgentReplay:
         lines.append((f"Session started {start:%H:%M}, {elapsed} min ago; turn {i + 1}.", 0.7))
         return lines
 
-    def _system_state(self, i: int) -> _Lines:
-        return _take(self._state_stream(i), self._state_lines)
+    def _system_state(self, i: int) -> Lines:
+        return take_lines(self._state_stream(i), self._state_lines)
 
     def _state_stream(self, i: int) -> Iterator[tuple[str, float]]:
         _, _, phase = self._script(i)
-        pos = i % len(_SCRIPT)
-        rng = _rng(self.seed, "state", i)
+        pos = i % len(SCRIPT)
+        rng = seeded_rng(self.seed, "state", i)
         now = self._times[i]
         yield (f"Platform snapshot at {now:%H:%M:%S} CET (Prometheus, scrape age "
                f"{rng.randrange(2, 15)} s).", 0.9)
@@ -500,15 +501,15 @@ class AgentReplay:
             yield (f"checkout-api prod-eu runs v2.13.2 since {rolled:%H:%M} CET (rollback); no "
                    "deploy in progress.", 0.7)
         yield from self._datastore_lines(rng, phase)
-        services = [(s, c) for c in range(len(_CLUSTERS)) for s in range(len(_SERVICES))]
+        services = [(s, c) for c in range(len(CLUSTERS)) for s in range(len(SERVICES))]
         for n, (s, c) in enumerate(services):
             yield self._service_line(rng, s, c, phase, pos)
             if n == 7:
                 yield from self._queue_and_job_lines(rng, pos)
         k = 0
         while True:  # per-pod detail, only at larger scales
-            svc = _SERVICE_NAMES[k % len(_SERVICE_NAMES)]
-            pod = _rng(self.seed, "pod", k).getrandbits(24)
+            svc = SERVICE_NAMES[k % len(SERVICE_NAMES)]
+            pod = seeded_rng(self.seed, "pod", k).getrandbits(24)
             yield (f"Pod {svc}-{pod:06x} (prod-eu): restarts {rng.randrange(0, 3)}, CPU "
                    f"{rng.randrange(40, 900)}m, mem {rng.randrange(120, 1900)} MiB, node "
                    f"ip-10-0-{rng.randrange(1, 60)}-{rng.randrange(2, 250)}.", 0.2)
@@ -534,9 +535,9 @@ class AgentReplay:
 
     def _service_line(self, rng: random.Random, s: int, c: int, phase: str,
                       pos: int) -> tuple[str, float]:
-        name, _, base_rps, base_p95, replicas = _SERVICES[s]
-        cluster = _CLUSTERS[c][0]
-        profile = _rng(self.seed, "profile", name, cluster)
+        name, _, base_rps, base_p95, replicas = SERVICES[s]
+        cluster = CLUSTERS[c][0]
+        profile = seeded_rng(self.seed, "profile", name, cluster)
         share = (1.0, 0.55, 0.04, 0.02)[c]
         rps = max(1, round(base_rps * share * profile.uniform(0.8, 1.2) * rng.uniform(0.9, 1.1)))
         p95 = base_p95 * profile.uniform(0.85, 1.2) * rng.uniform(0.92, 1.08)
@@ -558,7 +559,7 @@ class AgentReplay:
                 desired = 8
         ready = desired - (1 if rng.random() < 0.08 else 0)
         p99 = p95 * rng.uniform(1.7, 2.4)
-        importance = 0.9 if c == 0 and name in _CUSTOMER_FACING[:4] else \
+        importance = 0.9 if c == 0 and name in CUSTOMER_FACING[:4] else \
             (0.6 if c == 0 else (0.35 if c == 1 else 0.2))
         return (f"{name}@{cluster}: {ready}/{desired} ready, {rps} rps, p95 {round(p95)} ms, "
                 f"p99 {round(p99)} ms, 5xx {err:.2f}%, CPU {round(min(cpu, 99))}%.", importance)

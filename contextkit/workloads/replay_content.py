@@ -17,17 +17,17 @@ from datetime import datetime, timedelta, timezone
 from contextkit.prompt.layers import LayerConfig
 from contextkit.prompt.markup import PromptLine
 
-_Lines = list[tuple[str, float]]
+Lines = list[tuple[str, float]]
 _WORD = re.compile(r"[A-Za-z]+")
 
 # ---------------------------------------------------------------------------- vocabulary
 
 _CET = timezone(timedelta(hours=1), "CET")
-_SESSION_DAY = datetime(2025, 3, 11, 17, 2, 0, tzinfo=_CET)  # a Tuesday
-_HANDOFF = datetime(2025, 3, 11, 18, 0, 0, tzinfo=_CET)  # also the end of business hours
+SESSION_DAY = datetime(2025, 3, 11, 17, 2, 0, tzinfo=_CET)  # a Tuesday
+HANDOFF = datetime(2025, 3, 11, 18, 0, 0, tzinfo=_CET)  # also the end of business hours
 
 # name, owning team, base requests/s, base p95 ms, replicas
-_SERVICES: tuple[tuple[str, str, int, int, int], ...] = (
+SERVICES: tuple[tuple[str, str, int, int, int], ...] = (
     ("checkout-api", "checkout", 420, 185, 6),
     ("pricing-service", "checkout", 900, 38, 4),
     ("cart-service", "checkout", 610, 92, 4),
@@ -45,19 +45,19 @@ _SERVICES: tuple[tuple[str, str, int, int, int], ...] = (
     ("admin-portal", "web", 12, 230, 2),
     ("reporting-etl", "data", 5, 1900, 1),
 )
-_SERVICE_NAMES = tuple(s[0] for s in _SERVICES)
-_CUSTOMER_FACING = ("checkout-api", "cart-service", "payments-gateway", "web-frontend",
+SERVICE_NAMES = tuple(s[0] for s in SERVICES)
+CUSTOMER_FACING = ("checkout-api", "cart-service", "payments-gateway", "web-frontend",
                     "catalog-api", "search-api", "pricing-service")
-_CLUSTERS: tuple[tuple[str, str], ...] = (
+CLUSTERS: tuple[tuple[str, str], ...] = (
     ("prod-eu", "eu-west-1"), ("prod-us", "us-east-1"), ("staging-eu", "eu-west-1"),
     ("batch-eu", "eu-west-1"),
 )
-_PEOPLE = ("Priya Raman", "Jonas Weber", "Marco Silva", "Aisha Okafor", "Tom Becker")
+PEOPLE = ("Priya Raman", "Jonas Weber", "Marco Silva", "Aisha Okafor", "Tom Becker")
 
 # ---------------------------------------------------------------------------- script
 
 # (topic, user message, incident phase); phases drive the platform snapshot
-_SCRIPT: tuple[tuple[str, str, str], ...] = (
+SCRIPT: tuple[tuple[str, str, str], ...] = (
     ("latency", "Atlas, we just got paged: checkout-api p95 latency alert in prod-eu. What does "
      "the current picture look like, and is anything else degraded?", "degraded"),
     ("latency", "Is this the database again? Check payments-db connections and slow queries for "
@@ -101,7 +101,7 @@ _SCRIPT: tuple[tuple[str, str, str], ...] = (
 )
 
 # the memory query of each topic: stable within a topic, whatever the exact message
-_TOPIC_QUERIES: dict[str, str] = {
+TOPIC_QUERIES: dict[str, str] = {
     "latency": "checkout-api p95 latency alert: past latency incidents, slow dependencies, "
                "database connection pool, traces",
     "deploy": "checkout-api deploys and releases: canary results, config changes, release "
@@ -115,7 +115,7 @@ _TOPIC_QUERIES: dict[str, str] = {
     "capacity": "capacity planning for a sale event: traffic peaks, replicas, HPA, "
                 "payments-db limits, load tests",
 }
-_RELATED: dict[str, tuple[str, ...]] = {
+RELATED: dict[str, tuple[str, ...]] = {
     "latency": ("deploy",),
     "deploy": ("latency", "rollback"),
     "rollback": ("deploy", "incident"),
@@ -126,7 +126,7 @@ _RELATED: dict[str, tuple[str, ...]] = {
 
 # ---------------------------------------------------------------------------- stable layers
 
-_AXIOMS: _Lines = [
+AXIOMS: Lines = [
     ("Safety first: never run a destructive or irreversible action (delete, drain, scale to "
      "zero, DROP, force push) without an explicit yes from the user in this conversation.", 1.0),
     ("Honesty: say what you checked, what you inferred and what you do not know; never invent "
@@ -143,7 +143,7 @@ _AXIOMS: _Lines = [
      "outage.", 0.9),
 ]
 
-_IDENTITY: _Lines = [
+IDENTITY: Lines = [
     ("You are Atlas, the SRE and DevOps assistant of the Brightloom platform team.", 1.0),
     ("Brightloom is a 40-person online retailer of outdoor gear; its platform team of six runs "
      "the Kubernetes clusters in AWS eu-west-1 and us-east-1, the CI/CD pipeline and the "
@@ -163,7 +163,7 @@ _IDENTITY: _Lines = [
      0.55),
 ]
 
-_SYSTEM_KNOWLEDGE: _Lines = [
+SYSTEM_KNOWLEDGE: Lines = [
     ("Severity: SEV1 = checkout or payments down, or data loss risk; SEV2 = SLO burn above 10x "
      "for 15 min or a major feature degraded; SEV3 = degraded non-critical service; SEV4 = "
      "cosmetic.", 1.0),
@@ -197,7 +197,7 @@ _SYSTEM_KNOWLEDGE: _Lines = [
      "never through Atlas.", 0.45),
 ]
 
-_CAPABILITIES: _Lines = [
+CAPABILITIES: Lines = [
     ("Tools take JSON arguments; durations like 15m, times as ISO 8601 or now. Read tools run "
      "freely; deploy, rollback, scale, flag changes and pages need an explicit yes.", 1.0),
     ("kubectl_get(cluster: str, namespace: str, kind: str, name: str = '', selector: str = '') "
@@ -270,7 +270,7 @@ _CAPABILITIES: _Lines = [
      "duration and the failing step.", 0.3),
 ]
 
-_AFFECT: _Lines = [
+AFFECT: Lines = [
     ("Mood: focused and steady; the incident is serious but contained, so no alarm in the "
      "tone.", 0.9),
     ("Confidence: moderate about the cause until the evidence is in, high about the data "
@@ -291,7 +291,7 @@ _AFFECT: _Lines = [
      "when they are not urgent.", 0.3),
 ]
 
-_AWARENESS_BASE: _Lines = [
+AWARENESS_BASE: Lines = [
     ("Session goal 1: find and mitigate the cause of the checkout-api p95 latency alert "
      "(INC-2041, SEV2, prod-eu).", 1.0),
     ("Session goal 2: leave an incident summary and follow-up tickets before the 18:00 CET "
@@ -319,7 +319,7 @@ _AWARENESS_BASE: _Lines = [
 
 # ---------------------------------------------------------------------------- neurons
 
-_NEURONS_CORE: tuple[tuple[str, float, int], ...] = (
+NEURONS_CORE: tuple[tuple[str, float, int], ...] = (
     ("When checkout-api p95 rises within an hour of a deploy, diff the release before looking "
      "at the database", 0.88, 17),
     ("When p95 rises but p50 stays flat, suspect one slow dependency or one bad node rather "
@@ -349,7 +349,7 @@ _NEURONS_CORE: tuple[tuple[str, float, int], ...] = (
 )
 
 # symptom -> what to check first
-_SYMPTOMS: tuple[tuple[str, str], ...] = (
+SYMPTOMS: tuple[tuple[str, str], ...] = (
     ("rising p95 latency", "downstream connection pools and the slow query log"),
     ("a 5xx spike", "the last deploy and the error rates of its upstream dependencies"),
     ("OOMKilled restarts", "memory limits against the 24 h working set"),
@@ -361,7 +361,7 @@ _SYMPTOMS: tuple[tuple[str, str], ...] = (
     ("slow pod startup", "image size, readiness probe timing and node scale-up events"),
     ("connection resets", "load balancer idle timeouts and keep-alive settings"),
 )
-_DEPLOY_SIGNS: tuple[tuple[str, str], ...] = (
+DEPLOY_SIGNS: tuple[tuple[str, str], ...] = (
     ("p95 up more than 20% within 10 minutes", "a new synchronous downstream call"),
     ("error rate up but only on one route", "a changed request schema or validation rule"),
     ("memory climbing steadily", "a cache without a size bound"),
@@ -370,7 +370,7 @@ _DEPLOY_SIGNS: tuple[tuple[str, str], ...] = (
 )
 
 
-def _confidence_importance(confidence: float) -> float:
+def confidence_importance(confidence: float) -> float:
     return round(min(1.0, max(0.2, (confidence - 0.45) / 0.5)), 2)
 
 
@@ -378,19 +378,19 @@ def _confidence_importance(confidence: float) -> float:
 
 # at scale=1: line counts of the generated layers and the memories' token allowance,
 # calibrated so each layer lands at 80-95% of its default budget (SmolLM2 tokens)
-_BASE_NEURON_LINES = 38
-_BASE_STATE_LINES = 18
-_BASE_MEMORY_TOKENS = 990  # estimated with _estimate_tokens
-_BASE_AWARENESS_LINES = len(_AWARENESS_BASE)
+BASE_NEURON_LINES = 38
+BASE_STATE_LINES = 18
+BASE_MEMORY_TOKENS = 990  # estimated with estimate_tokens
+BASE_AWARENESS_LINES = len(AWARENESS_BASE)
 _EXPANDABLE = ("system_state", "neurons", "memories", "awareness")
 
 
-def _rng(seed: int, *parts: object) -> random.Random:
+def seeded_rng(seed: int, *parts: object) -> random.Random:
     """A generator seeded from a string (SHA-512 based; PYTHONHASHSEED does not matter)."""
     return random.Random(":".join(str(p) for p in ("contextkit-replay", seed, *parts)))
 
 
-def _multipliers(scale: float) -> dict[str, float]:
+def multipliers(scale: float) -> dict[str, float]:
     """Content multiplier per expandable layer so the prompt grows about ``scale``-fold."""
     config = LayerConfig()
     out: dict[str, float] = {}
@@ -401,23 +401,23 @@ def _multipliers(scale: float) -> dict[str, float]:
     return out
 
 
-def _date(rng: random.Random) -> str:
+def random_date(rng: random.Random) -> str:
     day = datetime(2024, 1, 8) + timedelta(days=rng.randrange(0, 420))
     return day.strftime("%Y-%m-%d")
 
 
 # ---------------------------------------------------------------------------- helpers
 
-def _prompt_lines(lines: _Lines) -> tuple[PromptLine, ...]:
+def prompt_lines(lines: Lines) -> tuple[PromptLine, ...]:
     return tuple(PromptLine(text, importance) for text, importance in lines)
 
 
-def _clamp(importance: float) -> float:
+def clamp_importance(importance: float) -> float:
     return round(min(1.0, max(0.2, importance)), 2)
 
 
-def _take(stream: Iterator[tuple[str, float]], n: int) -> _Lines:
-    out: _Lines = []
+def take_lines(stream: Iterator[tuple[str, float]], n: int) -> Lines:
+    out: Lines = []
     for line in stream:
         if len(out) >= n:
             break
@@ -425,7 +425,7 @@ def _take(stream: Iterator[tuple[str, float]], n: int) -> _Lines:
     return out
 
 
-def _estimate_tokens(text: str) -> float:
+def estimate_tokens(text: str) -> float:
     """SmolLM2 tokens of a memory line, estimated from its digits, words and punctuation.
 
     Fitted on the memory corpus (mean error about 3%); digits are one token each in
@@ -437,16 +437,16 @@ def _estimate_tokens(text: str) -> float:
     return 1.27 * digits + 1.06 * words + 0.9 * punct - 0.8
 
 
-def _fill_tokens(lines: _Lines, budget: int) -> _Lines:
+def fill_tokens(lines: Lines, budget: int) -> Lines:
     """The leading lines whose estimated tokens (plus a newline each) fit ``budget``.
 
     Stops at the first line that does not fit, so the result is a prefix of the
     ranking; always keeps at least one line.
     """
-    out: _Lines = []
+    out: Lines = []
     used = 0.0
     for text, importance in lines:
-        cost = _estimate_tokens(text) + 1.0
+        cost = estimate_tokens(text) + 1.0
         if out and used + cost > budget:
             break
         out.append((text, importance))

@@ -1,8 +1,8 @@
 """Memories of the agent replay (:mod:`~contextkit.workloads.replay`): templates, slots, facts.
 
 Each topic has a handful of episode/decision templates filled from a seeded slot
-draw (:func:`_memory_slots`); general memories fit several topics. The replay turns
-them into :class:`_Memory` records, a scripted ranking or a seeded memory graph.
+draw (:func:`memory_slots`); general memories fit several topics. The replay turns
+them into :class:`ReplayMemory` records, a scripted ranking or a seeded memory graph.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from contextkit.workloads.replay_content import _CUSTOMER_FACING, _PEOPLE, _date
+from contextkit.workloads.replay_content import CUSTOMER_FACING, PEOPLE, random_date
 
 # ---------------------------------------------------------------------------- memories
 
 @dataclass(frozen=True)
-class _Memory:
+class ReplayMemory:
     key: str  # stable id suffix: "<topic>-<j>" or "general-<j>"
     text: str
     kind: str  # "episodic" | "semantic"
@@ -25,7 +25,7 @@ class _Memory:
     general: bool
 
 
-_MEMORY_TEMPLATES: dict[str, tuple[tuple[str, str], ...]] = {
+MEMORY_TEMPLATES: dict[str, tuple[tuple[str, str], ...]] = {
     "latency": (
         ("episodic", "{date} postmortem {inc} ({sev}): {svc} p95 rose from {ms_lo} ms to "
                      "{ms_hi} ms for {minutes} min; {latency_cause}."),
@@ -76,8 +76,8 @@ _MEMORY_TEMPLATES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 
-# choices may use the basic slots of _memory_slots ({svc}, {ver_new}, {slo_ms}, ...)
-_SLOT_CHOICES: dict[str, tuple[str, ...]] = {
+# choices may use the basic slots of memory_slots ({svc}, {ver_new}, {slo_ms}, ...)
+SLOT_CHOICES: dict[str, tuple[str, ...]] = {
     "latency_cause": (
         "root cause: payments-db pool exhausted by a reporting query, fixed by moving reports "
         "to the replica",
@@ -213,7 +213,7 @@ _SLOT_CHOICES: dict[str, tuple[str, ...]] = {
     "sev": ("SEV2", "SEV2", "SEV3", "SEV1"),
 }
 
-_GENERAL_MEMORIES: tuple[tuple[str, str, tuple[str, ...], float, str], ...] = (
+GENERAL_MEMORIES: tuple[tuple[str, str, tuple[str, ...], float, str], ...] = (
     ("Jonas Weber is a senior SRE; he wants the exact command shown before Atlas runs it and "
      "dislikes long preambles.", "semantic", ("rollback", "latency"), 0.95, "2024-06-03"),
     ("Jonas prefers kubectl results as a short table with only the unhealthy rows.",
@@ -243,15 +243,15 @@ _GENERAL_MEMORIES: tuple[tuple[str, str, tuple[str, ...], float, str], ...] = (
 )
 
 
-def _memory_slots(rng: random.Random) -> dict[str, str]:
+def memory_slots(rng: random.Random) -> dict[str, str]:
     """Every slot any memory template uses, drawn in one fixed order."""
     minor = rng.randrange(6, 14)
     count_of = rng.randrange(4, 9)
     slots = dict(
-        date=_date(rng),
+        date=random_date(rng),
         inc=f"INC-{rng.randrange(1500, 2035)}",
-        svc=rng.choice(_CUSTOMER_FACING),
-        person=rng.choice(_PEOPLE),
+        svc=rng.choice(CUSTOMER_FACING),
+        person=rng.choice(PEOPLE),
         minutes=str(rng.randrange(9, 96)),
         ms_lo=str(rng.randrange(140, 270)),
         ms_hi=str(rng.randrange(650, 2400)),
@@ -270,6 +270,6 @@ def _memory_slots(rng: random.Random) -> dict[str, str]:
         hpa_pct=str(rng.choice((55, 60, 65, 70))),
     )
     basic = dict(slots)
-    for name, values in _SLOT_CHOICES.items():
+    for name, values in SLOT_CHOICES.items():
         slots[name] = rng.choice(values).format(**basic)
     return slots

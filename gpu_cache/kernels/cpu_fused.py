@@ -11,7 +11,7 @@ and a dense matmul round differently); tests bound how often and by how much.
 Only power-of-two head dims (the Hadamard rotation) qualify.
 
 ``encode5_into`` / ``decode5_into`` do the same for the 5-bit keys of the ``k5v4``
-format (:mod:`gpu_cache.formats`): a nibble plane in tq4's split-half order, then one
+format (:mod:`gpu_cache.format_specs`): a nibble plane in tq4's split-half order, then one
 bit per coordinate (coordinate ``j`` in bit ``j % 8`` of byte ``d/2 + j // 8``);
 ``decode8_into`` for the rotated int8 vectors of the ``int8`` format. Every decoder can
 write each row to a row of its choice and add a per-head offset on the way (``dest``,

@@ -11,7 +11,8 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import BaseMessage, SystemMessage
 from langchain_core.outputs import LLMResult
 
-from integrations._common import CallLog, LogView, layers_in, usage_from
+from integrations._call_log import CallLog, LogView, usage_from
+from integrations._system_parts import layers_in
 from integrations.langchain.middleware import METADATA_KEY
 
 __all__ = ["ContextKitCallbackHandler"]
@@ -26,7 +27,7 @@ class ContextKitCallbackHandler(LogView, BaseCallbackHandler):
     Anthropic and OpenAI shapes), TTFT and KV reuse when the engine reports them.
 
     Args:
-        log: where records go (a new :class:`~integrations._common.CallLog` by default).
+        log: where records go (a new :class:`~integrations._call_log.CallLog` by default).
     """
 
     raise_error = False

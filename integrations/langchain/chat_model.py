@@ -43,8 +43,8 @@ from pydantic import ConfigDict, Field, model_validator
 from contextkit.engine.engine import Engine
 from contextkit.engine.sampling import SamplingParams
 from contextkit.pipeline.pipeline import BuiltPrompt
-from integrations._common import ChatRun, EngineChat, unknown_setting
-from integrations.langchain.middleware import METADATA_KEY, _pipeline_token
+from integrations._engine_chat import ChatRun, EngineChat, unknown_setting
+from integrations.langchain.middleware import METADATA_KEY, pipeline_token
 
 __all__ = ["ContextKitChatModel", "to_conversation"]
 
@@ -246,7 +246,7 @@ class ContextKitChatModel(BaseChatModel):
             else None
         if not meta or self.pipeline is None or not self.pipeline.attached:
             return conv, None, None
-        if meta.get("pipeline") != _pipeline_token(self.pipeline):
+        if meta.get("pipeline") != pipeline_token(self.pipeline):
             return conv, None, meta.get("tenant")
         built = self.pipeline.last_built(meta["tenant"])
         if built is None or first is None or built.text != first.text:  # stale: lay it out plainly

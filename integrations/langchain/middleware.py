@@ -14,7 +14,6 @@ from langchain_core.messages import AIMessage, BaseMessage, SystemMessage
 from contextkit.pipeline.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport
 from contextkit.pipeline.served.model import LabelRangeError
 from contextkit.prompt.markup import has_markers
-from integrations._common import SystemParts, split_system_text
 from integrations._openai_compat import (
     fall_back,
     merge_extra_body,
@@ -23,6 +22,7 @@ from integrations._openai_compat import (
     trailing_index,
     without_fields,
 )
+from integrations._system_parts import SystemParts, split_system_text
 
 __all__ = [
     "EPHEMERAL",
@@ -30,6 +30,7 @@ __all__ = [
     "ContextKitMiddleware",
     "is_openai_compatible",
     "openai_payload_messages",
+    "pipeline_token",
 ]
 
 #: ``SystemMessage.additional_kwargs`` key carrying the pipeline's call summary.
@@ -173,7 +174,7 @@ class ContextKitMiddleware(AgentMiddleware):
         meta: dict[str, Any] = {"tenant": tenant, "attached": self.pipeline.attached}
         if parts.built is not None:
             report = parts.built.report
-            meta.update(pipeline=_pipeline_token(self.pipeline), call=report.call,
+            meta.update(pipeline=pipeline_token(self.pipeline), call=report.call,
                         stable_hash=report.stable_hash, prefix_broken_by=report.prefix_broken_by,
                         changed_layers=list(report.changed_layers),
                         layer_order=list(report.layer_order),
@@ -300,6 +301,6 @@ def _usage_of(response: Any) -> Any:
     return None
 
 
-def _pipeline_token(pipeline: CacheAwareContextPipeline) -> str:
+def pipeline_token(pipeline: CacheAwareContextPipeline) -> str:
     """Which pipeline built a system message (the chat model only trusts its own)."""
     return f"{id(pipeline):x}"

@@ -23,7 +23,8 @@ from llama_index.core.instrumentation.events.llm import (
 )
 from pydantic import Field
 
-from integrations._common import CallLog, LogView, layers_in, usage_from
+from integrations._call_log import CallLog, LogView, usage_from
+from integrations._system_parts import layers_in
 
 __all__ = ["ContextKitEventHandler", "ContextKitLlamaCallbackHandler"]
 

@@ -11,7 +11,7 @@ packs retrieved chunks to fit; ``tokenizer`` / ``count_tokens`` with the engine'
 tokenizer. Every call is recorded by the instrumentation events and legacy callbacks.
 
 What it refuses, with an error that says so: unknown settings (with the nearest known
-name), a prompt longer than the engine holds (:class:`~integrations._common.
+name), a prompt longer than the engine holds (:class:`~integrations._engine_chat.
 ContextWindowError`, saying what to change), function calling (``is_function_calling_model``
 is false: SmolLM2's chat template has no tool-call format, so LlamaIndex's
 ``FunctionAgent`` refuses it; ``ReActAgent`` works through plain text).
@@ -41,7 +41,8 @@ from contextkit.engine.engine import Engine
 from contextkit.engine.sampling import SamplingParams
 from contextkit.pipeline.pipeline import CacheAwareContextPipeline
 from contextkit.prompt.markup import has_markers
-from integrations._common import ChatRun, EngineChat, unknown_setting, usage_from
+from integrations._call_log import usage_from
+from integrations._engine_chat import ChatRun, EngineChat, unknown_setting
 
 __all__ = ["ContextKitLLM"]
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from gpu_cache import CacheIdentity, CacheIdentityError
-from gpu_cache.formats import TENSOR_NAMES
+from gpu_cache.format_specs import TENSOR_NAMES
 from shadow._errors import ShadowError
 
 __all__ = ["MAGIC", "BlockEntry", "PoolPart", "SharedChunk", "SharedObjectError",

@@ -16,7 +16,7 @@ from langchain_core.tools import tool
 
 from contextkit import CacheAwareContextPipeline
 from contextkit.prompt.markup import PromptFormatError
-from integrations._common import usage_from
+from integrations._call_log import usage_from
 from integrations.langchain import (
     METADATA_KEY,
     ContextKitCallbackHandler,

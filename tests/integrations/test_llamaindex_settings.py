@@ -208,7 +208,7 @@ def test_a_rag_query_fits_the_readme_engine(fresh: Callable[..., Engine]) -> Non
 
 def test_a_prompt_longer_than_the_engine_holds_says_what_to_change(
         fresh: Callable[..., Engine]) -> None:
-    from integrations._common import ContextWindowError
+    from integrations._engine_chat import ContextWindowError
 
     tiny = fresh("native", device=8, host=0)  # 128 tokens
     llm = ContextKitLLM(tiny, max_new_tokens=8)

@@ -12,10 +12,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from contextkit.engine.types import TokenSpan
-from contextkit.pipeline.reports import BuiltPrompt, CallReport, _tokens_by_layer
+from contextkit.pipeline.reports import BuiltPrompt, CallReport, tokens_by_layer
 from contextkit.pipeline.served.model import LabelRangeError, ServedModel
 from contextkit.pipeline.served.wire import WireSpan, encode_labels
-from contextkit.pipeline.tenancy import TenantViews, _check_tenant
+from contextkit.pipeline.tenancy import TenantViews, check_tenant
 from contextkit.prompt.layers import LayerConfig
 from gpu_cache import InvalidNameError
 from gpu_cache.metadata import PINNABLE_SOURCES
@@ -37,7 +37,7 @@ def cache_salt(tenant: str) -> str:
     Raises:
         InvalidNameError: a tenant vLLM would refuse as a salt (``@``, ``/``, ``\\``, NUL).
     """
-    tenant = _check_tenant(tenant)
+    tenant = check_tenant(tenant)
     if any(c in _SALT_FORBIDDEN for c in tenant) or len(tenant) > 128:
         raise InvalidNameError(
             f"tenant {tenant!r} cannot be sent to vLLM as cache_salt, which refuses '@', '/', "
@@ -73,7 +73,7 @@ class ServedRequests:
         """
         if tenant is None:
             tenant = built.report.tenant if built is not None else self.tenants.resolve()
-        tenant = _check_tenant(tenant)
+        tenant = check_tenant(tenant)
         if built is None:
             built = self.tenants.last(tenant)
             if built is None:
@@ -205,7 +205,7 @@ class ServedRequests:
             report.computed_tokens = prompt_tokens - cached_tokens
             report.kv_reuse_ratio = cached_tokens / prompt_tokens if prompt_tokens else 0.0
             if request is not None and request[0] is report and request[1] == prompt_tokens:
-                report.reused_by_layer, report.computed_by_layer = _tokens_by_layer(
+                report.reused_by_layer, report.computed_by_layer = tokens_by_layer(
                     request[2], prompt_tokens, cached_tokens)
             else:
                 report.reused_by_layer, report.computed_by_layer = {}, {}

@@ -14,7 +14,7 @@ from contextkit.engine.engine import Engine
 from contextkit.loop.reservations import MemoryCandidate, MemoryReservations
 from contextkit.loop.tiers import ContextTierManager, ItemKind
 from contextkit.pipeline.pipeline import CacheAwareContextPipeline
-from contextkit.prompt.chatml import _ChatML
+from contextkit.prompt.chatml import ChatML
 from gpu_cache import Tier
 from memory_graph import GraphBlockReserver, MemoryGraph, SentenceTransformerEmbedder
 
@@ -100,7 +100,7 @@ ASK2 = "Roll it back then; how long does that take?"
 def trailing_start(pipeline: CacheAwareContextPipeline, engine: Engine, ids: list[int],
                    spans: list, built: Any, history: Sequence[tuple[str, str]]) -> int:
     return spans[built.num_spans(built.main) + len(history)].start - \
-        len(engine.encode(_ChatML.open("system")))
+        len(engine.encode(ChatML.open("system")))
 
 
 def test_preview_has_no_side_effects_and_matches_build(fresh: Callable[..., Engine]) -> None:
