@@ -49,9 +49,11 @@ def _summary(warmed: int, host_rate: float) -> dict[str, Any]:
             "host_hit_rate": host_rate, "prefetch_warmed_blocks": warmed,
             "prefetch_spilled_blocks": 1, "prefetch_removed_blocks": 0, "prefetches": 6,
             "prefetch_before_generate": True, "ooda_ms_p50": 2.0, "pinned_blocks": 4,
-            "pinned_blocks_evicted": 0,
+            "pinned_blocks_evicted": 0, "ttft_ms_sum": 9000.0,
             "reference": {"policy": "lru", "ttft_ms_p50": 2400.0, "computed_tokens": 1800,
-                          "device_hit_rate": 0.4, "host_hit_rate": 0.0}}
+                          "ttft_ms_sum": 15000.0, "device_hit_rate": 0.4, "host_hit_rate": 0.0},
+            "ceiling": {"policy": "semantic, every agent fits", "ttft_ms_sum": 6000.0,
+                        "computed_tokens": 600}}
 
 
 def test_the_agents_summary_compares_with_lru_and_says_nothing_was_warmed() -> None:
@@ -61,5 +63,16 @@ def test_the_agents_summary_compares_with_lru_and_says_nothing_was_warmed() -> N
     assert "LRU reference (recency only, no pins, no prefetch), same steps: TTFT median " \
            "2.40 s, 1,800 prompt tokens computed" in quiet
     assert "both tiers are host memory" in quiet
+    assert ("The policy saved 900 prompt tokens against LRU (900 vs 1,800), 75% of the way "
+            "from LRU to the ceiling of a cache holding every agent (600); TTFT summed over "
+            "the steps 9.0 s vs LRU's 15.0 s (ceiling 6.0 s).") in quiet
     busy = _agents_text(_summary(5, 0.1), "agents.png")
     assert "prefetches warmed 5 blocks" in busy and "brought up from the host 10%" in busy
+
+
+def test_the_agents_summary_calls_equal_tokens_noise() -> None:
+    same = _summary(0, 0.0)
+    same["computed_tokens"] = same["reference"]["computed_tokens"]
+    text = _agents_text(same, "agents.png")
+    assert "computed the same 1,800 prompt tokens as LRU: any TTFT difference is" in text
+    assert "saved" not in text
