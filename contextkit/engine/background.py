@@ -31,15 +31,13 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from contextkit.engine.chunks import register_chunks
+from contextkit.engine.runner import ModelRunner
 from contextkit.engine.sequence import close_sequence, open_sequence
 from contextkit.engine.types import CacheFullError, TokenSpan
 from gpu_cache import Tier, validate_tenant
-
-if TYPE_CHECKING:
-    from contextkit.engine.engine import Engine
 
 __all__ = ["BackgroundPrefiller", "PrefillOutcome", "foreground", "prefill_prefix"]
 
@@ -52,28 +50,8 @@ class PrefillPreempted(Exception):
     """Raised inside :meth:`Engine.prefill_into` at a layer boundary when asked to stop."""
 
 
-class ForegroundGate:
-    """How many foreground requests are waiting for an engine's lock."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._waiting = 0
-
-    @property
-    def waiting(self) -> int:
-        return self._waiting
-
-    def arrive(self) -> None:
-        with self._lock:
-            self._waiting += 1
-
-    def leave(self) -> None:
-        with self._lock:
-            self._waiting -= 1
-
-
 @contextmanager
-def foreground(engine: Engine) -> Iterator[None]:
+def foreground(engine: ModelRunner) -> Iterator[None]:
     """Hold ``engine``'s lock for a foreground request, counted as waiting until it
     holds it (a background prefill yields as soon as it sees the count); the wait is
     recorded in ``engine.last_foreground_wait_ms``."""
@@ -129,7 +107,7 @@ class _JobLocal(threading.local):
 _job = _JobLocal()
 
 
-def prefill_prefix(engine: Engine, token_ids: Sequence[int], *, tenant: str,
+def prefill_prefix(engine: ModelRunner, token_ids: Sequence[int], *, tenant: str,
                    spans: Sequence[TokenSpan] | None = None, to_host: bool = False,
                    hold: bool = False, should_stop: Callable[[], bool] | None = None,
                    chunk: int = 256) -> PrefillOutcome:
@@ -216,7 +194,7 @@ def prefill_prefix(engine: Engine, token_ids: Sequence[int], *, tenant: str,
     return result
 
 
-def _one_chunk(engine: Engine, ids: list[int], n: int, step: int, tenant: str,
+def _one_chunk(engine: ModelRunner, ids: list[int], n: int, step: int, tenant: str,
                spans: Sequence[TokenSpan] | None,
                stop: Callable[[], bool]) -> tuple[int, int, bool]:
     """Open a sequence over the cached part plus up to ``step`` more tokens, compute
@@ -248,7 +226,7 @@ def _one_chunk(engine: Engine, ids: list[int], n: int, step: int, tenant: str,
     return cached, written, preempted
 
 
-def _finish(engine: Engine, ids: list[int], done: int, reused: int, tenant: str,
+def _finish(engine: ModelRunner, ids: list[int], done: int, reused: int, tenant: str,
             to_host: bool, hold: bool) -> tuple[list[int], str, str]:
     """The blocks past ``reused`` now registered; spilled and/or held as asked."""
     cache = engine.cache
@@ -308,7 +286,7 @@ class BackgroundPrefiller:
             them); ``None`` for jobs that use no engine.
     """
 
-    def __init__(self, engine: Engine | None = None, *,
+    def __init__(self, engine: ModelRunner | None = None, *,
                  name: str = "contextkit-prefill") -> None:
         self.engine = engine
         self._cv = threading.Condition()

@@ -14,12 +14,11 @@ selective recompute on the engine's own forward pass.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from contextkit.engine.attention import _rotate
+from contextkit.engine.attention import apply_rope
 from contextkit.engine.chunks import (
     ChunkHit,
     ChunkReuse,
@@ -31,16 +30,14 @@ from contextkit.engine.chunks import (
     release_chunks,
     select_repair,
 )
-from contextkit.engine.kv import _PagedKV
+from contextkit.engine.kv import PagedKV
+from contextkit.engine.runner import ModelRunner
 from contextkit.engine.types import TokenSpan
-
-if TYPE_CHECKING:
-    from contextkit.engine.engine import Engine
 
 __all__ = ["prefill_reusing_chunks"]
 
 
-def prefill_reusing_chunks(engine: Engine, ids: Sequence[int], start: int, kv: _PagedKV,
+def prefill_reusing_chunks(engine: ModelRunner, ids: Sequence[int], start: int, kv: PagedKV,
                            spans: Sequence[TokenSpan], tenant: str, cfg: ChunkReuse,
                            only: Sequence[int] | None = None,
                            edits: Sequence[int] = ()) -> tuple[torch.Tensor, ChunkUse]:
@@ -64,7 +61,7 @@ def prefill_reusing_chunks(engine: Engine, ids: Sequence[int], start: int, kv: _
             release_chunks(engine.cache, hits)  # too little to gain: a plain prefill
             hits = []
     if not hits:
-        return engine._prefill(ids, start, kv), use
+        return engine.prefill_tokens(ids, start, kv), use
     try:
         # the selection layer's rows are all written afresh: the move there serves
         # only to compare against ("moved"); "source" reads them where they lie
@@ -94,7 +91,7 @@ def prefill_reusing_chunks(engine: Engine, ids: Sequence[int], start: int, kv: _
 
 
 @torch.inference_mode()
-def _blend_forward(engine: Engine, ids: Sequence[int], start: int, kv: _PagedKV,
+def _blend_forward(engine: ModelRunner, ids: Sequence[int], start: int, kv: PagedKV,
                    hits: Sequence[ChunkHit], cfg: ChunkReuse,
                    source: ChunkSource | None = None) -> tuple[torch.Tensor, list[int]]:
     """The staged forward; logits of the last token and, per chunk, how many of its
@@ -124,7 +121,7 @@ def _blend_forward(engine: Engine, ids: Sequence[int], start: int, kv: _PagedKV,
         q = qkv[:, : nq * d].view(rows, nq, d)
         k = qkv[:, nq * d : (nq + nkv) * d].view(rows, nkv, d)
         v = qkv[:, (nq + nkv) * d :].view(rows, nkv, d)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if i < cfg.select_layer:
             attn = kv.attend(i, q, k, v, start, engine.scale)
         elif i == cfg.select_layer:

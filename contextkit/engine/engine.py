@@ -40,9 +40,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from contextkit.engine.attention import _rotate
+from contextkit.engine.attention import apply_rope
 from contextkit.engine.background import (
-    ForegroundGate,
     PrefillOutcome,
     PrefillPreempted,
     foreground,
@@ -58,9 +57,10 @@ from contextkit.engine.inputs import (
     check_text,
     check_token_ids,
 )
-from contextkit.engine.kv import _check_overlay, _ContiguousKV, _PagedKV
-from contextkit.engine.llama import UnsupportedModelError, _Model, tokenizer_fingerprint
+from contextkit.engine.kv import ContiguousKV, PagedKV, check_overlay
+from contextkit.engine.llama import LlamaModel, UnsupportedModelError, tokenizer_fingerprint
 from contextkit.engine.loading import load_pretrained
+from contextkit.engine.runner import ForegroundGate
 from contextkit.engine.sampling import Sampler, SamplingParams
 from contextkit.engine.scoring import score as _score
 from contextkit.engine.sequence import SequenceBlocks, close_sequence, open_sequence
@@ -160,7 +160,7 @@ class Engine:
         pins: PinConfig | None = None,
         metrics: ContextkitMetrics | bool | None = None,
         chunk_reuse: ChunkReuse | dict[str, Any] | bool | None = None,
-        _shared: _Model | None = None,
+        _shared: LlamaModel | None = None,
         _offsets: torch.Tensor | None = None,
     ) -> None:
         if kv_format not in KV_FORMATS:
@@ -169,7 +169,7 @@ class Engine:
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be > 0, got {prefill_chunk}")
         sink_tokens = block_size if sink_tokens is None else sink_tokens
-        _check_overlay(residual_tokens, sink_tokens, block_size)
+        check_overlay(residual_tokens, sink_tokens, block_size)
         self.residual_tokens = residual_tokens
         self.chunk_reuse = (chunk_reuse if isinstance(chunk_reuse, ChunkReuse)
                             else ChunkReuse(**chunk_reuse) if isinstance(chunk_reuse, dict)
@@ -177,7 +177,7 @@ class Engine:
         self.sink_tokens = sink_tokens
         self._sink_memo: OrderedDict[tuple[str, tuple[int, ...]],
                                      list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
-        self.model = (_shared or _Model(model)).variant(weight_format)
+        self.model = (_shared or LlamaModel(model)).variant(weight_format)
         if max_positions is not None and max_positions < 1:
             raise ValueError(f"max_positions must be >= 1, got {max_positions}")
         #: Prompt plus reply tokens a request may span: the model's trained context
@@ -303,7 +303,7 @@ class Engine:
     def _calibrate_offsets(self) -> torch.Tensor:
         ids = self.encode(CALIBRATION_TEXT)
         keys: list[torch.Tensor] = []
-        self._forward(ids, 0, _ContiguousKV(self.model.num_layers), collect_keys=keys)
+        self.forward_tokens(ids, 0, ContiguousKV(self.model.num_layers), collect_keys=keys)
         return mean_key_offsets([k.transpose(0, 1) for k in keys])
 
     # ------------------------------------------------------------------ tokens
@@ -324,10 +324,10 @@ class Engine:
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def _forward(self, ids: Sequence[int], start: int, kv: _ContiguousKV | _PagedKV,
-                 all_logits: bool = False,
-                 collect_keys: list[torch.Tensor] | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
+    def forward_tokens(self, ids: Sequence[int], start: int, kv: ContiguousKV | PagedKV,
+                       all_logits: bool = False,
+                       collect_keys: list[torch.Tensor] | None = None,
+                       should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Run tokens at positions ``start..`` through the model; logits of the last
         token ``[V]`` (or of all tokens ``[T, V]``). ``should_stop`` is polled before
         each layer; when true, :class:`PrefillPreempted` is raised."""
@@ -345,7 +345,7 @@ class Engine:
             q = qkv[:, : nq * d].view(n, nq, d)
             k = qkv[:, nq * d : (nq + nkv) * d].view(n, nkv, d)
             v = qkv[:, (nq + nkv) * d :].view(n, nkv, d)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             if collect_keys is not None:
                 collect_keys.append(k.float())
             attn = kv.attend(i, q, k, v, start, self.scale)
@@ -357,12 +357,13 @@ class Engine:
         logits = m.lm_head(F.rms_norm(last, (m.hidden,), m.norm, m.eps))
         return logits.float() if all_logits else logits[0].float()
 
-    def _prefill(self, ids: Sequence[int], start: int, kv: _ContiguousKV | _PagedKV,
-                 all_logits: bool = False) -> torch.Tensor:
+    def prefill_tokens(self, ids: Sequence[int], start: int, kv: ContiguousKV | PagedKV,
+                       all_logits: bool = False) -> torch.Tensor:
+        """:meth:`forward_tokens` in steps of ``prefill_chunk`` tokens."""
         outs = []
         for c0 in range(start, len(ids), self.prefill_chunk):
             c1 = min(c0 + self.prefill_chunk, len(ids))
-            outs.append(self._forward(ids[c0:c1], c0, kv, all_logits=all_logits))
+            outs.append(self.forward_tokens(ids[c0:c1], c0, kv, all_logits=all_logits))
         return torch.cat(outs) if all_logits else outs[-1]
 
     # ------------------------------------------------------------------ requests
@@ -409,19 +410,19 @@ class Engine:
         """Compute the K/V of ``ids`` past ``seq.cached_tokens`` into ``seq``'s blocks
         (no float residual window); ``should_stop`` raises :class:`PrefillPreempted`."""
         cached = seq.cached_tokens
-        kv = self._paged(seq.block_ids, cached, ids, cached, seq.tenant, residual=0)
-        self._forward(ids[cached:], cached, kv, should_stop=should_stop)
+        kv = self.paged_kv(seq.block_ids, cached, ids, cached, seq.tenant, residual=0)
+        self.forward_tokens(ids[cached:], cached, kv, should_stop=should_stop)
 
-    def _paged(self, block_ids: list[int], cached: int, prompt: Sequence[int],
-               compute_start: int, tenant: str, residual: int | None = None,
-               sink: int | None = None) -> _PagedKV:
+    def paged_kv(self, block_ids: list[int], cached: int, prompt: Sequence[int],
+                 compute_start: int, tenant: str, residual: int | None = None,
+                 sink: int | None = None) -> PagedKV:
         """The request's view of its blocks, with the float sink and residual window
         (the sink recomputed here when the request does not compute it itself)."""
         residual = self.residual_tokens if residual is None else residual
         sink = self.sink_tokens if sink is None else sink
-        _check_overlay(residual, sink, self.cache.block_size)
+        check_overlay(residual, sink, self.cache.block_size)
         window_start = max(compute_start, len(prompt) - residual)
-        kv = _PagedKV(self.cache, block_ids, cached, window_start, sink)
+        kv = PagedKV(self.cache, block_ids, cached, window_start, sink)
         if kv.sink and (compute_start > 0 or self.prefill_chunk < kv.sink):
             for layer, (k, v) in enumerate(self._sink_kv(prompt[: kv.sink], tenant)):
                 kv.set_sink(layer, k, v)
@@ -435,8 +436,8 @@ class Engine:
         if hit is not None:
             self._sink_memo.move_to_end(key)
             return hit
-        kv = _ContiguousKV(self.model.num_layers)
-        self._forward(ids, 0, kv)
+        kv = ContiguousKV(self.model.num_layers)
+        self.forward_tokens(ids, 0, kv)
         pairs = [(k, v) for k, v in zip(kv.k, kv.v, strict=True)
                  if k is not None and v is not None]
         self._sink_memo[key] = pairs
@@ -510,22 +511,22 @@ class Engine:
             t0 = time.perf_counter()
             seq: SequenceBlocks | None = None
             if not use_cache:
-                kv: _ContiguousKV | _PagedKV = _ContiguousKV(self.model.num_layers)
+                kv: ContiguousKV | PagedKV = ContiguousKV(self.model.num_layers)
                 cached = warmed = 0
             else:
                 seq = open_sequence(self.cache, ids, max_new_tokens, tenant, spans, reuse)
                 cached, warmed = seq.cached_tokens, seq.warmed_tokens
-                kv = self._paged(seq.block_ids, cached, ids, min(cached, len(ids) - 1), tenant)
+                kv = self.paged_kv(seq.block_ids, cached, ids, min(cached, len(ids) - 1), tenant)
             written = len(ids)
             out: list[int] = []
             chunks = ChunkUse()
             try:
                 start = min(cached, len(ids) - 1)
-                if seq is not None and reuse and spans and isinstance(kv, _PagedKV):
+                if seq is not None and reuse and spans and isinstance(kv, PagedKV):
                     first_logits, chunks = prefill_reusing_chunks(
                         self, ids, start, kv, spans, tenant, self.chunk_reuse)
                 else:
-                    first_logits = self._prefill(ids, start, kv)
+                    first_logits = self.prefill_tokens(ids, start, kv)
                 token = sample(first_logits, ids)
                 ttft = time.perf_counter() - t0
                 out.append(token)

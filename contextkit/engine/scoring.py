@@ -5,25 +5,22 @@ reuse or a repaired chunk costs in quality."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from contextkit.engine.background import foreground
 from contextkit.engine.blend import prefill_reusing_chunks
-from contextkit.engine.kv import _ContiguousKV
+from contextkit.engine.kv import ContiguousKV
+from contextkit.engine.runner import ModelRunner
 from contextkit.engine.sequence import close_sequence, open_sequence
 from contextkit.engine.types import TokenSpan
 from gpu_cache import validate_tenant
-
-if TYPE_CHECKING:
-    from contextkit.engine.engine import Engine
 
 __all__ = ["score"]
 
 
 def score(
-    engine: Engine,
+    engine: ModelRunner,
     prompt_ids: Sequence[int],
     target_ids: Sequence[int],
     *,
@@ -70,7 +67,7 @@ def score(
     engine.check_prompt(ids, 0)
     with foreground(engine):
         if not use_cache:
-            logits = engine._prefill(ids, 0, _ContiguousKV(engine.model.num_layers),
+            logits = engine.prefill_tokens(ids, 0, ContiguousKV(engine.model.num_layers),
                                      all_logits=True)
             return logits[len(prompt) - 1 : len(ids) - 1]
         seq = open_sequence(engine.cache, ids, 0, tenant, None, True,
@@ -78,18 +75,18 @@ def score(
         try:
             cached = seq.cached_tokens
             start = min(cached, len(prompt) - 1)
-            kv = engine._paged(seq.block_ids, cached, prompt, start, tenant, residual_tokens,
+            kv = engine.paged_kv(seq.block_ids, cached, prompt, start, tenant, residual_tokens,
                                sink_tokens)
             if spans and chunk_starts:
                 first, _ = prefill_reusing_chunks(engine, prompt, start, kv, spans, tenant,
                                                   engine.chunk_reuse, only=chunk_starts,
                                                   edits=chunk_edits)
             else:
-                first = engine._prefill(prompt, start, kv)
+                first = engine.prefill_tokens(prompt, start, kv)
             if len(target) == 1:
                 return first[None]
             kv.fresh = False  # target tokens read their own K/V back, as decode does
-            rest = engine._forward(target[:-1], len(prompt), kv, all_logits=True)
+            rest = engine.forward_tokens(target[:-1], len(prompt), kv, all_logits=True)
         finally:
             close_sequence(engine.cache, seq, ids, len(ids) - 1)
         return torch.cat([first[None], rest])

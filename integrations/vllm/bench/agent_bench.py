@@ -28,7 +28,7 @@ BLOCK = 32
 
 
 # ---------------------------------------------------------------------- the agents
-def _timer() -> Any:
+def ttft_timer() -> Any:
     """A LangChain callback that stamps the model call's start and first streamed chunk."""
     from langchain_core.callbacks import BaseCallbackHandler
 
@@ -80,7 +80,7 @@ def server_env() -> dict[str, str]:
             "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")}
 
 
-def _plain_prompt(replay: Any, box: dict[str, Any], salt: Any) -> Any:
+def plain_prompt(replay: Any, box: dict[str, Any], salt: Any) -> Any:
     """Middleware for the configurations without contextkit: the replay's layered
     prompt as one plain system message, in the user's own order, and a cache salt."""
     from langchain.agents.middleware import AgentMiddleware
@@ -107,7 +107,7 @@ class _Agent:
         self.box: dict[str, Any] = {"turn": 0, "calls": 0}
         self.history: list[Any] = []
         self.rows: list[dict[str, Any]] = []
-        self.timer = _timer()
+        self.timer = ttft_timer()
         self.agent: Any = None
         self.connect(base_url)
 
@@ -126,10 +126,10 @@ class _Agent:
             def salt() -> str:  # a new salt per call: no prefix can match
                 self.box["calls"] += 1
                 return f"nocache-{os.getpid()}-{self.box['calls']}"
-            middleware = _plain_prompt(replay, self.box, salt)
+            middleware = plain_prompt(replay, self.box, salt)
         else:
             tenant = self.tenant
-            middleware = _plain_prompt(replay, self.box, lambda: tenant)
+            middleware = plain_prompt(replay, self.box, lambda: tenant)
         self.agent = create_agent(model, tools=[], context_schema=dict, middleware=[middleware])
 
     def turn(self, index: int, message: str) -> dict[str, Any]:

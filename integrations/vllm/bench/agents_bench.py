@@ -31,10 +31,10 @@ from typing import Any
 
 from integrations.vllm.bench.agent_bench import (
     SERVED,
-    _plain_prompt,
-    _timer,
     chat_model,
+    plain_prompt,
     server_env,
+    ttft_timer,
 )
 from integrations.vllm.bench.harness import params_for, read_stats
 
@@ -114,7 +114,7 @@ class _Marked:
         return render_marked(self.workload.system_prompt(step))
 
 
-class _WorkloadAgent:
+class WorkloadAgent:
     """One agent of the workload in one configuration: its LangChain agent and history."""
 
     def __init__(self, name: str, tenant: str, workload: Any, base_url: str,
@@ -123,7 +123,7 @@ class _WorkloadAgent:
         self.pipeline, self.max_tokens = pipeline, max_tokens
         self.box: dict[str, Any] = {"turn": 0}
         self.history: list[Any] = []
-        self.timer = _timer()
+        self.timer = ttft_timer()
         self.agent: Any = None
         self.user: str | None = None  # OpenAI's user field (a router's affinity key)
         self.connect(base_url)
@@ -140,7 +140,7 @@ class _WorkloadAgent:
                 self.pipeline, lambda request: workload.system_prompt(box["turn"]))
         else:
             tenant = self.tenant  # vLLM's cache_salt keeps tenants apart
-            middleware = _plain_prompt(_Marked(self.workload), self.box, lambda: tenant)
+            middleware = plain_prompt(_Marked(self.workload), self.box, lambda: tenant)
         self.agent = create_agent(model, tools=[], context_schema=dict, middleware=[middleware])
 
     def turn(self, step: int, message: str) -> dict[str, Any]:
@@ -317,7 +317,7 @@ def _quality_prompts(workload: Any, served: Any, count: int, seed: int) -> list[
 
 
 # ---------------------------------------------------------------------- measure
-def _scrape(srv: Any) -> dict[str, float]:
+def scrape_connector_metrics(srv: Any) -> dict[str, float]:
     """The connector's counters (``vllm:contextkit_*``) and vLLM's prefix-cache ones."""
     totals: dict[str, float] = {}
     try:
@@ -358,12 +358,12 @@ def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], 
     started = time.perf_counter() - t0
     rows: list[dict[str, Any]] = []
     try:
-        agents: dict[str, _WorkloadAgent] = {}
+        agents: dict[str, WorkloadAgent] = {}
         for spec in workload.agents:
             pipeline = (CacheAwareContextPipeline(served=served, tenant=spec.tenant,
                                                   agent=spec.name, pin_stable=setup.pin)
                         if setup.contextkit else None)
-            agents[spec.name] = _WorkloadAgent(spec.name, spec.tenant, workload, srv.base_url,
+            agents[spec.name] = WorkloadAgent(spec.name, spec.tenant, workload, srv.base_url,
                                                args.max_tokens, pipeline)
         for step in workload.steps():
             row = agents[step.agent].turn(step.step, step.user_message)
@@ -372,7 +372,7 @@ def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], 
             print(f"{setup.name:>15} step {step.step:>2} {step.agent:>10}: ttft "
                   f"{row['ttft_ms']:>8.1f} ms  prompt {row['prompt_tokens']}  cached "
                   f"{row['cached_tokens']}", file=sys.stderr, flush=True)
-        metrics_after_steps = _scrape(srv)
+        metrics_after_steps = scrape_connector_metrics(srv)
         probe = None
         if setup.probe and (setup.connector is not None or setup.ceiling):
             rng = random.Random(7)

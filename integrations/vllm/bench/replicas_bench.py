@@ -36,7 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from integrations.vllm.bench.agent_bench import SERVED, server_env
-from integrations.vllm.bench.agents_bench import BLOCK, _scrape, _WorkloadAgent, plan_sizes
+from integrations.vllm.bench.agents_bench import (
+    BLOCK,
+    WorkloadAgent,
+    plan_sizes,
+    scrape_connector_metrics,
+)
 from integrations.vllm.bench.harness import free_port, read_events, read_stats
 
 __all__ = ["CONFIGS", "main", "measure"]
@@ -263,7 +268,7 @@ def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], 
                             work / f"router-{setup.name}.log", args.router_policy).start()
         started = time.perf_counter() - t0
         alive = list(range(setup.replicas))
-        agents: dict[str, _WorkloadAgent] = {}
+        agents: dict[str, WorkloadAgent] = {}
         turns: dict[str, int] = {}
         last: dict[str, int] = {}
         order = {spec.name: i for i, spec in enumerate(workload.agents)}
@@ -273,7 +278,7 @@ def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], 
         for spec in workload.agents:
             pipeline = CacheAwareContextPipeline(served=served, tenant=spec.tenant,
                                                  agent=spec.name, pin_stable=True)
-            agents[spec.name] = _WorkloadAgent(spec.name, spec.tenant, workload,
+            agents[spec.name] = WorkloadAgent(spec.name, spec.tenant, workload,
                                                servers[0].base_url, args.max_tokens, pipeline)
             agents[spec.name].user = spec.name  # the router's session key
         for i, step in enumerate(steps):
@@ -308,7 +313,7 @@ def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], 
             print(f"{setup.name:>9} step {step.step:>2} {step.agent:>10} -> {target}: ttft "
                   f"{row['ttft_ms']:>8.1f} ms  prompt {row['prompt_tokens']}  cached "
                   f"{row['cached_tokens']}", file=sys.stderr, flush=True)
-        metrics = [_scrape(s) for j, s in enumerate(servers) if j in alive]
+        metrics = [scrape_connector_metrics(s) for j, s in enumerate(servers) if j in alive]
         probe = (tenant_probe(servers, configs, workload) if setup.shared and len(alive) > 1
                  else None)
     finally:

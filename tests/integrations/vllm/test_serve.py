@@ -24,7 +24,7 @@ from contextkit.cli.commands import build_parser, main
 from gpu_cache import hash_token_blocks
 from integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from integrations.vllm.identity import vllm_cache_identity
-from integrations.vllm.planning import BlockLabel
+from integrations.vllm.precision import BlockLabel
 from integrations.vllm.serve import CLI_MODULE, LAUNCHER_MODULE
 from integrations.vllm.store import ConnectorStore
 
