@@ -3,9 +3,9 @@
 Nodes and typed, weighted edges live in a ``networkx.MultiDiGraph`` (edge key =
 edge type, node attribute ``data`` = the :class:`Node`), which also answers the
 neighbourhood reads of query expansion; each tenant's embeddings live in one
-contiguous unit-norm matrix (:class:`~memory_graph._index.VectorIndex`). Writes go through to the SQL store
-at once; access statistics are buffered and written by :meth:`MemoryGraph.flush`
-(and on close) so queries never wait on the database.
+contiguous unit-norm matrix (:class:`~memory_graph._index.VectorIndex`). Writes go
+through to the SQL store at once; access statistics are buffered and written by
+:meth:`MemoryGraph.flush` (and on close) so queries never wait on the database.
 """
 
 from __future__ import annotations
