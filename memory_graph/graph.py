@@ -1,10 +1,11 @@
 """MemoryGraph: episodic, semantic and entity memories with typed edges and hybrid search.
 
 Nodes and typed, weighted edges live in a ``networkx.MultiDiGraph`` (edge key =
-edge type); each tenant's embeddings live in one contiguous unit-norm matrix
-(:class:`~memory_graph._index.VectorIndex`). Writes go through to the SQL store
-at once; access statistics are buffered and written by :meth:`MemoryGraph.flush`
-(and on close) so queries never wait on the database.
+edge type, node attribute ``data`` = the :class:`Node`), which also answers the
+neighbourhood reads of query expansion; each tenant's embeddings live in one
+contiguous unit-norm matrix (:class:`~memory_graph._index.VectorIndex`). Writes go
+through to the SQL store at once; access statistics are buffered and written by
+:meth:`MemoryGraph.flush` (and on close) so queries never wait on the database.
 """
 
 from __future__ import annotations
@@ -184,11 +185,6 @@ class MemoryGraph:
         self.dim = int(self.embedder.dim)
         self._graph: nx.MultiDiGraph = nx.MultiDiGraph()
         self._indexes: dict[str, VectorIndex] = {}
-        # node id -> Node, the same objects as the graph's "data" attributes (fast lookup)
-        self._nodes: dict[str, Node] = {}
-        # node id -> neighbours both ways as (weight, other, edge type), heaviest first;
-        # expansion reads this instead of networkx views (several times faster per hop)
-        self._adj: dict[str, list[tuple[float, str, str]]] = {}
         self._dirty_access: set[str] = set()
         self._lock = threading.RLock()
         self._store: GraphStore | None = None
@@ -205,7 +201,6 @@ class MemoryGraph:
             node = Node(row.node_id, row.tenant, _kind(row.kind), row.text, row.created_at,
                         row.access_count, row.last_accessed)
             self._graph.add_node(row.node_id, data=node)
-            self._nodes[row.node_id] = node
             by_tenant.setdefault(row.tenant, []).append(i)
         for tenant, rows in by_tenant.items():
             self._index_for(tenant).add([stored.nodes[i].node_id for i in rows],
@@ -213,7 +208,6 @@ class MemoryGraph:
         for e in stored.edges:
             self._graph.add_edge(e.src, e.dst, key=e.edge_type, weight=e.weight,
                                  created_at=e.created_at)
-        self._adj.clear()
         logger.info("loaded memory graph from %s: %d nodes, %d edges", self._store.where,
                     len(stored.nodes), len(stored.edges))
 
@@ -271,7 +265,7 @@ class MemoryGraph:
 
     def _node(self, node_id: str) -> Node:
         try:
-            return self._nodes[node_id]
+            return self._graph.nodes[node_id]["data"]
         except KeyError:
             raise UnknownNodeError(f"no node {node_id!r} in this memory graph; add it first") \
                 from None
@@ -292,8 +286,7 @@ class MemoryGraph:
         """Copies of a tenant's nodes in insertion order."""
         with self._lock:
             index = self._indexes.get(tenant)
-            return [] if index is None else [_copy(self._nodes[n])
-                                             for n in index.ids]
+            return [] if index is None else [_copy(self._node(n)) for n in index.ids]
 
     def embedding(self, node_id: str) -> np.ndarray:
         """The node's unit embedding ``[dim]`` (a copy)."""
@@ -402,8 +395,7 @@ class MemoryGraph:
                 ])
             self._index_for(tenant).add(ids, vecs)
             for nid, k, t, c in zip(ids, kind_list, texts, stamps, strict=True):
-                node = self._nodes[nid] = Node(nid, tenant, k, t, c)
-                self._graph.add_node(nid, data=node)
+                self._graph.add_node(nid, data=Node(nid, tenant, k, t, c))
         return ids
 
     def add_edge(self, src: str, dst: str, edge_type: str, weight: float = 1.0) -> None:
@@ -437,8 +429,6 @@ class MemoryGraph:
             for r in rows:
                 self._graph.add_edge(r["src"], r["dst"], key=r["edge_type"],
                                      weight=r["weight"], created_at=now)
-                self._adj.pop(r["src"], None)
-                self._adj.pop(r["dst"], None)
 
     def remove_node(self, node_id: str) -> None:
         """Delete a node and its edges."""
@@ -447,11 +437,7 @@ class MemoryGraph:
             if self._store is not None:
                 self._store.remove_node(node_id)
             self._indexes[node.tenant].remove(node_id)
-            for other in (*self._graph.successors(node_id), *self._graph.predecessors(node_id)):
-                self._adj.pop(other, None)
-            self._adj.pop(node_id, None)
             self._graph.remove_node(node_id)
-            del self._nodes[node_id]
             self._dirty_access.discard(node_id)
 
     # ------------------------------------------------------------------ retrieval
@@ -515,7 +501,8 @@ class MemoryGraph:
             ids = list(found)
             sims = index.similarities(q, ids)
             now = self.clock()
-            nodes = [self._nodes[n] for n in ids]
+            data = self._graph.nodes
+            nodes = [data[n]["data"] for n in ids]
             created = np.fromiter((n.created_at for n in nodes), dtype=np.float64,
                                   count=len(ids))
             recency = np.power(0.5, np.maximum(now - created, 0.0) / w.recency_half_life_s)
@@ -541,15 +528,12 @@ class MemoryGraph:
 
     def _neighbors(self, node_id: str) -> list[tuple[float, str, str]]:
         """``(weight, other, edge type)`` over edges in both directions, heaviest first."""
-        nbrs = self._adj.get(node_id)
-        if nbrs is None:
-            graph = self._graph
-            nbrs = [(d["weight"], other, key)
-                    for adj in (graph.succ[node_id], graph.pred[node_id])
-                    for other, keyed in adj.items()
-                    for key, d in keyed.items()]
-            nbrs.sort(key=lambda n: -n[0])
-            self._adj[node_id] = nbrs
+        graph = self._graph
+        nbrs = [(w, dst, key) for _, dst, key, w in
+                graph.out_edges(node_id, keys=True, data="weight")]
+        nbrs += [(w, src, key) for src, _, key, w in
+                 graph.in_edges(node_id, keys=True, data="weight")]
+        nbrs.sort(key=lambda n: -n[0])
         return nbrs
 
     def _expand(
@@ -586,7 +570,7 @@ class MemoryGraph:
             if not level:
                 break
             # belt and braces: edges never join tenants (add_edges refuses it)
-            level = {n: v for n, v in level.items() if self._nodes[n].tenant == tenant}
+            level = {n: v for n, v in level.items() if self._node(n).tenant == tenant}
             found.update(level)
             budget -= len(level)
             frontier = list(level)

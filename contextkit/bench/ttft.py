@@ -553,7 +553,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="contextkit-bench-ttft-") as tmp:
         graph = MemoryGraph(f"sqlite:///{tmp}/memory.db",
-                            embedder=SentenceTransformerEmbedder(trace_queries=False))
+                            embedder=SentenceTransformerEmbedder())
         try:
             result = run_replay(turns=args.turns, max_new_tokens=args.max_new_tokens,
                                 scale=args.scale, device_blocks=args.device_blocks,

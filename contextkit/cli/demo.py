@@ -113,7 +113,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     _say(f"memory graph: sqlite:///{out / 'memory.db'}")
     graph = MemoryGraph(f"sqlite:///{out / 'memory.db'}",
-                        embedder=SentenceTransformerEmbedder(trace_queries=False))
+                        embedder=SentenceTransformerEmbedder())
     added = AgentReplay(args.turns).seed_memory(graph)
     _say(f"  {added} memories seeded" if added else "  memories already seeded")
 

@@ -163,7 +163,7 @@ class MiniLMEmbedding:
 
         from memory_graph._embedding import SentenceTransformerEmbedder
 
-        embedder = SentenceTransformerEmbedder(trace_queries=False)
+        embedder = SentenceTransformerEmbedder()
 
         class PackagedMiniLM(BaseEmbedding):
             def _get_text_embedding(self, text: str) -> list[float]:

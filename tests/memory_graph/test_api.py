@@ -50,17 +50,24 @@ def test_embedder_protocol_is_met_by_the_real_model(embedder) -> None:
     assert embedder.encode([]).shape == (0, 384)
 
 
-def test_query_fast_path_matches_the_eager_model(embedder) -> None:
+def test_encode_matches_the_models_own_forward_pass(embedder) -> None:
+    """Single and batched encodes equal the model's module pipeline, L2-normalised."""
     import numpy as np
+    import torch
+    from sentence_transformers import SentenceTransformer
 
-    from memory_graph import SentenceTransformerEmbedder
+    from memory_graph import default_model_dir
 
-    eager = SentenceTransformerEmbedder(trace_queries=False)
+    model = SentenceTransformer(str(default_model_dir()), device="cpu")
     texts = ["Paris", "Where did I leave the keys to the blue car yesterday evening?",
              "the " * 40 + "end"]
-    for text in texts:
-        fast = embedder.encode([text])
-        assert embedder._traced not in (None, False), "the traced path should be in use"
-        np.testing.assert_allclose(fast, eager.encode([text]), atol=1e-5)
-    # batches keep the eager path and agree with single encodes
-    np.testing.assert_allclose(embedder.encode(texts), eager.encode(texts), atol=1e-5)
+    with torch.inference_mode():
+        ref = np.concatenate([model(model.tokenize([t]))["sentence_embedding"].numpy()
+                              for t in texts])
+    ref /= np.linalg.norm(ref, axis=1, keepdims=True)
+    for text, want in zip(texts, ref, strict=True):
+        got = embedder.encode([text])[0]
+        assert abs(float(np.linalg.norm(got)) - 1.0) < 1e-5
+        assert float(got @ want) >= 0.999
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(embedder.encode(texts), ref, atol=1e-5)

@@ -218,9 +218,9 @@ def test_memory_graph_drives_memories_per_topic(
         tmp_path, count_tokens: Callable[[str], int]) -> None:
     from memory_graph import MemoryGraph, SentenceTransformerEmbedder
 
-    # the packaged all-MiniLM-L6-v2; the traced query fast path is skipped to save time
+    # the packaged all-MiniLM-L6-v2
     graph = MemoryGraph(f"sqlite:///{tmp_path}/g.db",
-                        embedder=SentenceTransformerEmbedder(trace_queries=False))
+                        embedder=SentenceTransformerEmbedder())
     replay = AgentReplay(memory_graph=graph, tenant="brightloom")
     corpus = replay.memory_corpus()
     assert 30 <= len(corpus) <= 100
@@ -251,7 +251,7 @@ def test_memory_candidates_predict_from_the_conversation_so_far(tmp_path) -> Non
     from memory_graph import MemoryGraph, SentenceTransformerEmbedder
 
     graph = MemoryGraph(f"sqlite:///{tmp_path}/g.db",
-                        embedder=SentenceTransformerEmbedder(trace_queries=False))
+                        embedder=SentenceTransformerEmbedder())
     replay = AgentReplay(memory_graph=graph, tenant="brightloom")
     replay.seed_memory(graph)
     assert AgentReplay().memory_candidates([("user", "checkout latency")]) == []  # scripted
