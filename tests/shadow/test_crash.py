@@ -142,7 +142,7 @@ def _kill_loop(tmp_path, monkeypatch, store_url: str, kills: int, *, mode: str,
 def test_sigkill_at_random_points_never_exposes_a_partial_shadow(tmp_path, monkeypatch):
     stats = _kill_loop(tmp_path, monkeypatch, f"file://{tmp_path / 'store'}", NUM_KILLS,
                        mode="incremental")
-    assert stats["seconds"] < 120
+    assert stats["recoveries"] >= NUM_KILLS // 2 and stats["corrupt"] == 0, stats
 
 
 @pytest.mark.heavy

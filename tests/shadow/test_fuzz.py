@@ -16,7 +16,6 @@ import json
 import random
 import shutil
 import sys
-import time
 
 import pytest
 import torch
@@ -215,7 +214,6 @@ def _check(dst, truth, report, target: str, other: str, what: str) -> None:
 def test_random_damage_never_crosses_tenants_keys_or_sessions(pristine, tmp_path):
     root, truth, replays = pristine
     rng = random.Random(SEED)
-    start = time.monotonic()
     outcomes: dict[str, int] = {}
     moves = {"forged": 0, "forgeries accepted": 0, "replayed": 0, "replays accepted": 0,
              "lost acks": 0, "committed blocks lost": 0}
@@ -281,4 +279,3 @@ def test_random_damage_never_crosses_tenants_keys_or_sessions(pristine, tmp_path
     assert min(moves["forged"], moves["replayed"], moves["lost acks"]) >= 20, moves
     assert moves["forgeries accepted"] == moves["replays accepted"] \
         == moves["committed blocks lost"] == 0, moves
-    assert time.monotonic() - start < 60

@@ -40,7 +40,7 @@ def test_engine_and_pipeline_report_the_decode_rate(fresh: Callable[..., Engine]
     gen = out.generation
     assert len(gen.token_ids) == 6 and gen.total_ms > gen.ttft_ms > 0
     tps = gen.decode_tps
-    assert tps is not None and 0.1 < tps < 10_000
+    assert tps is not None and tps > 0
     assert tps == pytest.approx(5 / ((gen.total_ms - gen.ttft_ms) / 1000))
     assert out.report.decode_tps == gen.decode_tps
     assert out.report.to_dict()["decode_tps"] == gen.decode_tps
