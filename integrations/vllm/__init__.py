@@ -33,7 +33,7 @@ __all__ = [
     "semantic_params",
 ]
 
-_LAZY = {"BlockLabel": "integrations.vllm.planning",
+_LAZY = {"BlockLabel": "integrations.vllm.precision",
          "PrecisionError": "integrations.vllm.precision",
          "PrecisionPolicy": "integrations.vllm.precision",
          "RequestPlanner": "integrations.vllm.planning",

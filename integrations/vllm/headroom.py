@@ -15,8 +15,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 from gpu_cache import Tier
 from gpu_cache.metadata import BlockMeta
-from integrations.vllm.planning import BlockLabel
 from integrations.vllm.pools import Pool
+from integrations.vllm.precision import BlockLabel
 
 __all__ = ["demotion_candidates", "room_formats"]
 

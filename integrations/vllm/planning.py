@@ -41,6 +41,7 @@ from gpu_cache import PINNABLE_SOURCES, hash_block_tokens
 from integrations.vllm.metrics import StatsRecorder, layer_names
 from integrations.vllm.precision import (
     DEFAULT_POLICY,
+    BlockLabel,
     PrecisionError,
     PrecisionPolicy,
     vs_fp16,
@@ -66,26 +67,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_TENANT = "default"
 # The wire format (PARAMS_KEY, the spans, the fingerprint) is the pipeline's:
 # contextkit.pipeline.served.wire, re-exported here for the connector's callers.
-
-
-@dataclass(frozen=True, slots=True)
-class BlockLabel:
-    """Semantic metadata of a stored block (drives the store's eviction, pins and the
-    block's format: one of ``gpu_cache.formats.FORMATS``, set by the planner's
-    :class:`~integrations.vllm.precision.PrecisionPolicy`)."""
-
-    source_layer: str
-    importance: float = 0.5
-    pinned: bool = False
-    fmt: str = "tq4"
-    #: the format to store the block in while the DDR budget has room (above ``fmt``;
-    #: the policy's :meth:`~integrations.vllm.precision.PrecisionPolicy.room_for`)
-    room_fmt: str | None = None
-    #: in the request's volatile tail (from the token its ``volatile_from`` names on,
-    #: generated tokens included): the sender's next call changes it, so only an
-    #: identical prompt (a retry, a replay) reuses it. Stored only while the DDR budget
-    #: has room (``ConnectorConfig.store_volatile``).
-    tail: bool = False
 
 
 @dataclass(slots=True)

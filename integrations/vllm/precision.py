@@ -25,16 +25,14 @@ import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from integrations.vllm.planning import BlockLabel
+from typing import Any
 
 __all__ = [
     "DEFAULT_POLICY",
     "FORMATS",
     "POLICY_KEYS",
     "RAISED_LAYERS",
+    "BlockLabel",
     "LayerFormats",
     "PrecisionError",
     "PrecisionPolicy",
@@ -44,6 +42,26 @@ __all__ = [
 
 #: Block formats, low to high precision (the same tuple as ``gpu_cache.formats.FORMATS``).
 FORMATS: tuple[str, ...] = ("tq4", "k5v4", "int8", "fp16", "native")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLabel:
+    """Semantic metadata of a stored block (drives the store's eviction, pins and the
+    block's format: one of ``gpu_cache.formats.FORMATS``, set by the planner's
+    :class:`PrecisionPolicy`)."""
+
+    source_layer: str
+    importance: float = 0.5
+    pinned: bool = False
+    fmt: str = "tq4"
+    #: the format to store the block in while the DDR budget has room (above ``fmt``;
+    #: the policy's :meth:`PrecisionPolicy.room_for`)
+    room_fmt: str | None = None
+    #: in the request's volatile tail (from the token its ``volatile_from`` names on,
+    #: generated tokens included): the sender's next call changes it, so only an
+    #: identical prompt (a retry, a replay) reuses it. Stored only while the DDR budget
+    #: has room (``ConnectorConfig.store_volatile``).
+    tail: bool = False
 
 
 class PrecisionError(ValueError):

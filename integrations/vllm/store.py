@@ -43,7 +43,6 @@ from gpu_cache.metadata import BlockMeta
 from integrations.vllm.config import ConnectorConfig
 from integrations.vllm.headroom import demotion_candidates, room_formats
 from integrations.vllm.metrics import StatsRecorder, layer_names
-from integrations.vllm.planning import BlockLabel
 from integrations.vllm.pools import (
     CALIBRATION_BLOCKS,
     OFFSET_FORMATS,
@@ -58,6 +57,7 @@ from integrations.vllm.pools import (
     pool_suffix,
     unpinned_reason,
 )
+from integrations.vllm.precision import BlockLabel
 from integrations.vllm.shadow_lag import ShadowAccounting
 from integrations.vllm.snapshots import (
     LOCAL_SESSION,

@@ -12,7 +12,7 @@ import torch
 from gpu_cache import Tier, hash_token_blocks
 from integrations.vllm.config import ConnectorConfig
 from integrations.vllm.identity import model_fingerprint, vllm_cache_identity
-from integrations.vllm.planning import BlockLabel
+from integrations.vllm.precision import BlockLabel
 from integrations.vllm.recovery import recover_for_vllm
 from integrations.vllm.store import ConnectorStore, local_session_keys
 

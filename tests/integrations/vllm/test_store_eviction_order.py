@@ -22,9 +22,8 @@ from gpu_cache.metadata import DEFAULT_SOURCE_PRIORITY, PINNABLE_SOURCES
 from integrations.vllm import store as store_module
 from integrations.vllm.config import ConnectorConfig
 from integrations.vllm.identity import vllm_cache_identity
-from integrations.vllm.planning import BlockLabel
 from integrations.vllm.pools import Pool, held_bytes
-from integrations.vllm.precision import DEFAULT_POLICY, PrecisionPolicy
+from integrations.vllm.precision import DEFAULT_POLICY, BlockLabel, PrecisionPolicy
 from integrations.vllm.store import ConnectorStore, SaveResult, shadow_manifest
 
 BS, LAYERS, HEADS, DIM = 16, 2, 2, 64

@@ -15,7 +15,7 @@ from gpu_cache import hash_token_blocks
 from gpu_cache.calibration import key_offset_digest, mean_key_offsets
 from integrations.vllm.config import ConnectorConfig
 from integrations.vllm.identity import same_model, vllm_cache_identity
-from integrations.vllm.planning import BlockLabel
+from integrations.vllm.precision import BlockLabel
 from integrations.vllm.recovery import recover_for_vllm
 from integrations.vllm.store import (
     ConnectorStore,

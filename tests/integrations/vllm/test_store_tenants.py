@@ -12,7 +12,7 @@ import torch
 from gpu_cache import hash_token_blocks
 from integrations.vllm.config import ConnectorConfig
 from integrations.vllm.identity import vllm_cache_identity
-from integrations.vllm.planning import BlockLabel
+from integrations.vllm.precision import BlockLabel
 from integrations.vllm.store import ConnectorStore, SaveResult
 
 BS, LAYERS, HEADS, DIM = 16, 2, 2, 64
