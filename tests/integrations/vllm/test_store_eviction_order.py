@@ -76,7 +76,7 @@ def _checked_save(store: ConnectorStore, keys: Sequence[bytes], tenant: str,
             f"{sorted({r[1] for r in gone.values()})}, lower ones kept "
             f"{sorted({r[1] for r in stayed.values() if _rank(r) < _rank(worst)})}")
     held = held_bytes(list(store.pools.values()))
-    assert held <= store._budget, f"{held} bytes held over the budget of {store._budget}"
+    assert held <= store.budget, f"{held} bytes held over the budget of {store.budget}"
     return result
 
 
