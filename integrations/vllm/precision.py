@@ -55,7 +55,7 @@ class BlockLabel:
     pinned: bool = False
     fmt: str = "tq4"
     #: the format to store the block in while the DDR budget has room (above ``fmt``;
-    #: the policy's :meth:`~integrations.vllm.precision.PrecisionPolicy.room_for`)
+    #: the policy's :meth:`PrecisionPolicy.room_for`)
     room_fmt: str | None = None
     #: in the request's volatile tail (from the token its ``volatile_from`` names on,
     #: generated tokens included): the sender's next call changes it, so only an

@@ -9,8 +9,9 @@ offsets calibrated on the first big save (loaded keys are always the keys). Free
 vLLM imports: the connector hands it K/V as
 ``[num_layers, n, block_size, num_kv_heads, head_dim]``. Blocks are allocated,
 labelled and keyed through :class:`gpu_cache.RequestBlockManager`; the shadow
-metrics (bytes, lag) are kept by :class:`.shadow_lag.ShadowAccounting`, and the
-snapshot and shadow sessions by :class:`.store_shadow.PoolShadows`. A block whose
+metrics (bytes, lag), the snapshot and the shadow sessions by the
+:class:`.store_shadow.PoolShadows` it holds, and its side of the shared tier by the
+:class:`.store_shared.SharedBlocks` it holds. A block whose
 label carries a ``room_fmt`` is stored in it while the DDR budget has room and
 transcoded back to its label's format before anything is evicted (:mod:`.headroom`).
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +59,6 @@ from integrations.vllm.pools import (
     unpinned_reason,
 )
 from integrations.vllm.precision import BlockLabel
-from integrations.vllm.shadow_lag import ShadowAccounting
 from integrations.vllm.snapshots import (
     LOCAL_SESSION,
     local_session_keys,
@@ -67,6 +67,8 @@ from integrations.vllm.snapshots import (
 )
 from integrations.vllm.store_shadow import PoolShadows
 from integrations.vllm.store_shared import SharedBlocks, tenant_slug
+from shadow import CacheShadow, RecoveryReport, ShadowResult
+from shadow.shared.objects import SharedChunk
 
 __all__ = ["LOCAL_SESSION", "ConnectorStore", "SaveResult", "local_session_keys",
            "shadow_manifest", "shadow_manifests", "tenant_slug"]
@@ -90,7 +92,7 @@ class SaveResult:
     skipped: list[bytes] = field(default_factory=list)
 
 
-class ConnectorStore(PoolShadows, SharedBlocks):
+class ConnectorStore:
     """Blocks by key in contextkit's tiers, one pool per block format, shadowed to
     ``config.shadow_url``.
 
@@ -107,6 +109,8 @@ class ConnectorStore(PoolShadows, SharedBlocks):
         stats: the worker side's metrics (loads, saves, evictions, shadow); see
             :meth:`take_stats`.
         pools: the pools by name (``""``: the key identity's; ``"@fmt[.digest8]"``).
+        shadows: the local snapshot and the shadow sessions of the pools.
+        shared: the store's side of the shared tier (chunks out and in).
 
     Saves go to the DDR tier on CPU (both tiers are RAM; DDR is where stored
     blocks belong) and to the device tier on CUDA (fused quantization on the GPU;
@@ -121,7 +125,6 @@ class ConnectorStore(PoolShadows, SharedBlocks):
         self.pools: dict[str, Pool] = {}
         #: per format, the pool new saves of it go to (offset pools once calibrated)
         self._active: dict[str, Pool] = {}
-        self._shadowing = False
         self._lock = threading.RLock()
         self._ids: dict[bytes, tuple[Pool, int]] = {}  # key -> (pool, block id)
         self._sources: dict[bytes, str | None] = {}  # key -> source layer (metrics)
@@ -131,20 +134,21 @@ class ConnectorStore(PoolShadows, SharedBlocks):
         self.num_saved = 0
         self.num_loaded = 0
         self.stats = StatsRecorder(layer_names(config.default_source_layer))
-        self._shadow_lag = ShadowAccounting()  # metrics; never waits for a save
-        self._pool(identity, None)  # the key identity's pool: small saves, old sessions
+        self.shadows = PoolShadows(self, identity, config, self.stats, self._lock)
+        self.shared = SharedBlocks(self, identity, self.stats, self._lock)
+        self.pool(identity, None)  # the key identity's pool: small saves, old sessions
 
     # ------------------------------------------------------------------ pools
     @property
     def cache(self) -> TQGPUCache:
         """The cache of the key identity's pool."""
-        return self._pool(self.identity, None).cache
+        return self.pool(self.identity, None).cache
 
     @property
     def pins(self) -> PrefixPinManager:
-        return self._pool(self.identity, None).pins
+        return self.pool(self.identity, None).pins
 
-    def _pool(self, identity: CacheIdentity, offsets: torch.Tensor | None) -> Pool:
+    def pool(self, identity: CacheIdentity, offsets: torch.Tensor | None) -> Pool:
         """The pool of ``identity``, created (and shadowed, when shadowing) if new."""
         with self._lock:
             pool = self.pools.get(pool_suffix(self.identity, identity))
@@ -159,8 +163,7 @@ class ConnectorStore(PoolShadows, SharedBlocks):
                                device_blocks=config.device_blocks, device=config.device,
                                pins=config.pins, eviction=config.eviction)
             self.pools[pool.name] = pool
-            if self._shadowing:
-                self._open_pool_shadow(pool)
+            self.shadows.pool_made(pool)
             return pool
 
     def _save_pool(self, fmt: str, k: torch.Tensor, index: Sequence[int]) -> Pool:
@@ -174,23 +177,40 @@ class ConnectorStore(PoolShadows, SharedBlocks):
             calibrated = next((p.cache.key_offsets for p in self._active.values()
                                if p.cache.key_offsets is not None), None)
             if calibrated is None and len(index) < CALIBRATION_BLOCKS:
-                return self._pool(pool_identity(self.identity, fmt), None)
+                return self.pool(pool_identity(self.identity, fmt), None)
             offsets = calibrated if calibrated is not None else calibrate_offsets(k, index)
-            pool = self._pool(pool_identity(self.identity, fmt, offsets), offsets)
+            pool = self.pool(pool_identity(self.identity, fmt, offsets), offsets)
             logger.info("format %s: key offsets %s (pool %s)", fmt,
                         "of another format's pool" if calibrated is not None
                         else f"calibrated on {len(index)} blocks", pool.name)
         else:
-            pool = self._pool(pool_identity(self.identity, fmt), None)
+            pool = self.pool(pool_identity(self.identity, fmt), None)
         self._active[fmt] = pool
         return pool
 
-    def _activate(self, pool: Pool) -> None:
-        """Make a restored pool its format's active one if none is and its offsets
-        match the policy (caller holds the lock)."""
-        wants_offsets = self.key_offsets and pool.fmt in OFFSET_FORMATS
-        if pool.fmt not in self._active and bool(pool.identity.key_offset_digest) == wants_offsets:
-            self._active[pool.fmt] = pool
+    def adopt(self, pool: Pool, block_ids: Iterable[int | None]) -> None:
+        """Index blocks recovered into ``pool`` (None entries: not recovered), and make
+        it its format's active pool if none is and its offsets match the policy."""
+        with self._lock:
+            wants_offsets = self.key_offsets and pool.fmt in OFFSET_FORMATS
+            if (pool.fmt not in self._active
+                    and bool(pool.identity.key_offset_digest) == wants_offsets):
+                self._active[pool.fmt] = pool
+            for bid in block_ids:
+                if bid is None:
+                    continue
+                meta = pool.cache.metadata.get(bid)
+                if meta.key is not None:
+                    self.index_block(bytes(meta.key), pool, bid, meta.source_layer or None)
+
+    def entry(self, key: bytes) -> tuple[Pool, int] | None:
+        """The pool and block id holding ``key``; None when not held."""
+        return self._ids.get(key)
+
+    def index_block(self, key: bytes, pool: Pool, bid: int, source_layer: str | None) -> None:
+        """Record that block ``bid`` of ``pool`` holds ``key`` (caller holds the lock)."""
+        self._ids[key] = (pool, bid)
+        self._sources[key] = source_layer
 
     def format_stats(self) -> dict[str, dict[str, Any]]:
         """Per format of the held blocks: ``blocks``, ``bytes``, ``bytes_per_token`` and
@@ -200,19 +220,51 @@ class ConnectorStore(PoolShadows, SharedBlocks):
         return format_summary(self.identity, [c for c in counts if c[1]])
 
     # ------------------------------------------------------------------ start / stop
+    def restore_local(self) -> RecoveryReport | None:
+        """See :meth:`.store_shadow.PoolShadows.restore_local`."""
+        return self.shadows.restore_local()
+
+    def open_shadow(self, restored: bool) -> None:
+        """See :meth:`.store_shadow.PoolShadows.open_shadow`."""
+        self.shadows.open_shadow(restored)
+
+    def close(self) -> None:
+        """See :meth:`.store_shadow.PoolShadows.close`."""
+        self.shadows.close()
+
+    @property
+    def shadowing(self) -> bool:
+        """Whether any pool is shadowed."""
+        return self.shadows.shadowing
+
+    @property
+    def shadow(self) -> CacheShadow | None:
+        """The shadow of the key identity's pool (else of the first shadowed pool)."""
+        return self.shadows.shadow
+
+    def shadow_now(self) -> ShadowResult | None:
+        """See :meth:`.store_shadow.PoolShadows.shadow_now`."""
+        return self.shadows.shadow_now()
+
+    def shadow_stats(self, now: float | None = None) -> tuple[int, float]:
+        """See :meth:`.store_shadow.PoolShadows.shadow_stats`."""
+        return self.shadows.shadow_stats(now)
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """The worker side's metrics since the last call (see :mod:`.metrics`); with a
+        shadow, always the current shadow lag."""
+        if self.shadowing:
+            nbytes, lag = self.shadow_stats()
+            self.stats.count("shadow_bytes", nbytes)
+            self.stats.set_gauge("shadow_lag_seconds", lag)
+        return self.stats.take()
+
     def warm_up(self) -> None:
         """Compile the fused CPU kernels of every format now rather than on the first
         request (not needed when every block is stored native)."""
         if self.identity.codec == "native" and self.config.policy.default == "native":
             return
         formats.warm_up(self.cache.codec)
-
-    def _remember(self, pool: Pool, bid: int) -> None:
-        """Index a block recovered into a pool (caller holds ``_lock``)."""
-        meta = pool.cache.metadata.get(bid)
-        if meta.key is not None:
-            self._ids[bytes(meta.key)] = (pool, bid)
-            self._sources[bytes(meta.key)] = meta.source_layer or None
 
     def keys(self) -> list[bytes]:
         with self._lock:
@@ -278,16 +330,15 @@ class ConnectorStore(PoolShadows, SharedBlocks):
                     self._upgraded[keys[i]] = labels[i].fmt
             result.stored = [keys[i] for i in sorted(stored)]
             result.failed = [keys[i] for i in sorted(failed)]
-            result.removed, result.removed_layers = self._forget_evicted()
+            result.removed, result.removed_layers = self.forget_evicted()
             self.num_saved += len(result.stored)
             self.stats.count_layers("saved_blocks",
                                     [self._sources[key] for key in result.stored])
-            if self.shadowing:
-                self._shadow_lag.saved(result.stored, result.removed, stored_at)
+            self.shadows.saved(result.stored, result.removed, stored_at)
         return result
 
     @property
-    def _budget(self) -> int:
+    def budget(self) -> int:
         """The DDR byte budget: ``host_blocks`` blocks of the key identity's format."""
         return self.config.host_blocks * self.identity.bytes_per_block
 
@@ -304,7 +355,7 @@ class ConnectorStore(PoolShadows, SharedBlocks):
         sizes = {fmt: pool_identity(self.identity, fmt).bytes_per_block
                  for fmt in {labels[i].fmt for i in new}}
         need = sum(sizes[labels[i].fmt] for i in new)
-        if held_bytes(list(self.pools.values())) + need <= self._budget:
+        if held_bytes(list(self.pools.values())) + need <= self.budget:
             return set()
         return tail
 
@@ -315,7 +366,7 @@ class ConnectorStore(PoolShadows, SharedBlocks):
         spills by its own policy: no room formats there."""
         if self.cache.device.type != "cpu":
             return {}
-        return room_formats(labels, new, held_bytes(list(self.pools.values())), self._budget,
+        return room_formats(labels, new, held_bytes(list(self.pools.values())), self.budget,
                             lambda fmt: pool_identity(self.identity, fmt).bytes_per_block)
 
     def _fit_budget(self, pool: Pool, num_blocks: int,
@@ -327,12 +378,12 @@ class ConnectorStore(PoolShadows, SharedBlocks):
         ``_lock``)."""
         if self._upgraded and not self._demoting and pool.save_tier is Tier.HOST:
             excess = (held_bytes(list(self.pools.values()))
-                      + num_blocks * pool.identity.bytes_per_block - self._budget)
+                      + num_blocks * pool.identity.bytes_per_block - self.budget)
             if excess > 0:
                 self._demote(excess, protect)
         # listed after _demote: a demotion may make a pool (the first of its blocks'
         # rules' format), whose bytes and blocks the eviction must count
-        return fit_budget(list(self.pools.values()), pool, num_blocks, self._budget, protect)
+        return fit_budget(list(self.pools.values()), pool, num_blocks, self.budget, protect)
 
     def _demote(self, excess: int, protect: dict[int, set[int]]) -> None:
         """Transcode upgraded blocks to their rules' format, lowest eviction priority
@@ -380,7 +431,7 @@ class ConnectorStore(PoolShadows, SharedBlocks):
         mine = {pool_id: set(ids) for pool_id, ids in protect.items()}
         if not self._save_into(target, fmt, k, v, keys, index, tenant, labels, mine,
                                SaveResult()):
-            return  # gone: _forget_evicted reports the keys removed
+            return  # gone: forget_evicted reports the keys removed
         for key, meta in zip(keys, metas, strict=True):
             moved = target.cache.metadata.get(self._ids[key][1])
             for name in ("created_at", "last_attended", "eviction_priority",
@@ -437,7 +488,7 @@ class ConnectorStore(PoolShadows, SharedBlocks):
                                                       len(to_pin), exc)
         return True
 
-    def _forget_evicted(self) -> tuple[list[bytes], list[str | None]]:
+    def forget_evicted(self) -> tuple[list[bytes], list[str | None]]:
         """Forget the blocks the pools evicted (to make room for a save or an import)
         and count them by layer; returns their keys and layers."""
         gone = [key for key, (pool, bid) in self._ids.items() if bid not in pool.cache.metadata]
@@ -447,6 +498,27 @@ class ConnectorStore(PoolShadows, SharedBlocks):
         layers = [self._sources.pop(key, None) for key in gone]
         self.stats.count_layers("evicted_blocks", layers)
         return gone, layers
+
+    # ------------------------------------------------------------------ shared tier
+    def export_chunk(self, keys: Sequence[bytes], tenant: str, path: str
+                     ) -> SharedChunk | None:
+        """See :meth:`.store_shared.SharedBlocks.export_chunk`."""
+        return self.shared.export_chunk(keys, tenant, path)
+
+    def import_chunk(self, chunk: SharedChunk, want: Sequence[bytes]
+                     ) -> tuple[list[bytes], list[bytes]]:
+        """See :meth:`.store_shared.SharedBlocks.import_chunk`."""
+        return self.shared.import_chunk(chunk, want)
+
+    def held_bytes(self) -> int:
+        """Bytes the DDR tier holds (every pool)."""
+        with self._lock:
+            return held_bytes(list(self.pools.values()))
+
+    def missing(self, keys: Iterable[bytes]) -> set[bytes]:
+        """The keys of ``keys`` the store does not hold."""
+        with self._lock:
+            return {key for key in keys if key not in self._ids}
 
     # ------------------------------------------------------------------ load
     def read(self, keys: Sequence[bytes], tenant: str

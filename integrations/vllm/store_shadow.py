@@ -1,12 +1,14 @@
 """The connector store's durability: the local snapshot it starts from, one shadow
-session per pool, and the shadow's accounting (a mixin of
-:class:`integrations.vllm.store.ConnectorStore`, which owns the pools and the index)."""
+session per pool, and the shadow's accounting. :class:`PoolShadows` is held by
+:class:`integrations.vllm.store.ConnectorStore`, which owns the pools and the index
+and reaches them to it through the :class:`PoolHost` interface."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 
@@ -29,28 +31,46 @@ from shadow import (
     recover_session,
 )
 
-__all__ = ["PoolShadows"]
+__all__ = ["PoolHost", "PoolShadows"]
 
-logger = logging.getLogger("integrations.vllm.store")
+logger = logging.getLogger(__name__)
+
+
+class PoolHost(Protocol):
+    """What :class:`PoolShadows` needs of the store that owns the pools and the index."""
+
+    pools: dict[str, Pool]
+
+    def pool(self, identity: CacheIdentity, offsets: torch.Tensor | None) -> Pool:
+        """The pool of ``identity``, made (and shadowed, when shadowing) if new."""
+        ...
+
+    def adopt(self, pool: Pool, block_ids: Iterable[int | None]) -> None:
+        """Index blocks recovered into ``pool`` (None entries: not recovered), and make
+        it its format's active pool if none is and its key offsets fit the policy."""
+        ...
 
 
 class PoolShadows:
-    """Restore from the local snapshot, shadow every pool, account for the shadow."""
+    """Restore from the local snapshot, shadow every pool, account for the shadow.
 
-    identity: CacheIdentity
-    config: ConnectorConfig
-    pools: dict[str, Pool]
-    stats: StatsRecorder
-    _lock: threading.RLock
-    _shadowing: bool
-    _shadow_lag: ShadowAccounting
+    Args:
+        host: the store owning the pools and the block index.
+        identity: the key identity (its pool keeps the plain session names).
+        config: the shadow URL, session id, interval and local store.
+        stats: the worker side's metrics (shadow bytes and lag go there).
+        lock: the store's lock, guarding the pools and the index.
+    """
 
-    if TYPE_CHECKING:  # provided by ConnectorStore, which owns the pools and the index
-        def _pool(self, identity: CacheIdentity, offsets: torch.Tensor | None) -> Pool: ...
-
-        def _activate(self, pool: Pool) -> None: ...
-
-        def _remember(self, pool: Pool, bid: int) -> None: ...
+    def __init__(self, host: PoolHost, identity: CacheIdentity, config: ConnectorConfig,
+                 stats: StatsRecorder, lock: threading.RLock) -> None:
+        self._host = host
+        self.identity = identity
+        self.config = config
+        self.stats = stats
+        self._lock = lock
+        self._shadowing = False
+        self._lag = ShadowAccounting()  # metrics; never waits for a save
 
     def restore_local(self) -> RecoveryReport | None:
         """Load the verified snapshot sessions from ``config.local_store`` into the DDR
@@ -73,7 +93,7 @@ class PoolShadows:
                     manifest = load_manifest(store, sid)
                     check_same_model(self.identity, manifest.identity,
                                      what=f"snapshot session {sid!r}")
-                    pool = self._pool(manifest.identity, manifest.key_offsets_tensor())
+                    pool = self._host.pool(manifest.identity, manifest.key_offsets_tensor())
                     got = recover_session(store, sid, pool.cache, repin=True)
                 except (CacheIdentityError, ShadowError) as exc:
                     logger.error("refusing the snapshot %s in %s: %s", sid, where, exc)
@@ -81,11 +101,7 @@ class PoolShadows:
                     continue
                 with self._lock:
                     pool.restored = True
-                    self._activate(pool)
-                    for ids in got.block_ids.values():
-                        for bid in ids:
-                            if bid is not None:
-                                self._remember(pool, bid)
+                    self._host.adopt(pool, [bid for ids in got.block_ids.values() for bid in ids])
                 report.merge(got)
         finally:
             store.close()
@@ -133,7 +149,7 @@ class PoolShadows:
                                 f"its blocks are {manifest.identity.codec} with key offsets "
                                 f"{manifest.identity.key_offset_digest or 'none'}, which "
                                 "its name does not say")
-                        self._pool(manifest.identity, manifest.key_offsets_tensor())
+                        self._host.pool(manifest.identity, manifest.key_offsets_tensor())
                     except BlobNotFoundError:
                         continue
                     except (CacheIdentityError, ShadowError) as exc:
@@ -143,8 +159,18 @@ class PoolShadows:
                 store.close()
         with self._lock:
             self._shadowing = True
-            for pool in list(self.pools.values()):
+            for pool in list(self._host.pools.values()):
                 self._open_pool_shadow(pool)
+
+    def pool_made(self, pool: Pool) -> None:
+        """Shadow a pool the store just made, when shadowing (caller holds the lock)."""
+        if self._shadowing:
+            self._open_pool_shadow(pool)
+
+    def saved(self, stored: list[bytes], removed: list[bytes], at: float) -> None:
+        """Account a save's stored and evicted keys for the shadow lag (when shadowing)."""
+        if self.shadowing:
+            self._lag.saved(stored, removed, at)
 
     def _open_pool_shadow(self, pool: Pool) -> None:
         """Open ``pool``'s shadow session (caller holds the lock); recover its blocks
@@ -168,11 +194,7 @@ class PoolShadows:
             logger.warning("session %s was not restored by `contextkit recover --for-vllm`; "
                            "recovering it inside the engine", name)
             report = shadow.recover_session()
-            self._activate(pool)
-            for ids in report.block_ids.values():
-                for bid in ids:
-                    if bid is not None:
-                        self._remember(pool, bid)
+            self._host.adopt(pool, [bid for ids in report.block_ids.values() for bid in ids])
         elif shadow.manifest is not None:
             shadow.shadow_now()  # the restored blocks are the session: commit, incrementally
         if interval:
@@ -183,12 +205,12 @@ class PoolShadows:
     @property
     def shadowing(self) -> bool:
         """Whether any pool is shadowed."""
-        return any(pool.shadow is not None for pool in list(self.pools.values()))
+        return any(pool.shadow is not None for pool in list(self._host.pools.values()))
 
     @property
     def shadow(self) -> CacheShadow | None:
         """The shadow of the key identity's pool (else of the first shadowed pool)."""
-        pools = sorted(self.pools.values(), key=lambda p: p.name != "")
+        pools = sorted(self._host.pools.values(), key=lambda p: p.name != "")
         return next((p.shadow for p in pools if p.shadow is not None), None)
 
     def shadow_now(self) -> ShadowResult | None:
@@ -197,7 +219,7 @@ class PoolShadows:
         pools the result sums theirs. (The periodic shadow, ``shadow_interval_s``,
         runs per pool on its own.)"""
         results = []
-        for pool in list(self.pools.values()):
+        for pool in list(self._host.pools.values()):
             shadow = pool.shadow
             if shadow is None or not pool.dirty:
                 continue
@@ -207,7 +229,7 @@ class PoolShadows:
             except BaseException:
                 pool.dirty = True
                 raise
-            self._shadow_lag.note(pool, shadow)
+            self._lag.note(pool, shadow)
         return combine_results(results)
 
     def shadow_stats(self, now: float | None = None) -> tuple[int, float]:
@@ -218,16 +240,7 @@ class PoolShadows:
         ran are counted from each shadow's last result, polled here and after every
         :meth:`shadow_now` (see :class:`.shadow_lag.ShadowAccounting`).
         """
-        return self._shadow_lag.take(list(self.pools.values()), now)
-
-    def take_stats(self) -> dict[str, Any] | None:
-        """The worker side's metrics since the last call (see :mod:`.metrics`); with a
-        shadow, always the current shadow lag."""
-        if self.shadowing:
-            nbytes, lag = self.shadow_stats()
-            self.stats.count("shadow_bytes", nbytes)
-            self.stats.set_gauge("shadow_lag_seconds", lag)
-        return self.stats.take()
+        return self._lag.take(list(self._host.pools.values()), now)
 
     def close(self) -> None:
         """Final shadow of every pool changed since the last shadow, and of the key
@@ -235,7 +248,7 @@ class PoolShadows:
         run, as with older connectors), then stop; idempotent."""
         with self._lock:
             self._shadowing = False
-        for pool in list(self.pools.values()):
+        for pool in list(self._host.pools.values()):
             shadow, pool.shadow = pool.shadow, None
             if shadow is not None:
                 try:

@@ -1,6 +1,7 @@
 """The connector store's side of the shared tier: its blocks out as chunks, chunks in as
-blocks (a mixin of :class:`integrations.vllm.store.ConnectorStore`, which owns the
-pools and the index).
+blocks. :class:`SharedBlocks` is held by :class:`integrations.vllm.store.ConnectorStore`,
+which owns the pools and the index and reaches them to it through the
+:class:`BlockIndex` interface.
 
 A chunk carries each block's stored bytes as they are (no decode, no re-encode) with
 its pool's identity: its format and, for formats with key offsets, the offsets
@@ -14,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -28,10 +29,10 @@ from gpu_cache import (
 )
 from gpu_cache.hashing import BlockHash
 from integrations.vllm.metrics import StatsRecorder
-from integrations.vllm.pools import Pool, fit_budget, held_bytes
+from integrations.vllm.pools import Pool, fit_budget
 from shadow.shared.objects import BlockEntry, PoolPart, SharedChunk
 
-__all__ = ["SharedBlocks", "tenant_slug"]
+__all__ = ["BlockIndex", "SharedBlocks", "tenant_slug"]
 
 
 def tenant_slug(cache_salt: str) -> str:
@@ -44,23 +45,50 @@ def tenant_slug(cache_salt: str) -> str:
         return "salt-" + hashlib.sha256(cache_salt.encode()).hexdigest()[:40]
 
 
-class SharedBlocks:
-    """Export held blocks as a shared chunk; import a fetched chunk's blocks."""
+class BlockIndex(Protocol):
+    """What :class:`SharedBlocks` needs of the store that owns the pools and the index
+    (every method but :meth:`pool` and :attr:`budget` with the store's lock held)."""
 
-    identity: CacheIdentity
     pools: dict[str, Pool]
-    stats: StatsRecorder
-    _lock: threading.RLock
-    _ids: dict[bytes, tuple[Pool, int]]
-    _sources: dict[bytes, str | None]
 
-    if TYPE_CHECKING:  # provided by ConnectorStore
-        def _pool(self, identity: CacheIdentity, offsets: torch.Tensor | None) -> Pool: ...
+    @property
+    def budget(self) -> int:
+        """The DDR byte budget of all pools together."""
+        ...
 
-        @property
-        def _budget(self) -> int: ...
+    def pool(self, identity: CacheIdentity, offsets: torch.Tensor | None) -> Pool:
+        """The pool of ``identity``, made if new."""
+        ...
 
-        def _forget_evicted(self) -> tuple[list[bytes], list[str | None]]: ...
+    def entry(self, key: bytes) -> tuple[Pool, int] | None:
+        """The pool and block id holding ``key``; None when not held."""
+        ...
+
+    def index_block(self, key: bytes, pool: Pool, bid: int, source_layer: str | None) -> None:
+        """Record that block ``bid`` of ``pool`` holds ``key``."""
+        ...
+
+    def forget_evicted(self) -> tuple[list[bytes], list[str | None]]:
+        """Forget the blocks the pools evicted; their keys and layers."""
+        ...
+
+
+class SharedBlocks:
+    """Export held blocks as a shared chunk; import a fetched chunk's blocks.
+
+    Args:
+        index: the store owning the pools and the block index.
+        identity: the key identity (a chunk records it).
+        stats: the worker side's metrics (imported blocks are counted there).
+        lock: the store's lock, guarding the pools and the index.
+    """
+
+    def __init__(self, index: BlockIndex, identity: CacheIdentity, stats: StatsRecorder,
+                 lock: threading.RLock) -> None:
+        self._index = index
+        self.identity = identity
+        self.stats = stats
+        self._lock = lock
 
     def export_chunk(self, keys: Sequence[bytes], tenant: str, path: str
                      ) -> SharedChunk | None:
@@ -71,7 +99,7 @@ class SharedBlocks:
         entries: list[BlockEntry] = []
         with self._lock:
             for i, key in enumerate(keys):
-                entry = self._ids.get(key)
+                entry = self._index.entry(key)
                 if entry is None:
                     return None
                 pool, bid = entry
@@ -91,16 +119,6 @@ class SharedBlocks:
                                       pool.cache.key_offsets))
         return SharedChunk(path, self.identity, tenant, entries, parts)
 
-    def held_bytes(self) -> int:
-        """Bytes the DDR tier holds (every pool)."""
-        with self._lock:
-            return held_bytes(list(self.pools.values()))
-
-    def missing(self, keys: Iterable[bytes]) -> set[bytes]:
-        """The keys of ``keys`` the store does not hold."""
-        with self._lock:
-            return {key for key in keys if key not in self._ids}
-
     def import_chunk(self, chunk: SharedChunk, want: Sequence[bytes]
                      ) -> tuple[list[bytes], list[bytes]]:
         """Store the blocks of ``chunk`` whose keys are in ``want`` and not held yet, in
@@ -113,15 +131,17 @@ class SharedBlocks:
         imported = 0
         with self._lock:
             for part in chunk.parts:
-                pool = self._pool(part.identity, part.key_offsets)
+                pool = self._index.pool(part.identity, part.key_offsets)
                 rows = [j for j, pos in enumerate(part.positions)
                         if chunk.blocks[pos].key in wanted
-                        and chunk.blocks[pos].key not in self._ids]
+                        and self._index.entry(chunk.blocks[pos].key) is None]
                 held += [chunk.blocks[pos].key for pos in part.positions
-                         if chunk.blocks[pos].key in wanted and chunk.blocks[pos].key in self._ids]
+                         if chunk.blocks[pos].key in wanted
+                         and self._index.entry(chunk.blocks[pos].key) is not None]
                 if not rows:
                     continue
-                if not fit_budget(list(self.pools.values()), pool, len(rows), self._budget):
+                if not fit_budget(list(self._index.pools.values()), pool, len(rows),
+                                  self._index.budget):
                     continue
                 sel = torch.tensor(rows, dtype=torch.int64)
                 tensors = {name: t.index_select(0, sel) for name, t in part.tensors.items()}
@@ -141,8 +161,7 @@ class SharedBlocks:
                 pinned = []
                 for bid, j in zip(ids, rows, strict=True):
                     block = chunk.blocks[part.positions[j]]
-                    self._ids[block.key] = (pool, bid)
-                    self._sources[block.key] = block.source_layer
+                    self._index.index_block(block.key, pool, bid, block.source_layer)
                     held.append(block.key)
                     if block.pinned:
                         pinned.append(bid)
@@ -151,6 +170,6 @@ class SharedBlocks:
                         pool.pins.pin(pinned)
                 imported += len(ids)
             self.stats.count("shared_imported_blocks", imported)
-            removed, _ = self._forget_evicted()
+            removed, _ = self._index.forget_evicted()
         order = {b.key: i for i, b in enumerate(chunk.blocks)}
         return sorted(set(held) - set(removed), key=order.__getitem__), removed

@@ -28,7 +28,8 @@ from integrations.vllm.metrics import (
     StatsRecorder,
     layer_names,
 )
-from integrations.vllm.planning import BlockLabel, RequestPlanner, StepRequest
+from integrations.vllm.planning import RequestPlanner, StepRequest
+from integrations.vllm.precision import BlockLabel
 from integrations.vllm.store import ConnectorStore
 
 BS, LAYERS, HEADS, DIM = 16, 2, 2, 64

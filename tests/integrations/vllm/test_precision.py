@@ -12,7 +12,6 @@ import pytest
 from gpu_cache import CacheIdentity, hash_token_blocks
 from integrations.vllm import ConnectorConfig, ConnectorConfigError, kv_transfer_config
 from integrations.vllm.planning import (
-    BlockLabel,
     RequestPlanner,
     StepRequest,
     WorkerReport,
@@ -22,6 +21,7 @@ from integrations.vllm.precision import (
     DEFAULT_POLICY,
     FORMATS,
     POLICY_KEYS,
+    BlockLabel,
     PrecisionError,
     PrecisionPolicy,
     policy_for_codec,

@@ -22,9 +22,8 @@ from gpu_cache.metadata import DEFAULT_SOURCE_PRIORITY, PINNABLE_SOURCES
 from integrations.vllm import store as store_module
 from integrations.vllm.config import ConnectorConfig
 from integrations.vllm.identity import vllm_cache_identity
-from integrations.vllm.planning import BlockLabel
 from integrations.vllm.pools import Pool, held_bytes
-from integrations.vllm.precision import DEFAULT_POLICY, PrecisionPolicy
+from integrations.vllm.precision import DEFAULT_POLICY, BlockLabel, PrecisionPolicy
 from integrations.vllm.store import ConnectorStore, SaveResult, shadow_manifest
 
 BS, LAYERS, HEADS, DIM = 16, 2, 2, 64
@@ -77,7 +76,7 @@ def _checked_save(store: ConnectorStore, keys: Sequence[bytes], tenant: str,
             f"{sorted({r[1] for r in gone.values()})}, lower ones kept "
             f"{sorted({r[1] for r in stayed.values() if _rank(r) < _rank(worst)})}")
     held = held_bytes(list(store.pools.values()))
-    assert held <= store._budget, f"{held} bytes held over the budget of {store._budget}"
+    assert held <= store.budget, f"{held} bytes held over the budget of {store.budget}"
     return result
 
 
