@@ -317,8 +317,9 @@ def run_replay(
                 "edited_chunks": len(ck.generation.reused_chunk_edits),
                 "edited_tokens": ck.generation.edited_tokens,
                 "reused_chunks": dict(ck.report.reused_chunks),
-                "flop_ratio_prefix_reuse": (engine.prefill_flops(len(ids))
-                               / engine.prefill_flops(len(ids), ck.generation.reused_tokens)),
+                "flop_ratio_prefix_reuse": (
+                    engine.prefill_flops(len(ids))
+                    / engine.prefill_flops(len(ids), ck.generation.reused_tokens)),
                 "kv_reuse_ratio": ck.generation.kv_reuse_ratio,
                 "prefix_broken_by": ck.report.prefix_broken_by,
                 "changed_layers": ck.report.changed_layers,
