@@ -32,9 +32,12 @@ medians over the *warm* steps (an agent's second and later turns; first turns ar
 everywhere) of per-configuration medians. Quality: after the schedule, a probe serves
 a few of the workload's prompts, pushes them out of vLLM's KV with a filler prompt and
 reads them back teacher-forced (the ceiling's greedy reply, 16 positions, top-20
-logprobs as token ids), float32 throughout: ``teacher_forced_agreement`` (argmax
-equal), ``ppl_ratio`` (over the forced tokens) and ``mean_kl`` (KL(ceiling||config)
-over the ceiling's top 20, a config's missing entries at its own 20th logprob).
+logprobs as token ids, plus the forced token's own logprob), float32 throughout:
+``teacher_forced_agreement`` (argmax equal), ``ppl_ratio`` (over the forced tokens)
+and ``mean_kl`` (KL(ceiling||config) over the ceiling's top 20, a config's missing
+entries at its own 20th logprob). A forced token whose own logprob the server did not
+return is taken at the 20th logprob (an upper bound: ``ppl_ratio`` is then a lower
+bound); ``forced_logprob_assumed`` counts those positions.
 """
 
 from __future__ import annotations
@@ -172,22 +175,30 @@ def quality(reference: Sequence[Sequence[Mapping[str, float]]],
             forced: Sequence[Sequence[int]]) -> dict[str, Any]:
     """Teacher-forced agreement, perplexity ratio and mean KL of ``probe``'s top-20
     next-token logprobs against ``reference``'s at the same forced positions."""
-    agree = total = 0
+    agree = total = assumed = 0
     nll_ref = nll_probe = kl = 0.0
     for ref_prompt, probe_prompt, tokens in zip(reference, probe, forced, strict=True):
         for ref, got, token in zip(ref_prompt, probe_prompt, tokens, strict=True):
-            floor = min(got.values())
+            floor = _twentieth(got)  # the forced token's own logprob may rank lower
             total += 1
             agree += max(ref, key=lambda t: ref[t]) == max(got, key=lambda t: got[t])
             key = str(token)
-            nll_ref -= ref.get(key, min(ref.values()))
+            assumed += key not in ref or key not in got
+            nll_ref -= ref.get(key, _twentieth(ref))
             nll_probe -= got.get(key, floor)
             kl += sum(math.exp(lp) * (lp - got.get(t, floor)) for t, lp in ref.items())
     if not total:
         return {"teacher_forced_agreement": None, "ppl_ratio": None, "mean_kl": None}
     return {"teacher_forced_agreement": round(agree / total, 4),
             "ppl_ratio": round(math.exp((nll_probe - nll_ref) / total), 4),
-            "mean_kl": round(max(0.0, kl / total), 5), "positions": total}
+            "mean_kl": round(max(0.0, kl / total), 5), "positions": total,
+            "forced_logprob_assumed": assumed}
+
+
+def _twentieth(logprobs: Mapping[str, float]) -> float:
+    """The 20th-highest logprob (the lowest of fewer): what a token outside the top 20
+    is taken at when its own logprob is missing."""
+    return sorted(logprobs.values(), reverse=True)[:20][-1]
 
 
 def _hits(config: Mapping[str, Any]) -> dict[str, int]:

@@ -13,10 +13,11 @@ ways by the same model in one process:
   reuse itself changes nothing (``agreement_native``) and how fast a lossless reuse
   of the very same tokens is (``speedup_native_cached_p50``).
 
-``flop_ratio_p50`` is the median FLOP count of a full prefill over that of the
-reused one (:meth:`~contextkit.engine.engine.Engine.prefill_flops`): what the reuse can buy
-when both runs reach the same share of the machine's peak, the ceiling that the
-measured ``speedup_p50`` is read against.
+``flop_ratio_prefix_reuse_p50`` is the median FLOP count of a full prefill over that
+of one reusing the turn's cached prefix
+(:meth:`~contextkit.engine.engine.Engine.prefill_flops`). It counts prefix reuse only,
+not the chunks moved in past the prefix, so the measured speedups may exceed it: it
+is what prefix reuse alone can buy, not a ceiling of contextkit.
 
 Decode: beside each TTFT, per turn, ``decode_tps_contextkit`` and ``decode_tps_baseline``
 (tokens 2..N of the greedy reply over the time after the first token, with the
@@ -32,20 +33,27 @@ turns cached at other positions, not recomputed), ``repaired_tokens`` and
 text changed, aligned against their cached version (the runs they share moved in, the
 changed tokens computed; ``--no-chunk-edits`` is the ablation); with the quality runs,
 a TQ4 sibling that moves every cached chunk (and shared run) in and repairs nothing
-follows the same prompts: ``ttft_ms_chunk_ceiling``,
-``speedup_memory_change_ceiling_p50`` and ``ceiling_fraction_memory_change``, what reuse
-by content can reach on the memory-change turns. ``top1_agreement_chunk_turns`` and
-``ppl_ratio_chunk_turns`` (held-out perplexity after the prompt, the turn's path over a
-full prefill, geometric mean) are measured on exactly the turns that reused chunks;
-``top1_agreement_chunk_turns_prefix_only`` teacher-forces the same replies through the
-same turns' cached prefix alone (every chunk token computed, same TQ4 cache): the
-quality ceiling of chunk reuse (:mod:`contextkit.bench._ttft_quality`).
+follows the same prompts: ``ttft_ms_chunk_ceiling``, and on the memory-change turns
+``speedup_memory_change_ceiling_p50`` / ``_total`` and ``ceiling_fraction_memory_change``
+(ratios over the same turns, the ceiling's TTFT capped at contextkit's, so no measured
+figure exceeds them: :func:`~contextkit.bench._ttft_report.memory_change_ceiling`).
+``top1_agreement_chunk_turns`` and ``ppl_ratio_chunk_turns`` (held-out perplexity after
+the prompt, the turn's path over a full float prefill, geometric mean) are measured on
+exactly the turns that reused chunks; ``top1_agreement_chunk_turns_tq4_prefill_only``
+and ``ppl_ratio_chunk_turns_tq4_prefill_only`` teacher-force the same replies through a
+separate TQ4 cache that only prefills wrote (no chunk path): the quality ceiling of
+chunk reuse, independent of it (:mod:`contextkit.bench._ttft_quality`);
+``top1_agreement_chunk_turns_prefix_only_same_cache`` uses the prefix alone on the chunk
+path's own cache, whose blocks earlier chunk turns may have written.
 
 Quality: ``top1_agreement_tq4`` teacher-forces the baseline's replies through the
 TQ4 path the turn took (the same reused prefix, the same chunks moved in and repaired,
 the same computed tail, the engine's float sink and residual window);
 ``top1_agreement_tq4_packed_only`` does the same with every token read back from TQ4
-(no sink, no window), to show what the overlay buys. ``ppl_ratio_tq4`` compares
+(no sink, no window), to show what the overlay buys; ``top1_agreement_tq4_prefill_only``
+on the fresh prefill-only TQ4 cache. Every agreement has a Wilson 95% interval over its
+forced positions (``*_ci95``); ``gates`` says for each gated one whether the interval's
+lower end passes the gate (only then is it met). ``ppl_ratio_tq4`` compares
 perplexity of a held-out continuation of the last prompt with the TQ4 cache against a
 native full prefill.
 
@@ -64,7 +72,8 @@ up, with nothing else running; every measured request runs with background work 
 (no overlap). ``--no-reserve`` turns all of it off (today's behaviour) for the
 comparison. Figures: ``reservation_hit_rate`` (memory-change turns whose new memories
 were reserved and hit), ``speedup_memory_change_p50`` and ``speedup_steady_p50``,
-``speedup_total`` (sum of baseline TTFT over sum of contextkit TTFT, turns >= 2), and
+``speedup_total`` (sum of baseline TTFT over sum of contextkit TTFT, every turn) and
+``speedup_total_excl_turn1`` (turns >= 2: turn 1 has nothing cached), and
 per turn ``background_cpu_s`` (CPU of the think window before the turn),
 ``reservation_hit``, ``extension_tokens``, ``foreground_wait_ms`` and ``stall_ms`` (how
 long the arriving message waited for background work to yield; it is part of
@@ -91,7 +100,7 @@ from contextkit.bench._common import (
     unit_float,
 )
 from contextkit.bench._ttft_quality import ReplyQuality, perplexity
-from contextkit.bench._ttft_report import report
+from contextkit.bench._ttft_report import memory_change_ceiling, report, speedup_totals
 from contextkit.config import require
 
 __all__ = ["DEFAULT_THINK_S", "HELD_OUT", "HELP", "add_arguments", "run", "run_replay"]
@@ -251,8 +260,11 @@ def run_replay(
     history: list[tuple[str, str]] = []
     agree_native: list[bool] = []
     held = engine.encode(HELD_OUT)
-    scores = ReplyQuality(engine, held)
     tqdm = require("tqdm", "bench").tqdm
+    # the independent TQ4 ceiling: the same format, a cache only prefills write
+    fresh = (engine.sibling(chunk_reuse=False, num_device_blocks=device_blocks,
+                            num_host_blocks=host_blocks) if quality else None)
+    scores = ReplyQuality(engine, held, prefill_only=fresh)
     bar = tqdm(total=turns, desc="replay", unit="turn", file=sys.stderr, disable=not progress)
     for t in range(turns):
         think = _think_window(reservations, think_s if t else 0.0)
@@ -305,8 +317,9 @@ def run_replay(
                 "edited_chunks": len(ck.generation.reused_chunk_edits),
                 "edited_tokens": ck.generation.edited_tokens,
                 "reused_chunks": dict(ck.report.reused_chunks),
-                "flop_ratio": (engine.prefill_flops(len(ids))
-                               / engine.prefill_flops(len(ids), ck.generation.reused_tokens)),
+                "flop_ratio_prefix_reuse": (
+                    engine.prefill_flops(len(ids))
+                    / engine.prefill_flops(len(ids), ck.generation.reused_tokens)),
                 "kv_reuse_ratio": ck.generation.kv_reuse_ratio,
                 "prefix_broken_by": ck.report.prefix_broken_by,
                 "changed_layers": ck.report.changed_layers,
@@ -369,9 +382,10 @@ def run_replay(
         r["ttft_ms_baseline"] / r["ttft_ms_contextkit"] for r in later)
     out["flatness"] = (records[-1]["ttft_ms_contextkit"] / records[1]["ttft_ms_contextkit"]
                        if len(records) > 1 else 1.0)
-    # What the reuse allows at all: the FLOP ratio of full to reused prefill, and the
-    # speedup of a lossless (native-format) cache reusing the very same tokens.
-    out["flop_ratio_p50"] = statistics.median(r["flop_ratio"] for r in later)
+    # What prefix reuse alone allows: the FLOP ratio of full to prefix-reusing prefill
+    # (chunk reuse not counted); the lossless sibling's speedup comes below.
+    out["flop_ratio_prefix_reuse_p50"] = statistics.median(
+        r["flop_ratio_prefix_reuse"] for r in later)
     # Decode does not depend on what the prefill reused: medians over every turn.
     out["decode_tps_p50"] = _median_of(records, "decode_tps_contextkit")
     out["decode_tps_baseline_p50"] = _median_of(records, "decode_tps_baseline")
@@ -476,12 +490,6 @@ def _reservation_figures(records: list[dict[str, Any]], stats: dict[str, Any] | 
         return statistics.median(r["ttft_ms_baseline"] / r["ttft_ms_contextkit"]
                                  for r in rows) if rows else None
 
-    def ceiling(rows: list[dict[str, Any]]) -> float | None:
-        rows = [r for r in rows if "ttft_ms_chunk_ceiling" in r]
-        return statistics.median(r["ttft_ms_baseline"] / r["ttft_ms_chunk_ceiling"]
-                                 for r in rows) if rows else None
-
-    change_ceiling = ceiling(change)
     return {
         "think_s": think_s,
         "reserve": reserve,
@@ -493,11 +501,8 @@ def _reservation_figures(records: list[dict[str, Any]], stats: dict[str, Any] | 
         "speedup_steady_p50": p50(steady),
         # the same turns with every cached chunk moved in and nothing repaired (no
         # reservations): what reuse by content can reach on them
-        "speedup_memory_change_ceiling_p50": change_ceiling,
-        "ceiling_fraction_memory_change": (p50(change) / change_ceiling  # type: ignore[operator]
-                                           if change_ceiling and change else None),
-        "speedup_total": (sum(r["ttft_ms_baseline"] for r in later)
-                          / sum(r["ttft_ms_contextkit"] for r in later)) if later else None,
+        **memory_change_ceiling(change),
+        **speedup_totals(records),
         "ttft_ms_memory_change": [round(r["ttft_ms_contextkit"], 1) for r in change],
         "background_cpu_s_total": sum(r["background_cpu_s"] for r in records),
         "reservations": stats,

@@ -239,13 +239,18 @@ def _server(setup: Setup, work: Path, sizes: dict[str, Any], args: argparse.Name
 
 
 # ---------------------------------------------------------------------- quality
-def _top(srv: Any, prompt: list[int], salt: str, params: dict[str, Any] | None = None
-         ) -> dict[int, float]:
+def _top(srv: Any, prompt: list[int], salt: str, params: dict[str, Any] | None = None,
+         force: int | None = None) -> dict[int, float]:
     """The top-20 next-token logprobs after ``prompt`` (token ids), the connector's
-    labels ``params`` (``kv_transfer_params``) refitted to this prompt."""
+    labels ``params`` (``kv_transfer_params``) refitted to this prompt; with ``force``,
+    also that token's own logprob, wherever it ranks: a logit bias makes greedy
+    sampling pick it and vLLM v1 returns the sampled token's raw logprob (taken
+    before any bias)."""
     body: dict[str, Any] = {
         "model": SERVED, "prompt": prompt, "max_tokens": 1, "temperature": 0,
         "logprobs": 20, "return_tokens_as_token_ids": True, "cache_salt": salt}
+    if force is not None:
+        body["logit_bias"] = {str(force): 100}
     if params is not None:
         body["kv_transfer_params"] = params_for(params, prompt)
     try:
@@ -253,8 +258,12 @@ def _top(srv: Any, prompt: list[int], salt: str, params: dict[str, Any] | None =
     except urllib.error.HTTPError as exc:
         raise RuntimeError(f"/v1/completions refused a {len(prompt)}-token probe: "
                            f"{exc.read().decode(errors='replace')[:500]}") from None
-    top = reply["choices"][0]["logprobs"]["top_logprobs"][0]
-    return {int(k.split(":", 1)[1]): float(v) for k, v in top.items()}
+    logprobs = reply["choices"][0]["logprobs"]
+    top = {int(k.split(":", 1)[1]): float(v) for k, v in logprobs["top_logprobs"][0].items()}
+    # the sampled token's own logprob: vLLM leaves it out of top_logprobs below rank 20
+    top.setdefault(int(logprobs["tokens"][0].split(":", 1)[1]),
+                   float(logprobs["token_logprobs"][0]))
+    return top
 
 
 def quality_probe(srv: Any, prompts: list[Probe], reference: list[list[int]] | None,
@@ -277,7 +286,8 @@ def quality_probe(srv: Any, prompts: list[Probe], reference: list[list[int]] | N
         forced = list(reference[i]) if reference is not None else []
         tops = []
         for j in range(reply_tokens):
-            top = _top(srv, probe.ids + forced[:j], probe.salt, probe.params)
+            top = _top(srv, probe.ids + forced[:j], probe.salt, probe.params,
+                       force=forced[j] if reference is not None else None)
             tops.append(top)
             if reference is None:
                 forced.append(max(top, key=lambda t: top[t]))
