@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from contextkit.engine.attention import _rotate
+from contextkit.engine.attention import rotate
 from contextkit.engine.kv import read_slots, slots_of, write_slots
 from contextkit.engine.types import TokenSpan
 from gpu_cache import Tier, TQGPUCache
@@ -49,7 +49,7 @@ from gpu_cache.chunks import ChunkEntry
 from gpu_cache.hashing import BlockHash
 
 if TYPE_CHECKING:
-    from contextkit.engine.llama import _Model
+    from contextkit.engine.llama import LlamaModel
 
 __all__ = ["DEVIATION_AT", "REPAIR_RULES", "ChunkHit", "ChunkReuse", "ChunkSource",
            "ChunkUse", "copy_chunks", "find_chunks", "kv_deviation", "register_chunks",
@@ -322,7 +322,7 @@ def release_chunks(cache: TQGPUCache, hits: Sequence[ChunkHit]) -> None:
             cache.release(hit.src_blocks)
 
 
-def _rope_delta(model: _Model, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_delta(model: LlamaModel, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[n, 1, D]`` rotating a key by ``deltas`` positions."""
     cos, sin = model.rope(deltas)
     scaling = float(getattr(model.rotary, "attention_scaling", 1.0) or 1.0)
@@ -360,13 +360,13 @@ class ChunkSource:
         """``[n]``: how far fresh ``k`` (uncentered, at the new positions) and ``v`` are
         from the cached rows; the keys are rotated back to the cached positions, so
         the comparison carries the cache's one quantization, not a move's second."""
-        back = _rotate(k.float(), self.cos, -self.sin)
+        back = rotate(k.float(), self.cos, -self.sin)
         if offset is not None:
             back = back - offset
         return kv_deviation(back, v, self.k, self.v)
 
 
-def copy_chunks(cache: TQGPUCache, model: _Model, hits: Sequence[ChunkHit],
+def copy_chunks(cache: TQGPUCache, model: LlamaModel, hits: Sequence[ChunkHit],
                 dst_table: torch.Tensor, layers: range,
                 read_at: int | None = None) -> ChunkSource | None:
     """Write the K/V of ``hits`` at their new positions (``dst_table``: the request's
@@ -401,7 +401,7 @@ def copy_chunks(cache: TQGPUCache, model: _Model, hits: Sequence[ChunkHit],
         view = cache.layer_view(layer)
         if offset is not None:
             k = k + offset
-        write_slots(cache, layer, dst_slots, _rotate(k, cos, sin), None)
+        write_slots(cache, layer, dst_slots, rotate(k, cos, sin), None)
         # values carry no position: the stored bytes move as they are
         for name in ("v_packed", "v_norms"):
             t = getattr(view, name)

@@ -7,7 +7,7 @@ matrix, RoPE on q and k together (one ``addcmul`` over the table row of the posi
 no per-token rotary computation, no ``cat``), the attention call
 (``kv.attend(layer, q, k, v, pos, scale)``), the output matrix added in place into the
 residual stream, RMSNorm, the fused gate/up matrix, SiLU times up in place, the down
-matrix added in place. It computes what :meth:`Engine._forward` computes for one token
+matrix added in place. It computes what :meth:`ModelRunner.forward` computes for one token
 (``tests/contextkit/engine/test_weights.py`` checks them against each other).
 """
 
@@ -18,13 +18,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from contextkit.engine.llama import _Model
+from contextkit.engine.llama import LlamaModel
 
 __all__: list[str] = []
 
 
 @torch.inference_mode()
-def decode_step(model: _Model, token: int, pos: int, kv: Any, scale: float) -> torch.Tensor:
+def decode_step(model: LlamaModel, token: int, pos: int, kv: Any, scale: float) -> torch.Tensor:
     """Logits ``[V]`` (float32) of the token after ``token``, which sits at ``pos``;
     writes its K/V through ``kv.attend`` as the forward pass does."""
     m = model

@@ -6,12 +6,12 @@ A count from the model's shapes alone (no forward runs), used by
 
 from __future__ import annotations
 
-from contextkit.engine.llama import _Model
+from contextkit.engine.llama import LlamaModel
 
 __all__ = ["prefill_flops"]
 
 
-def prefill_flops(model: _Model, prompt_tokens: int, reused_tokens: int = 0) -> int:
+def prefill_flops(model: LlamaModel, prompt_tokens: int, reused_tokens: int = 0) -> int:
     """Floating-point operations of a prefill that reuses the first
     ``reused_tokens`` and computes the rest, up to the first token's logits.
 

@@ -7,12 +7,12 @@ from collections.abc import Sequence
 import torch
 
 from contextkit.engine.attention import (
-    _attend,
-    _flash,
-    _fold,
-    _merge,
-    _unfold,
     attend_positions,
+    attend_with_prefix,
+    flash_attention,
+    fold_heads,
+    merge_partials,
+    unfold_heads,
 )
 from gpu_cache import TQGPUCache
 from gpu_cache.codec import TQ4Encoded
@@ -72,7 +72,7 @@ def write_slots(cache: TQGPUCache, layer: int, slots: torch.Tensor, k: torch.Ten
         norms.view(-1, h).index_copy_(0, slots, enc.norms)
 
 
-def _check_overlay(residual_tokens: int, sink_tokens: int, block_size: int) -> None:
+def check_overlay(residual_tokens: int, sink_tokens: int, block_size: int) -> None:
     """Validate the float residual window and sink sizes (engine or per call)."""
     if residual_tokens < 0:
         raise ValueError(f"residual_tokens must be >= 0, got {residual_tokens}")
@@ -81,7 +81,7 @@ def _check_overlay(residual_tokens: int, sink_tokens: int, block_size: int) -> N
                          f">= 0, got {sink_tokens}")
 
 
-class _ContiguousKV:
+class ContiguousKV:
     """Plain per-request K/V (the no-cache baseline)."""
 
     def __init__(self, num_layers: int) -> None:
@@ -93,13 +93,13 @@ class _ContiguousKV:
         k_prev, v_prev = self.k[layer], self.v[layer]
         if k_prev is not None and v_prev is not None:
             k_prev, v_prev = k_prev[:start], v_prev[:start]
-        out = _attend(q, k_prev, v_prev, k, v, scale)
+        out = attend_with_prefix(q, k_prev, v_prev, k, v, scale)
         self.k[layer] = k if k_prev is None else torch.cat([k_prev, k])
         self.v[layer] = v if v_prev is None else torch.cat([v_prev, v])
         return out
 
 
-class _PagedKV:
+class PagedKV:
     """One sequence's view of the block cache: writes new K/V, attends over the prefix.
 
     Tokens ``< cached`` are already in the cache (reused blocks) and are not written.
@@ -291,7 +291,7 @@ class _PagedKV:
             return out[None].to(q.dtype)
         if hi == lo:  # everything visible is float
             k_f, v_f = torch.cat(ks), torch.cat(vs)
-            return _attend(q, k_f[:-1], v_f[:-1], k_f[-1:], v_f[-1:], scale)
+            return attend_with_prefix(q, k_f[:-1], v_f[:-1], k_f[-1:], v_f[-1:], scale)
         table = self.table[lo // self.block_size :][None].to(torch.int32)
         res = tq4_decode_attention(
             q.float(), view.k_packed, view.k_norms, view.v_packed, view.v_norms, table,
@@ -304,10 +304,11 @@ class _PagedKV:
         out_pack, lse_pack = res
         k_f = torch.cat(ks) if len(ks) > 1 else ks[0]
         v_f = torch.cat(vs) if len(vs) > 1 else vs[0]
-        out_f, lse_f = _flash(_fold(q.float(), k_f.shape[1]), k_f.transpose(0, 1)[None],
-                              v_f.transpose(0, 1)[None], False, scale)
-        out_f, lse_f = _unfold(out_f, lse_f, 1, q.shape[1])  # [1, Hq, 1, D]
-        return _merge(out_pack, lse_pack, out_f[:, :, 0], lse_f[:, :, 0]).to(q.dtype)
+        out_f, lse_f = flash_attention(fold_heads(q.float(), k_f.shape[1]),
+                                       k_f.transpose(0, 1)[None], v_f.transpose(0, 1)[None],
+                                       False, scale)
+        out_f, lse_f = unfold_heads(out_f, lse_f, 1, q.shape[1])  # [1, Hq, 1, D]
+        return merge_partials(out_pack, lse_pack, out_f[:, :, 0], lse_f[:, :, 0]).to(q.dtype)
 
     # ------------------------------------------------------------ rows anywhere
     def slots_at(self, positions: torch.Tensor) -> torch.Tensor:
@@ -381,8 +382,9 @@ class _PagedKV:
             return self._decode(layer, q, start, scale)
         if not self.fresh:
             k_all, v_all = self._read(layer, start + n)
-            return _attend(q, k_all[:start], v_all[:start], k_all[start:], v_all[start:], scale)
+            return attend_with_prefix(q, k_all[:start], v_all[:start], k_all[start:],
+                                      v_all[start:], scale)
         k_pre, v_pre = self._read(layer, start) if start else (None, None)
         if not self.native:
             k = self._centered(layer, k).to(k.dtype)
-        return _attend(q, k_pre, v_pre, k, v, scale)
+        return attend_with_prefix(q, k_pre, v_pre, k, v, scale)

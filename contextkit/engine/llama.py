@@ -59,13 +59,13 @@ class _LayerWeights:
         return sum(m.nbytes for m in self.matrices()) + norms
 
 
-class _Model:
+class LlamaModel:
     """Weights and shapes of a Llama-architecture causal LM, read from transformers."""
 
     SUPPORTED = ("llama",)
 
     def __init__(self, hf_model: Any, weight_format: str = "float32",
-                 _variants: dict[str, _Model] | None = None) -> None:
+                 _variants: dict[str, LlamaModel] | None = None) -> None:
         check_weight_format(weight_format)
         cfg = hf_model.config
         if getattr(cfg, "model_type", None) not in self.SUPPORTED:
@@ -104,13 +104,13 @@ class _Model:
         self._variants = _variants if _variants is not None else {}
         self._variants.setdefault(weight_format, self)
 
-    def variant(self, weight_format: str) -> _Model:
+    def variant(self, weight_format: str) -> LlamaModel:
         """The same model with its matrices in ``weight_format`` (converted once, then
         shared by every engine that asks)."""
         check_weight_format(weight_format)
         hit = self._variants.get(weight_format)
         if hit is None:
-            hit = _Model(self.hf, weight_format, _variants=self._variants)
+            hit = LlamaModel(self.hf, weight_format, _variants=self._variants)
         return hit
 
     def weight_bytes(self) -> int:

@@ -19,7 +19,7 @@ from contextkit.engine.chunks import (
     select_repair,
 )
 from contextkit.engine.engine import Engine
-from contextkit.engine.kv import _ContiguousKV, _PagedKV, read_slots, write_slots
+from contextkit.engine.kv import ContiguousKV, PagedKV, read_slots, write_slots
 from contextkit.engine.sequence import close_sequence, open_sequence
 from contextkit.engine.types import TokenSpan
 from gpu_cache import Tier
@@ -51,10 +51,10 @@ def _prompt(engine: Engine, memories: str) -> tuple[list[int], list[TokenSpan]]:
     return ids + engine.encode(TAIL), spans
 
 
-def _isolated(engine: Engine, ids: list[int], position: int) -> _ContiguousKV:
+def _isolated(engine: Engine, ids: list[int], position: int) -> ContiguousKV:
     """The chunk's K/V computed alone, its first token at ``position``."""
-    kv = _ContiguousKV(engine.model.num_layers)
-    engine._forward(ids, position, kv)
+    kv = ContiguousKV(engine.model.num_layers)
+    engine.runner.forward(ids, position, kv)
     return kv
 
 
@@ -103,7 +103,7 @@ def test_rerotated_keys_equal_a_fresh_computation_at_the_new_position(
 
 def _moved_chunk(eng: Engine, text: str, p0: int, p1: int) -> tuple[
         list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-        _ContiguousKV, _ContiguousKV]:
+        ContiguousKV, ContiguousKV]:
     """A 48-token chunk of ``text`` to move from ``p0`` to ``p1``: its source blocks,
     the source and destination block tables, the positions, and the chunk computed
     alone at each place."""
@@ -246,7 +246,7 @@ def test_the_select_layer_attends_only_the_rows_that_go_on(
     seqs = [open_sequence(eng.cache, ids, 1, "default", None, reuse=False) for _ in range(2)]
     try:
         for seq in seqs:
-            kv = _PagedKV(eng.cache, seq.block_ids, 0, window_start=window, sink=sink)
+            kv = PagedKV(eng.cache, seq.block_ids, 0, window_start=window, sink=sink)
             kv._write(0, prefix_k, prefix_v, 0)  # the cached prefix, and the sink's floats
             kv.cached = start
             views.append(kv)

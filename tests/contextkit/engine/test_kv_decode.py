@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from contextkit.engine.engine import Engine
-from contextkit.engine.kv import _PagedKV
+from contextkit.engine.kv import PagedKV
 from contextkit.engine.sequence import close_sequence, open_sequence
 from gpu_cache.kernels import cpu_decode
 
@@ -32,26 +32,26 @@ PROMPT = (
 )
 
 
-class TorchPathKV(_PagedKV):
+class TorchPathKV(PagedKV):
     """The paged view with the chunked torch decode kernel (the pre-fused path)."""
 
     decode_backend = "torch"
 
 
-def greedy(engine: Engine, ids: list[int], num_new: int, kv_cls: type[_PagedKV],
+def greedy(engine: Engine, ids: list[int], num_new: int, kv_cls: type[PagedKV],
            residual: int, sink: int) -> tuple[list[int], torch.Tensor]:
     """Prefill, then ``num_new - 1`` decode steps; tokens and logits of every step."""
     seq = open_sequence(engine.cache, ids, num_new, "default", None, reuse=False)
     kv = kv_cls(engine.cache, seq.block_ids, seq.cached_tokens, max(0, len(ids) - residual),
                 sink)
     tokens: list[int] = []
-    logits = [engine._prefill(ids, 0, kv)]
+    logits = [engine.runner.prefill(ids, 0, kv)]
     written = len(ids)
     try:
         tokens.append(int(torch.argmax(logits[-1])))
         while len(tokens) < num_new:
             pos = len(ids) + len(tokens) - 1
-            logits.append(engine._forward([tokens[-1]], pos, kv))
+            logits.append(engine.runner.forward([tokens[-1]], pos, kv))
             written = pos + 1
             tokens.append(int(torch.argmax(logits[-1])))
     finally:
@@ -66,7 +66,7 @@ def test_fused_cpu_decode_equals_the_torch_path(fresh: Callable[..., Engine], re
     engine = fresh("tq4", device=64, host=16)
     ids = engine.encode(PROMPT)
     assert len(ids) > 3 * engine.cache.block_size + residual + sink  # a packed middle
-    tokens, logits = greedy(engine, ids, 12, _PagedKV, residual, sink)
+    tokens, logits = greedy(engine, ids, 12, PagedKV, residual, sink)
     ref_tokens, ref_logits = greedy(engine, ids, 12, TorchPathKV, residual, sink)
     assert tokens == ref_tokens
     assert torch.equal(logits[0], ref_logits[0])  # prefill does not use the decode kernel
@@ -92,7 +92,7 @@ def test_window_buffers_grow_by_doubling_and_keep_their_rows(
     engine = fresh("tq4", device=16, host=4)
     seq = open_sequence(engine.cache, list(range(40)), 200, "default", None, reuse=False)
     try:
-        kv = _PagedKV(engine.cache, seq.block_ids, seq.cached_tokens, window_start=0, sink=0)
+        kv = PagedKV(engine.cache, seq.block_ids, seq.cached_tokens, window_start=0, sink=0)
         h, d = engine.cache.identity.num_kv_heads, engine.cache.identity.head_dim
         gen = torch.Generator().manual_seed(0)
         rows_k, rows_v, caps = [], [], set()

@@ -10,8 +10,8 @@ import torch
 from contextkit.config import ConfigError, load_config
 from contextkit.engine.decode import decode_step
 from contextkit.engine.engine import WEIGHT_FORMATS, Engine
-from contextkit.engine.kv import _ContiguousKV
-from contextkit.engine.llama import _Model
+from contextkit.engine.kv import ContiguousKV
+from contextkit.engine.llama import LlamaModel
 from contextkit.engine.weights import Float32Matrix, Int8Matrix, fidelity, matrix
 from gpu_cache import CacheIdentityError
 
@@ -126,7 +126,7 @@ def test_weight_bytes_count_what_a_token_reads(variants: dict[str, Engine]) -> N
 
 
 def _logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    return engine._prefill(ids, 0, _ContiguousKV(engine.model.num_layers), all_logits=True)
+    return engine.runner.prefill(ids, 0, ContiguousKV(engine.model.num_layers), all_logits=True)
 
 
 def _dense_twin(engine: Engine, fmt: str) -> Engine:
@@ -134,7 +134,7 @@ def _dense_twin(engine: Engine, fmt: str) -> Engine:
     the float32 forward of the very weights ``fmt`` stores."""
     twin = engine.sibling("native", weight_format="float32", num_device_blocks=16,
                           num_host_blocks=16)
-    model = _Model(engine.model.hf)
+    model = LlamaModel(engine.model.hf)
     stored = engine.model.variant(fmt)
     for mine, theirs in zip(model.layers, stored.layers, strict=True):
         for name in ("qkv", "o", "gate_up", "down"):
@@ -214,11 +214,11 @@ def test_the_decode_step_computes_what_the_forward_computes(
         variants: dict[str, Engine], fmt: str) -> None:
     eng = variants[fmt]
     ids = chat(eng, FRANCE)
-    kv_a, kv_b = _ContiguousKV(eng.model.num_layers), _ContiguousKV(eng.model.num_layers)
-    eng._forward(ids[:-1], 0, kv_a)
-    eng._forward(ids[:-1], 0, kv_b)
+    kv_a, kv_b = ContiguousKV(eng.model.num_layers), ContiguousKV(eng.model.num_layers)
+    eng.runner.forward(ids[:-1], 0, kv_a)
+    eng.runner.forward(ids[:-1], 0, kv_b)
     pos = len(ids) - 1
-    ref = eng._forward(ids[-1:], pos, kv_a)
+    ref = eng.runner.forward(ids[-1:], pos, kv_a)
     got = decode_step(eng.model, ids[-1], pos, kv_b, eng.scale)
     # Same weights; for float32 the same kernels, only RoPE's rounding order differs (a
     # few float32 ulps). The reduced formats' bf16 GEMMs are oneDNN's, which picks its
@@ -242,7 +242,7 @@ def test_the_decode_step_computes_what_the_forward_computes(
     # ... and the next position too (the RoPE table row of another position), fed the
     # same token on both paths.
     token = int(ref.argmax())
-    ref2 = eng._forward([token], pos + 1, kv_a)
+    ref2 = eng.runner.forward([token], pos + 1, kv_a)
     got2 = decode_step(eng.model, token, pos + 1, kv_b, eng.scale)
     close_logits(got2, ref2, fmt)
 
@@ -263,7 +263,7 @@ def test_siblings_share_a_format_and_convert_another_once(
     f = fresh("tq4")
     assert a.model is b.model is engine.model.variant("int8")
     assert f.model is engine.model and f.weight_format == "float32"
-    assert isinstance(a.model, _Model) and a.model.hf is engine.model.hf
+    assert isinstance(a.model, LlamaModel) and a.model.hf is engine.model.hf
     # back from int8 to float32 reaches the loaded weights, not a re-conversion
     assert a.sibling(weight_format="float32").model is engine.model
     # Another format's K/V differ: the cache identity says so, and a float32 cache is
