@@ -165,12 +165,12 @@ class Engine:
                             else ChunkReuse(**chunk_reuse) if isinstance(chunk_reuse, dict)
                             else ChunkReuse(enabled=chunk_reuse is not False))
         self.sink_tokens = sink_tokens
-        self.model = (_shared or LlamaModel(model)).variant(weight_format)
+        m = (_shared or LlamaModel(model)).variant(weight_format)
         if max_positions is not None and max_positions < 1:
             raise ValueError(f"max_positions must be >= 1, got {max_positions}")
         #: Prompt plus reply tokens a request may span: the model's trained context
         #: (``max_position_embeddings``) unless ``max_positions`` overrides it.
-        self.max_positions = max_positions or self.model.max_positions
+        self.max_positions = max_positions or m.max_positions
         self.weight_format = weight_format
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -180,10 +180,9 @@ class Engine:
         self.tokenizer_id = tokenizer_fingerprint(tokenizer)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids = {int(eos)} if eos is not None else set()
-        m = self.model
         offsets = _offsets
         if kv_format == "tq4" and calibrate and offsets is None:
-            offsets = self._calibrate_offsets()
+            offsets = self._calibrate_offsets(m)
         if kv_format == "native":
             offsets = None
         identity = CacheIdentity(
@@ -208,10 +207,15 @@ class Engine:
         self.cache = cache
         self._offsets = offsets
         #: The model over this cache, shared with background prefill, blend and scoring.
-        self.runner = ModelRunner(self.model, cache, prefill_chunk=prefill_chunk,
+        self.runner = ModelRunner(m, cache, prefill_chunk=prefill_chunk,
                                   residual_tokens=residual_tokens, sink_tokens=sink_tokens,
                                   max_positions=self.max_positions)
         self.scale = self.runner.scale
+
+    @property
+    def model(self) -> LlamaModel:
+        """The model (its weight-format variant) the runner runs."""
+        return self.runner.model
 
     @property
     def last_foreground_wait_ms(self) -> float:
@@ -293,11 +297,11 @@ class Engine:
         return Engine(self.model.hf, self.tokenizer, kv_format=fmt, weight_format=weights,
                       _shared=self.model, **kwargs)
 
-    def _calibrate_offsets(self) -> torch.Tensor:
+    def _calibrate_offsets(self, model: LlamaModel) -> torch.Tensor:
         ids = self.encode(CALIBRATION_TEXT)
         keys: list[torch.Tensor] = []
-        run_forward(self.model, ids, 0, ContiguousKV(self.model.num_layers),
-                    1.0 / math.sqrt(self.model.head_dim), collect_keys=keys)
+        run_forward(model, ids, 0, ContiguousKV(model.num_layers),
+                    1.0 / math.sqrt(model.head_dim), collect_keys=keys)
         return mean_key_offsets([k.transpose(0, 1) for k in keys])
 
     # ------------------------------------------------------------------ tokens

@@ -140,7 +140,7 @@ def _dense_twin(engine: Engine, fmt: str) -> Engine:
         for name in ("qkv", "o", "gate_up", "down"):
             setattr(mine, name, Float32Matrix(getattr(theirs, name).dense()))
     model.lm_head = Float32Matrix(stored.lm_head.dense())
-    twin.model = model
+    twin.runner.model = model
     return twin
 
 
