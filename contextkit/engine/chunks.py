@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from contextkit.engine.attention import apply_rope
+from contextkit.engine.attention import rotate
 from contextkit.engine.kv import read_slots, slots_of, write_slots
 from contextkit.engine.types import TokenSpan
 from gpu_cache import Tier, TQGPUCache
@@ -360,7 +360,7 @@ class ChunkSource:
         """``[n]``: how far fresh ``k`` (uncentered, at the new positions) and ``v`` are
         from the cached rows; the keys are rotated back to the cached positions, so
         the comparison carries the cache's one quantization, not a move's second."""
-        back = apply_rope(k.float(), self.cos, -self.sin)
+        back = rotate(k.float(), self.cos, -self.sin)
         if offset is not None:
             back = back - offset
         return kv_deviation(back, v, self.k, self.v)
@@ -401,7 +401,7 @@ def copy_chunks(cache: TQGPUCache, model: LlamaModel, hits: Sequence[ChunkHit],
         view = cache.layer_view(layer)
         if offset is not None:
             k = k + offset
-        write_slots(cache, layer, dst_slots, apply_rope(k, cos, sin), None)
+        write_slots(cache, layer, dst_slots, rotate(k, cos, sin), None)
         # values carry no position: the stored bytes move as they are
         for name in ("v_packed", "v_norms"):
             t = getattr(view, name)

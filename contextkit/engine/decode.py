@@ -7,7 +7,7 @@ matrix, RoPE on q and k together (one ``addcmul`` over the table row of the posi
 no per-token rotary computation, no ``cat``), the attention call
 (``kv.attend(layer, q, k, v, pos, scale)``), the output matrix added in place into the
 residual stream, RMSNorm, the fused gate/up matrix, SiLU times up in place, the down
-matrix added in place. It computes what :meth:`Engine.forward_tokens` computes for one token
+matrix added in place. It computes what :meth:`ModelRunner.forward` computes for one token
 (``tests/contextkit/engine/test_weights.py`` checks them against each other).
 """
 

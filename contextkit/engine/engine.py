@@ -22,7 +22,9 @@ The forward pass is checked against transformers' own (``tests/contextkit/engine
 test_engine.py``). Weights are shared between engines built from one model
 (:meth:`Engine.sibling`), so a benchmark can compare cache formats in one process.
 
-The pieces are the room's other modules (``llama``, ``loading``, ``attention``, ``kv``,
+The pieces are the room's other modules (``runner``: the forward pass and K/V views
+the engine shares with background prefill, blend and scoring; ``llama``, ``loading``,
+``attention``, ``kv``,
 ``weights``, ``decode``, ``sequence`` over :class:`gpu_cache.RequestBlockManager`,
 ``flops``, ``inputs``, ``types``, ``sampling``: greedy or sampled tokens).
 """
@@ -30,23 +32,15 @@ The pieces are the room's other modules (``llama``, ``loading``, ``attention``, 
 from __future__ import annotations
 
 import math
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from contextkit.engine.attention import apply_rope
-from contextkit.engine.background import (
-    PrefillOutcome,
-    PrefillPreempted,
-    foreground,
-)
-from contextkit.engine.background import prefill_prefix as _prefill_prefix
+from contextkit.engine.background import PrefillOutcome
+from contextkit.engine.background import prefill_prefix as run_prefill_prefix
 from contextkit.engine.blend import prefill_reusing_chunks
 from contextkit.engine.chunks import ChunkReuse, ChunkUse, register_chunks
 from contextkit.engine.decode import decode_step
@@ -55,14 +49,14 @@ from contextkit.engine.inputs import (
     CALIBRATION_TEXT,
     check_max_new_tokens,
     check_text,
-    check_token_ids,
 )
 from contextkit.engine.kv import ContiguousKV, PagedKV, check_overlay
 from contextkit.engine.llama import LlamaModel, UnsupportedModelError, tokenizer_fingerprint
 from contextkit.engine.loading import load_pretrained
-from contextkit.engine.runner import ForegroundGate
+from contextkit.engine.runner import ForegroundGate, ModelRunner, foreground
+from contextkit.engine.runner import forward as run_forward
 from contextkit.engine.sampling import Sampler, SamplingParams
-from contextkit.engine.scoring import score as _score
+from contextkit.engine.scoring import score as run_score
 from contextkit.engine.sequence import SequenceBlocks, close_sequence, open_sequence
 from contextkit.engine.types import CacheFullError, GenerationResult, TokenIdError, TokenSpan
 from contextkit.engine.weights import WEIGHT_FORMATS, check_weight_format
@@ -87,10 +81,6 @@ __all__ = [
 ]
 
 KV_FORMATS = ("tq4", "native")
-
-#: Float sink K/V kept for this many (tenant, first tokens) prefixes (~0.7 MB each
-#: for SmolLM2's 16-token sink).
-_SINK_MEMO_SIZE = 8
 
 
 class Engine:
@@ -175,14 +165,12 @@ class Engine:
                             else ChunkReuse(**chunk_reuse) if isinstance(chunk_reuse, dict)
                             else ChunkReuse(enabled=chunk_reuse is not False))
         self.sink_tokens = sink_tokens
-        self._sink_memo: OrderedDict[tuple[str, tuple[int, ...]],
-                                     list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
-        self.model = (_shared or LlamaModel(model)).variant(weight_format)
+        m = (_shared or LlamaModel(model)).variant(weight_format)
         if max_positions is not None and max_positions < 1:
             raise ValueError(f"max_positions must be >= 1, got {max_positions}")
         #: Prompt plus reply tokens a request may span: the model's trained context
         #: (``max_position_embeddings``) unless ``max_positions`` overrides it.
-        self.max_positions = max_positions or self.model.max_positions
+        self.max_positions = max_positions or m.max_positions
         self.weight_format = weight_format
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -192,16 +180,9 @@ class Engine:
         self.tokenizer_id = tokenizer_fingerprint(tokenizer)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids = {int(eos)} if eos is not None else set()
-        m = self.model
-        self.scale = 1.0 / math.sqrt(m.head_dim)
-        self._lock = threading.RLock()
-        self._foreground = ForegroundGate()
-        #: How long the last generate/score waited for the engine (e.g. for a
-        #: background prefill to yield), in ms.
-        self.last_foreground_wait_ms = 0.0
         offsets = _offsets
         if kv_format == "tq4" and calibrate and offsets is None:
-            offsets = self._calibrate_offsets()
+            offsets = self._calibrate_offsets(m)
         if kv_format == "native":
             offsets = None
         identity = CacheIdentity(
@@ -225,6 +206,22 @@ class Engine:
         self.identity = identity
         self.cache = cache
         self._offsets = offsets
+        #: The model over this cache, shared with background prefill, blend and scoring.
+        self.runner = ModelRunner(m, cache, prefill_chunk=prefill_chunk,
+                                  residual_tokens=residual_tokens, sink_tokens=sink_tokens,
+                                  max_positions=self.max_positions)
+        self.scale = self.runner.scale
+
+    @property
+    def model(self) -> LlamaModel:
+        """The model (its weight-format variant) the runner runs."""
+        return self.runner.model
+
+    @property
+    def last_foreground_wait_ms(self) -> float:
+        """How long the last generate/score waited for the engine (e.g. for a
+        background prefill to yield), in ms."""
+        return self.runner.last_foreground_wait_ms
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -300,10 +297,11 @@ class Engine:
         return Engine(self.model.hf, self.tokenizer, kv_format=fmt, weight_format=weights,
                       _shared=self.model, **kwargs)
 
-    def _calibrate_offsets(self) -> torch.Tensor:
+    def _calibrate_offsets(self, model: LlamaModel) -> torch.Tensor:
         ids = self.encode(CALIBRATION_TEXT)
         keys: list[torch.Tensor] = []
-        self.forward_tokens(ids, 0, ContiguousKV(self.model.num_layers), collect_keys=keys)
+        run_forward(model, ids, 0, ContiguousKV(model.num_layers),
+                    1.0 / math.sqrt(model.head_dim), collect_keys=keys)
         return mean_key_offsets([k.transpose(0, 1) for k in keys])
 
     # ------------------------------------------------------------------ tokens
@@ -322,50 +320,6 @@ class Engine:
         (see :func:`contextkit.engine.flops.prefill_flops`)."""
         return prefill_flops(self.model, prompt_tokens, reused_tokens)
 
-    # ------------------------------------------------------------------ forward
-    @torch.inference_mode()
-    def forward_tokens(self, ids: Sequence[int], start: int, kv: ContiguousKV | PagedKV,
-                       all_logits: bool = False,
-                       collect_keys: list[torch.Tensor] | None = None,
-                       should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
-        """Run tokens at positions ``start..`` through the model; logits of the last
-        token ``[V]`` (or of all tokens ``[T, V]``). ``should_stop`` is polled before
-        each layer; when true, :class:`PrefillPreempted` is raised."""
-        m = self.model
-        n = len(ids)
-        tokens = torch.tensor(list(ids), dtype=torch.long, device=m.device)
-        h = F.embedding(tokens, m.embed)
-        cos, sin = m.rope(torch.arange(start, start + n, device=m.device))
-        nq, nkv, d = m.num_heads, m.num_kv_heads, m.head_dim
-        for i, w in enumerate(m.layers):
-            if should_stop is not None and should_stop():
-                raise PrefillPreempted(f"stopped before layer {i}")
-            x = F.rms_norm(h, (m.hidden,), w.norm_in, m.eps)
-            qkv = w.qkv(x).float()
-            q = qkv[:, : nq * d].view(n, nq, d)
-            k = qkv[:, nq * d : (nq + nkv) * d].view(n, nkv, d)
-            v = qkv[:, (nq + nkv) * d :].view(n, nkv, d)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            if collect_keys is not None:
-                collect_keys.append(k.float())
-            attn = kv.attend(i, q, k, v, start, self.scale)
-            h = h + w.o(attn.reshape(n, nq * d))
-            x = F.rms_norm(h, (m.hidden,), w.norm_post, m.eps)
-            gate, up = w.gate_up(x).chunk(2, dim=-1)
-            h = h + w.down(F.silu(gate) * up)
-        last = h if all_logits else h[-1:]
-        logits = m.lm_head(F.rms_norm(last, (m.hidden,), m.norm, m.eps))
-        return logits.float() if all_logits else logits[0].float()
-
-    def prefill_tokens(self, ids: Sequence[int], start: int, kv: ContiguousKV | PagedKV,
-                       all_logits: bool = False) -> torch.Tensor:
-        """:meth:`forward_tokens` in steps of ``prefill_chunk`` tokens."""
-        outs = []
-        for c0 in range(start, len(ids), self.prefill_chunk):
-            c1 = min(c0 + self.prefill_chunk, len(ids))
-            outs.append(self.forward_tokens(ids[c0:c1], c0, kv, all_logits=all_logits))
-        return torch.cat(outs) if all_logits else outs[-1]
-
     # ------------------------------------------------------------------ requests
     @property
     def context_tokens(self) -> int:
@@ -376,74 +330,33 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         """Rows of the model's embedding: valid token ids are ``[0, vocab_size)``."""
-        return int(self.model.embed.shape[0])
+        return self.runner.vocab_size
 
     def check_token_ids(self, token_ids: Sequence[int], what: str = "token_ids") -> list[int]:
         """``token_ids`` as a list, each checked to be in ``[0, vocab_size)``."""
-        return check_token_ids(token_ids, self.vocab_size, what)
+        return self.runner.check_token_ids(token_ids, what)
 
     def check_prompt(self, ids: Sequence[int], extra: int) -> None:
         """Raise ValueError for an empty prompt or one that with ``extra`` new tokens
         exceeds :attr:`max_positions`."""
-        if not ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        total = len(ids) + extra
-        if total > self.max_positions:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens plus {extra} new tokens exceeds the model's "
-                f"{self.max_positions} positions; shorten the prompt (lower layer "
-                "budgets) or max_new_tokens")
+        self.runner.check_prompt(ids, extra)
 
     @contextmanager
     def locked(self) -> Iterator[None]:
         """Hold the engine's (reentrant) lock: nothing else runs the model meanwhile."""
-        with self._lock:
+        with self.runner.locked():
             yield
 
     @property
     def foreground_gate(self) -> ForegroundGate:
         """Counts the foreground requests waiting for :meth:`locked` (background yields)."""
-        return self._foreground
+        return self.runner.foreground_gate
 
     def prefill_into(self, seq: SequenceBlocks, ids: Sequence[int], *,
                      should_stop: Callable[[], bool] | None = None) -> None:
         """Compute the K/V of ``ids`` past ``seq.cached_tokens`` into ``seq``'s blocks
-        (no float residual window); ``should_stop`` raises :class:`PrefillPreempted`."""
-        cached = seq.cached_tokens
-        kv = self.paged_kv(seq.block_ids, cached, ids, cached, seq.tenant, residual=0)
-        self.forward_tokens(ids[cached:], cached, kv, should_stop=should_stop)
-
-    def paged_kv(self, block_ids: list[int], cached: int, prompt: Sequence[int],
-                 compute_start: int, tenant: str, residual: int | None = None,
-                 sink: int | None = None) -> PagedKV:
-        """The request's view of its blocks, with the float sink and residual window
-        (the sink recomputed here when the request does not compute it itself)."""
-        residual = self.residual_tokens if residual is None else residual
-        sink = self.sink_tokens if sink is None else sink
-        check_overlay(residual, sink, self.cache.block_size)
-        window_start = max(compute_start, len(prompt) - residual)
-        kv = PagedKV(self.cache, block_ids, cached, window_start, sink)
-        if kv.sink and (compute_start > 0 or self.prefill_chunk < kv.sink):
-            for layer, (k, v) in enumerate(self._sink_kv(prompt[: kv.sink], tenant)):
-                kv.set_sink(layer, k, v)
-        return kv
-
-    def _sink_kv(self, ids: Sequence[int], tenant: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Float K/V of the first tokens, per layer: a short forward, remembered for
-        the last few prefixes (they depend on those tokens alone)."""
-        key = (tenant, tuple(ids))
-        hit = self._sink_memo.get(key)
-        if hit is not None:
-            self._sink_memo.move_to_end(key)
-            return hit
-        kv = ContiguousKV(self.model.num_layers)
-        self.forward_tokens(ids, 0, kv)
-        pairs = [(k, v) for k, v in zip(kv.k, kv.v, strict=True)
-                 if k is not None and v is not None]
-        self._sink_memo[key] = pairs
-        while len(self._sink_memo) > _SINK_MEMO_SIZE:
-            self._sink_memo.popitem(last=False)
-        return pairs
+        (:meth:`ModelRunner.prefill_into`)."""
+        self.runner.prefill_into(seq, ids, should_stop=should_stop)
 
     def _blocks_per_tier(self, tenant: str) -> dict[str, int]:
         """The tenant's blocks per tier (other tenants' are not the caller's business)."""
@@ -465,8 +378,9 @@ class Engine:
             TokenIdError: a token id outside the vocabulary (a ValueError).
             InvalidNameError: a tenant that breaks :func:`gpu_cache.validate_tenant`.
         """
-        return _prefill_prefix(self, token_ids, tenant=tenant, spans=spans, to_host=to_host,
-                               hold=hold, should_stop=should_stop, chunk=chunk)
+        return run_prefill_prefix(self.runner, token_ids, tenant=tenant,
+                                  chunk_reuse=self.chunk_reuse, spans=spans, to_host=to_host,
+                                  hold=hold, should_stop=should_stop, chunk=chunk)
 
     def generate(
         self,
@@ -507,7 +421,7 @@ class Engine:
         ids = self.check_token_ids(token_ids)
         self.check_prompt(ids, max_new_tokens)
         sample = Sampler(sampling, self.model.device)
-        with foreground(self):
+        with foreground(self.runner):
             t0 = time.perf_counter()
             seq: SequenceBlocks | None = None
             if not use_cache:
@@ -516,7 +430,8 @@ class Engine:
             else:
                 seq = open_sequence(self.cache, ids, max_new_tokens, tenant, spans, reuse)
                 cached, warmed = seq.cached_tokens, seq.warmed_tokens
-                kv = self.paged_kv(seq.block_ids, cached, ids, min(cached, len(ids) - 1), tenant)
+                kv = self.runner.paged(seq.block_ids, cached, ids, min(cached, len(ids) - 1),
+                                       tenant)
             written = len(ids)
             out: list[int] = []
             chunks = ChunkUse()
@@ -524,9 +439,9 @@ class Engine:
                 start = min(cached, len(ids) - 1)
                 if seq is not None and reuse and spans and isinstance(kv, PagedKV):
                     first_logits, chunks = prefill_reusing_chunks(
-                        self, ids, start, kv, spans, tenant, self.chunk_reuse)
+                        self.runner, ids, start, kv, spans, tenant, self.chunk_reuse)
                 else:
-                    first_logits = self.prefill_tokens(ids, start, kv)
+                    first_logits = self.runner.prefill(ids, start, kv)
                 token = sample(first_logits, ids)
                 ttft = time.perf_counter() - t0
                 out.append(token)
@@ -580,7 +495,8 @@ class Engine:
     ) -> torch.Tensor:
         """Teacher-forced logits ``[len(target), V]``: row ``i`` predicts ``target[i]``
         (:func:`contextkit.engine.scoring.score`, which documents every argument)."""
-        return _score(self, prompt_ids, target_ids, tenant=tenant, use_cache=use_cache,
+        return run_score(self.runner, prompt_ids, target_ids, chunk_reuse=self.chunk_reuse,
+                         tenant=tenant, use_cache=use_cache,
                       max_reuse_tokens=max_reuse_tokens, residual_tokens=residual_tokens,
                       sink_tokens=sink_tokens, spans=spans, chunk_starts=chunk_starts,
                       chunk_edits=chunk_edits)

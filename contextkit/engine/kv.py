@@ -7,12 +7,12 @@ from collections.abc import Sequence
 import torch
 
 from contextkit.engine.attention import (
-    attend_causal,
     attend_positions,
+    attend_with_prefix,
     flash_attention,
-    fold_groups,
-    merge_by_lse,
-    unfold_groups,
+    fold_heads,
+    merge_partials,
+    unfold_heads,
 )
 from gpu_cache import TQGPUCache
 from gpu_cache.codec import TQ4Encoded
@@ -93,7 +93,7 @@ class ContiguousKV:
         k_prev, v_prev = self.k[layer], self.v[layer]
         if k_prev is not None and v_prev is not None:
             k_prev, v_prev = k_prev[:start], v_prev[:start]
-        out = attend_causal(q, k_prev, v_prev, k, v, scale)
+        out = attend_with_prefix(q, k_prev, v_prev, k, v, scale)
         self.k[layer] = k if k_prev is None else torch.cat([k_prev, k])
         self.v[layer] = v if v_prev is None else torch.cat([v_prev, v])
         return out
@@ -291,7 +291,7 @@ class PagedKV:
             return out[None].to(q.dtype)
         if hi == lo:  # everything visible is float
             k_f, v_f = torch.cat(ks), torch.cat(vs)
-            return attend_causal(q, k_f[:-1], v_f[:-1], k_f[-1:], v_f[-1:], scale)
+            return attend_with_prefix(q, k_f[:-1], v_f[:-1], k_f[-1:], v_f[-1:], scale)
         table = self.table[lo // self.block_size :][None].to(torch.int32)
         res = tq4_decode_attention(
             q.float(), view.k_packed, view.k_norms, view.v_packed, view.v_norms, table,
@@ -304,11 +304,11 @@ class PagedKV:
         out_pack, lse_pack = res
         k_f = torch.cat(ks) if len(ks) > 1 else ks[0]
         v_f = torch.cat(vs) if len(vs) > 1 else vs[0]
-        out_f, lse_f = flash_attention(fold_groups(q.float(), k_f.shape[1]),
-                                       k_f.transpose(0, 1)[None],
-                                       v_f.transpose(0, 1)[None], False, scale)
-        out_f, lse_f = unfold_groups(out_f, lse_f, 1, q.shape[1])  # [1, Hq, 1, D]
-        return merge_by_lse(out_pack, lse_pack, out_f[:, :, 0], lse_f[:, :, 0]).to(q.dtype)
+        out_f, lse_f = flash_attention(fold_heads(q.float(), k_f.shape[1]),
+                                       k_f.transpose(0, 1)[None], v_f.transpose(0, 1)[None],
+                                       False, scale)
+        out_f, lse_f = unfold_heads(out_f, lse_f, 1, q.shape[1])  # [1, Hq, 1, D]
+        return merge_partials(out_pack, lse_pack, out_f[:, :, 0], lse_f[:, :, 0]).to(q.dtype)
 
     # ------------------------------------------------------------ rows anywhere
     def slots_at(self, positions: torch.Tensor) -> torch.Tensor:
@@ -382,9 +382,9 @@ class PagedKV:
             return self._decode(layer, q, start, scale)
         if not self.fresh:
             k_all, v_all = self._read(layer, start + n)
-            return attend_causal(q, k_all[:start], v_all[:start], k_all[start:], v_all[start:],
-                                 scale)
+            return attend_with_prefix(q, k_all[:start], v_all[:start], k_all[start:],
+                                      v_all[start:], scale)
         k_pre, v_pre = self._read(layer, start) if start else (None, None)
         if not self.native:
             k = self._centered(layer, k).to(k.dtype)
-        return attend_causal(q, k_pre, v_pre, k, v, scale)
+        return attend_with_prefix(q, k_pre, v_pre, k, v, scale)

@@ -8,10 +8,9 @@ from collections.abc import Sequence
 
 import torch
 
-from contextkit.engine.background import foreground
 from contextkit.engine.blend import prefill_reusing_chunks
-from contextkit.engine.kv import ContiguousKV
-from contextkit.engine.runner import ModelRunner
+from contextkit.engine.chunks import ChunkReuse
+from contextkit.engine.runner import ModelRunner, foreground
 from contextkit.engine.sequence import close_sequence, open_sequence
 from contextkit.engine.types import TokenSpan
 from gpu_cache import validate_tenant
@@ -20,10 +19,11 @@ __all__ = ["score"]
 
 
 def score(
-    engine: ModelRunner,
+    runner: ModelRunner,
     prompt_ids: Sequence[int],
     target_ids: Sequence[int],
     *,
+    chunk_reuse: ChunkReuse,
     tenant: str = "default",
     use_cache: bool = True,
     max_reuse_tokens: int | None = None,
@@ -41,6 +41,7 @@ def score(
     full prefill.
 
     Args:
+        chunk_reuse: the engine's chunk reuse settings (for ``spans``/``chunk_starts``).
         max_reuse_tokens: reuse at most this many cached prompt tokens (to replay
             the exact path a request took: what it reused, what it computed).
         residual_tokens: this call's float residual window (default: the
@@ -59,34 +60,34 @@ def score(
         InvalidNameError: a tenant that breaks :func:`gpu_cache.validate_tenant`.
     """
     validate_tenant(tenant)
-    prompt = engine.check_token_ids(prompt_ids, "prompt_ids")
-    target = engine.check_token_ids(target_ids, "target_ids")
+    prompt = runner.check_token_ids(prompt_ids, "prompt_ids")
+    target = runner.check_token_ids(target_ids, "target_ids")
     if not target:
         raise ValueError("target_ids is empty")
     ids = prompt + target
-    engine.check_prompt(ids, 0)
-    with foreground(engine):
+    runner.check_prompt(ids, 0)
+    with foreground(runner):
         if not use_cache:
-            logits = engine.prefill_tokens(ids, 0, ContiguousKV(engine.model.num_layers),
+            logits = runner.prefill(ids, 0, runner.contiguous(),
                                      all_logits=True)
             return logits[len(prompt) - 1 : len(ids) - 1]
-        seq = open_sequence(engine.cache, ids, 0, tenant, None, True,
+        seq = open_sequence(runner.cache, ids, 0, tenant, None, True,
                             max_reuse=max_reuse_tokens)
         try:
             cached = seq.cached_tokens
             start = min(cached, len(prompt) - 1)
-            kv = engine.paged_kv(seq.block_ids, cached, prompt, start, tenant, residual_tokens,
+            kv = runner.paged(seq.block_ids, cached, prompt, start, tenant, residual_tokens,
                                sink_tokens)
             if spans and chunk_starts:
-                first, _ = prefill_reusing_chunks(engine, prompt, start, kv, spans, tenant,
-                                                  engine.chunk_reuse, only=chunk_starts,
+                first, _ = prefill_reusing_chunks(runner, prompt, start, kv, spans, tenant,
+                                                  chunk_reuse, only=chunk_starts,
                                                   edits=chunk_edits)
             else:
-                first = engine.prefill_tokens(prompt, start, kv)
+                first = runner.prefill(prompt, start, kv)
             if len(target) == 1:
                 return first[None]
             kv.fresh = False  # target tokens read their own K/V back, as decode does
-            rest = engine.forward_tokens(target[:-1], len(prompt), kv, all_logits=True)
+            rest = runner.forward(target[:-1], len(prompt), kv, all_logits=True)
         finally:
-            close_sequence(engine.cache, seq, ids, len(ids) - 1)
+            close_sequence(runner.cache, seq, ids, len(ids) - 1)
         return torch.cat([first[None], rest])

@@ -48,7 +48,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
-from contextkit.engine.background import BackgroundPrefiller, PrefillOutcome, prefill_prefix
+from contextkit.engine.background import BackgroundPrefiller, PrefillOutcome
 from contextkit.engine.types import TokenSpan
 from contextkit.prompt.chatml import ChatML
 from contextkit.prompt.markup import PromptLine, PromptSection, StructuredPrompt
@@ -226,8 +226,8 @@ class MemoryReservations:
     def _prefill(self, ids: list[int], spans: list[TokenSpan], tenant: str,
                  stop: Callable[[], bool], *, reserve: bool) -> PrefillOutcome:
         t0 = time.thread_time()
-        out = prefill_prefix(self.engine, ids, tenant=tenant, spans=spans, to_host=reserve,
-                             hold=reserve, should_stop=stop)
+        out = self.engine.prefill_prefix(ids, tenant=tenant, spans=spans, to_host=reserve,
+                                         hold=reserve, should_stop=stop)
         self._tl.cpu += out.cpu_s - (time.thread_time() - t0)
         with self._lock:
             self._stats.preempted += int(out.preempted)

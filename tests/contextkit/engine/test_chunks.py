@@ -54,7 +54,7 @@ def _prompt(engine: Engine, memories: str) -> tuple[list[int], list[TokenSpan]]:
 def _isolated(engine: Engine, ids: list[int], position: int) -> ContiguousKV:
     """The chunk's K/V computed alone, its first token at ``position``."""
     kv = ContiguousKV(engine.model.num_layers)
-    engine.forward_tokens(ids, position, kv)
+    engine.runner.forward(ids, position, kv)
     return kv
 
 

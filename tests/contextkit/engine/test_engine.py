@@ -40,13 +40,13 @@ def test_forward_matches_transformers(engine: Engine) -> None:
     ids = chat(engine, SYSTEM)
     with torch.inference_mode():
         ref = engine.model.hf(torch.tensor([ids])).logits[0].float()
-    mine = engine.prefill_tokens(ids, 0, ContiguousKV(engine.model.num_layers), all_logits=True)
+    mine = engine.runner.prefill(ids, 0, ContiguousKV(engine.model.num_layers), all_logits=True)
     assert mine.shape == ref.shape
     assert float((mine - ref).abs().max()) < 2e-3
     # Chunked prefill (K/V carried between chunks) gives the same logits.
     chunked = Engine(engine.model.hf, engine.tokenizer, kv_format="native", prefill_chunk=37,
                      _shared=engine.model)
-    mine2 = chunked.prefill_tokens(ids, 0, ContiguousKV(engine.model.num_layers), all_logits=True)
+    mine2 = chunked.runner.prefill(ids, 0, ContiguousKV(engine.model.num_layers), all_logits=True)
     assert float((mine2 - ref).abs().max()) < 2e-3
 
 
@@ -267,7 +267,7 @@ def test_residual_window_is_float_and_decode_agrees_with_scoring(
     # The recomputed sink is remembered per tenant (keys never cross tenants).
     eng.generate(ids, max_new_tokens=1, tenant="acme")
     eng.generate(ids, max_new_tokens=1, tenant="acme")
-    assert sorted(t for t, _ in eng._sink_memo) == ["acme", "default"]
+    assert sorted(t for t, _ in eng.runner.sink_memo) == ["acme", "default"]
     # The recomputed sink is the prefill's own: with a window and sink covering the
     # prompt, scoring that reuses the whole prefix matches scoring that reuses none.
     both = fresh("tq4", residual_tokens=4096, sink_tokens=4096)
@@ -291,9 +291,9 @@ def test_prefill_flops_count_what_the_forward_runs(engine: Engine) -> None:
         p.requires_grad_(False)
     try:
         kv = ContiguousKV(m.num_layers)
-        engine.forward_tokens(ids[:reused], 0, kv)
+        engine.runner.forward(ids[:reused], 0, kv)
         with FlopCounterMode(display=False) as counter:
-            engine.forward_tokens(ids[reused:], reused, kv)
+            engine.runner.forward(ids[reused:], reused, kv)
         # prefill_flops leaves RoPE out; on CUDA the counter sees the rotary
         # embedding's inv_freq x positions matmul (64 FLOPs a token), on CPU nothing.
         with FlopCounterMode(display=False) as rope:

@@ -45,13 +45,13 @@ def greedy(engine: Engine, ids: list[int], num_new: int, kv_cls: type[PagedKV],
     kv = kv_cls(engine.cache, seq.block_ids, seq.cached_tokens, max(0, len(ids) - residual),
                 sink)
     tokens: list[int] = []
-    logits = [engine.prefill_tokens(ids, 0, kv)]
+    logits = [engine.runner.prefill(ids, 0, kv)]
     written = len(ids)
     try:
         tokens.append(int(torch.argmax(logits[-1])))
         while len(tokens) < num_new:
             pos = len(ids) + len(tokens) - 1
-            logits.append(engine.forward_tokens([tokens[-1]], pos, kv))
+            logits.append(engine.runner.forward([tokens[-1]], pos, kv))
             written = pos + 1
             tokens.append(int(torch.argmax(logits[-1])))
     finally:

@@ -126,7 +126,7 @@ def test_weight_bytes_count_what_a_token_reads(variants: dict[str, Engine]) -> N
 
 
 def _logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    return engine.prefill_tokens(ids, 0, ContiguousKV(engine.model.num_layers), all_logits=True)
+    return engine.runner.prefill(ids, 0, ContiguousKV(engine.model.num_layers), all_logits=True)
 
 
 def _dense_twin(engine: Engine, fmt: str) -> Engine:
@@ -140,7 +140,7 @@ def _dense_twin(engine: Engine, fmt: str) -> Engine:
         for name in ("qkv", "o", "gate_up", "down"):
             setattr(mine, name, Float32Matrix(getattr(theirs, name).dense()))
     model.lm_head = Float32Matrix(stored.lm_head.dense())
-    twin.model = model
+    twin.runner.model = model
     return twin
 
 
@@ -215,10 +215,10 @@ def test_the_decode_step_computes_what_the_forward_computes(
     eng = variants[fmt]
     ids = chat(eng, FRANCE)
     kv_a, kv_b = ContiguousKV(eng.model.num_layers), ContiguousKV(eng.model.num_layers)
-    eng.forward_tokens(ids[:-1], 0, kv_a)
-    eng.forward_tokens(ids[:-1], 0, kv_b)
+    eng.runner.forward(ids[:-1], 0, kv_a)
+    eng.runner.forward(ids[:-1], 0, kv_b)
     pos = len(ids) - 1
-    ref = eng.forward_tokens(ids[-1:], pos, kv_a)
+    ref = eng.runner.forward(ids[-1:], pos, kv_a)
     got = decode_step(eng.model, ids[-1], pos, kv_b, eng.scale)
     # Same weights; for float32 the same kernels, only RoPE's rounding order differs (a
     # few float32 ulps). The reduced formats' bf16 GEMMs are oneDNN's, which picks its
@@ -242,7 +242,7 @@ def test_the_decode_step_computes_what_the_forward_computes(
     # ... and the next position too (the RoPE table row of another position), fed the
     # same token on both paths.
     token = int(ref.argmax())
-    ref2 = eng.forward_tokens([token], pos + 1, kv_a)
+    ref2 = eng.runner.forward([token], pos + 1, kv_a)
     got2 = decode_step(eng.model, token, pos + 1, kv_b, eng.scale)
     close_logits(got2, ref2, fmt)
 
