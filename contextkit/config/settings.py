@@ -210,9 +210,12 @@ class ShadowSettings:
         upload_abort_after_seconds: age past which incomplete S3 uploads are aborted.
         endpoint_url: S3-compatible endpoint (MinIO, Ceph, moto); ``None``: boto3's.
         region_name: S3 region; ``None``: boto3's.
-        retry_mode, max_attempts, connect_timeout_s, read_timeout_s,
-            max_pool_connections: the S3 client's retries, timeouts and pool;
-            ``None``: :class:`shadow.StoreConfig`'s defaults.
+        retry_mode: the S3 client's retry mode; ``None``: :class:`shadow.StoreConfig`'s
+            default (as for the four below).
+        max_attempts: the S3 client's attempts per call.
+        connect_timeout_s: the S3 client's connect timeout.
+        read_timeout_s: the S3 client's read timeout.
+        max_pool_connections: the S3 client's connection pool size.
     """
 
     url: str = ""
