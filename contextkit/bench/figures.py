@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from contextkit.bench._ttft_quality import wilson_interval as wilson
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -97,17 +98,6 @@ def machine(name: str, data: dict) -> str:
         return gpu
     raise SystemExit(f"figures: {name} does not say where it was run: add it to "
                      f"{MACHINES.relative_to(ROOT)}")
-
-
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion (95% at z=1.96)."""
-    if n <= 0:
-        raise ValueError("wilson: n must be positive")
-    p = successes / n
-    centre = p + z * z / (2 * n)
-    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    scale = 1 + z * z / n
-    return (centre - spread) / scale, (centre + spread) / scale
 
 
 def ratio_of_sums(numerator: Sequence[float], denominator: Sequence[float]) -> float:
@@ -283,7 +273,7 @@ def _kernel_ratio(d: dict, context: int) -> float:
 
 
 # --------------------------------------------------------------------------- rendering
-def _cell(row: Row, data: list[dict]) -> tuple[str, str, str]:
+def row_cells(row: Row, data: list[dict]) -> tuple[str, str, str]:
     """(value, ceiling, status) cells of one row."""
     values = [row.value(d) for d in data]
     value = statistics.median(values)
@@ -328,7 +318,7 @@ def render(rows: Sequence[Row]) -> str:
              "|---|---|---|---|---|---|---|"]
     for row in rows:
         data = [load(name) for name in row.files]
-        value, ceiling, status = _cell(row, data)
+        value, ceiling, status = row_cells(row, data)
         machines = sorted({machine(name, d) for name, d in zip(row.files, data, strict=True)})
         files = ", ".join(f"`{name}`" for name in row.files)
         lines.append(f"| {row.bench} | {row.figure} | {value} | {ceiling} | {status} | "

@@ -11,9 +11,9 @@ request reuses it instead of computing it.
   between chunks the job holds no block and no lock: a request arriving then finds
   the finished chunks already registered and the whole device tier free to use.
 - **Foreground first**: :meth:`Engine.generate` and :meth:`Engine.score` announce
-  themselves (:func:`foreground`) before they wait for the engine lock; a running
-  prefill checks at every layer boundary and gives the lock up within one layer's
-  compute, discarding the interrupted chunk. The request's wait is recorded in
+  themselves (:func:`~contextkit.engine.runner.foreground`) before they wait for the
+  engine lock; a running prefill checks at every layer boundary and gives the lock up
+  within one layer's compute, discarding the interrupted chunk. The request's wait is recorded in
   ``Engine.last_foreground_wait_ms``.
 - :class:`BackgroundPrefiller` runs such jobs one at a time on a daemon thread, and
   can be held off while a measured request runs.
@@ -34,18 +34,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from contextkit.engine.chunks import ChunkReuse, register_chunks
-from contextkit.engine.runner import (
-    ForegroundGate,
-    ModelRunner,
-    PrefillPreempted,
-    foreground,
-)
+from contextkit.engine.runner import ForegroundGate, ModelRunner, PrefillPreempted
 from contextkit.engine.sequence import close_sequence, open_sequence
 from contextkit.engine.types import CacheFullError, TokenSpan
 from gpu_cache import Tier, validate_tenant
 
-__all__ = ["BackgroundPrefiller", "ForegroundGate", "GateHolder", "PrefillOutcome",
-           "PrefillPreempted", "foreground", "prefill_prefix"]
+__all__ = ["BackgroundPrefiller", "GateHolder", "PrefillOutcome", "prefill_prefix"]
 
 logger = logging.getLogger(__name__)
 

@@ -74,16 +74,16 @@ def test_a_gate_is_judged_on_the_lower_end_of_its_interval() -> None:
     row = figures.Row("t", "agreement", ("x.json",), lambda d: d["k"] / d["n"],
                       fmt="{:.4f}", goal=figures.Goal(">=", 0.97),
                       interval=lambda d: figures.wilson(d["k"], d["n"]))
-    value, _, status = figures._cell(row, [{"k": 591, "n": 608}])
+    value, _, status = figures.row_cells(row, [{"k": 591, "n": 608}])
     assert value.startswith("0.9720") and "not met" in status
-    value, _, status = figures._cell(row, [{"k": 9950, "n": 10000}])
+    value, _, status = figures.row_cells(row, [{"k": 9950, "n": 10000}])
     assert "not met" not in status and "met" in status
 
 
 def test_runs_that_missed_are_shown_beside_those_that_met() -> None:
     row = figures.Row("t", "speedup", ("a", "b", "c"), lambda d: d["v"],
                       goal=figures.Goal(">=", 3.5))
-    value, _, status = figures._cell(row, [{"v": 3.63}, {"v": 3.47}, {"v": 4.39}])
+    value, _, status = figures.row_cells(row, [{"v": 3.63}, {"v": 3.47}, {"v": 4.39}])
     assert value == "median 3.63 (3 runs: 3.63, 3.47, 4.39)"
     assert "2 of 3 runs met it" in status
 
