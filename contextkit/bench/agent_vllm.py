@@ -49,7 +49,6 @@ from contextkit.bench._common import (
     positive_float,
     positive_int,
     print_table,
-    write_result,
 )
 
 __all__ = ["CONFIGS", "HELP", "add_arguments", "check_args", "label_coverage", "run",
@@ -57,6 +56,8 @@ __all__ = ["CONFIGS", "HELP", "add_arguments", "check_args", "label_coverage", "
 
 HELP = ("TTFT per turn of a LangChain agent on vLLM's OpenAI server: no cache, vLLM APC, "
         "contextkit + APC, contextkit + connector (restart halfway)")
+#: ``--out`` names a JSON file; the CLI writes the result there with its provenance.
+OUT_IS_JSON = True
 
 #: the four configurations, in the order they are reported
 CONFIGS = ("nocache", "apc", "contextkit_apc", "contextkit_connector")
@@ -80,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model directory (default: the packaged SmolLM2, converted)")
     parser.add_argument("--dir", default=None,
                         help="work directory for logs, shadow and local store (default: temp)")
-    parser.add_argument("--out", default=None, help="also write the JSON result here")
+    parser.add_argument("--out", default=None, help="also write the JSON result (with its provenance) here")
     parser.add_argument("--plot", default=None, help="write the TTFT-per-turn plot (PNG) here")
 
 
@@ -305,6 +306,4 @@ def _result(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
               f"LangChain agent on vLLM CPU, {args.turns} turns, "
               f"~{result['prompt_tokens_first_turn']['apc']} prompt tokens")
         result["plot"] = str(args.plot)
-    if args.out:
-        write_result(args.out, result)
     return result

@@ -60,7 +60,6 @@ from contextkit.bench._common import (
     positive_float,
     positive_int,
     print_table,
-    write_result,
 )
 from contextkit.config import require
 
@@ -74,6 +73,8 @@ __all__ = ["HELP", "POLICIES", "Sizes", "add_arguments", "check_args", "dry_buil
 
 HELP = ("many agents sharing a cache too small for all of them: TTFT per step under lru, "
         "semantic and semantic+ooda (look-ahead prefetch), and a device-size sweep")
+#: ``--out`` names a JSON file; the CLI writes the result there with its provenance.
+OUT_IS_JSON = True
 
 #: the policies, in the order they run and are reported
 #: messages of the agent's own conversation each turn carries
@@ -106,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chunk-reuse", action="store_true",
                         help="prefix reuse only (the ablation of reuse beyond the prefix: "
                              "docs/chunks.md)")
-    parser.add_argument("--out", default=None, help="also write the JSON result here")
+    parser.add_argument("--out", default=None, help="also write the JSON result (with its provenance) here")
     parser.add_argument("--plot", default=None,
                         help="write the TTFT-per-step and sweep plot (PNG) here")
 
@@ -504,6 +505,4 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"{args.agents} agents sharing a {main.device_agents}-agent device tier "
               f"({machine_info()['device_name']})")
         result["plot"] = str(args.plot)
-    if args.out:
-        write_result(args.out, result)
     return result

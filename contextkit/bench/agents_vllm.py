@@ -59,7 +59,6 @@ from contextkit.bench._common import (
     positive_float,
     positive_int,
     print_table,
-    write_result,
 )
 from contextkit.bench.agent_vllm import vllm_installed
 
@@ -69,6 +68,8 @@ __all__ = ["CONFIGS", "HELP", "add_arguments", "connector_costs", "percentile", 
 HELP = ("many LangChain agents on one vLLM server whose KV holds ~2 of them: vLLM APC, "
         "contextkit order, + connector (semantic, LRU, fp16, one that holds everything), "
         "LMCache, ceiling")
+#: ``--out`` names a JSON file; the CLI writes the result there with its provenance.
+OUT_IS_JSON = True
 
 CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru", "connector_fp16",
            "connector_int8", "connector_tq4", "connector_saves_all_cores",
@@ -110,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="model directory (default: the packaged SmolLM2, converted)")
     parser.add_argument("--dir", default=None, help="work directory for logs (default: temp)")
-    parser.add_argument("--out", default=None, help="also write the JSON result here")
+    parser.add_argument("--out", default=None, help="also write the JSON result (with its provenance) here")
     parser.add_argument("--plot", default=None, help="write the TTFT-per-step plot (PNG) here")
 
 
@@ -392,6 +393,4 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
               f"{raw['workload']['num_agents']} LangChain agents on one vLLM CPU server, "
               f"KV for ~{args.kv_agents:g}")
         result["plot"] = str(args.plot)
-    if args.out:
-        write_result(args.out, result)
     return result

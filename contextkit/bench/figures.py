@@ -89,7 +89,9 @@ def machine(name: str, data: dict) -> str:
     prov = data.get("provenance") or {}
     if prov.get("cpu_model"):
         where = prov.get("gpu") or prov["cpu_model"]
-        return f"{where} ({prov.get('cpu_count', '?')} CPUs)"
+        load = [(prov.get(k) or [None])[0] for k in ("load_before", "load_after")]
+        loaded = f", load {load[0]:g} to {load[1]:g}" if None not in load else ""
+        return f"{where} ({prov.get('cpu_count', '?')} CPUs{loaded})"
     recorded = json.loads(MACHINES.read_text()) if MACHINES.exists() else {}
     if name in recorded:
         return recorded[name]

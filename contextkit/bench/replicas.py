@@ -67,7 +67,6 @@ from contextkit.bench._common import (
     positive_float,
     positive_int,
     print_table,
-    write_result,
 )
 from contextkit.bench.agent_vllm import vllm_installed
 from contextkit.bench.agents_vllm import percentile as _p
@@ -76,6 +75,8 @@ __all__ = ["CONFIGS", "HELP", "add_arguments", "result_of", "run"]
 
 HELP = ("agents alternating between two vLLM replicas: APC, a connector per replica, the "
         "shared S3 tier, vllm-router, failover, against one replica")
+#: ``--out`` names a JSON file; the CLI writes the result there with its provenance.
+OUT_IS_JSON = True
 
 #: The driver's configurations, in the order they run by default.
 CONFIGS = ("single", "apc", "local", "shared", "routed", "failover")
@@ -121,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated, in the order to run, from {', '.join(CONFIGS)} "
                              "(default: all)")
     parser.add_argument("--dir", default=None, help="work directory for logs (default: temp)")
-    parser.add_argument("--out", default=None, help="also write the JSON result here")
+    parser.add_argument("--out", default=None, help="also write the JSON result (with its provenance) here")
     parser.add_argument("--plot", default=None, help="write the TTFT-per-step plot (PNG) here")
 
 
@@ -373,6 +374,4 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
               f"{workload.get('num_agents', '?')} LangChain agents alternating between two "
               "vLLM CPU replicas")
         result["plot"] = str(args.plot)
-    if args.out:
-        write_result(args.out, result)
     return result

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from contextkit.bench._common import machine_info, positive_int, print_table, write_result
+from contextkit.bench._common import machine_info, positive_int, print_table
 from contextkit.bench._vllm_report import (
     DEFAULT_POLICY,
     POLICIES,
@@ -59,6 +59,8 @@ __all__ = ["HELP", "add_arguments", "build_prompts", "run"]
 
 HELP = ("answers and TTFT of agent prompts on vLLM (CPU), cold vs after a restart with "
         "recovery, per precision policy")
+#: ``--out`` names a JSON file; the CLI writes the result there with its provenance.
+OUT_IS_JSON = True
 
 #: figures of the default policy repeated at the top level (the old bench's keys)
 _TOP_LEVEL = ("ttft_cold_ms", "ttft_recovered_ms", "speedup", "external_hit_tokens",
@@ -85,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "its tokenizer must be SmolLM2's (the prompts are built with it)")
     parser.add_argument("--dir", default=None,
                         help="work directory for the shadows and local stores (default: temp)")
-    parser.add_argument("--out", default=None, help="also write the JSON result here")
+    parser.add_argument("--out", default=None, help="also write the JSON result (with its provenance) here")
     parser.add_argument("--plot", default=None,
                         help="write a PNG: agreement and stored size per policy")
 
@@ -219,8 +221,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  *((f"acceptance ({default}): {k}", v) for k, v in result["acceptance"].items())])
     if args.plot:
         plot(args.plot, policies, f"vLLM {result['vllm']}, {args.prompts} agent prompts")
-    if args.out:
-        write_result(args.out, result)
     if not args.dir:
         shutil.rmtree(work, ignore_errors=True)
     return result

@@ -21,6 +21,8 @@ from importlib import metadata
 from typing import Any
 
 from contextkit.bench import BENCHMARKS, load
+from contextkit.bench._common import write_result
+from contextkit.bench.provenance import Provenance
 from contextkit.config import ConfigError
 from contextkit.config.errors import MissingExtraError
 from contextkit.engine.engine import CacheFullError
@@ -55,7 +57,13 @@ def _emit_json(args: argparse.Namespace, result: dict[str, object]) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    _emit_json(args, load(args.bench_name).run(args))
+    started = Provenance.start(["contextkit", *args.argv])
+    module = load(args.bench_name)
+    result = module.run(args)
+    result["provenance"] = started.finish()
+    if getattr(module, "OUT_IS_JSON", False) and args.out:
+        write_result(args.out, result)
+    _emit_json(args, result)
     return 0
 
 
@@ -406,6 +414,7 @@ def run_command(func: Command, args: argparse.Namespace, *, debug: bool = False)
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     return run_command(args.func, args, debug=args.debug)
