@@ -96,19 +96,25 @@ class Provenance:
         command: the command line as typed (``contextkit bench ttft --json``).
         started: UTC start, ISO 8601.
         load_before: load averages at the start.
+        code: :func:`git_state` at the start.
     """
 
     command: str
     started: str
     load_before: list[float] | None
+    code: dict[str, Any]
 
     @classmethod
     def start(cls, argv: Sequence[str]) -> Provenance:
-        """Record the start of a run of ``argv`` (the full command, program first)."""
-        return cls(command=shlex.join(argv), started=_now(), load_before=load_average())
+        """Record the start of a run of ``argv`` (the full command, program first).
+
+        The commit is read here: the code that runs is the code at the start, whatever
+        is committed while a long bench runs."""
+        return cls(command=shlex.join(argv), started=_now(), load_before=load_average(),
+                   code=git_state())
 
     def finish(self) -> dict[str, Any]:
         """The whole record, taken at the end of the run."""
         return {"command": self.command, "started": self.started, "finished": _now(),
                 "load_before": self.load_before, "load_after": load_average(),
-                **git_state(), **cpu_info(), "gpu": gpu_name()}
+                **self.code, **cpu_info(), "gpu": gpu_name()}
