@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["POLICIES", "percentile", "plot", "policy_figures", "speedups"]
+__all__ = ["POLICIES", "SAME_TOKENS", "bounds", "percentile", "plot", "policy_figures",
+           "speedups"]
 
 #: The eviction policies compared, in the order they run and are plotted.
 POLICIES = ("lru", "semantic", "semantic+ooda")
@@ -81,8 +82,10 @@ def policy_figures(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def speedups(ttft: Mapping[str, Sequence[float]], rows: Sequence[Mapping[str, Any]]
              ) -> dict[str, dict[str, float]]:
-    """``speedup_vs_lru_p50`` (median over the warm steps of the per-step ratio
-    ``lru / policy``) and ``speedup_vs_lru_of_medians`` for every policy but lru.
+    """For every configuration but lru, over the warm steps: ``speedup_vs_lru_total``
+    (sum of lru's TTFTs over the configuration's: a ratio of sums of the same steps),
+    ``speedup_vs_lru_p50`` (median of the per-step ratios ``lru / policy``; it describes
+    the typical step but bounds nothing) and ``speedup_vs_lru_of_medians``.
 
     ``rows`` are any policy's rows (the schedule is the same): they say which steps
     are warm.
@@ -98,15 +101,60 @@ def speedups(ttft: Mapping[str, Sequence[float]], rows: Sequence[Mapping[str, An
     if not warm:
         raise ValueError("no warm step (an agent's second turn); run more steps")
     lru = [ttft["lru"][i] for i in warm]
+    total: dict[str, float] = {}
     p50: dict[str, float] = {}
     of_medians: dict[str, float] = {}
     for name, values in ttft.items():
         if name == "lru":
             continue
         mine = [values[i] for i in warm]
+        total[name] = round(sum(lru) / sum(mine), 3)
         p50[name] = round(statistics.median(a / b for a, b in zip(lru, mine, strict=True)), 3)
         of_medians[name] = round(statistics.median(lru) / statistics.median(mine), 3)
-    return {"speedup_vs_lru_p50": p50, "speedup_vs_lru_of_medians": of_medians}
+    return {"speedup_vs_lru_total": total, "speedup_vs_lru_p50": p50,
+            "speedup_vs_lru_of_medians": of_medians}
+
+
+#: What a report says instead of a speedup when two configurations compute the same.
+SAME_TOKENS = "same tokens: timing difference is noise"
+
+
+def bounds(computed: Mapping[str, int], ttft_total: Mapping[str, float], *,
+           ceiling: str, baseline: str = "lru") -> dict[str, dict[str, Any]]:
+    """Each configuration against the ceiling, in tokens computed (what no
+    configuration can beat: the ceiling's cache holds every block, and every
+    configuration is fed the same prompts).
+
+    ``ceiling_fraction``: the share of the tokens ``baseline`` computes beyond the
+    ceiling that the configuration avoided (1.0: all of them; None when the baseline
+    already computes no more than the ceiling). ``ttft_vs_ceiling``: the ratio of
+    TTFT sums, ceiling over configuration, or :data:`SAME_TOKENS` where both compute
+    the same tokens.
+
+    ``beats_ceiling`` is true where a configuration computed fewer tokens than the
+    ceiling: the bound failed (a bench bug), reported rather than raised so the run's
+    figures are kept.
+
+    Raises:
+        ValueError: the ceiling or the baseline is missing.
+    """
+    if ceiling not in computed or baseline not in computed:
+        raise ValueError(f"bounds need {ceiling!r} and {baseline!r}, got {sorted(computed)}")
+    floor = computed[ceiling]
+    avoidable = computed[baseline] - floor
+    out: dict[str, dict[str, Any]] = {}
+    for name, tokens in computed.items():
+        if name == ceiling:
+            continue
+        out[name] = {
+            "computed_tokens": tokens, "ceiling_computed_tokens": floor,
+            "beats_ceiling": tokens < floor,
+            "ceiling_fraction": (round((computed[baseline] - tokens) / avoidable, 4)
+                                 if avoidable > 0 else None),
+            "ttft_vs_ceiling": (SAME_TOKENS if tokens == floor else
+                                round(ttft_total[ceiling] / ttft_total[name], 3)),
+        }
+    return out
 
 
 # ---------------------------------------------------------------------- plot
@@ -136,12 +184,12 @@ def plot(path: Path, ttft: Mapping[str, Sequence[float]], sweep: Sequence[Mappin
         ax2 = axes[0][1]
         x = [s["device_agents"] for s in sweep]
         for name, marker in (("semantic", "o"), ("semantic+ooda", "^")):
-            ax2.plot(x, [s["speedup_vs_lru_p50"][name] for s in sweep], marker=marker,
+            ax2.plot(x, [s["speedup_vs_lru_total"][name] for s in sweep], marker=marker,
                      label=name)
         ax2.axhline(1.0, color="grey", linestyle="--", linewidth=1)
         ax2.set_xticks(x)
         ax2.set_xlabel("device tier (agents' prompts)")
-        ax2.set_ylabel("speedup vs lru (p50 of per-step ratios)")
+        ax2.set_ylabel("speedup vs lru (TTFT sums, warm steps)")
         ax2.grid(alpha=0.3)
         ax2.legend(fontsize=8)
         ax2.set_title("device-size sweep", fontsize=10)

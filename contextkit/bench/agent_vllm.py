@@ -81,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model directory (default: the packaged SmolLM2, converted)")
     parser.add_argument("--dir", default=None,
                         help="work directory for logs, shadow and local store (default: temp)")
-    parser.add_argument("--out", default=None, help="also write the JSON result (with its provenance) here")
+    parser.add_argument("--out", default=None,
+                        help="also write the JSON result (with its provenance) here")
     parser.add_argument("--plot", default=None, help="write the TTFT-per-turn plot (PNG) here")
 
 

@@ -122,7 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated, in the order to run, from {', '.join(CONFIGS)} "
                              "(default: all)")
     parser.add_argument("--dir", default=None, help="work directory for logs (default: temp)")
-    parser.add_argument("--out", default=None, help="also write the JSON result (with its provenance) here")
+    parser.add_argument("--out", default=None,
+                        help="also write the JSON result (with its provenance) here")
     parser.add_argument("--plot", default=None, help="write the TTFT-per-step plot (PNG) here")
 
 

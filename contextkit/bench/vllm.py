@@ -87,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "its tokenizer must be SmolLM2's (the prompts are built with it)")
     parser.add_argument("--dir", default=None,
                         help="work directory for the shadows and local stores (default: temp)")
-    parser.add_argument("--out", default=None, help="also write the JSON result (with its provenance) here")
+    parser.add_argument("--out", default=None,
+                        help="also write the JSON result (with its provenance) here")
     parser.add_argument("--plot", default=None,
                         help="write a PNG: agreement and stored size per policy")
 

@@ -325,16 +325,24 @@ def _reservation_line(r: dict[str, Any]) -> str:
 
 def _agents_run(engine: Any, steps: int, max_new_tokens: int, out: Path) -> dict[str, Any]:
     """A short multi-agent run with the tier manager's look-ahead prefetch."""
-    from contextkit.bench.agents import dry_build, plan_sizes, policy_figures, run_policy
+    from contextkit.bench.agents import (
+        PolicyRun,
+        dry_build,
+        plan_sizes,
+        policy_figures,
+        run_interleaved,
+    )
     from contextkit.workloads.agents import MultiAgentWorkload
 
     workload = MultiAgentWorkload(AGENTS, num_tenants=TENANTS, steps=steps, scale=AGENT_SCALE)
-    tokens, prompt_blocks, stable_blocks = dry_build(engine, workload, steps)
+    _, prompt_blocks, stable_blocks = dry_build(engine, workload, steps)
     sizes = plan_sizes(prompt_blocks, stable_blocks, block_size=engine.cache.block_size,
                        device_agents=2, host_agents=1, max_new_tokens=max_new_tokens)
     _say(f"multi-agent run: {AGENTS} agents of {TENANTS} tenants, {steps} steps; device tier "
          f"{sizes.device_blocks} blocks (2 agents' prompts), host tier {sizes.host_blocks} "
-         "(1); the tier manager prefetches each agent's blocks before its turn ...")
+         "(1); the tier manager prefetches each agent's blocks before its turn. Each step "
+         "also runs, in turn and on the same prompts, on LRU and on a cache that holds "
+         "every agent (the ceiling); the rows are the policy's ...")
     _say(f"{'step':>4}  {'agent':<8} {'prompt':>6}  {'reused':>6}  {'prefetch':>15}  "
          f"{'ttft':>7}  {'device':>9}  {'host':>9}")
 
@@ -345,23 +353,24 @@ def _agents_run(engine: Any, steps: int, max_new_tokens: int, out: Path) -> dict
              f"{r['device_used']:>4}/{sizes.device_blocks:<4}  "
              f"{r['host_used']:>4}/{sizes.host_blocks:<4}")
 
-    run = run_policy(engine, workload, "semantic+ooda", sizes, steps=steps,
-                     max_new_tokens=max_new_tokens, prompt_tokens=tokens, progress=False,
-                     on_step=show)
-    rows = run["rows"]
-    figures = policy_figures(rows)
-    _say(f"the same {steps} steps on LRU (the reference: recency only, no pins, no "
-         "prefetch) ...")
-    reference = run_policy(engine, workload, "lru", sizes, steps=steps,
-                           max_new_tokens=max_new_tokens, prompt_tokens=tokens,
-                           progress=False)["rows"]
-    ref_figures = policy_figures(reference)
-    _say(f"the same {steps} steps on a cache that holds every agent (the ceiling) ...")
     everyone = plan_sizes(prompt_blocks, stable_blocks, block_size=engine.cache.block_size,
                           device_agents=AGENTS, host_agents=1, max_new_tokens=max_new_tokens)
-    ceiling = run_policy(engine, workload, "semantic", everyone, steps=steps,
-                         max_new_tokens=max_new_tokens, prompt_tokens=tokens,
-                         progress=False)["rows"]
+    # every step goes to the policy, LRU (the reference: recency only, no pins, no
+    # prefetch) and a cache holding every agent (the ceiling) in turn, on the same prompts
+    configs = {"semantic+ooda": PolicyRun(engine, workload, "semantic+ooda", sizes,
+                                          max_new_tokens=max_new_tokens),
+               "lru": PolicyRun(engine, workload, "lru", sizes, max_new_tokens=max_new_tokens),
+               "ceiling": PolicyRun(engine, workload, "semantic", everyone,
+                                    max_new_tokens=max_new_tokens)}
+    done = run_interleaved(configs, workload, steps=steps, progress=False,
+                           on_step=lambda label, r: show(r) if label == "semantic+ooda"
+                           else None)
+    run = done["semantic+ooda"]
+    rows = run["rows"]
+    figures = policy_figures(rows)
+    reference = done["lru"]["rows"]
+    ref_figures = policy_figures(reference)
+    ceiling = done["ceiling"]["rows"]
     prefetch = figures["prefetch"]
     summary = {
         "agents": AGENTS, "tenants": TENANTS, "steps": steps,

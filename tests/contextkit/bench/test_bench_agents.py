@@ -19,8 +19,10 @@ from contextkit.bench.agents import (
     percentile,
     plan_sizes,
     policy_figures,
+    run_interleaved,
     speedups,
 )
+from contextkit.bench._agents_report import SAME_TOKENS, bounds
 from contextkit.cli.commands import main
 from contextkit.engine.engine import Engine
 from gpu_cache import Tier
@@ -116,8 +118,84 @@ def test_speedups_are_medians_of_per_step_ratios_over_warm_steps() -> None:
     assert out["speedup_vs_lru_p50"] == {"semantic": 1.5, "semantic+ooda": 3.0}
     # medians of the warm steps: lru 1100, semantic 900, ooda 400
     assert out["speedup_vs_lru_of_medians"] == {"semantic": 1.222, "semantic+ooda": 2.75}
+    # sums of the warm steps: lru 6000, semantic 3500, ooda 2050
+    assert out["speedup_vs_lru_total"] == {"semantic": 1.714, "semantic+ooda": 2.927}
     with pytest.raises(ValueError, match="same steps"):
         speedups({**ttft, "semantic": [1.0]}, rows)
+
+
+def test_a_median_of_ratios_can_beat_its_ceiling_a_ratio_of_sums_cannot_be_told_apart() -> None:
+    """Why the ceiling is in tokens: per-step ratios let a policy 'beat' a cache that holds
+    everything (agents-cpu-run2.json had 1.161 against a ceiling of 1.113)."""
+    rows = [_row(i, 1, 1.0) for i in range(3)]
+    ttft = {"lru": [1000.0, 1000.0, 4000.0], "policy": [500.0, 500.0, 3900.0],
+            "fits": [600.0, 600.0, 1000.0]}
+    out = speedups(ttft, rows)
+    assert out["speedup_vs_lru_p50"]["policy"] > out["speedup_vs_lru_p50"]["fits"]
+    assert out["speedup_vs_lru_total"]["policy"] < out["speedup_vs_lru_total"]["fits"]
+
+
+def test_bounds_are_tokens_and_same_tokens_is_noise() -> None:
+    computed = {"lru": 30_000, "semantic": 25_000, "semantic+ooda": 20_000, "ceiling": 20_000}
+    ttft = {"lru": 9.0, "semantic": 8.0, "semantic+ooda": 5.0, "ceiling": 5.5}
+    out = bounds(computed, ttft, ceiling="ceiling")
+    assert set(out) == {"lru", "semantic", "semantic+ooda"}
+    assert out["lru"]["ceiling_fraction"] == 0.0
+    assert out["semantic"]["ceiling_fraction"] == 0.5
+    assert out["semantic"]["ttft_vs_ceiling"] == round(5.5 / 8.0, 3)
+    # the same tokens as the ceiling: a faster TTFT than it is noise, not a speedup
+    assert out["semantic+ooda"] == {"computed_tokens": 20_000, "ceiling_computed_tokens": 20_000,
+                                    "beats_ceiling": False, "ceiling_fraction": 1.0,
+                                    "ttft_vs_ceiling": SAME_TOKENS}
+    assert not any(b["beats_ceiling"] for b in out.values())
+    broken = bounds({**computed, "semantic": 19_000}, ttft, ceiling="ceiling")["semantic"]
+    assert broken["beats_ceiling"] is True and broken["ceiling_fraction"] > 1
+    assert bounds({"lru": 5, "ceiling": 5}, {"lru": 1.0, "ceiling": 1.0},
+                  ceiling="ceiling")["lru"]["ceiling_fraction"] is None
+    with pytest.raises(ValueError, match="ceiling"):
+        bounds({"lru": 5}, {"lru": 1.0}, ceiling="ceiling")
+
+
+class _Scripted:
+    """A configuration for :func:`run_interleaved` that answers from a script and
+    records what it was asked (the interface of :class:`PolicyRun`)."""
+
+    def __init__(self, name: str, order: list[str], reply: str) -> None:
+        self.name, self.order, self.reply = name, order, reply
+        self.rows: list[dict[str, object]] = []
+        self.histories: list[list[tuple[str, str]]] = []
+        self.closed = False
+
+    def step(self, i: int, history: list[tuple[str, str]]) -> tuple[dict[str, object], str]:
+        self.order.append(self.name)
+        self.histories.append(list(history))
+        self.rows.append({"step": i})
+        return self.rows[-1], f"{self.reply}{i}"
+
+    def close(self) -> dict[str, object]:
+        self.closed = True
+        return {"rows": self.rows}
+
+
+def test_interleaving_rotates_the_order_and_feeds_every_run_one_transcript() -> None:
+    from contextkit.workloads.agents import MultiAgentWorkload
+
+    workload = MultiAgentWorkload(2, num_tenants=1, steps=6, seed=0, scale=0.2)
+    order: list[str] = []
+    runs = {"lru": _Scripted("lru", order, "a"), "semantic": _Scripted("semantic", order, "a"),
+            "ceiling": _Scripted("ceiling", order, "b")}
+    out = run_interleaved(runs, workload, steps=6, progress=False)
+    assert all(r.closed for r in runs.values()) and set(out) == set(runs)
+    # each step goes to every run before the next step, and the first one rotates
+    per_step = [order[i:i + 3] for i in range(0, 18, 3)]
+    assert all(sorted(s) == ["ceiling", "lru", "semantic"] for s in per_step)
+    assert [s[0] for s in per_step] == ["lru", "semantic", "ceiling"] * 2
+    # one transcript: the first run's replies, whatever the others answered
+    assert runs["ceiling"].histories == runs["lru"].histories
+    assert any(("assistant", "a0") in h for h in runs["ceiling"].histories)
+    assert not any(("assistant", "b0") in h for h in runs["ceiling"].histories)
+    assert [r["reply_matches_transcript"] for r in runs["semantic"].rows] == [True] * 6
+    assert [r["reply_matches_transcript"] for r in runs["ceiling"].rows] == [False] * 6
 
 
 def test_percentile_interpolates_between_ranks() -> None:
@@ -204,6 +282,14 @@ def test_bench_agents_end_to_end_on_the_real_model(
     for row in result["rows"]["semantic+ooda"]:
         assert row["prefetch_finished_at"] <= row["generate_started_at"]
     assert set(result["speedup_vs_lru_p50"]) == {"semantic", "semantic+ooda"}
+    # the ceiling ran in turn with the policies on the same prompts: a bound in tokens
+    assert set(result["bounds"]) == set(POLICIES)
+    for name, b in result["bounds"].items():
+        assert b["beats_ceiling"] is False, name
+        assert b["computed_tokens"] == result["policies"][name]["computed_tokens"]
+    assert result["ceiling"]["computed_tokens"] <= result["ceiling"][
+        "computed_tokens_prefix_only"]
+    assert len(result["ceiling"]["ttft_ms"]) == 6
     (point,) = result["sweep"]
     assert point["device_agents"] == 2 and point["device_blocks"] == sizes["device_blocks"]
     assert point["speedup_vs_lru_p50"] == result["speedup_vs_lru_p50"]  # the same 6 steps

@@ -35,7 +35,7 @@ def test_cpu_info_takes_the_model_and_only_the_simd_flags() -> None:
 
 def test_git_state_sees_a_dirty_tree_and_none_outside_git(tmp_path: Path) -> None:
     assert git_state(tmp_path) == {"commit": None, "dirty": None}
-    run = lambda *cmd: subprocess.run(["git", "-C", str(tmp_path), *cmd], check=True,  # noqa: E731
+    run = lambda *cmd: subprocess.run(["git", "-C", str(tmp_path), *cmd], check=True,
                                       capture_output=True)
     run("init", "-q")
     (tmp_path / "a.txt").write_text("1")
@@ -65,7 +65,7 @@ def test_the_cli_stamps_stdout_and_the_out_file(tmp_path: Path,
 
 def test_benches_with_a_json_out_file_leave_the_writing_to_the_cli() -> None:
     """A bench that wrote ``--out`` itself would write it without provenance."""
-    for name, path in BENCHMARKS.items():
+    for name in BENCHMARKS:
         if getattr(load(name), "OUT_IS_JSON", False):
             source = Path(load(name).__file__).read_text()
             assert "write_result(" not in source, name
