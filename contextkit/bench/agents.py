@@ -29,21 +29,20 @@ room is smaller than an agent's stable prefix, the pinning policies run unpinned
 (``pins`` in the sizes says so). The sweep reruns the first ``--sweep-steps`` steps at
 each device size (the main size's rows are a prefix of the main run).
 
-Figures (all computed from the per-step rows by :func:`policy_figures`,
-:func:`speedups` and :func:`bounds`): TTFT per step, ``ttft_p50``/``ttft_p95`` and the
-speedups over the *warm* steps (the agent's second turn on: a first turn is the same
-cold prefill under every policy); hit rates over all steps: ``device_hit_rate`` is reused tokens already
-on the device over prompt tokens, ``host_hit_rate`` reused tokens the request brought
-up from the host tier (:attr:`~contextkit.engine.engine.GenerationResult.warmed_tokens`) over
-prompt tokens; blocks and bytes moved between tiers; ``pinned_blocks_evicted`` counts
-blocks pinned when a step began that were off the device when it ended (must be 0).
-Reuse beyond the prefix (:mod:`contextkit.engine.chunks`) is on unless
+Figures (all computed from the per-step rows by :func:`policy_figures`, :func:`speedups`
+and :func:`bounds`): TTFT per step, ``ttft_p50``/``ttft_p95`` and the speedups over the
+*warm* steps (the agent's second turn on: a first turn is the same cold prefill under
+every policy); hit rates over all steps: ``device_hit_rate`` is reused tokens already on
+the device over prompt tokens, ``host_hit_rate`` reused tokens the request brought up
+from the host tier (:attr:`~contextkit.engine.engine.GenerationResult.warmed_tokens`)
+over prompt tokens; blocks and bytes moved between tiers; ``pinned_blocks_evicted``
+counts blocks pinned when a step began that were off the device when it ended (must be
+0). Reuse beyond the prefix (:mod:`contextkit.engine.chunks`) is on unless
 ``--no-chunk-reuse``: per policy ``chunk_reused_tokens`` and ``repaired_tokens``; the
 ceiling (every agent fits) is run with it and again with prefix reuse only
 (``computed_tokens_prefix_only``: the floor of prefix reuse on this schedule). The
 ceiling is stated in tokens computed, which no policy can beat on the same prompts;
-``bounds`` gives each policy's share of lru's avoidable tokens that it avoided.
-"""
+``bounds`` gives each policy's share of lru's avoidable tokens that it avoided. """
 
 from __future__ import annotations
 
@@ -78,8 +77,8 @@ if TYPE_CHECKING:
     from contextkit.workloads.agents import MultiAgentWorkload
 
 __all__ = ["CEILING", "HELP", "POLICIES", "PREFIX_ONLY", "PolicyRun", "Sizes", "add_arguments",
-           "bounds", "check_args", "dry_build", "parse_sweep", "percentile", "plan_sizes", "policy_figures",
-           "run", "run_interleaved", "run_policies", "run_policy", "speedups"]
+           "bounds", "check_args", "dry_build", "parse_sweep", "percentile", "plan_sizes",
+           "policy_figures", "run", "run_interleaved", "run_policies", "run_policy", "speedups"]
 
 HELP = ("many agents sharing a cache too small for all of them: TTFT per step under lru, "
         "semantic and semantic+ooda (look-ahead prefetch), and a device-size sweep")

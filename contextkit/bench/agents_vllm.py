@@ -28,17 +28,18 @@ key identity, so the budget is the same bytes whatever format each block takes. 
 CPU-only machine vLLM's KV and the connector's DDR tier are both host memory.
 
 TTFT is client-side: ``agent.invoke`` to the first streamed chunk. The speedups are
-medians over the *warm* steps (an agent's second and later turns; first turns are cold
-everywhere) of per-configuration medians. Quality: after the schedule, a probe serves
-a few of the workload's prompts, pushes them out of vLLM's KV with a filler prompt and
-reads them back teacher-forced (the ceiling's greedy reply, 16 positions, top-20
-logprobs as token ids, plus the forced token's own logprob), float32 throughout:
-``teacher_forced_agreement`` (argmax equal), ``ppl_ratio`` (over the forced tokens)
-and ``mean_kl`` (KL(ceiling||config) over the ceiling's top 20, a config's missing
-entries at its own 20th logprob). A forced token whose own logprob the server did not
-return is taken at the 20th logprob (an upper bound: ``ppl_ratio`` is then a lower
-bound); ``forced_logprob_assumed`` counts those positions.
-"""
+ratios of per-configuration medians (and sums) over the *warm* steps (an agent's second
+and later turns; first turns are cold everywhere); where both sides computed the same
+prompt tokens a ratio reads "same tokens" instead. ``bounds`` compares each
+configuration's prompt tokens computed with the ceiling's. Quality: after the schedule,
+a probe serves a few of the workload's prompts, pushes them out of vLLM's KV with a
+filler prompt and reads them back teacher-forced (the ceiling's greedy reply, 16
+positions, top-20 logprobs as token ids, plus the forced token's own logprob), float32
+throughout: ``teacher_forced_agreement`` (argmax equal), ``ppl_ratio`` (over the forced
+tokens) and ``mean_kl`` (KL(ceiling||config) over the ceiling's top 20, a config's
+missing entries at its own 20th logprob). A forced token whose own logprob the server
+did not return is taken at the 20th logprob (an upper bound: ``ppl_ratio`` is then a
+lower bound); ``forced_logprob_assumed`` counts those positions. """
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from contextkit.bench._agents_report import SAME_TOKENS, bounds
 from contextkit.bench._common import (
     machine_info,
     positive_float,
@@ -106,8 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default: {','.join(DEFAULT_CONFIGS)}; the ceiling always "
                              "runs first)")
     parser.add_argument("--ceiling-last", action="store_true",
-                        help="run the ceiling again after the others; its timing is the "
-                             "faster of the two (a machine whose speed drifts)")
+                        help="run the ceiling again after the others and report the drift "
+                             "between its two runs (ceiling_drift); the ceiling's figures "
+                             "stay its first run's")
     parser.add_argument("--model", default=None,
                         help="model directory (default: the packaged SmolLM2, converted)")
     parser.add_argument("--dir", default=None, help="work directory for logs (default: temp)")
@@ -125,50 +128,61 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[at]
 
 
-def speedups(ttft: Mapping[str, Sequence[float]], warm: Sequence[bool]) -> dict[str, Any]:
-    """``speedup_vs_<x>_p50``: the median TTFT of configuration ``x`` over the warm steps
-    divided by the connector's; ``ceiling_fraction``: the ceiling's over the
-    connector's; ``bound_vs_<x>_p50``: ``x``'s over the ceiling's, the most any
-    connector reaches against ``x`` on this workload (one as fast as a KV space that
-    holds everyone); ``eviction_bound_vs_lru_p50``: connector_lru's over
-    connector_all's, the most any eviction policy at the same budget reaches against
-    recency (``eviction_ceiling_fraction``: connector_all's over the connector's);
-    ``speedup_vs_lru_total`` and ``eviction_bound_vs_lru_total``: the same two ratios
-    over the warm steps' summed TTFT. A configuration that did not run gives ``None``."""
+def speedups(ttft: Mapping[str, Sequence[float]], warm: Sequence[bool],
+             computed: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """The TTFT ratios over the warm steps.
+
+    ``speedup_vs_<x>_p50``: configuration ``x``'s median over the connector's;
+    ``ceiling_fraction``: the ceiling's over the connector's (``ceiling_fraction_total``:
+    the same over summed TTFT); ``bound_vs_<x>_p50``: ``x``'s over the ceiling's, the
+    most a connector as fast as a KV space holding everyone reaches against ``x``;
+    ``eviction_bound_vs_lru_p50``: connector_lru's over connector_all's, the most any
+    eviction policy at the same budget reaches against recency
+    (``eviction_ceiling_fraction``: connector_all's over the connector's);
+    ``speedup_vs_lru_total`` and ``eviction_bound_vs_lru_total``: the same over summed
+    TTFT. The ceiling is its own run only; a second run (``ceiling_last``) is reported
+    as ``ceiling_drift`` (its median over the first's), never taken in its place.
+
+    ``computed``: prompt tokens each configuration computed. Where the two sides of a
+    ratio computed the same tokens, the ratio is :data:`SAME_TOKENS` instead: its
+    timing difference is noise. A configuration that did not run gives ``None``.
+    """
+    def warm_values(name: str) -> list[float]:
+        return [t for t, w in zip(ttft.get(name, ()), warm, strict=False) if w]
+
     def p50(name: str) -> float | None:
-        values = [t for t, w in zip(ttft.get(name, ()), warm, strict=False) if w]
+        values = warm_values(name)
         return statistics.median(values) if values else None
 
-    base = p50("connector")
-    out: dict[str, Any] = {}
-    for key, name in VERSUS.items():
-        other = p50(name)
-        out[f"speedup_vs_{key}_p50"] = (round(other / base, 3) if other is not None and base
-                                        else None)
-    runs = [v for v in (p50("ceiling"), p50("ceiling_last")) if v is not None]
-    ceiling = min(runs) if runs else None  # the faster of the ceiling's runs
-    out["ceiling_fraction"] = round(ceiling / base, 3) if ceiling is not None and base else None
-    for key, name in VERSUS.items():
-        other = p50(name)
-        out[f"bound_vs_{key}_p50"] = (round(other / ceiling, 3) if other is not None and ceiling
-                                      else None)
-    # the eviction policy's own ceiling: the same connector with a DDR tier that
-    # holds everything (loads cost what they cost; only what is kept differs)
-    everything, lru = p50("connector_all"), p50("connector_lru")
-    out["eviction_bound_vs_lru_p50"] = (round(lru / everything, 3)
-                                        if lru is not None and everything else None)
-    out["eviction_ceiling_fraction"] = (round(everything / base, 3)
-                                        if everything is not None and base else None)
-    # the same over the warm steps' total time: the median hides the few steps where
-    # what an eviction policy kept decides (a returning agent), the total does not
     def total(name: str) -> float | None:
-        values = [t for t, w in zip(ttft.get(name, ()), warm, strict=False) if w]
+        values = warm_values(name)
         return sum(values) if values else None
 
-    for key, name in (("speedup_vs_lru_total", "connector"),
-                      ("eviction_bound_vs_lru_total", "connector_all")):
-        lru_sum, own = total("connector_lru"), total(name)
-        out[key] = round(lru_sum / own, 3) if lru_sum is not None and own else None
+    def ratio(num: str, den: str, of: Any = p50) -> float | str | None:
+        a, b = of(num), of(den)
+        if a is None or not b:
+            return None
+        if computed is not None and num in computed and computed.get(num) == computed.get(den):
+            return SAME_TOKENS
+        return round(a / b, 3)
+
+    out: dict[str, Any] = {}
+    for key, name in VERSUS.items():
+        out[f"speedup_vs_{key}_p50"] = ratio(name, "connector")
+    out["ceiling_fraction"] = ratio("ceiling", "connector")
+    out["ceiling_fraction_total"] = ratio("ceiling", "connector", total)
+    for key, name in VERSUS.items():
+        out[f"bound_vs_{key}_p50"] = ratio(name, "ceiling")
+    first, again = p50("ceiling"), p50("ceiling_last")
+    out["ceiling_drift"] = round(again / first, 3) if first and again is not None else None
+    # the eviction policy's own ceiling: the same connector with a DDR tier that
+    # holds everything (loads cost what they cost; only what is kept differs)
+    out["eviction_bound_vs_lru_p50"] = ratio("connector_lru", "connector_all")
+    out["eviction_ceiling_fraction"] = ratio("connector_all", "connector")
+    # the same over the warm steps' total time: the median hides the few steps where
+    # what an eviction policy kept decides (a returning agent), the total does not
+    out["speedup_vs_lru_total"] = ratio("connector_lru", "connector", total)
+    out["eviction_bound_vs_lru_total"] = ratio("connector_lru", "connector_all", total)
     return out
 
 
@@ -203,13 +217,23 @@ def _twentieth(logprobs: Mapping[str, float]) -> float:
     return sorted(logprobs.values(), reverse=True)[:20][-1]
 
 
+def _step_stats(config: Mapping[str, Any], *, probe: bool = False
+                ) -> list[Mapping[str, Any]]:
+    """The connector's per-request records of the schedule's steps (``probe``: of the
+    quality probe after them), the server's warm-up requests dropped."""
+    stats = config.get("connector_stats") or []
+    skip = int(config.get("warmup_requests") or 0)
+    steps = len(config["rows"])
+    return list(stats[skip + steps:] if probe else stats[skip:skip + steps])
+
+
 def _hits(config: Mapping[str, Any]) -> dict[str, int]:
     """Prompt tokens served per tier over the schedule: vLLM's own cache, the
     connector's DDR tier, the shadow (read at startup only: 0 per request)."""
     rows = config["rows"]
     cached = sum(r.get("cached_tokens") or 0 for r in rows)
-    stats = config.get("connector_stats") or []
-    ddr = sum(s.get("external_hit_tokens") or 0 for s in stats[:len(rows)])
+    stats = _step_stats(config)
+    ddr = sum(s.get("external_hit_tokens") or 0 for s in stats)
     external = config.get("metrics", {})
     if not stats and config.get("lmcache"):
         ddr = int(external.get("vllm:external_prefix_cache_hits_total", 0)
@@ -319,7 +343,15 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
     first = runs[names[0]]["rows"]
     warm = [r["agent_turn"] >= 1 for r in first]
     ttft = {n: [r["ttft_ms"] for r in runs[n]["rows"]] for n in names}
-    result: dict[str, Any] = {"bench": "agents-vllm", **speedups(ttft, warm)}
+    hits = {n: _hits(runs[n]) for n in names}
+    computed = {n: h["computed"] for n, h in hits.items()}
+    result: dict[str, Any] = {"bench": "agents-vllm", **speedups(ttft, warm, computed)}
+    baseline = next((n for n in ("connector_lru", "apc") if n in runs), names[0])
+    if "ceiling" in runs:
+        warm_total = {n: sum(t for t, w in zip(ttft[n], warm, strict=True) if w)
+                      for n in names}
+        result["bounds"] = bounds({n: c for n, c in computed.items() if n != "ceiling_last"},
+                                  warm_total, ceiling="ceiling", baseline=baseline)
     for n in names:
         values = ttft[n]
         warm_values = [t for t, w in zip(values, warm, strict=True) if w]
@@ -333,9 +365,8 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         if n.startswith("ceiling") or not probe or not reference:
             continue
         qualities[n] = quality(reference["tops"], probe["tops"], reference["forced"])
-        stats = runs[n].get("connector_stats") or []
         qualities[n]["probe_connector_hit_tokens"] = sum(
-            s.get("external_hit_tokens") or 0 for s in stats[len(runs[n]["rows"]):])
+            s.get("external_hit_tokens") or 0 for s in _step_stats(runs[n], probe=True))
     main = qualities.get("connector", {})
     costs = {n: connector_costs(runs[n].get("metrics", {}), len(runs[n]["rows"]))
              for n in names}
@@ -343,7 +374,7 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
                                             "mean_kl")})
     result.update({
         "quality": qualities,
-        "hit_tokens": {n: _hits(runs[n]) for n in names},
+        "hit_tokens": hits,
         "ttft_ms": ttft,
         "warm_steps": warm,
         "prompt_tokens": {n: [r["prompt_tokens"] for r in runs[n]["rows"]] for n in names},
@@ -371,8 +402,10 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         "omp_num_threads": raw.get("omp_num_threads"),
         "machine": machine_info(),
         "method": "client-side TTFT (agent.invoke -> first streamed chunk); speedups: "
-                  "medians over warm steps (agent_turn >= 1); quality: teacher-forced "
-                  "probe against the ceiling, top-20 logprobs, float32",
+                  "medians over warm steps (agent_turn >= 1), 'same tokens' where both "
+                  "sides computed the same prompt tokens; bounds: prompt tokens computed "
+                  "against the ceiling's; quality: teacher-forced probe against the "
+                  "ceiling, top-20 logprobs, float32",
     })
     table: list[tuple[str, Any]] = [(f"warm ttft p50 {n} (ms)", result[f"{n}_warm_ttft_p50"])
                                     for n in names]
@@ -381,6 +414,7 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
               for k in VERSUS]
     table += [(k, result[k]) for k in ("eviction_bound_vs_lru_p50", "speedup_vs_lru_total",
                                       "eviction_bound_vs_lru_total", "ceiling_fraction",
+                                      "ceiling_fraction_total", "ceiling_drift",
                                       "eviction_ceiling_fraction", "teacher_forced_agreement",
                                       "ppl_ratio", "mean_kl")]
     table += [(f"{n}: load ms/step, ms/block; save ms/step; saved, skipped blocks",

@@ -31,6 +31,9 @@ middle values for an even count), a p95 the nearest-rank value. Figures:
 - ``speedup_shared_vs_local_p50`` / ``speedup_shared_vs_apc_p50``: the other
   configuration's median TTFT on the cross-replica steps over ``shared``'s;
   ``ceiling_fraction``: ``single``'s over ``shared``'s (1.0: as fast as one replica);
+  ``ceiling_fraction_total``: the same as a ratio of TTFT sums over the steps both
+  answered, or "same tokens" where both reused the same prompt tokens there;
+  ``first_configuration``: the one whose server started first in the run (slower);
   ``bound_shared_vs_local_p50``: ``local``'s over ``single``'s, the most any shared
   tier reaches against ``local`` on these steps (one replica that saw every turn).
 - ``routed_vs_shared_p50``: ``shared``'s median TTFT over the warm steps (an agent's
@@ -40,8 +43,8 @@ middle values for an even count), a p95 the nearest-rank value. Figures:
   in the shared tier, over every upload of ``shared``'s replicas.
 - ``shared_tier[c]`` for each configuration with a connector: the replicas' summed
   counters, bytes down / up, GETs, PUTs and HEADs of the shared tier per answered step;
-  ``deadline_misses``, ``refused`` and ``load_errors`` as totals (``failover``'s are the
-  surviving replica's: a stopped server is not scraped).
+  ``deadline_misses``, ``refused``, ``errors`` (store errors) and ``load_errors`` as
+  totals (``failover``'s are the surviving replica's: a stopped server is not scraped).
 - ``failover_errors``: the failover run's driver errors; ``failover_lost_turns``: its
   rows without an answer; ``failover_recomputed_tokens_after_stop``: prompt tokens not
   reused (prompt - cached) over its answered steps after replica 1 stopped;
@@ -62,6 +65,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from contextkit.bench._agents_report import SAME_TOKENS
 from contextkit.bench._common import (
     machine_info,
     positive_float,
@@ -89,7 +93,7 @@ PER_STEP = {"shared_bytes_down": "bytes_down_per_step", "shared_bytes_up": "byte
             "shared_lookup_seconds": "lookup_s_per_step", "load_seconds": "load_s_per_step",
             "save_seconds": "save_s_per_step"}
 TOTALS = {"shared_deadline_misses": "deadline_misses", "shared_refused": "refused",
-          "load_errors": "load_errors", "shared_dropped": "dropped",
+          "shared_errors": "errors", "load_errors": "load_errors", "shared_dropped": "dropped",
           "shared_deduplicated": "deduplicated"}
 
 
@@ -172,11 +176,31 @@ def _ratio(num: float | None, den: float | None, digits: int = 3) -> float | Non
     return round(num / den, digits) if num is not None and den else None
 
 
+def _both(rows: Sequence[Mapping[str, Any]], base: Sequence[Mapping[str, Any]],
+          steps: Sequence[int]) -> list[tuple[Mapping[str, Any], Mapping[str, Any]]]:
+    return [(a, b) for i in steps if (a := _at(rows, i)) is not None
+            and (b := _at(base, i)) is not None]
+
+
+def ceiling_fraction_total(shared: Sequence[Mapping[str, Any]],
+                           single: Sequence[Mapping[str, Any]],
+                           steps: Sequence[int]) -> float | str | None:
+    """``single``'s summed TTFT over ``shared``'s on the ``steps`` both answered (a ratio
+    of sums of the same steps), or :data:`SAME_TOKENS` where both reused the same
+    prompt tokens there: any timing difference is then noise."""
+    both = _both(shared, single, steps)
+    if not both:
+        return None
+    if sum(a.get("cached_tokens") or 0 for a, _ in both) == sum(
+            b.get("cached_tokens") or 0 for _, b in both):
+        return SAME_TOKENS
+    return _ratio(sum(b["ttft_ms"] for _, b in both), sum(a["ttft_ms"] for a, _ in both))
+
+
 def _hit_rate(rows: Sequence[Mapping[str, Any]], base: Sequence[Mapping[str, Any]],
               steps: Sequence[int]) -> float | None:
     """Tokens ``rows`` reused over those ``base`` reused, on the steps both answered."""
-    both = [(a, b) for i in steps if (a := _at(rows, i)) is not None
-            and (b := _at(base, i)) is not None]
+    both = _both(rows, base, steps)
     if not both:
         return None
     return _ratio(sum(a.get("cached_tokens") or 0 for a, _ in both),
@@ -318,6 +342,10 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         "speedup_shared_vs_local_p50": _ratio(p50.get("local"), p50.get("shared")),
         "speedup_shared_vs_apc_p50": _ratio(p50.get("apc"), p50.get("shared")),
         "ceiling_fraction": _ratio(p50.get("single"), p50.get("shared")),
+        "ceiling_fraction_total": ceiling_fraction_total(shared, single, cross),
+        # every configuration is one server lifetime in sequence, and a run's first
+        # lifetime is slow (cold OS caches): a ratio against it is not a bound
+        "first_configuration": (raw.get("order") or [None])[0],
         # the most any shared tier reaches against local on these steps: one replica
         # that saw every turn (single) over local
         "bound_shared_vs_local_p50": _ratio(p50.get("local"), p50.get("single")),
@@ -355,6 +383,7 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
     table += [(k, result[k]) for k in (
         "cross_replica_hit_rate", "cross_replica_hit_rate_local", "cross_replica_shared_tokens",
         "speedup_shared_vs_local_p50", "speedup_shared_vs_apc_p50", "ceiling_fraction",
+        "ceiling_fraction_total", "first_configuration",
         "bound_shared_vs_local_p50", "routed_vs_shared_p50", "routed_replica_unknown_steps",
         "shared_lag_p50_s", "shared_lag_p95_s", "failover_errors", "failover_lost_turns",
         "failover_recomputed_tokens_after_stop", "failover_hit_rate_after_stop")]

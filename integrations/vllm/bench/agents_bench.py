@@ -41,6 +41,10 @@ from integrations.vllm.bench.harness import params_for, read_stats
 __all__ = ["CONFIGS", "main", "measure"]
 
 BLOCK = 32
+#: Words of the requests each fresh server answers before the schedule (its one-time
+#: costs); the connector records them too, ahead of the steps.
+WARMUP_WORDS = (60, 1500, 1500)
+
 #: Every configuration, in the order they run (the ceiling first: the quality probe
 #: compares the others with its logprobs).
 CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru", "connector_fp16",
@@ -231,7 +235,7 @@ def _server(setup: Setup, work: Path, sizes: dict[str, Any], args: argparse.Name
     elif setup.connector is None:
         del srv.cmd[at:at + 2]
     srv.start()
-    for words in (60, 1500, 1500):  # one-time costs of the first requests
+    for words in WARMUP_WORDS:  # one-time costs of the first requests
         srv.post("/v1/chat/completions", {
             "model": SERVED, "max_tokens": 2, "cache_salt": "warmup",
             "messages": [{"role": "user", "content": "warm up: " + "tick " * words}]})
@@ -403,6 +407,8 @@ def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], 
             "connector": dict(setup.connector) if setup.connector is not None else None,
             "pin": setup.pin, "contextkit_order": setup.contextkit,
             "metrics": metrics_after_steps, "connector_stats": stats, "probe": probe,
+            # the connector records the warm-up requests first: the figures drop them
+            "warmup_requests": len(WARMUP_WORDS) if setup.connector is not None else 0,
             "lmcache": lmcache.describe() if lmcache is not None else None,
             "loadavg_1min": round(os.getloadavg()[0], 2)}
 

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from contextkit.bench._agents_report import SAME_TOKENS
 from contextkit.bench.agents_vllm import quality, result_of, speedups
 
 
@@ -59,7 +60,10 @@ def test_result_reports_hit_tokens_per_tier_quality_and_what_did_not_run(tmp_pat
             "connector": {"rows": _rows([900, 800, 200, 200]), "seconds": 1.0,
                           "loadavg_1min": 1.0, "probe": probe,
                           "metrics": {"vllm:contextkit_hit_tokens_total": 640.0},
-                          "connector_stats": [{"external_hit_tokens": 0}] * 2
+                          # the server's 3 warm-up requests come first
+                          "warmup_requests": 3,
+                          "connector_stats": [{"external_hit_tokens": 999}] * 3
+                          + [{"external_hit_tokens": 0}] * 2
                           + [{"external_hit_tokens": 320}] * 2
                           + [{"external_hit_tokens": 64}]},
         },
@@ -68,8 +72,9 @@ def test_result_reports_hit_tokens_per_tier_quality_and_what_did_not_run(tmp_pat
                   "prompt_tokens_mean": 2200, "budget_bytes": 10 ** 8, "host_blocks": 480},
         "workload": {"num_agents": 2, "num_steps": 4},
     }
-    args = argparse.Namespace(kv_agents=2.0, budget_agents=3.0, model=None, plot=None,
-                              out=str(tmp_path / "r.json"))
+    for row in raw["configs"]["apc"]["rows"][1:]:
+        row["cached_tokens"] = 500  # APC reuses less: its speedup is a timing, not noise
+    args = argparse.Namespace(kv_agents=2.0, budget_agents=3.0, model=None, plot=None)
     result = result_of(args, raw)
     assert result["speedup_vs_apc_p50"] == 3.5  # warm steps 2-3: 700 / 200
     assert result["hit_tokens"]["connector"] == {"vllm": 3000 - 640, "ddr": 640,
@@ -77,7 +82,50 @@ def test_result_reports_hit_tokens_per_tier_quality_and_what_did_not_run(tmp_pat
     assert result["teacher_forced_agreement"] == 1.0
     assert result["quality"]["connector"]["probe_connector_hit_tokens"] == 64
     assert result["not_run"] == {"lmcache": "SystemExit: no lmcache"}
-    assert (tmp_path / "r.json").is_file()
+    # bounds in prompt tokens computed: apc 8000 - 1500, connector and ceiling 8000 - 3000
+    assert set(result["bounds"]) == {"apc", "connector"}
+    assert result["bounds"]["connector"]["ttft_vs_ceiling"] == SAME_TOKENS
+    assert result["bounds"]["apc"]["computed_tokens"] == 6500
+    assert not any(b["beats_ceiling"] for b in result["bounds"].values())
+
+
+def test_the_warm_up_requests_records_are_not_counted_as_steps() -> None:
+    """The connector records the 3 warm-up requests first; reading the first N records
+    as the N steps would count the warm-up's hits and drop the last steps'."""
+    from contextkit.bench.agents_vllm import result_of
+
+    rows = _rows([900.0, 800.0, 200.0, 200.0])
+    stats = ([{"external_hit_tokens": 1000}] * 3 + [{"external_hit_tokens": 0}] * 2
+             + [{"external_hit_tokens": 320}] * 2)
+    run = {"rows": rows, "seconds": 1.0, "loadavg_1min": 1.0, "metrics": {},
+           "connector_stats": stats, "warmup_requests": 3}
+    raw = {"configs": {"connector": run}, "sizes": {
+        "kv_blocks_pressure": 1, "kv_blocks_ceiling": 2, "prompt_tokens_mean": 1,
+        "budget_bytes": 1, "host_blocks": 1}, "workload": {"num_agents": 2, "num_steps": 4}}
+    args = argparse.Namespace(kv_agents=2.0, budget_agents=3.0, model=None, plot=None)
+    assert result_of(args, raw)["hit_tokens"]["connector"]["ddr"] == 640
+
+
+def test_the_ceiling_is_its_own_run_and_a_second_run_only_measures_drift() -> None:
+    warm = [False, True, True]
+    ttft = {"connector": [1.0, 200.0, 200.0], "ceiling": [1.0, 100.0, 100.0],
+            "ceiling_last": [1.0, 50.0, 50.0], "apc": [1.0, 400.0, 400.0]}
+    got = speedups(ttft, warm)
+    assert got["ceiling_fraction"] == 0.5  # not 0.25 from the faster second run
+    assert got["ceiling_drift"] == 0.5
+    assert got["bound_vs_apc_p50"] == 4.0
+
+
+def test_configurations_computing_the_same_tokens_are_noise_not_a_speedup() -> None:
+    warm = [False, True, True]
+    ttft = {"connector": [1.0, 200.0, 200.0], "connector_lru": [1.0, 300.0, 300.0],
+            "ceiling": [1.0, 250.0, 250.0], "apc": [1.0, 400.0, 400.0]}
+    computed = {"connector": 1000, "connector_lru": 1000, "ceiling": 1000, "apc": 3000}
+    got = speedups(ttft, warm, computed)
+    assert got["speedup_vs_lru_p50"] == SAME_TOKENS
+    assert got["speedup_vs_lru_total"] == SAME_TOKENS
+    assert got["ceiling_fraction"] == SAME_TOKENS  # 'beating' the ceiling by 25% is drift
+    assert got["speedup_vs_apc_p50"] == 2.0
 
 
 def test_connector_tq4_is_the_default_policy_before_k5v4() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from contextkit.bench import BENCHMARKS, load
+from contextkit.bench._agents_report import SAME_TOKENS, bounds
 from contextkit.bench.agents import (
     POLICIES,
     add_arguments,
@@ -22,7 +23,6 @@ from contextkit.bench.agents import (
     run_interleaved,
     speedups,
 )
-from contextkit.bench._agents_report import SAME_TOKENS, bounds
 from contextkit.cli.commands import main
 from contextkit.engine.engine import Engine
 from gpu_cache import Tier

@@ -99,8 +99,7 @@ def _args(**kw: Any) -> argparse.Namespace:
 
 
 def test_figures_equal_hand_computed_values(tmp_path: Path) -> None:
-    out = tmp_path / "r.json"
-    result = result_of(_args(out=str(out)), raw())
+    result = result_of(_args(), raw())
     assert result["cross_replica_steps"] == [2, 3, 4, 5]
     assert result["shared_ttft_ms"] == [1000, 1000, 200, 300, 250, 350]
     assert result["apc_ttft_ms"][5] is None
@@ -121,7 +120,7 @@ def test_figures_equal_hand_computed_values(tmp_path: Path) -> None:
     assert result["shared_tier"]["shared"] == {
         "bytes_down_per_step": 1000.0, "bytes_up_per_step": 2000.0, "gets_per_step": 1.0,
         "puts_per_step": 2.0, "heads_per_step": 4.0, "deadline_misses": 1.0, "refused": 2.0,
-        "load_errors": 0.0, "lookup_s_per_step": None, "load_s_per_step": None,
+        "errors": None, "load_errors": 0.0, "lookup_s_per_step": None, "load_s_per_step": None,
         "save_s_per_step": None, "dropped": None, "deduplicated": None}
     assert result["shared_tier"]["failover"]["bytes_down_per_step"] == 600.0  # 3000 / 5
     assert set(result["shared_tier"]) == {"local", "shared", "routed", "failover"}
@@ -130,7 +129,23 @@ def test_figures_equal_hand_computed_values(tmp_path: Path) -> None:
     assert result["failover_hit_rate_after_stop"] == 0.75  # step 3 only: 1500 / 2000
     assert result["lost_turns"]["apc"] == 1
     assert result["server_seconds"]["single"] == 60.0 and result["chunk_blocks"] == 4
-    assert json.loads(out.read_text())["router_policy"] == "consistent_hash"
+    assert result["router_policy"] == "consistent_hash"
+    # the ratio of sums on steps 2-5: single 520 over shared 1100
+    assert result["ceiling_fraction_total"] == round(520 / 1100, 3)
+    assert result["first_configuration"] == CONFIGS[0]
+    assert result["shared_tier"]["shared"]["errors"] is None  # no such counter scraped
+
+
+def test_store_errors_are_reported_and_same_reuse_is_noise() -> None:
+    data = raw()
+    for m in data["configs"]["shared"]["metrics"]:
+        m["vllm:contextkit_shared_errors_total"] = 2.0
+    same = [r.get("cached_tokens") for r in data["configs"]["single"]["rows"]]
+    for row, cached in zip(data["configs"]["shared"]["rows"], same, strict=True):
+        row["cached_tokens"] = cached
+    result = result_of(_args(), data)
+    assert result["shared_tier"]["shared"]["errors"] == 4.0
+    assert result["ceiling_fraction_total"] == bench.SAME_TOKENS
 
 
 def test_a_config_that_did_not_run_gives_none(tmp_path: Path) -> None:
