@@ -7,8 +7,10 @@ test_langchain_standard.py`` runs ``ChatModelUnitTests`` and
 - ``invoke`` / ``ainvoke`` / ``stream`` / ``astream`` / ``batch`` / events; the async
   paths run the engine on a worker thread (the event loop keeps running; cancelling the
   task stops the generation after the current token);
-- the standard parameters ``model``, ``max_tokens``, ``stop``, ``temperature``,
-  ``timeout`` at construction and per call, plus ``top_p``, ``top_k``, ``seed`` and
+- every LangChain standard parameter: ``model``, ``max_tokens``, ``stop``,
+  ``temperature``, ``timeout`` at construction and per call, and ``max_retries`` and
+  ``api_key`` (accepted and kept, unused: the engine runs in this process, so nothing
+  goes over a network to retry or authenticate), plus ``top_p``, ``top_k``, ``seed`` and
   ``repetition_penalty`` (greedy unless ``temperature > 0``; a seed repeats a run);
 - ``usage_metadata`` with ``cache_read`` (tokens reused from the cache) and
   ``cache_creation``, ``response_metadata`` with ``model_name``, TTFT and blocks per tier;
@@ -19,8 +21,7 @@ test_langchain_standard.py`` runs ``ChatModelUnitTests`` and
   ``trim_messages(..., token_counter=model)`` and ``SummarizationMiddleware`` work offline.
 
 What it refuses, with an error that says so: unknown settings (as pydantic's
-``extra="forbid"``, with the nearest known name), ``max_retries`` (no network, nothing to
-retry), a ``model`` other than the engine's, image / audio / video / file content blocks
+``extra="forbid"``, with the nearest known name), a ``model`` other than the engine's, image / audio / video / file content blocks
 (SmolLM2-135M-Instruct reads text only), ``bind_tools`` and ``with_structured_output``
 (SmolLM2's chat template has no tool-call format and its 135M weights do not produce
 reliable JSON; serve a tool-calling model with vLLM instead).
@@ -38,7 +39,7 @@ from langchain_core.callbacks import (
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, SystemMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, SecretStr, model_validator
 
 from contextkit.engine.engine import Engine
 from contextkit.engine.sampling import SamplingParams
@@ -57,11 +58,8 @@ CALL_SETTINGS = ("max_tokens", "max_new_tokens", "temperature", "top_p", "top_k"
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "repetition_penalty")
 #: Why a setting other chat models take is refused here.
 _REFUSED = {
-    "max_retries": "the embedded engine makes no network calls, so there is nothing to "
-                   "retry; leave max_retries out",
     "base_url": "the model runs in this process on the engine; for a server use ChatOpenAI "
                 "with ContextKitMiddleware",
-    "api_key": "the model runs in this process on the engine; there is no API to authenticate",
 }
 
 
@@ -117,6 +115,10 @@ class ContextKitChatModel(BaseChatModel):
         temperature: ``None`` or 0 greedy; above 0 sampled (with ``top_p``, ``top_k``,
             ``seed``, ``repetition_penalty``: :class:`~contextkit.engine.sampling.SamplingParams`).
         timeout: seconds a call may take (checked after every token; then ``TimeoutError``).
+        max_retries: LangChain's standard parameter, accepted so code written for any
+            chat model runs unchanged; the engine runs in this process and makes no
+            network call, so there is nothing to retry (a failed call raises at once).
+        api_key: accepted for the same reason and never used or serialized.
         streaming: stream through ``invoke`` callbacks too.
     """
 
@@ -135,6 +137,8 @@ class ContextKitChatModel(BaseChatModel):
     seed: int | None = None
     repetition_penalty: float | None = None
     timeout: float | None = Field(default=None, gt=0)
+    max_retries: int = Field(default=2, ge=0)
+    api_key: SecretStr | None = Field(default=None, exclude=True)
     streaming: bool = False
 
     @model_validator(mode="before")

@@ -74,15 +74,23 @@ def test_constructor_max_tokens_and_stop_are_honoured(native: Engine) -> None:
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"max_token": 3}, r"unknown setting 'max_token' \(did you mean 'max_tokens'\?\)"),
     ({"temprature": 0.2}, r"did you mean 'temperature'"),
-    ({"max_retries": 2}, "nothing to retry"),
+    ({"max_retries": -1}, "max_retries"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": -1.0}, "temperature must be a number >= 0"),
     ({"top_p": 2.0}, r"top_p must be a number in \(0, 1\]"),
-], ids=["typo", "typo2", "max_retries", "zero-tokens", "temperature", "top_p"])
+], ids=["typo", "typo2", "negative-retries", "zero-tokens", "temperature", "top_p"])
 def test_settings_it_cannot_honour_are_refused(native: Engine, kwargs: dict[str, Any],
                                                message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         ContextKitChatModel(engine=native, **kwargs)
+
+
+def test_max_retries_is_accepted_as_every_chat_model_takes_it(native: Engine) -> None:
+    """LangChain's standard parameters include max_retries; code written for another
+    chat model passes it. Nothing goes over a network here, so nothing is retried."""
+    model = ContextKitChatModel(engine=native, max_retries=5, max_tokens=2)
+    assert model.max_retries == 5
+    assert model.invoke(HI).content is not None
 
 
 def test_unknown_call_settings_are_refused(native: Engine) -> None:

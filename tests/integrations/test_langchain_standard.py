@@ -40,13 +40,9 @@ class ContextKitStandard:
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
+        # The suite's standard parameters (max_tokens 100, timeout 60, max_retries 2,
+        # ...) are used as they are.
         return {"engine": _ENGINES["engine"]}
-
-    @property
-    def standard_chat_model_params(self) -> dict[str, Any]:
-        # LangChain's standard set less max_retries, which the class refuses (it makes
-        # no network calls); replies of 12 tokens keep the suite within minutes on CPU.
-        return {"temperature": 0, "max_tokens": 12, "timeout": 120, "stop": []}
 
     @property
     def has_tool_calling(self) -> bool:
