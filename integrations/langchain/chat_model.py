@@ -21,10 +21,11 @@ test_langchain_standard.py`` runs ``ChatModelUnitTests`` and
   ``trim_messages(..., token_counter=model)`` and ``SummarizationMiddleware`` work offline.
 
 What it refuses, with an error that says so: unknown settings (as pydantic's
-``extra="forbid"``, with the nearest known name), a ``model`` other than the engine's, image / audio / video / file content blocks
-(SmolLM2-135M-Instruct reads text only), ``bind_tools`` and ``with_structured_output``
-(SmolLM2's chat template has no tool-call format and its 135M weights do not produce
-reliable JSON; serve a tool-calling model with vLLM instead).
+``extra="forbid"``, with the nearest known name), a ``model`` other than the engine's,
+image / audio / video / file content blocks (SmolLM2-135M-Instruct reads text only),
+``bind_tools`` and ``with_structured_output`` (SmolLM2's chat template has no tool-call
+format and its 135M weights do not produce reliable JSON; serve a tool-calling model
+with vLLM instead).
 """
 
 from __future__ import annotations
