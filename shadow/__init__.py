@@ -9,6 +9,7 @@ and restores blocks into the host tier, re-pinning stable prefixes.
 
 from shadow._errors import (
     BlobNotFoundError,
+    BlobTooLargeError,
     CorruptShadowError,
     InvalidKeyError,
     InvalidSessionIdError,
@@ -45,6 +46,7 @@ __all__ = [
     "KEY_ENV",
     "STORES",
     "BlobNotFoundError",
+    "BlobTooLargeError",
     "BlobWriter",
     "BlockRecord",
     "CacheShadow",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "BlobNotFoundError",
+    "BlobTooLargeError",
     "CorruptShadowError",
     "InvalidKeyError",
     "InvalidSessionIdError",
@@ -34,6 +35,15 @@ class ShadowStoreError(ShadowError, RuntimeError):
 
 class BlobNotFoundError(ShadowStoreError, FileNotFoundError):
     """An object the store does not hold."""
+
+
+class BlobTooLargeError(ShadowError, ValueError):
+    """An object larger than the reader allows (:meth:`ShadowStore.get_limited`); nothing
+    of it was read. ``size`` is its size when the store said (else -1)."""
+
+    def __init__(self, message: str, size: int = -1) -> None:
+        super().__init__(message)
+        self.size = size
 
 
 class CorruptShadowError(ShadowError, ValueError):

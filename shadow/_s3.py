@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
-from shadow._errors import BlobNotFoundError, ShadowError, ShadowStoreError
+from shadow._errors import BlobNotFoundError, BlobTooLargeError, ShadowError, ShadowStoreError
 from shadow._store_base import BlobWriter, ShadowStore, StoreConfig, check_key
 
 __all__ = ["S3Store", "client_config"]
@@ -217,6 +217,38 @@ class S3Store(ShadowStore):
             raise
         body: bytes = resp["Body"].read()
         return body
+
+    @_s3_errors("get")
+    def get_limited(self, key: str, limit: int) -> bytearray:
+        # one ranged GET: the answer's Content-Range gives the size, so an object
+        # larger than the limit costs at most limit + 1 bytes
+        try:
+            resp = self.client.get_object(Bucket=self.bucket, Key=self._object_key(key),
+                                          Range=f"bytes=0-{limit}")
+        except Exception as exc:
+            if self._missing(exc):
+                raise BlobNotFoundError(f"{self.url}/{key} does not exist") from None
+            code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+            if code in ("InvalidRange", "416"):  # an empty object has no byte 0
+                return bytearray()
+            raise
+        total = resp.get("ContentRange", "").rpartition("/")[2]
+        size = int(total) if total.isdigit() else int(resp.get("ContentLength", 0))
+        if size > limit:
+            resp["Body"].close()
+            raise BlobTooLargeError(f"{self.url}/{key} holds {size} bytes, more than "
+                                    f"{limit}", size)
+        buf = bytearray(size)
+        view, n = memoryview(buf), 0
+        while n < size:
+            chunk = resp["Body"].read(min(8 << 20, size - n))
+            if not chunk:
+                break
+            view[n:n + len(chunk)] = chunk
+            n += len(chunk)
+        del view
+        del buf[n:]
+        return buf
 
     @_s3_errors("read")
     def read_into(self, key: str, offset: int, buffer: memoryview) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar
 
-from shadow._errors import ShadowStoreError
+from shadow._errors import BlobNotFoundError, BlobTooLargeError, ShadowStoreError
 
 __all__ = ["S3_MIN_PART_BYTES", "S3_RETRY_MODES", "BlobWriter", "ShadowStore", "StoreConfig",
            "check_key"]
@@ -163,6 +163,25 @@ class ShadowStore(abc.ABC):
 
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
+
+    def get_limited(self, key: str, limit: int) -> bytearray:
+        """The whole object when it holds at most ``limit`` bytes; its size is checked
+        before it is read, and no more than ``limit`` bytes are ever read.
+
+        Raises:
+            BlobNotFoundError: no object under ``key``.
+            BlobTooLargeError: the object is larger than ``limit``.
+        """
+        size = self.size(key)
+        if size is None:
+            raise BlobNotFoundError(f"{self.url}/{key} does not exist")
+        if size > limit:
+            raise BlobTooLargeError(f"{self.url}/{key} holds {size} bytes, more than "
+                                    f"{limit}", size)
+        buf = bytearray(size)
+        n = self.read_into(key, 0, memoryview(buf))
+        del buf[n:]  # shorter now: replaced since its size was read
+        return buf
 
     def list_sizes(self, prefix: str = "") -> builtins.list[tuple[str, int]]:
         """:meth:`list` with each object's size (S3 answers both in one listing)."""

@@ -104,6 +104,12 @@ class MeteredStore(ShadowStore):
             self.bytes_read += n
         return n
 
+    def get_limited(self, key: str, limit: int) -> bytearray:
+        data = self.inner.get_limited(key, limit)
+        with self._lock:
+            self.bytes_read += len(data)
+        return data
+
     def size(self, key: str) -> int | None:
         return self.inner.size(key)
 

@@ -22,7 +22,9 @@ def add_shared(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         description="For every model in the store: delete chunks no live replica leases "
                     "that are older than --max-age-s (--pinned-max-age-s for chunks holding "
                     "a pinned block), then trim each tenant to --tenant-budget-mb, least "
-                    "valuable first (unpinned, low importance, old). Lists the store once.")
+                    "valuable first (unpinned, low importance, old). Lists the store once. "
+                    "Needs the replicas' key in $CONTEXTKIT_SHADOW_KEY: only what it "
+                    "authenticates is kept by its header or lease.")
     gc.add_argument("url", help="the shared tier: s3://bucket/prefix or file:///path")
     gc.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (MinIO, Ceph)")
     gc.add_argument("--max-age-s", type=float, default=24 * 3600.0,
@@ -38,15 +40,21 @@ def add_shared(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 def _gc(args: argparse.Namespace) -> int:
     from shadow import StoreConfig, open_store
+    from shadow.auth import KEY_STEP, resolve_key
     from shadow.shared.retention import collect_store
     from shadow.shared.tier import SharedTierConfig
 
+    key = resolve_key()
+    if key is None:  # without it no header or lease can be trusted (or kept)
+        print(f"contextkit shared gc needs the replicas' key: {KEY_STEP} (the same value)",
+              file=sys.stderr)
+        return 2
     config = SharedTierConfig(url=args.url, endpoint_url=args.endpoint_url,
                               max_age_s=args.max_age_s, pinned_max_age_s=args.pinned_max_age_s,
                               tenant_budget_bytes=args.tenant_budget_mb << 20)
     store = open_store(args.url, StoreConfig(endpoint_url=args.endpoint_url), create=False)
     try:
-        reports = collect_store(store, config)
+        reports = collect_store(store, config, mac_key=key)
     finally:
         store.close()
     result = {model: report.as_dict() for model, report in reports.items()}

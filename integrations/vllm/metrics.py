@@ -31,7 +31,8 @@ The shared tier (:mod:`integrations.vllm.shared`) adds counters ``shared_hit_tok
 (prompt tokens a lookup found there), ``shared_imported_blocks`` (brought into DDR),
 ``shared_heads``, ``shared_gets``, ``shared_puts``, ``shared_bytes_down``,
 ``shared_bytes_up``, ``shared_deadline_misses`` (gave up: the request recomputed),
-``shared_refused`` (tampered, replayed, foreign or corrupt objects),
+``shared_refused`` (tampered, replayed, foreign, corrupt or oversize objects, and loads
+that failed),
 ``shared_deduplicated`` (not uploaded: held already), ``shared_lookup_seconds`` (what
 requests waited for lookups), ``shared_dropped`` (write-behind
 queue full, or blocks evicted first), ``shared_errors``, and the gauge
@@ -124,8 +125,9 @@ _DOCS = {
     "shared_bytes_up": "Bytes written to contextkit's shared tier.",
     "shared_deadline_misses": "Shared-tier lookups or loads that gave up at the deadline "
                               "(the request recomputed).",
-    "shared_refused": "Shared-tier objects refused: tampered, replayed, corrupt or of "
-                      "another model (the request recomputed).",
+    "shared_refused": "Shared-tier objects refused: tampered, replayed, corrupt, oversize "
+                      "or of another model, and loads that failed (the request "
+                      "recomputed).",
     "shared_deduplicated": "Chunks not uploaded to contextkit's shared tier: it held them.",
     "shared_dropped": "Uploads to contextkit's shared tier dropped (write-behind queue full, "
                       "or the blocks were evicted before their upload).",

@@ -175,16 +175,30 @@ class SharedWriter:
     def bring_in(self, spec: LoadSpec) -> tuple[list[bytes], list[bytes]]:
         """Import the load's shared chunks whose keys it needs and the DDR tier lacks.
         Returns the keys imported (what is missing after it is recomputed) and the keys
-        evicted to make room for them."""
+        evicted to make room for them. Never raises (vLLM's forward waits on it): a
+        failure refuses the chunk there (``shared_refused``), and the rest recomputes."""
+        imported: list[bytes] = []
+        removed: list[bytes] = []
+        try:
+            self._bring_in(spec, imported, removed)
+        except Exception:
+            self.store.stats.count("shared_refused")
+            logger.exception("shared tier load of request %s failed; its blocks recompute",
+                             spec.req_id)
+        try:
+            record_counters(self.tier, self.store.stats)
+        except Exception:
+            logger.exception("shared tier counters lost")
+        return imported, removed
+
+    def _bring_in(self, spec: LoadSpec, imported: list[bytes], removed: list[bytes]) -> None:
         if not spec.shared:
-            return [], []
+            return
         missing = self.store.missing(spec.keys)
         todo = [chunk for chunk in spec.shared if any(k in missing for k in chunk)]
         if not todo:
-            return [], []
+            return
         got = self.tier.fetch(spec.tenant, [chunk[-1] for chunk in todo])
-        imported: list[bytes] = []
-        removed: list[bytes] = []
         for chunk, expect in zip(got, todo, strict=False):
             if chunk.keys != list(expect):
                 self.store.stats.count("shared_refused")
@@ -195,8 +209,6 @@ class SharedWriter:
             imported += held
             removed += gone
             self._hold(chunk.path, expect[-1], spec.tenant)
-        record_counters(self.tier, self.store.stats)
-        return imported, removed
 
     # ------------------------------------------------------------------ start
     def warm(self, max_bytes: int, on_imported: Imported) -> int:
@@ -213,7 +225,12 @@ class SharedWriter:
                 if path in self._held_chunks:
                     continue
             for chunk in self.tier.fetch(tenant, [last_key]):
-                keys, removed = self.store.import_chunk(chunk, chunk.keys)
+                try:
+                    keys, removed = self.store.import_chunk(chunk, chunk.keys)
+                except Exception:  # one object's failure stops no warm-up
+                    self.store.stats.count("shared_refused")
+                    logger.exception("shared tier object %s refused", chunk.path)
+                    continue
                 if keys or removed:
                     on_imported(keys, removed)
                 if keys:

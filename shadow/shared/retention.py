@@ -11,13 +11,22 @@
    fits, least valuable first: unpinned before pinned, then lower mean importance,
    then older. One tenant's volume never deletes another tenant's chunks.
 
+Only what the deployment's key authenticates counts: a lease's MAC, an object's
+header MAC (read alone, at most :data:`~shadow.shared.objects.MAX_HEADER_BYTES`),
+every header field checked. An object no reader would serve (not an object, a header
+it cannot parse, a forged or moved one, a size its header does not describe) is
+deleted as unreadable, and the pass goes on; so is a lease that is forged, unreadable
+or whose time is not finite or runs further ahead than ``lease_s`` or
+``max_age_s``. Should the key
+authenticate nothing of a model while something fails its MAC (the collector holds
+another deployment's key), nothing is deleted for a failed MAC (logged).
+
 Run it from one place at a time (any replica's connector on a timer, or
 ``contextkit shared gc``); two collectors at once only delete twice.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,18 +34,35 @@ from typing import Any
 
 from shadow._errors import BlobNotFoundError, ShadowStoreError
 from shadow._store_base import ShadowStore
-from shadow.shared.objects import MAGIC, SharedObjectError, header_bytes_needed, read_header
-from shadow.shared.tier import SharedTier, SharedTierConfig
+from shadow.shared.objects import (
+    MAC_BYTES,
+    PREFIX_BYTES,
+    SharedObjectError,
+    header_length,
+    model_tag,
+    object_bytes,
+    parse_header,
+    read_header,
+)
+from shadow.shared.tier import SharedTier, SharedTierConfig, lease_runs, read_lease
 
-__all__ = ["CollectReport", "collect", "collect_model", "collect_store"]
+__all__ = ["CLOCK_SKEW_S", "CollectReport", "collect", "collect_model", "collect_store"]
 
 logger = logging.getLogger(__name__)
 _HEAD_READ = 64 * 1024
+#: A header written further ahead of the collector's clock than this counts as oldest.
+CLOCK_SKEW_S = 300.0
 
 
 @dataclass
 class CollectReport:
-    """What one collection found and deleted."""
+    """What one collection found and deleted.
+
+    ``unreadable``: objects no reader would serve (deleted unless ``unverified``);
+    ``refused``: the same by reason (corrupt, tampered, replayed, foreign);
+    ``leases_refused``: leases forged, unreadable or of a time not to be trusted;
+    ``unverified``: things that failed their MAC and were kept, because the key
+    authenticated nothing of the model (another deployment's key?)."""
 
     objects: int = 0
     bytes: int = 0
@@ -45,7 +71,10 @@ class CollectReport:
     over_budget: int = 0
     unreadable: int = 0
     leases_expired: int = 0
+    leases_refused: int = 0
+    unverified: int = 0
     bytes_deleted: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
     tenants: dict[str, int] = field(default_factory=dict)  # tenant tag -> bytes kept
 
     def as_dict(self) -> dict[str, Any]:
@@ -61,99 +90,136 @@ class _Object:
     importance: float
 
 
-def _live_leases(store: ShadowStore, prefix: str, now: float, report: CollectReport
-                 ) -> set[str]:
-    live: set[str] = set()
-    for key in store.list(prefix):
-        try:
-            doc = json.loads(store.get(key))
-            expires, chunks = float(doc["expires_at"]), [str(c) for c in doc["chunks"]]
-        except BlobNotFoundError:
-            continue
-        except (ValueError, KeyError, TypeError):
-            logger.warning("shared tier lease %s is unreadable; deleting it", key)
-            store.delete(key)
-            continue
-        if expires < now:
-            store.delete(key)
-            report.leases_expired += 1
-            continue
-        live.update(chunks)
-    return live
-
-
-def _read(store: ShadowStore, path: str, size: int) -> _Object | None:
+def _read(store: ShadowStore, path: str, size: int, mac_key: bytes, model: str,
+          now: float) -> _Object:
+    """The retention facts of one object, from its authenticated header only."""
+    if size < PREFIX_BYTES + 2 * MAC_BYTES:
+        raise SharedObjectError("corrupt", f"{size} bytes, too short")
     buf = bytearray(min(size, _HEAD_READ))
-    n = store.read_into(path, 0, memoryview(buf))
-    head = bytes(buf[:n])
-    if head[:len(MAGIC)] != MAGIC:
-        return None
-    need = header_bytes_needed(head)
+    head = memoryview(buf)[:store.read_into(path, 0, memoryview(buf))]
+    n = header_length(head)  # bounded: at most MAX_HEADER_BYTES
+    need = PREFIX_BYTES + n + MAC_BYTES
+    if need > size:
+        raise SharedObjectError("corrupt", "the header is cut short")
     if need > len(head):
-        more = bytearray(need)
-        store.read_into(path, 0, memoryview(more))
-        head = bytes(more)
-    doc = read_header(head)
-    blocks = doc.get("blocks") or []
-    importance = (sum(float(b.get("importance", 0.5)) for b in blocks) / len(blocks)
-                  if blocks else 0.0)
-    return _Object(path, size, float(doc.get("written_at", 0.0)),
-                   any(bool(b.get("pinned")) for b in blocks), importance)
+        buf = bytearray(need)
+        head = memoryview(buf)[:store.read_into(path, 0, memoryview(buf))]
+    header = parse_header(read_header(head, mac_key))
+    parts = path.split("/")
+    if header.path != path or header.tenant != parts[2]:
+        raise SharedObjectError("replayed", f"written as {header.path!r}")
+    if model_tag(header.identity) != model:
+        raise SharedObjectError("foreign", f"written for {header.identity.model_id}")
+    if object_bytes(n, header) != size:
+        raise SharedObjectError("corrupt", f"{size} bytes, its header describes "
+                                f"{object_bytes(n, header)}")
+    blocks = header.blocks
+    importance = sum(b.importance for b in blocks) / len(blocks) if blocks else 0.0
+    written_at = header.written_at if header.written_at <= now + CLOCK_SKEW_S else 0.0
+    return _Object(path, size, written_at, any(b.pinned for b in blocks), importance)
 
 
 def collect(tier: SharedTier, now: float | None = None) -> CollectReport:
     """Apply the tier's expiry and per-tenant budget to its model's objects (see the
     module's docstring)."""
-    return collect_model(tier.store, tier.tenants_prefix.split("/", 1)[0], tier.config, now)
+    return collect_model(tier.store, tier.tenants_prefix.split("/", 1)[0], tier.config,
+                         now, mac_key=tier.mac_key)
 
 
-def collect_store(store: ShadowStore, config: SharedTierConfig, now: float | None = None
-                  ) -> dict[str, CollectReport]:
+def collect_store(store: ShadowStore, config: SharedTierConfig, now: float | None = None,
+                  *, mac_key: bytes) -> dict[str, CollectReport]:
     """:func:`collect_model` for every model in the store (one listing to find them;
     ``contextkit shared gc``). Returns each model tag's report."""
     models = sorted({key.split("/", 1)[0] for key in store.list()
                      if key.count("/") >= 2 and key.split("/")[1] in ("t", "leases")})
-    return {model: collect_model(store, model, config, now) for model in models}
+    return {model: collect_model(store, model, config, now, mac_key=mac_key)
+            for model in models}
 
 
 def collect_model(store: ShadowStore, model: str, config: SharedTierConfig,
-                  now: float | None = None) -> CollectReport:
+                  now: float | None = None, *, mac_key: bytes) -> CollectReport:
     """Apply ``config``'s expiry and per-tenant budget to the objects of the model
-    whose name prefix is ``model`` (:func:`~shadow.shared.objects.model_tag`).
+    whose name prefix is ``model`` (:func:`~shadow.shared.objects.model_tag`), trusting
+    only what ``mac_key`` (the deployment's key) authenticates.
 
-    Objects that are not readable shared-tier objects are deleted as expired: no
-    reader would serve them. Store errors end the collection (logged); what was
-    deleted stays deleted.
+    Store errors end the collection (logged); what was deleted stays deleted.
     """
     now = time.time() if now is None else now
     report = CollectReport()
     tenants_prefix = f"{model}/t/"
+    verified = 0
+    forged: list[tuple[str, int]] = []  # failed their MAC: deleted once the key is shown right
+
+    def drop(path: str, size: int) -> None:
+        store.delete(path)
+        report.bytes_deleted += size
+
     try:
-        live = _live_leases(store, f"{model}/leases/", now, report)
+        live: set[str] = set()
+        for key in store.list(f"{model}/leases/"):
+            try:
+                lease = read_lease(store, key, mac_key)
+            except BlobNotFoundError:
+                continue
+            except SharedObjectError as exc:
+                logger.warning("shared tier lease %s refused (%s): %s", key, exc.reason, exc)
+                report.leases_refused += 1
+                if exc.reason == "tampered":
+                    forged.append((key, 0))
+                else:
+                    store.delete(key)
+                continue
+            verified += 1
+            if lease.expires_at < now:
+                store.delete(key)
+                report.leases_expired += 1
+            elif lease_runs(lease, now, config):
+                live.update(lease.chunks)
+            else:  # runs further ahead than any expiry: not to be trusted
+                store.delete(key)
+                report.leases_refused += 1
         by_tenant: dict[str, list[_Object]] = {}
         for path, size in store.list_sizes(tenants_prefix):
             report.objects += 1
             report.bytes += size
             try:
-                obj = _read(store, path, size)
-            except (BlobNotFoundError, SharedObjectError):
-                obj = None
-            if obj is None:
-                report.unreadable += 1
-                store.delete(path)
-                report.bytes_deleted += size
+                obj = _read(store, path, size, mac_key, model, now)
+            except BlobNotFoundError:
                 continue
+            except SharedObjectError as exc:
+                report.unreadable += 1
+                report.refused[exc.reason] = report.refused.get(exc.reason, 0) + 1
+                if exc.reason == "tampered":
+                    forged.append((path, size))
+                else:
+                    drop(path, size)
+                continue
+            except ShadowStoreError:
+                raise
+            except Exception:  # no check foresaw it: skipped, counted, never fatal
+                logger.exception("shared tier object %s skipped", path)
+                report.unreadable += 1
+                report.refused["error"] = report.refused.get("error", 0) + 1
+                continue
+            verified += 1
             if path in live:
                 report.leased += 1
             else:
                 max_age = config.pinned_max_age_s if obj.pinned else config.max_age_s
                 if now - obj.written_at > max_age:
-                    store.delete(path)
+                    drop(path, size)
                     report.expired += 1
-                    report.bytes_deleted += size
                     continue
             tenant = path[len(tenants_prefix):].split("/", 1)[0]
             by_tenant.setdefault(tenant, []).append(obj)
+        if forged and not verified:
+            logger.error("shared tier %s: %d objects or leases fail their MAC and none "
+                         "verifies: is this the deployment's key? Nothing deleted for it",
+                         model, len(forged))
+            report.unverified = len(forged)
+        else:
+            for path, size in forged:
+                drop(path, size)
         for tenant, objs in by_tenant.items():
             held = sum(o.size for o in objs)
             victims = sorted((o for o in objs if o.path not in live),
@@ -161,10 +227,9 @@ def collect_model(store: ShadowStore, model: str, config: SharedTierConfig,
             for obj in victims:
                 if held <= config.tenant_budget_bytes:
                     break
-                store.delete(obj.path)
+                drop(obj.path, obj.size)
                 held -= obj.size
                 report.over_budget += 1
-                report.bytes_deleted += obj.size
             report.tenants[tenant] = held
     except ShadowStoreError as exc:
         logger.error("shared tier collection stopped: %s", exc)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import hashlib
 import hmac
-import json
 import logging
 import os
 import socket
@@ -32,21 +31,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_cache import CacheIdentity
-from shadow._errors import BlobNotFoundError, ShadowError, ShadowStoreError
+from shadow._errors import BlobNotFoundError, BlobTooLargeError, ShadowError, ShadowStoreError
 from shadow._store_base import ShadowStore, StoreConfig
 from shadow.auth import KEY_STEP, resolve_key
 from shadow.shared.objects import (
+    MAX_LEASE_BYTES,
+    Lease,
     SharedChunk,
     SharedObjectError,
     chunk_path,
     decode_chunk,
+    decode_lease,
     encode_chunk,
+    encode_lease,
+    max_object_bytes,
     model_tag,
     tenant_tag,
 )
 from shadow.stores import open_store
 
-__all__ = ["SharedTier", "SharedTierConfig", "SharedTierError", "default_writer_id"]
+__all__ = ["SharedTier", "SharedTierConfig", "SharedTierError", "default_writer_id",
+           "lease_runs", "read_lease"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +136,29 @@ class Counters:
         return out
 
 
+def read_lease(store: ShadowStore, path: str, mac_key: bytes) -> Lease:
+    """The lease at ``path``, verified (:func:`~shadow.shared.objects.decode_lease`),
+    read only when it is at most :data:`~shadow.shared.objects.MAX_LEASE_BYTES` long.
+
+    Raises:
+        BlobNotFoundError: none there.
+        SharedObjectError: ``oversize``, ``corrupt`` or ``tampered``.
+        ShadowStoreError: the store failed.
+    """
+    try:
+        data = store.get_limited(path, MAX_LEASE_BYTES)
+    except BlobTooLargeError as exc:
+        raise SharedObjectError("oversize", str(exc)) from None
+    return decode_lease(data, mac_key, path)
+
+
+def lease_runs(lease: Lease, now: float, config: SharedTierConfig) -> bool:
+    """Whether ``lease`` holds at ``now``: not past, and not further ahead than
+    ``lease_s`` or ``max_age_s``, whichever is longer (no one write keeps a chunk for
+    ever)."""
+    return now <= lease.expires_at <= now + max(config.lease_s, config.max_age_s)
+
+
 class SharedTier:
     """One replica's handle on the shared tier of one key identity.
 
@@ -160,6 +188,8 @@ class SharedTier:
         self.writer = writer or default_writer_id()
         self._key = key
         self._model = model_tag(identity)
+        #: no object at a chunk's name is larger: bigger ones are refused unread
+        self.max_object_bytes = max_object_bytes(identity, config.chunk_blocks)
         self._tags: dict[str, str] = {}  # tenant -> its keyed tag
         try:
             self.store = store or open_store(
@@ -257,11 +287,26 @@ class SharedTier:
         return found
 
     def _get(self, path: str, tenant: str) -> SharedChunk | None:
+        try:
+            return self._load(path, tenant)
+        except Exception as exc:  # a bug or an object no check foresaw: never the forward's
+            self._refuse("corrupt")
+            logger.exception("shared tier object %s refused (%s); the request recomputes",
+                             path, type(exc).__name__)
+            return None
+
+    def _load(self, path: str, tenant: str) -> SharedChunk | None:
         self._count(gets=1)
         try:
-            data = self.store.get(path)
+            data = self.store.get_limited(path, self.max_object_bytes)
         except BlobNotFoundError:
             self._forget(path)
+            return None
+        except BlobTooLargeError as exc:
+            self._refuse("oversize")
+            logger.error("shared tier object %s refused unread: %d bytes, at most %d for "
+                         "this model; the request recomputes", path, exc.size,
+                         self.max_object_bytes)
             return None
         except ShadowStoreError as exc:
             self._count(errors=1)
@@ -323,22 +368,37 @@ class SharedTier:
         """Record the chunks this writer holds (name -> tenant), for ``lease_s`` seconds:
         collection keeps them (:func:`~shadow.shared.retention.collect`), and a replica
         that starts warms its DDR tier with them (:meth:`leased`). Tenants are sealed
-        (AES-GCM under the deployment key): a lease never spells a tenant's salt."""
+        (AES-GCM under the deployment key): a lease never spells a tenant's salt. The
+        lease carries a MAC: collection trusts no other."""
         now = time.time() if now is None else now
-        doc = {"writer": self.writer, "expires_at": now + self.config.lease_s,
-               "chunks": sorted(chunks),
-               "tenants": {path: self._seal(tenant) for path, tenant in chunks.items()}}
+        path = self.lease_prefix + self.writer
+        lease = Lease(self.writer, now + self.config.lease_s, sorted(chunks),
+                      {name: self._seal(tenant) for name, tenant in chunks.items()})
         self._count(puts=1)
         try:
-            self.store.put(self.lease_prefix + self.writer, json.dumps(doc).encode())
+            self.store.put(path, encode_lease(lease, self._key, path))
         except ShadowStoreError as exc:
             self._count(errors=1)
             logger.warning("shared tier lease of %s failed: %s", self.writer, exc)
 
+    @property
+    def mac_key(self) -> bytes:
+        """The deployment's key (collection verifies headers and leases with it)."""
+        return self._key
+
+    def read_lease(self, path: str, now: float) -> Lease | None:
+        """The lease at ``path`` if it is authentic and runs at ``now``; None otherwise."""
+        self._count(gets=1)
+        try:
+            lease = read_lease(self.store, path, self._key)
+        except (BlobNotFoundError, SharedObjectError):
+            return None
+        return lease if lease_runs(lease, now, self.config) else None
+
     def leased(self, now: float | None = None) -> list[tuple[str, str, bytes]]:
         """Every live writer's leased chunks as ``(name, tenant, last key)``, newest
-        lease first (one listing of the leases; a lease that cannot be read or
-        unsealed is skipped)."""
+        lease first (one listing of the leases; a lease that cannot be read, verified
+        or unsealed is skipped)."""
         now = time.time() if now is None else now
         out: list[tuple[float, str, str, bytes]] = []
         try:
@@ -348,24 +408,18 @@ class SharedTier:
             return []
         self._count(lists=1)
         for key in keys:
-            try:
-                self._count(gets=1)
-                doc = json.loads(self.store.get(key))
-                expires = float(doc["expires_at"])
-                sealed = dict(doc.get("tenants") or {})
-            except (ShadowError, ValueError, KeyError, TypeError):
+            lease = self.read_lease(key, now)
+            if lease is None:
                 continue
-            if expires < now:
-                continue
-            for path, box in sealed.items():
-                tenant = self._unseal(str(box))
+            for path, box in lease.tenants.items():
+                tenant = self._unseal(box)
                 last = path.rsplit("/", 1)[-1]
                 try:
                     last_key = bytes.fromhex(last)
                 except ValueError:
                     continue
                 if tenant is not None and self.path(tenant, last_key) == path:
-                    out.append((expires, path, tenant, last_key))
+                    out.append((lease.expires_at, path, tenant, last_key))
         out.sort(key=lambda x: -x[0])
         unique: dict[str, tuple[str, str, bytes]] = {}
         for _, path, tenant, last_key in out:

@@ -321,9 +321,11 @@ def test_a_lease_is_what_the_writer_holds_tenants_sealed(url: str,
 
 
 def test_contextkit_shared_gc_collects_every_model_in_the_store(
-        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+        ) -> None:
     from contextkit.cli.commands import main
 
+    monkeypatch.setenv("CONTEXTKIT_SHADOW_KEY", KEY.decode())
     url = f"file://{tmp_path / 'shared'}"
     tier = _tier(url, max_age_s=60.0)
     other = SharedTier(dataclasses.replace(SMALL, model_id="test/other"),

@@ -5,9 +5,12 @@ tenants, refusals and write-behind deduplication on the way."""
 from __future__ import annotations
 
 import json
+import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,8 +20,10 @@ from integrations.vllm.identity import vllm_cache_identity
 from integrations.vllm.planning import RequestPlanner, StepRequest, WorkerReport
 from integrations.vllm.shared import SharedLookups, SharedWriter
 from integrations.vllm.store import ConnectorStore
-from shadow.shared import SharedTier
+from shadow.shared import SharedChunk, SharedTier
+from shadow.shared.objects import assemble_object, split_object
 from tests.integrations.vllm.conftest import TINY_DIM, TINY_HEADS, TINY_LAYERS
+from tests.shadow.shared_mutations import signed, unsigned
 
 BS, C = 16, 4
 KEY = "shared-test-key"
@@ -151,6 +156,96 @@ def test_a_tampered_chunk_is_refused_and_its_blocks_recomputed(
     imported, loaded = _load(b, "r2", TOKENS, 8)
     assert len(imported) == 4 and loaded == 4  # blocks 4-7: load errors, vLLM recomputes
     assert (b.store.take_stats() or {})["counters"]["shared_refused"] == 1
+
+
+def _nan_importance(doc: dict[str, Any]) -> None:
+    doc["blocks"][0]["importance"] = float("nan")
+
+
+def _version_99(doc: dict[str, Any]) -> None:
+    doc["version"] = 99
+
+
+def _position_past_the_chunk(doc: dict[str, Any]) -> None:
+    doc["parts"][0]["positions"][-1] = 99
+
+
+def _written_at_text(doc: dict[str, Any]) -> None:
+    doc["written_at"] = "yesterday"
+
+
+def _short_tensor(doc: dict[str, Any]) -> None:
+    doc["parts"][0]["tensors"]["k_packed"]["shape"][-1] //= 2
+
+
+@pytest.mark.parametrize("mutate", [_nan_importance, _version_99, _position_past_the_chunk,
+                                    _written_at_text, _short_tensor])
+def test_a_mac_valid_malformed_chunk_is_refused_on_the_load_path(
+        replicas: tuple[Replica, Replica], mutate: Callable[[dict[str, Any]], None]) -> None:
+    # a replica holding the key but running other code wrote chunk 1: the load
+    # (start_load_kv -> bring_in) refuses it, counts it, and loads what it can
+    a, b = replicas
+    stored = _compute(a, "r1", TOKENS)
+    second = a.writer.tier.path("acme", stored[7])
+    doc, body = split_object(a.writer.tier.store.get(second))
+    mutate(doc)
+    a.writer.tier.store.put(second, assemble_object(json.dumps(doc).encode(), bytes(body),
+                                                    KEY.encode()))
+    assert _lookup(b, "r2", TOKENS) == 8
+    imported, loaded = _load(b, "r2", TOKENS, 8)
+    assert len(imported) == 4 and loaded == 4  # chunk 0; chunk 1's blocks recompute
+    assert (b.store.take_stats() or {})["counters"]["shared_refused"] == 1
+
+
+def test_fuzzed_chunks_never_raise_out_of_the_load_path(replicas: tuple[Replica, Replica]
+                                                        ) -> None:
+    # seeded mutations of chunk 1, with and without the key: every load returns,
+    # chunk 0 always loads, chunk 1 only when the reader serves what it holds
+    a, b = replicas
+    stored = _compute(a, "r1", TOKENS)
+    second = a.writer.tier.path("acme", stored[7])
+    original = a.writer.tier.store.get(second)
+    rng = random.Random(53)
+    for i in range(40):
+        m = (signed(original, rng, KEY.encode()) if i % 2 else
+             unsigned(original, rng, b.writer.tier.max_object_bytes))
+        a.writer.tier.store.put(second, m.data)
+        assert _lookup(b, f"f{i}", TOKENS) == 8
+        imported, loaded = _load(b, f"f{i}", TOKENS, 8)  # never raises
+        assert loaded in (4, 8) and set(imported) <= set(stored[:8]), m.name
+        if loaded == 8:  # served: a MAC-valid object the reader accepts
+            break
+
+
+class UncheckedTier(SharedTier):
+    """A tier that serves chunks no check saw (a bug past decode): the load path is
+    the last line."""
+
+    chunks: list[SharedChunk]
+
+    def fetch(self, tenant: str, last_keys: Any, deadline_s: float | None = None
+              ) -> list[SharedChunk]:
+        return list(self.chunks)
+
+
+def test_an_import_that_fails_is_a_refusal_not_an_exception(
+        model: Path, tmp_path: Path, replicas: tuple[Replica, Replica]) -> None:
+    a, b = replicas
+    stored = _compute(a, "r1", TOKENS)
+    chunk = a.writer.tier.fetch("acme", [stored[3]])[0]
+    chunk.parts[0].positions[-1] = 99  # past the chunk's blocks: import_chunk raises
+    tier = UncheckedTier(b.writer.tier.identity, b.writer.tier.config, mac_key=KEY,
+                         writer="b-unchecked")
+    tier.chunks = [chunk]
+    b.writer.tier, real = tier, b.writer.tier
+    try:
+        assert _lookup(b, "r2", TOKENS) == 8
+        imported, loaded = _load(b, "r2", TOKENS, 8)
+        assert imported == [] and loaded == 0  # all of it recomputes
+        assert (b.store.take_stats() or {})["counters"]["shared_refused"] == 1
+    finally:
+        b.writer.tier = real
+        tier.close()
 
 
 def test_a_replica_does_not_upload_what_the_tier_holds(replicas: tuple[Replica, Replica]
