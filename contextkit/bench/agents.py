@@ -306,7 +306,7 @@ class PolicyRun:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         pinning = policy != "lru" and sizes.pins
         share = max(sizes.pin_budget, 1) / sizes.device_blocks
-        extra = {} if chunk_reuse is None else {"chunk_reuse": chunk_reuse}
+        extra: dict[str, Any] = {} if chunk_reuse is None else {"chunk_reuse": chunk_reuse}
         self.engine = engine.sibling(num_device_blocks=sizes.device_blocks,
                                      num_host_blocks=sizes.host_blocks,
                                      eviction_policy="lru" if policy == "lru" else "semantic",

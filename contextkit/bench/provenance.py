@@ -44,7 +44,8 @@ def cpu_info(cpuinfo: str | None = None) -> dict[str, Any]:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             cpuinfo = ""
-    model, flags = None, []
+    model: str | None = None
+    flags: list[str] = []
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
