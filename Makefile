@@ -16,7 +16,7 @@ help:
 	@echo "make test       set up, then run the test suite (CI runs it, then make docs)"
 	@echo "make test-heavy multi-minute end-to-end runs (bench ttft on the real model)"
 	@echo "make test-vllm  the vLLM connector end to end on vLLM's CPU build, in its own"
-	@echo "                virtualenv .venv-vllm (~4 min to create, then ~6-8 min)"
+	@echo "                virtualenv .venv-vllm (2-4 min to create, then ~6-8 min)"
 	@echo "make bench      run the quick CPU benchmarks with --json into bench/results/"
 	@echo "make bench-ttft the 20-turn TTFT benchmark, reservations on, then off (~50 min on 2 cores)"
 	@echo "make bench-agents  6 agents sharing a too-small cache: lru vs semantic vs"

