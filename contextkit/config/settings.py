@@ -219,6 +219,8 @@ class PipelineSettings:
             it is served unpinned with a warning); ``"strict"`` refuses such a call
             before any work (``PinCapacityError``).
         volatility_alpha: weight of the newest observation in a layer's change rate.
+        max_tenants: tenants whose state (change rates, last report) is kept; past it
+            the least recently built for is released.
     """
 
     tenant: str = "default"
@@ -226,10 +228,12 @@ class PipelineSettings:
     trailing_message: bool = True
     pin_stable: bool | str = True
     volatility_alpha: float = 0.3
+    max_tenants: int = 1024
 
     def __post_init__(self) -> None:
         from gpu_cache import validate_tenant
 
+        check_int("max_tenants", self.max_tenants, 1)
         validate_tenant(self.tenant)
         if self.pin_stable not in (True, False, "strict"):
             raise ValueError(f"pin_stable must be true, false or \"strict\", got "
