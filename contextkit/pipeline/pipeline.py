@@ -86,7 +86,7 @@ from contextkit.pipeline.reports import (
 )
 from contextkit.pipeline.served.model import ServedModel
 from contextkit.pipeline.served.requests import ServedRequests
-from contextkit.pipeline.tenancy import TenantViews, check_tenant
+from contextkit.pipeline.tenancy import DEFAULT_MAX_TENANTS, TenantViews, check_tenant
 from contextkit.prompt.chatml import ChatML
 from contextkit.prompt.layers import LayerConfig, LayerSpec
 from contextkit.prompt.markup import SpilloverQueue
@@ -144,6 +144,8 @@ class CacheAwareContextPipeline:
             :class:`~contextkit.pipeline.hooks.TurnHooks`): :meth:`generate` calls its
             ``before_turn`` before the engine runs (a hit is
             ``CallReport.reservation_hit``) and its ``after_reply`` after.
+        max_tenants: tenants whose state is kept; past it the least recently built for
+            is released (see :mod:`contextkit.pipeline.tenancy`).
 
     The tenant views, the served-model requests and the prompt building are parts the
     pipeline owns (:mod:`~contextkit.pipeline.tenancy`,
@@ -167,6 +169,7 @@ class CacheAwareContextPipeline:
         tiers: SegmentRegistry | None = None,
         agent: str | None = None,
         reservations: TurnHooks | None = None,
+        max_tenants: int = DEFAULT_MAX_TENANTS,
     ) -> None:
         if engine is not None and served is not None:
             raise ValueError("pass either engine= (the embedded engine) or served= (a vLLM "
@@ -198,7 +201,7 @@ class CacheAwareContextPipeline:
             self._pins = PrefixPinManager(engine.cache)
         self._tenants = TenantViews(self.config, tenant, self._lock, attached=self.attached,
                                     cache=engine.cache if engine is not None else None,
-                                    pins=self._pins)
+                                    pins=self._pins, max_tenants=max_tenants)
         source = engine if engine is not None else served
         self._encode = source.encode if source is not None else None
         self._builder = PromptBuilder(
@@ -244,7 +247,8 @@ class CacheAwareContextPipeline:
         return cls(engine, served=served, layers=layers, spillover=spillover, tenant=s.tenant,
                    reorder=s.reorder, trailing_message=s.trailing_message,
                    pin_stable=s.pin_stable, volatility_alpha=s.volatility_alpha,
-                   metrics=None if cfg.metrics.enabled else False, tiers=tiers, agent=agent)
+                   metrics=None if cfg.metrics.enabled else False, tiers=tiers, agent=agent,
+                   max_tenants=s.max_tenants)
 
     # ------------------------------------------------------------------ wrapping
     @property
@@ -465,6 +469,11 @@ class CacheAwareContextPipeline:
             InvalidNameError: a tenant that breaks :func:`gpu_cache.validate_tenant`.
         """
         return self._tenants.resolve(tenant)
+
+    def tenants_held(self) -> list[str]:
+        """The tenants whose state (change rates, last build and report) this pipeline
+        keeps, least recently used first; at most ``max_tenants``."""
+        return self._tenants.tenants()
 
     def cached_blocks(self, tenant: str | None = None) -> list[BlockMeta]:
         """Metadata of the tenant's blocks in the cache (empty without a cache)."""

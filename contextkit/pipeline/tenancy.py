@@ -18,13 +18,22 @@ rule (its ``resolve_tenant``):
 3. else the pipeline's default, its ``tenant`` (``[pipeline] tenant`` in the
    configuration, ``"default"`` unless set).
 
-Reads never fall back to another tenant. The integrations resolve a tenant of their
-own (LangChain: the middleware's ``tenant``, then ``tenant`` of the agent's runtime
-context; LlamaIndex: the call's ``tenant`` keyword, then the LLM's) and enter a
-``tenant_scope`` for the call, so the engine, the pipeline and the report agree. A
-call's report also travels with its reply (``response_metadata["contextkit"]`` in
-LangChain, ``raw["contextkit"]`` in LlamaIndex), which is the simplest way to read it
-for a tenant taken from a runtime context.
+Reads never fall back to another tenant, and never create a tenant's state. The
+integrations resolve a tenant of their own (LangChain: the middleware's ``tenant``,
+then ``tenant`` of the agent's runtime context; LlamaIndex: the call's ``tenant``
+keyword, then the LLM's) and enter a ``tenant_scope`` for the call, so the engine, the
+pipeline and the report agree. A call's report also travels with its reply
+(``response_metadata["contextkit"]`` in LangChain, ``raw["contextkit"]`` in
+LlamaIndex), which is the simplest way to read it for a tenant taken from a runtime
+context.
+
+State
+-----
+A pipeline keeps the state (change rates, last build and report) of at most
+``max_tenants`` tenants (1024 unless set; ``[pipeline] max_tenants``). Past it, the
+tenant least recently built for is released: its next call starts from the layers'
+seed rates, as a new tenant's does, and its ``last_report`` reads ``None`` until then.
+A call in flight holds the pipeline's lock, so no tenant is released under it.
 """
 
 from __future__ import annotations
@@ -33,9 +42,11 @@ import contextlib
 import contextvars
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from contextkit.config.settings import PipelineSettings, check_int
 from contextkit.prompt.layers import LayerConfig
 from gpu_cache import PrefixPinManager, TQGPUCache, validate_tenant
 from gpu_cache.metadata import BlockMeta
@@ -45,6 +56,9 @@ if TYPE_CHECKING:
     from contextkit.pipeline.reports import BuiltPrompt, CallReport
 
 logger = logging.getLogger("contextkit.pipeline.pipeline")
+
+#: Tenants whose state a pipeline keeps unless told otherwise (the setting's default).
+DEFAULT_MAX_TENANTS: int = PipelineSettings().max_tenants
 
 
 def check_tenant(tenant: str) -> str:
@@ -75,38 +89,54 @@ class TenantViews:
             pipeline without either are empty).
         cache: the engine's cache (``None`` without an engine).
         pins: the pin manager over ``cache``.
+        max_tenants: tenants whose state is kept; past it the least recently built
+            for is released.
     """
 
     def __init__(self, config: LayerConfig, default: str, lock: threading.RLock, *,
                  attached: bool, cache: TQGPUCache | None = None,
-                 pins: PrefixPinManager | None = None) -> None:
+                 pins: PrefixPinManager | None = None,
+                 max_tenants: int = DEFAULT_MAX_TENANTS) -> None:
         self.config = config
         self.default = check_tenant(default)
         self.lock = lock
         self.attached = attached
         self.cache = cache
         self.pins = pins
-        self._states: dict[str, _TenantState] = {}
+        check_int("max_tenants", max_tenants, 1)
+        self.max_tenants = max_tenants
+        # least recently used first
+        self._states: OrderedDict[str, _TenantState] = OrderedDict()
         self._scope: contextvars.ContextVar[str | None] = contextvars.ContextVar(
             f"contextkit_tenant_{id(self):x}", default=None)
         self._hinted_readers = False
 
     # ------------------------------------------------------------------ state
     def state(self, tenant: str) -> _TenantState:
-        """The tenant's state, made on first use (hold :attr:`lock`)."""
+        """The tenant's state to change, made on first use; the least recently used
+        tenant's is released past :attr:`max_tenants` (hold :attr:`lock`)."""
         state = self._states.get(tenant)
         if state is None:
             state = self._states[tenant] = _TenantState(self.config)
+            while len(self._states) > self.max_tenants:
+                self._states.popitem(last=False)
+        else:
+            self._states.move_to_end(tenant)
         return state
 
     def peek(self, tenant: str) -> _TenantState:
-        """The tenant's state, or a fresh one that is not kept (hold :attr:`lock`)."""
+        """The tenant's state to read, or a fresh one that is not kept (hold :attr:`lock`)."""
         return self._states.get(tenant) or _TenantState(self.config)
 
-    def last(self, tenant: str) -> BuiltPrompt | None:
-        """The tenant's latest build (``None`` before any)."""
+    def tenants(self) -> list[str]:
+        """The tenants whose state is kept, least recently used first."""
         with self.lock:
-            return self.state(tenant).last
+            return list(self._states)
+
+    def last(self, tenant: str) -> BuiltPrompt | None:
+        """The tenant's latest build (``None`` before any, or once released)."""
+        with self.lock:
+            return self.peek(tenant).last
 
     # ------------------------------------------------------------------ resolution
     @contextlib.contextmanager
@@ -177,4 +207,4 @@ class TenantViews:
         if not self.attached:
             return {}
         with self.lock:
-            return dict(self.state(self.resolve(tenant)).rates)
+            return dict(self.peek(self.resolve(tenant)).rates)

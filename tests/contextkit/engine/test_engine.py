@@ -274,7 +274,7 @@ def test_residual_window_is_float_and_decode_agrees_with_scoring(
     both.generate(ids, max_new_tokens=8)
     reused = both.score(ids, reply)  # the sink is the whole reused prefix, recomputed
     assert (reused - exact).abs().max() < 1e-3 * exact.abs().max()
-    with pytest.raises(ValueError, match="residual_tokens must be >= 0"):
+    with pytest.raises(ValueError, match="residual_tokens must be an integer >= 0, got -1"):
         fresh("tq4", residual_tokens=-1)
     with pytest.raises(ValueError, match="sink_tokens must be a multiple of block_size"):
         fresh("tq4", sink_tokens=8)

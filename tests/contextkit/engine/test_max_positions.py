@@ -35,6 +35,7 @@ def test_a_longer_limit_lets_a_request_pass_the_trained_context(
 
 
 def test_max_positions_must_be_positive(engine: Engine) -> None:
-    with pytest.raises(ValueError, match="max_positions must be >= 1, got 0"):
+    with pytest.raises(ValueError,
+                       match=r"^max_positions must be an integer >= 1 or None .*, got 0$"):
         Engine(engine.model.hf, engine.tokenizer, kv_format="native", max_positions=0,
                num_device_blocks=8, num_host_blocks=8)

@@ -78,3 +78,53 @@ def test_calls_and_reads_in_a_scope_mean_its_tenant(
     assert pipeline.pinned_blocks() == [] and pipeline.cached_blocks() == []
     assert pipeline.last_report("acme") is result.report
 
+
+
+# ---------------------------------------------------------------- bounded tenant state
+def test_reads_of_an_unknown_tenant_create_no_state(fresh: Callable[..., Engine]) -> None:
+    pipeline = CacheAwareContextPipeline(fresh("native", device=8, host=8))
+    pipeline.build(PROMPT, tenant="acme")
+    assert pipeline.tenants_held() == ["acme"]
+    assert pipeline.last_report("nobody") is None
+    assert pipeline.last_built("nobody") is None
+    assert pipeline.volatility("nobody") == pipeline.volatility("other")  # the layers' seed
+    assert pipeline.preview(PROMPT, tenant="nobody").report.tenant == "nobody"
+    with pytest.raises(RuntimeError, match="no system prompt built"):
+        pipeline.openai_messages([], tenant="nobody")
+    with pytest.raises(RuntimeError, match="no call for tenant"):
+        pipeline.record_usage("nobody", 10, 0)
+    assert pipeline.tenants_held() == ["acme"]
+
+
+def test_ten_thousand_tenants_leave_at_most_the_bound() -> None:
+    from contextkit.pipeline.tenancy import DEFAULT_MAX_TENANTS, TenantViews
+    from contextkit.prompt.layers import LayerConfig
+
+    views = TenantViews(LayerConfig(), "default", threading.RLock(), attached=True)
+    assert views.max_tenants == DEFAULT_MAX_TENANTS == 1024
+    with views.lock:
+        for i in range(10_000):
+            views.state(f"t{i}").calls += 1
+    held = views.tenants()
+    assert len(held) == 1024
+    assert held[0] == "t8976" and held[-1] == "t9999"  # the least recently used went
+
+
+def test_the_least_recently_used_tenant_is_released(fresh: Callable[..., Engine]) -> None:
+    pipeline = CacheAwareContextPipeline(fresh("native", device=8, host=8), max_tenants=2)
+    for tenant in ("acme", "globex", "acme", "initech"):
+        pipeline.build(PROMPT, tenant=tenant)
+    assert pipeline.tenants_held() == ["acme", "initech"]
+    assert pipeline.last_report("globex") is None
+    assert pipeline.last_report("acme") is not None
+    with pytest.raises(ValueError, match=r"^max_tenants must be an integer >= 1, got 0"):
+        CacheAwareContextPipeline(max_tenants=0)
+
+
+def test_the_bound_is_a_pipeline_setting() -> None:
+    from contextkit.config import PipelineSettings, load_config
+
+    assert PipelineSettings().max_tenants == 1024
+    assert load_config(env={"CONTEXTKIT_PIPELINE_MAX_TENANTS": "16"}).pipeline.max_tenants == 16
+    with pytest.raises(ValueError, match=r"^max_tenants must be an integer >= 1"):
+        PipelineSettings(max_tenants=float("nan"))
