@@ -21,8 +21,11 @@ from contextkit.config.errors import ConfigError
 if typing.TYPE_CHECKING:
     from gpu_cache.config import CacheConfig, PinConfig
 
-__all__ = ["CacheSettings", "EngineSettings", "MetricsSettings", "PipelineSettings",
-           "ShadowSettings"]
+__all__ = ["KV_FORMATS", "CacheSettings", "EngineSettings", "MetricsSettings",
+           "PipelineSettings", "ShadowSettings"]
+
+#: The KV formats of :class:`contextkit.engine.Engine`: packed 4-bit, or float32 (exact).
+KV_FORMATS = ("tq4", "native")
 
 
 #: The weight formats of :class:`contextkit.engine.Engine`
@@ -189,8 +192,9 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         _check_text("model", self.model, "the packaged SmolLM2")
-        if self.kv_format not in ("tq4", "native"):
-            raise ValueError(f"kv_format must be 'tq4' or 'native', got {self.kv_format!r}")
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(f"kv_format must be one of {', '.join(KV_FORMATS)}, got "
+                             f"{self.kv_format!r}")
         check_weight_format(self.weight_format)
         _check_bool("calibrate", self.calibrate)
         check_int("prefill_chunk", self.prefill_chunk, 1)

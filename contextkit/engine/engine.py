@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from contextkit.config.settings import CacheSettings, EngineSettings
+from contextkit.config.settings import KV_FORMATS, CacheSettings, EngineSettings
 from contextkit.engine.background import PrefillOutcome
 from contextkit.engine.background import prefill_prefix as run_prefill_prefix
 from contextkit.engine.blend import prefill_reusing_chunks
@@ -82,7 +82,6 @@ __all__ = [
     "tokenizer_fingerprint",
 ]
 
-KV_FORMATS = ("tq4", "native")
 #: Keywords of :class:`Engine` that are not settings.
 _ENGINE_KEYWORDS = frozenset({"pins", "cache", "metrics", "model_id", "_shared", "_offsets"})
 
