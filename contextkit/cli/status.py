@@ -65,8 +65,9 @@ def require_store(store_arg: str | None) -> bool:
     from shadow import ShadowStoreError
     from shadow.cli import DEFAULT_STORE_ENV, check_store_option
 
-    if check_store_option(store_arg):
-        url, named_by = store_arg, "--store"
+    named = check_store_option(store_arg)
+    if named:
+        url, named_by = named, "--store"
     elif os.environ.get(DEFAULT_STORE_ENV):
         url, named_by = os.environ[DEFAULT_STORE_ENV], f"${DEFAULT_STORE_ENV}"
     else:

@@ -37,13 +37,16 @@ def seconds(value: object, name: str, *, zero: bool = False,
     Raises:
         error: anything else (NaN, infinity, text, a bool), in one line.
     """
-    ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
-          and math.isfinite(value) and (value >= 0 if zero else value > 0))
-    if not ok:
+    try:
+        number = (float(value) if isinstance(value, numbers.Real)
+                  and not isinstance(value, bool) else math.nan)
+    except OverflowError:  # an int too big for a float
+        number = math.inf
+    if not math.isfinite(number) or not (number >= 0 if zero else number > 0):
         bound = ">= 0" if zero else "> 0"
         raise error(_named(name, f"must be a finite number of seconds {bound} (e.g. 1.5), "
                                  f"got {value!r:.40}"))
-    return float(value)  # type: ignore[arg-type]
+    return number
 
 
 def size(value: object, name: str, *, minimum: int = 0,
@@ -54,7 +57,7 @@ def size(value: object, name: str, *, minimum: int = 0,
         error: a fraction, a float, text, a bool or a value below ``minimum``.
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
-            or value < minimum:
+            or int(value) < minimum:
         raise error(_named(name, f"must be a whole number >= {minimum}, got {value!r:.40}"))
     return int(value)
 
