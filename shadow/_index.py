@@ -17,7 +17,7 @@ from shadow.auth import KEY_ENV, resolve_key, sign, verify
 from shadow.manifest import INDEX_KEY, SessionInfo
 from shadow.stores import ShadowStore
 
-__all__ = ["read_index", "update_index"]
+__all__ = ["listed_sessions", "read_index", "update_index"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,19 @@ def read_index(store: ShadowStore, *, key: bytes | str | None = None
         logger.warning("ignoring unreadable %s/%s (%s); discovery lists manifests instead",
                        store.url, INDEX_KEY, exc)
         return {}
+
+
+def listed_sessions(store: ShadowStore) -> set[str] | None:
+    """The session names ``index.json`` lists, read without checking its MAC; ``None`` when
+    it exists but cannot be parsed. Only ever used to keep data, never to trust it."""
+    try:
+        doc = json.loads(store.get(INDEX_KEY))
+    except BlobNotFoundError:
+        return set()
+    except (ShadowError, ValueError, RecursionError):
+        return None
+    sessions = doc.get("sessions") if isinstance(doc, dict) else None
+    return {str(k) for k in sessions} if isinstance(sessions, dict) else None
 
 
 def update_index(store: ShadowStore, info: SessionInfo, *, key: bytes | None = None) -> None:

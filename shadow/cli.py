@@ -27,14 +27,15 @@ from typing import Any
 
 from gpu_cache import CacheConfig, CacheIdentity, CacheIdentityError, TQGPUCache
 from gpu_cache.config import NO_PIN_QUOTA
-from shadow._errors import ShadowError
+from shadow._errors import ShadowError, ShadowStoreError
 from shadow.auth import describe_auth, resolve_key
 from shadow.debris import DEFAULT_DEBRIS_AGE_S, DebrisReport, sweep_debris
 from shadow.manifest import Manifest
 from shadow.recovery import RecoveryReport, discover_sessions, load_manifest, recover_session
 from shadow.stores import StoreConfig, open_store
 
-__all__ = ["DEFAULT_STORE_ENV", "add_recover_arguments", "default_store_url", "run_recover"]
+__all__ = ["DEFAULT_STORE_ENV", "add_recover_arguments", "check_store_option",
+           "default_store_url", "run_recover"]
 
 DEFAULT_STORE_ENV = "CONTEXTKIT_SHADOW_URL"
 
@@ -45,6 +46,19 @@ def default_store_url() -> str:
     if env:
         return env
     return f"file://{Path('~/.cache/contextkit/shadow').expanduser()}"
+
+
+def check_store_option(store: str | None) -> str | None:
+    """``--store`` as given; ``None`` means the default store.
+
+    Raises:
+        ShadowStoreError: an empty or blank value (never read as "the default").
+    """
+    if store is not None and not store.strip():
+        raise ShadowStoreError("--store is empty; give a store URL (file:///path or "
+                               "s3://bucket/prefix), or leave --store out for "
+                               f"${DEFAULT_STORE_ENV} or the default store")
+    return store
 
 
 def add_recover_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,7 +141,7 @@ def run_recover(args: argparse.Namespace, cache: TQGPUCache | None = None) -> di
                           "pip install 'contextkit[shadow]'") from None
 
     start = time.perf_counter()
-    url = args.store or default_store_url()
+    url = check_store_option(args.store) or default_store_url()
     key = resolve_key() or b""  # b"": decided here, no second look at the environment
     allow = bool(getattr(args, "allow_unauthenticated", False))
     accept_rollback = bool(getattr(args, "accept_rollback", False))

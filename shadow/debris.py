@@ -16,7 +16,9 @@ live lease: not its blobs, not its temp files, not its uploads. So a writer must
 finish each shadow within its TTL (default: three shadow intervals, at least ten
 minutes). A session without a live lease is swept, but only against a manifest that
 loads, authenticates and is the newest generation the store records; a session whose
-manifest cannot be trusted is left alone.
+manifest cannot be trusted is left alone, and so is one whose manifest is missing while
+``head.json`` or ``index.json`` records a commit: the sweep deletes only what it can
+prove is debris, never what a commit record names.
 
 A sweep never aborts: what it cannot delete (a read-only store, a denied delete) is
 reported in :attr:`DebrisReport.not_deleted` with the reason, and recovery goes on.
@@ -37,6 +39,7 @@ from gpu_cache import CacheIdentityError
 from shadow._errors import BlobNotFoundError, InvalidSessionIdError, ShadowError, ShadowStoreError
 from shadow._local import LocalStore
 from shadow.auth import resolve_key
+from shadow.freshness import commit_record
 from shadow.manifest import validate_session_id
 from shadow.stores import ShadowStore
 
@@ -129,12 +132,15 @@ class DebrisReport:
     aborted_uploads: list[str] = field(default_factory=list)  # keys of aborted uploads
     live_sessions: list[str] = field(default_factory=list)  # held by a live lease
     untrusted: list[str] = field(default_factory=list)  # manifest unreadable or refused
+    #: no manifest, but head.json or index.json records a commit (or cannot rule one out)
+    missing_manifest: list[str] = field(default_factory=list)
     not_deleted: dict[str, str] = field(default_factory=dict)  # debris left, and why
 
     def to_dict(self) -> dict[str, Any]:
         first = next(iter(self.not_deleted.values()), None)
         return {"deleted": len(self.deleted), "aborted_uploads": len(self.aborted_uploads),
                 "live_sessions": list(self.live_sessions), "untrusted": list(self.untrusted),
+                "missing_manifest": list(self.missing_manifest),
                 "not_deleted": len(self.not_deleted), "not_deleted_reason": first}
 
     def _remove(self, key: str, remove: Any) -> bool:
@@ -156,6 +162,15 @@ def _is_writer_file(session_id: str, key: str) -> bool:
     """``key`` is a blob or lease name a shadow writer writes directly under its session."""
     rest = key[len(session_id) + 1:]
     return key.startswith(f"{session_id}/") and _WRITER_FILE.fullmatch(rest) is not None
+
+
+def _exists_unlisted(store: ShadowStore, key: str) -> bool:
+    """Whether something a listing leaves out sits at ``key`` (a directory in a
+    ``file://`` store); one that cannot be checked counts as there."""
+    try:
+        return store.size(key) is not None
+    except ShadowStoreError:
+        return True
 
 
 def _session_of(key: str) -> str | None:
@@ -210,8 +225,10 @@ def sweep_debris(store: ShadowStore, *, key: bytes | str | None = None,
     Per session without a live lease: blobs its (authenticated) manifest does not
     reference, a stale lease, temp files older than ``older_than_seconds``; a session
     with no manifest at all loses everything (a first shadow killed before its
-    commit). Also temp files at the store root (the index's) and incomplete multipart
-    uploads older than ``older_than_seconds``.
+    commit), but only when nothing records a commit of it (no ``head.json``, no
+    ``index.json`` entry); one that a commit record names keeps every blob and is
+    listed in ``missing_manifest``. Also temp files at the store root (the index's) and
+    incomplete multipart uploads older than ``older_than_seconds``.
 
     Nothing it fails to delete stops it: those are listed in ``not_deleted`` with the
     reason (a read-only store: recover with ``--no-sweep``, or make it writable).
@@ -224,7 +241,7 @@ def sweep_debris(store: ShadowStore, *, key: bytes | str | None = None,
         older_than_seconds: minimum age of temp files and uploads to remove.
         now: the current time (tests).
     """
-    from shadow.recovery import load_manifest  # recovery imports stores; no cycle at import
+    from shadow.recovery import load_manifest, missing_manifest_reason
 
     now = time.time() if now is None else now
     mac_key = resolve_key(key) or b""
@@ -253,7 +270,7 @@ def sweep_debris(store: ShadowStore, *, key: bytes | str | None = None,
             continue  # not a session directory of ours
         manifest_path = f"{sid}/manifest.json"
         keep = set()
-        if manifest_path in by_session[sid]:
+        if manifest_path in by_session[sid] or _exists_unlisted(store, manifest_path):
             try:
                 manifest = load_manifest(store, sid, key=mac_key)
             except (ShadowError, CacheIdentityError) as exc:
@@ -261,6 +278,15 @@ def sweep_debris(store: ShadowStore, *, key: bytes | str | None = None,
                 logger.info("not sweeping session %s: %s", sid, exc)
                 continue
             keep = {manifest_path} | {f for s in manifest.segments for f in s.files.values()}
+        else:
+            # No manifest: debris of a first shadow killed before its commit, unless
+            # anything records a commit (then the manifest was lost: keep everything).
+            record = commit_record(store, sid)
+            if record is not None:
+                report.missing_manifest.append(sid)
+                logger.warning("not sweeping session %s: %s", sid, missing_manifest_reason(
+                    f"{store.url}/{manifest_path}", record))
+                continue
         # Only names the writer itself produces, one level under the session: a
         # directory that merely looks like a session keeps every other file.
         stale = [k for k in by_session[sid] if k not in keep and _is_writer_file(sid, k)]
@@ -271,7 +297,8 @@ def sweep_debris(store: ShadowStore, *, key: bytes | str | None = None,
     if local is not None:
         for t in temps:
             sid = _session_of(t)
-            if (sid is None or (sid not in live and sid not in report.untrusted)) \
+            if (sid is None or (sid not in live and sid not in report.untrusted
+                                and sid not in report.missing_manifest)) \
                     and (local.age(t) or 0.0) >= older_than_seconds \
                     and report._remove(t, lambda t=t: local.remove_unfinished(t)):
                 report.deleted.append(t)

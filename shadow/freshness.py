@@ -37,14 +37,15 @@ from shadow._errors import (
     CorruptShadowError,
     RollbackShadowError,
     ShadowError,
+    ShadowStoreError,
 )
-from shadow._index import read_index
+from shadow._index import listed_sessions, read_index
 from shadow.auth import sign, verify
 from shadow.manifest import Manifest, validate_session_id
 from shadow.stores import ShadowStore
 
-__all__ = ["HEAD_NAME", "Head", "Newest", "RollbackShadowError", "newest_known", "read_head",
-           "rollback_reason", "write_head"]
+__all__ = ["HEAD_NAME", "Head", "Newest", "RollbackShadowError", "commit_record", "newest_known",
+           "read_head", "rollback_reason", "write_head"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,26 @@ def newest_known(store: ShadowStore, session_id: str, *, key: bytes | None,
     if type(listed) is int and listed > newest.generation:
         newest = Newest(listed, "index.json", head)
     return newest
+
+
+def commit_record(store: ShadowStore, session_id: str) -> str | None:
+    """What besides its manifest says ``session_id`` committed (a phrase naming it), or
+    ``None`` when nothing does.
+
+    Read without checking MACs on purpose: the answer only ever stops a deletion (a
+    session whose manifest is missing keeps its blobs), it never makes data trusted.
+    """
+    try:
+        if store.size(head_key(session_id)) is not None:
+            return f"{HEAD_NAME} records a commit of it"
+    except ShadowStoreError as exc:
+        return f"its {HEAD_NAME} cannot be checked ({exc})"
+    listed = listed_sessions(store)
+    if listed is None:
+        return "index.json cannot be read, so a commit cannot be ruled out"
+    if session_id in listed:
+        return "index.json lists it as committed"
+    return None
 
 
 def rollback_reason(manifest: Manifest, raw: bytes, newest: Newest, where: str) -> str | None:

@@ -26,6 +26,7 @@ from gpu_cache import (
     TQGPUCache,
 )
 from shadow._errors import (
+    BlobNotFoundError,
     CorruptShadowError,
     RollbackShadowError,
     ShadowError,
@@ -35,7 +36,7 @@ from shadow._index import read_index, update_index
 from shadow._reader import ChunkReader, import_chunks, plan_chunks
 from shadow._report import RecoveryReport, SkippedBlock
 from shadow.auth import KEY_ENV, resolve_key
-from shadow.freshness import newest_known, rollback_reason
+from shadow.freshness import HEAD_NAME, commit_record, newest_known, rollback_reason
 from shadow.manifest import Manifest, SessionInfo, manifest_key, validate_session_id
 from shadow.records import BlockRecord
 from shadow.stores import ShadowStore
@@ -45,6 +46,7 @@ __all__ = [
     "SkippedBlock",
     "discover_sessions",
     "load_manifest",
+    "missing_manifest_reason",
     "read_index",
     "recover_session",
     "recover_sessions",
@@ -77,6 +79,8 @@ def load_manifest(store: ShadowStore, session_id: str, *,
     Raises:
         InvalidSessionIdError: an unsafe session id.
         BlobNotFoundError: no such session.
+        CorruptShadowError: no manifest, but ``head.json`` or ``index.json`` records a
+            commit of the session (its blobs are kept: see :func:`missing_manifest_reason`).
         TamperedShadowError: a key is configured and the MAC is missing or wrong.
         RollbackShadowError: an older generation than ``head.json`` or ``index.json``
             record for the session (and not ``accept_rollback``).
@@ -86,7 +90,13 @@ def load_manifest(store: ShadowStore, session_id: str, *,
     path = manifest_key(session_id)
     where = f"{store.url}/{path}"
     mac_key = resolve_key(key)
-    raw = store.get(path)
+    try:
+        raw = store.get(path)
+    except BlobNotFoundError:
+        record = commit_record(store, session_id)
+        if record is None:
+            raise
+        raise CorruptShadowError(missing_manifest_reason(where, record)) from None
     manifest = Manifest.from_json(raw, where=where, key=mac_key)
     if manifest.session_id != session_id:
         raise CorruptShadowError(f"{where} describes session {manifest.session_id!r}, not "
@@ -101,18 +111,28 @@ def load_manifest(store: ShadowStore, session_id: str, *,
     return manifest
 
 
+def missing_manifest_reason(where: str, record: str) -> str:
+    """One line: the manifest at ``where`` is missing although ``record`` says the session
+    committed; nothing of it is deleted, and what to do."""
+    return (f"{where} is missing, but {record}; nothing of the session was deleted - restore "
+            "manifest.json from a backup to recover it, or delete the session's objects to "
+            "drop it")
+
+
 def discover_sessions(store: ShadowStore, *, key: bytes | str | None = None
                       ) -> list[SessionInfo]:
-    """Every session with a manifest, sorted by id.
+    """Every session with a manifest or a ``head.json``, sorted by id.
 
     The manifests are authoritative: index entries without a manifest are left out,
-    manifests missing from the index are found by listing. A session whose
+    manifests missing from the index are found by listing. A session whose head records
+    a commit but whose manifest is missing is listed with ``error`` saying so. A session whose
     manifest is unreadable, or fails authentication under ``key`` (default
     ``$CONTEXTKIT_SHADOW_KEY``), is listed with ``error`` set.
     """
     key = resolve_key(key) or b""
-    listed = {k.split("/", 1)[0] for k in store.list() if k.endswith("/manifest.json")
-              and k.count("/") == 1}
+    # a head without a manifest is a committed session that lost it: listed, with an error
+    listed = {k.split("/", 1)[0] for k in store.list()
+              if k.count("/") == 1 and k.endswith(("/manifest.json", f"/{HEAD_NAME}"))}
     try:
         index: Mapping[str, Mapping[str, Any]] = read_index(store, key=key)
     except ShadowError:

@@ -35,6 +35,7 @@ __all__ = [
     "StoreConfig",
     "fsync_dir",
     "open_store",
+    "store_class",
 ]
 
 
@@ -138,6 +139,21 @@ STORES: dict[str, type[ShadowStore]] = {
 }
 
 
+def store_class(url: str) -> type[ShadowStore]:
+    """The store class serving ``url``'s scheme (a plain path means ``file://``); opens
+    nothing, so a configuration can be checked before anything starts.
+
+    Raises:
+        ShadowStoreError: an unknown scheme (the message lists the known ones).
+    """
+    scheme = urlparse(url).scheme or "file"
+    try:
+        return STORES[scheme]
+    except KeyError:
+        known = ", ".join(f"{s}://" for s in sorted(STORES))
+        raise ShadowStoreError(f"no shadow store for {url!r}; use one of: {known}") from None
+
+
 def open_store(url: str, config: StoreConfig | None = None, *,
                create: bool = True) -> ShadowStore:
     """The store serving ``url`` (a plain path means ``file://``).
@@ -153,12 +169,7 @@ def open_store(url: str, config: StoreConfig | None = None, *,
         ShadowStoreError: an unknown scheme (the message lists the known ones), or
             ``create=False`` and no ``file://`` directory at ``url``.
     """
-    scheme = urlparse(url).scheme or "file"
-    try:
-        cls = STORES[scheme]
-    except KeyError:
-        known = ", ".join(f"{s}://" for s in sorted(STORES))
-        raise ShadowStoreError(f"no shadow store for {url!r}; use one of: {known}") from None
+    cls = store_class(url)
     if cls is LocalStore:
         return LocalStore(url, config, create=create)
     return cls(url, config)  # type: ignore[call-arg]

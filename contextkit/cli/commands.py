@@ -174,6 +174,9 @@ def _recovery_job(name: str) -> Callable[[argparse.Namespace], dict[str, Any]]:
 
 
 def _recover(args: argparse.Namespace) -> int:
+    from contextkit.config.limits import seconds
+
+    args.debris_age = seconds(args.debris_age, "--debris-age", zero=True)
     if args.for_vllm:
         # The vLLM job lives with the connector in integrations (which depends on
         # contextkit, not the other way round): it registers itself as the entry point

@@ -90,7 +90,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from gpu_cache import CacheIdentityError
     from memory_graph import MemoryGraph, SentenceTransformerEmbedder
     from shadow import CacheShadow, ShadowConfig, ShadowError, discover_sessions, open_store
-    from shadow.cli import default_store_url
+    from shadow.cli import check_store_option, default_store_url
 
     # user errors: one line and exit status 2 (contextkit.cli.commands.run_command)
     if args.turns < 1:
@@ -102,7 +102,7 @@ def run_demo(args: argparse.Namespace) -> int:
                          f"{AGENTS} agents takes 2 turns), got {args.agent_steps}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    store_url = args.store or default_store_url()
+    store_url = check_store_option(args.store) or default_store_url()
 
     _say("loading SmolLM2-135M-Instruct (packaged GGUF) and calibrating the TQ4 cache ...")
     t0 = time.perf_counter()

@@ -8,6 +8,8 @@ import json
 import sys
 from typing import Any
 
+from contextkit.config.limits import seconds_arg, size_arg
+
 __all__ = ["add_shared"]
 
 
@@ -27,11 +29,11 @@ def add_shared(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
                     "authenticates is kept by its header or lease.")
     gc.add_argument("url", help="the shared tier: s3://bucket/prefix or file:///path")
     gc.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (MinIO, Ceph)")
-    gc.add_argument("--max-age-s", type=float, default=24 * 3600.0,
+    gc.add_argument("--max-age-s", type=seconds_arg(), default=24 * 3600.0,
                     help="expiry of unleased chunks (default 86400)")
-    gc.add_argument("--pinned-max-age-s", type=float, default=7 * 24 * 3600.0,
+    gc.add_argument("--pinned-max-age-s", type=seconds_arg(), default=7 * 24 * 3600.0,
                     help="expiry of unleased chunks holding a pinned block (default 604800)")
-    gc.add_argument("--tenant-budget-mb", type=int, default=4096,
+    gc.add_argument("--tenant-budget-mb", type=size_arg(minimum=1), default=4096,
                     help="bytes each tenant keeps, in MB (default 4096)")
     gc.add_argument("--json", action="store_true",
                     help="print one JSON object as the last line of stdout")

@@ -58,14 +58,16 @@ def require_store(store_arg: str | None) -> bool:
         Whether the user named the store (option or environment).
 
     Raises:
-        ShadowStoreError: the named ``file://`` store (or plain path) is not an existing
-            directory; the message names the path and the option to check.
+        ShadowStoreError: an empty ``--store``, or the named ``file://`` store (or plain
+            path) is not an existing directory; the message names the path and the
+            option to check.
     """
     from shadow import ShadowStoreError
-    from shadow.cli import DEFAULT_STORE_ENV
+    from shadow.cli import DEFAULT_STORE_ENV, check_store_option
 
-    if store_arg:
-        url, named_by = store_arg, "--store"
+    named = check_store_option(store_arg)
+    if named:
+        url, named_by = named, "--store"
     elif os.environ.get(DEFAULT_STORE_ENV):
         url, named_by = os.environ[DEFAULT_STORE_ENV], f"${DEFAULT_STORE_ENV}"
     else:

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from contextkit.config.errors import ConfigError
+from contextkit.config.limits import json_object
 from contextkit.config.settings import (
     CacheSettings,
     EngineSettings,
@@ -399,12 +400,7 @@ def _env_values(env: Mapping[str, str]) -> dict[str, dict[str, Any]]:
                               f"{ENV_PREFIX}<SECTION>_<FIELD> with sections {sorted(known)}")
         if section == "connector" and field == "config":
             # The connector's historical JSON form: a whole section in one variable.
-            try:
-                doc = json.loads(text)
-            except ValueError as exc:
-                raise ConfigError(f"${name} is not JSON: {exc}") from None
-            if not isinstance(doc, dict):
-                raise ConfigError(f"${name} must be a JSON object")
+            doc = json_object(text, f"${name}", error=ConfigError)
             doc = doc.get("kv_connector_extra_config", doc) or {}
             out.setdefault(section, {}).update({k: (v, name, False) for k, v in doc.items()})
             continue

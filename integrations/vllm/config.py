@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from contextkit.config import ConfigError, load_config
+from contextkit.config.limits import json_object, seconds, size
 from integrations.vllm.precision import FORMATS, PrecisionError, PrecisionPolicy, policy_for_codec
 
 #: The DDR tier's eviction policies (the keys of gpu_cache.metadata.EVICTION_POLICIES,
@@ -171,8 +172,7 @@ class ConnectorConfig:
         if self.eviction not in EVICTION_POLICIES:
             raise ConnectorConfigError(f"eviction must be one of "
                                        f"{', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
-        if self.block_size <= 0:
-            raise ConnectorConfigError(f"block_size must be > 0, got {self.block_size}")
+        self._check_numbers()
         if self.codec not in FORMATS:
             raise ConnectorConfigError(f"codec must be one of {', '.join(FORMATS)}, "
                                        f"got {self.codec!r}")
@@ -181,34 +181,45 @@ class ConnectorConfig:
             PrecisionPolicy.from_mapping(self.precision, policy_for_codec(self.codec))
         except PrecisionError as exc:
             raise ConnectorConfigError(str(exc)) from None
-        if self.host_blocks < 1 or self.device_blocks < 1:
-            raise ConnectorConfigError("host_blocks and device_blocks must be >= 1, got "
-                                       f"{self.host_blocks} and {self.device_blocks}")
         if not 0.0 < self.pin_share <= 1.0:
             raise ConnectorConfigError(f"pin_share must be in (0, 1], got {self.pin_share}")
-        if self.shadow_interval_s < 0:
-            raise ConnectorConfigError(
-                f"shadow_interval_s must be >= 0, got {self.shadow_interval_s}")
-        if self.save_threads < 1:
-            raise ConnectorConfigError(f"save_threads must be >= 1, got {self.save_threads}")
         if self.shared_url:
             self.shared_tier()  # checks the shared tier's settings
         if not 0.0 <= self.shared_warm_share <= 1.0:
             raise ConnectorConfigError(
                 f"shared_warm_share must be in [0, 1], got {self.shared_warm_share}")
-        if self.shared_gc_interval_s < 0:
-            raise ConnectorConfigError(
-                f"shared_gc_interval_s must be >= 0, got {self.shared_gc_interval_s}")
         for name in ("shadow_url", "local_store", "shared_url"):
             url = getattr(self, name)
             if url and "://" not in url:
                 raise ConnectorConfigError(f"{name} must be a URL (file:///path or "
                                            f"s3://bucket/prefix), got {url!r}")
 
-    def shared_tier(self) -> SharedTierConfig:
-        """The shared tier's settings (:class:`shadow.shared.SharedTierConfig`)."""
-        from shadow.shared.tier import SharedTierConfig, SharedTierError
+    def _check_numbers(self) -> None:
+        """Every duration and size, through the one check (:mod:`contextkit.config.limits`)."""
+        err = ConnectorConfigError
+        for name in ("shadow_interval_s", "shared_gc_interval_s"):
+            seconds(getattr(self, name), name, zero=True, error=err)
+        for name in ("shared_deadline_s", "shared_max_age_s", "shared_pinned_max_age_s"):
+            seconds(getattr(self, name), name, error=err)
+        for name in ("block_size", "host_blocks", "device_blocks", "save_threads",
+                     "shared_chunk_blocks", "shared_tenant_budget_mb"):
+            size(getattr(self, name), name, minimum=1, error=err)
 
+    def shared_tier(self) -> SharedTierConfig:
+        """The shared tier's settings (:class:`shadow.shared.SharedTierConfig`).
+
+        Raises:
+            ConnectorConfigError: a ``shared_url`` no store serves (``ftp://``), or a
+                setting the tier refuses.
+        """
+        from shadow import ShadowStoreError
+        from shadow.shared.tier import SharedTierConfig, SharedTierError
+        from shadow.stores import store_class
+
+        try:
+            store_class(self.shared_url)
+        except ShadowStoreError as exc:
+            raise ConnectorConfigError(f"shared_url {self.shared_url!r}: {exc}") from None
         try:
             return SharedTierConfig(
                 url=self.shared_url,
@@ -219,6 +230,22 @@ class ConnectorConfig:
                 tenant_budget_bytes=self.shared_tenant_budget_mb << 20)
         except SharedTierError as exc:
             raise ConnectorConfigError(str(exc).replace("shared tier ", "shared_")) from None
+
+    def shared_tier_key(self) -> bytes:
+        """The MAC key the shared tier uses (``$CONTEXTKIT_SHADOW_KEY``). The connector
+        takes it from here, and ``serve-vllm`` asks here before vLLM starts.
+
+        Raises:
+            ConnectorConfigError: none is set (every replica needs the same one).
+        """
+        from shadow.auth import KEY_STEP, resolve_key
+
+        key = resolve_key(None)
+        if key is None:
+            raise ConnectorConfigError(
+                f"shared_url {self.shared_url!r} needs the deployment's MAC key, the same on "
+                f"every replica: {KEY_STEP} (before serve-vllm starts)")
+        return key
 
     @property
     def pins(self) -> PinConfig:
@@ -260,12 +287,7 @@ class ConnectorConfig:
     @classmethod
     def from_json(cls, text: str) -> ConnectorConfig:
         """From the extra-config JSON object, or a whole ``--kv-transfer-config`` JSON."""
-        try:
-            doc = json.loads(text)
-        except ValueError as exc:
-            raise ConnectorConfigError(f"connector config is not JSON: {exc}") from exc
-        if not isinstance(doc, dict):
-            raise ConnectorConfigError("connector config must be a JSON object")
+        doc = json_object(text, "connector config", error=ConnectorConfigError)
         if "kv_connector_extra_config" in doc or "kv_connector" in doc:
             doc = doc.get("kv_connector_extra_config") or {}
         return cls.from_extra_config(doc)

@@ -196,6 +196,7 @@ class ContextKitConnector(KVConnectorBase_V1):
         from shadow.shared import SharedTier, default_writer_id
 
         return SharedTier(self.identity, self.config.shared_tier(),
+                          mac_key=self.config.shared_tier_key(),
                           writer=f"{self.config.session_id}-{role}-{default_writer_id()}")
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from contextkit.cli.status import local_store_path
+from contextkit.config.limits import read_bounded
 from gpu_cache import CacheConfig, CacheIdentity, CacheIdentityError, TQGPUCache
 from gpu_cache.config import NO_PIN_QUOTA
 from integrations.vllm.config import ConnectorConfig
@@ -52,6 +53,7 @@ from shadow import (
     open_store,
     recover_session,
 )
+from shadow.cli import check_store_option
 from shadow.debris import LEASE_NAME
 
 __all__ = ["check_model_dir", "leftover_files", "load_connector_config", "missing_shadow",
@@ -208,11 +210,11 @@ def load_connector_config(text: str | None) -> ConnectorConfig:
     if text.startswith("@"):
         path = Path(text[1:]).expanduser()
         try:
-            text = path.read_text()
+            text = read_bounded(path, "connector config file")
         except FileNotFoundError:
             raise FileNotFoundError(f"connector config file {path} does not exist; pass "
                                     "--connector-config JSON or @FILE") from None
-        except (OSError, UnicodeDecodeError) as exc:
+        except OSError as exc:
             raise ValueError(f"cannot read connector config file {path} ({exc}); pass "
                              "--connector-config JSON or @FILE") from None
     return ConnectorConfig.from_json(text)
@@ -225,6 +227,7 @@ def run_recover_for_vllm(args: argparse.Namespace) -> dict[str, Any]:
         FileNotFoundError, ValueError: a missing or unusable model directory, store or
             connector config; ``contextkit`` prints the one-line message.
     """
+    check_store_option(args.store)
     model_dir = check_model_dir(args.model)
     config = load_connector_config(args.connector_config)
     summary = recover_for_vllm(str(model_dir), config, shadow_url=args.store,

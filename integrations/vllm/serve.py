@@ -207,6 +207,8 @@ def _checked_config(args: argparse.Namespace) -> ConnectorConfig:
     from integrations.vllm.recovery import load_connector_config
 
     config = load_connector_config(args.connector_config)
+    if config.shared_url:
+        config.shared_tier_key()  # the connector's own check: vLLM would refuse later
     given = _option_value(args.vllm_args, "--block-size")
     if given is not None and given != str(config.block_size):
         raise ValueError(f"vLLM's --block-size {given} differs from the connector's "

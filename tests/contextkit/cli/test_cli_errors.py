@@ -554,3 +554,62 @@ def test_serve_vllm_is_registered_through_the_entry_point_group() -> None:
 
     (ep,) = [ep for ep in metadata.entry_points(group=COMMANDS) if ep.name == "serve-vllm"]
     assert ep.value == "integrations.vllm.serve:add_command"
+
+
+# ---------------------------------------------------------------- issue 53: edge values
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["recover", "--store", ""], "--store is empty"),
+    (["recover", "--store", " "], "--store is empty"),
+    (["status", "--store", ""], "--store is empty"),
+    (["recover", "--debris-age", "-1"], "--debris-age must be a finite number of seconds >= 0"),
+    (["recover", "--debris-age", "nan"], "--debris-age must be a finite number of seconds >= 0"),
+    (["recover", "--for-vllm", "--store", ""], "--store is empty"),
+], ids=["recover-empty", "recover-blank", "status-empty", "debris-negative", "debris-nan",
+        "for-vllm-empty"])
+def test_empty_stores_and_bad_debris_ages_are_refused_in_one_line(
+        argv: list[str], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    default = tmp_path / "default-store"
+    monkeypatch.setenv("CONTEXTKIT_SHADOW_URL", f"file://{default}")
+    shadow_session(default, "kept")
+    before = sorted(p for p in default.rglob("*"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    extra = ["--no-progress"] if argv[0] == "recover" else []
+    extra += ["--model", str(model)] if "--for-vllm" in argv else []
+    code, out, err = call(capsys, *argv, *extra)
+    assert code == 2 and says in error_line(err)
+    assert "recovered" not in out and sorted(p for p in default.rglob("*")) == before
+
+
+@pytest.mark.parametrize(("config", "says"), [
+    ("[" * 100_000 + "]" * 100_000, "nests deeper than"),
+    ("@/dev/zero", "over 1 MiB"),
+], ids=["deep-json", "dev-zero"])
+def test_recover_for_vllm_bounds_its_connector_config(
+        config: str, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    code, _, err = call(capsys, "recover", "--for-vllm", "--model", str(model),
+                        "--store", f"file://{tmp_path}", "--connector-config", config)
+    assert code == 2 and says in error_line(err)
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--max-age-s", "nan", "finite number of seconds > 0"),
+    ("--max-age-s", "inf", "finite number of seconds > 0"),
+    ("--pinned-max-age-s", "-5", "finite number of seconds > 0"),
+    ("--tenant-budget-mb", "1.5", "whole number >= 1"),
+])
+def test_shared_gc_flags_are_checked_before_anything_runs(
+        flag: str, value: str, says: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "tier").mkdir()
+    with pytest.raises(SystemExit) as exc:
+        main(["shared", "gc", f"file://{tmp_path / 'tier'}", flag, value])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {flag}: " in last and says in last

@@ -146,8 +146,15 @@ def test_dry_run_uses_vllms_current_entrypoint_and_a_shutdown_window(
     ({"vllm": ["--block-size", "16"]}, "vLLM's --block-size 16 differs"),
     ({"vllm": ["--kv-transfer-config", "{}"]}, "builds --kv-transfer-config"),
     ({"model": "missing"}, "does not exist"),
+    ({"argv": ["--connector-config", '{"shared_url": "ftp://host/tier"}']},
+     "shared_url 'ftp://host/tier'"),
+    ({"argv": ["--connector-config", '{"shared_url": "file:///tmp/ck-tier"}']},
+     "CONTEXTKIT_SHADOW_KEY"),
+    ({"argv": ["--connector-config", "[" * 100_000 + "]" * 100_000]}, "nests deeper than"),
+    ({"argv": ["--connector-config", "@/dev/zero"]}, "over 1 MiB"),
 ], ids=["bad-key", "misspelled-variable", "old-strict-variable", "bad-value",
-        "block-size", "own-kv-config", "no-model"])
+        "block-size", "own-kv-config", "no-model", "shared-ftp", "shared-no-key",
+        "deep-json", "dev-zero"])
 def test_a_configuration_error_is_one_line_exit_2_and_vllm_never_starts(
         setup: dict[str, Any], says: str, model: Path, fake_python: Path, tmp_path: Path,
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,6 +167,19 @@ def test_a_configuration_error_is_one_line_exit_2_and_vllm_never_starts(
     out, err = capsys.readouterr()
     assert says in _one_line(err) and _one_line(err).startswith("contextkit: error: ")
     assert out == "" and not (tmp_path / "vllm.log").exists()
+
+
+@pytest.mark.parametrize(("shared_url", "says"), [
+    ("ftp://host/tier", "shared_url 'ftp://host/tier'"),
+    ("s3://bucket/tier", "CONTEXTKIT_SHADOW_KEY"),
+], ids=["ftp", "no-key"])
+def test_dry_run_checks_the_shared_tier_as_the_connector_will(
+        shared_url: str, says: str, model: Path, fake_python: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    config = _connector(tmp_path, shared_url=shared_url)
+    code, cmd, err = _dry_run(["--python", str(fake_python), "--connector-config", config,
+                               str(model)], capsys)
+    assert code == 2 and not cmd and says in _one_line(err)
 
 
 def test_serve_anyway_serves_without_the_connector(
