@@ -15,7 +15,7 @@ from typing import Any
 from gpu_cache import TENSOR_NAMES, CacheIdentity
 
 __all__ = ["MAX_BLOCK_BYTES", "MAX_IDENTITY", "MAX_LABEL_LENGTH", "FieldError",
-           "parse_identity", "validate_label"]
+           "check_seconds", "parse_identity", "validate_label"]
 
 #: Longest label (a block's ``source_layer``, a model id) a manifest may hold.
 MAX_LABEL_LENGTH = 1024
@@ -30,6 +30,20 @@ MAX_BLOCK_BYTES = 1 << 30
 
 class FieldError(ValueError):
     """A malformed manifest field; the caller adds where and what to do."""
+
+
+def check_seconds(name: str, value: object, *, positive: bool = False) -> None:
+    """A duration must be a finite number, > 0 (``positive``) or >= 0: NaN would compare
+    false everywhere and silently disable what it times, infinity overflows a timer.
+
+    Raises:
+        ValueError: one line saying what to give.
+    """
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and (value > 0 if positive else value >= 0))
+    if not ok:
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
 
 
 def validate_label(value: object, what: str = "label") -> str:

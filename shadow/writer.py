@@ -29,7 +29,6 @@ config allows it (``allow_empty``: a cache whose blocks leave on purpose).
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ import torch
 from gpu_cache import BlockMeta, InvalidNameError, TQGPUCache, validate_tenant
 from shadow._chunk_index import ChunkSection
 from shadow._errors import BlobNotFoundError, CorruptShadowError, TamperedShadowError
+from shadow._fields import check_seconds
 from shadow._segments import SegmentWriter
 from shadow.auth import KEY_STEP, resolve_key
 from shadow.debris import (
@@ -122,7 +122,7 @@ class ShadowConfig:
     allow_empty: bool = False
 
     def __post_init__(self) -> None:
-        _seconds("interval_seconds", self.interval_seconds, positive=True)
+        check_seconds("interval_seconds", self.interval_seconds, positive=True)
         if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int) \
                 or self.chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be an int >= 1, got {self.chunk_bytes!r}")
@@ -130,8 +130,8 @@ class ShadowConfig:
         if not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
             raise ValueError(f"compact_garbage_fraction must be within (0, 1], got {fraction!r}")
         if self.lease_ttl_seconds is not None:
-            _seconds("lease_ttl_seconds", self.lease_ttl_seconds, positive=True)
-        _seconds("upload_abort_after_seconds", self.upload_abort_after_seconds)
+            check_seconds("lease_ttl_seconds", self.lease_ttl_seconds, positive=True)
+        check_seconds("upload_abort_after_seconds", self.upload_abort_after_seconds)
         if self.tenant is not None:
             try:
                 validate_tenant(self.tenant)
@@ -143,16 +143,6 @@ class ShadowConfig:
         if self.lease_ttl_seconds is not None:
             return self.lease_ttl_seconds
         return max(3.0 * self.interval_seconds, 600.0)
-
-
-def _seconds(name: str, value: object, *, positive: bool = False) -> None:
-    """A duration must be a finite number, > 0 (``positive``) or >= 0: NaN would compare
-    false everywhere and silently disable what it times."""
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value) and (value > 0 if positive else value >= 0))
-    if not ok:
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)

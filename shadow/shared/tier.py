@@ -32,6 +32,7 @@ from typing import Any
 
 from gpu_cache import CacheIdentity
 from shadow._errors import BlobNotFoundError, BlobTooLargeError, ShadowError, ShadowStoreError
+from shadow._fields import check_seconds
 from shadow._store_base import ShadowStore, StoreConfig
 from shadow.auth import KEY_STEP, resolve_key
 from shadow.shared.objects import (
@@ -105,14 +106,15 @@ class SharedTierConfig:
                                   "file:///shared/path")
         for name in ("chunk_blocks", "io_threads", "tenant_budget_bytes",
                      "max_pending_bytes"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SharedTierError(f"shared tier {name} must be an int >= 1, got "
                                       f"{getattr(self, name)!r}")
         for name in ("deadline_s", "max_age_s", "pinned_max_age_s", "lease_s"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or value <= 0:
-                raise SharedTierError(f"shared tier {name} must be a number > 0, got "
-                                      f"{value!r}")
+            try:
+                check_seconds(f"shared tier {name}", getattr(self, name), positive=True)
+            except ValueError as exc:
+                raise SharedTierError(str(exc)) from None
 
 
 @dataclass

@@ -195,7 +195,12 @@ def test_without_a_key_the_tier_refuses_to_start(tmp_path: Any) -> None:
 
 
 @pytest.mark.parametrize("field,value", [("chunk_blocks", 0), ("deadline_s", 0),
-                                         ("max_age_s", -1), ("url", "")])
+                                         ("max_age_s", -1), ("url", ""),
+                                         ("deadline_s", float("inf")),
+                                         ("lease_s", float("nan")),
+                                         ("max_age_s", float("nan")),
+                                         ("tenant_budget_bytes", 1.5),
+                                         ("chunk_blocks", True)])
 def test_bad_settings_are_named(field: str, value: object) -> None:
     kw: dict[str, Any] = {"url": "file:///tmp/x", field: value}
     with pytest.raises(SharedTierError, match=field if field != "url" else "url"):
