@@ -33,6 +33,7 @@ line that names the key and the source of its value.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import importlib
 import json
@@ -389,6 +390,7 @@ def _read_file(path: Path) -> dict[str, Any]:
 def _env_values(env: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     """Environment variables as ``{section: {field or nested: text}}`` plus their names."""
     out: dict[str, dict[str, Any]] = {}
+    whole: dict[str, Any] = {}
     known = {*SECTIONS, *_entry_point_sections()}  # one scan of the entry points
     for name, text in sorted(env.items()):
         if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
@@ -402,13 +404,18 @@ def _env_values(env: Mapping[str, str]) -> dict[str, dict[str, Any]]:
             # The connector's historical JSON form: a whole section in one variable.
             doc = json_object(text, f"${name}", error=ConfigError)
             doc = doc.get("kv_connector_extra_config", doc) or {}
-            out.setdefault(section, {}).update({k: (v, name, False) for k, v in doc.items()})
+            whole.update({k: (v, name, False) for k, v in doc.items()})
             continue
         target = out.setdefault(section, {})
         parts = field.split("__")
         for part in parts[:-1]:
             target = target.setdefault(part, {})
         target[parts[-1]] = (text, name, True)
+    # The documented order: per-key variables, then the JSON of the whole section, each
+    # later source winning (sorted names would let CONTEXTKIT_CONNECTOR_SHADOW_URL beat
+    # the JSON's shadow_url).
+    if whole:
+        out.setdefault("connector", {}).update(whole)
     return out
 
 
@@ -419,8 +426,12 @@ def _merge_env(into: dict[str, Any], cls: type, values: dict[str, Any], where: s
         key = f"{where}.{name}"
         if name not in fields:
             var = item[1] if isinstance(item, tuple) else key
-            raise ConfigError(f"unknown configuration variable for {key!r} (${var}); known "
-                              f"keys of [{where}]: {sorted(fields)}")
+            near = difflib.get_close_matches(name, list(fields), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            what = ("unknown key" if isinstance(item, tuple) and not item[2]
+                    else "unknown configuration variable for")
+            raise ConfigError(f"{what} {key!r} (${var}){hint}; known keys of [{where}]: "
+                              f"{sorted(fields)}")
         tp = fields[name]
         if _is_dataclass_type(tp):
             if isinstance(item, tuple):

@@ -163,6 +163,33 @@ def test_connector_config_reads_the_same_sources() -> None:
         ConnectorConfig.from_extra_config({}, env={"CONTEXTKIT_CONNECTOR_HOST_BLOCKS": "many"})
 
 
+def test_the_connectors_json_variable_wins_over_its_per_key_variables() -> None:
+    """docs/vllm.md: per-key variables, then CONTEXTKIT_CONNECTOR_CONFIG, later winning. A
+    leftover SHADOW_URL export must not redirect recovery to another shadow."""
+    from integrations.vllm.config import ConnectorConfig
+
+    env = {"CONTEXTKIT_CONNECTOR_SHADOW_URL": "file:///old",
+           "CONTEXTKIT_CONNECTOR_HOST_BLOCKS": "7",
+           "CONTEXTKIT_CONNECTOR_CONFIG": '{"shadow_url": "file:///configured"}'}
+    config = ConnectorConfig.from_extra_config({}, env=env)
+    assert config.shadow_url == "file:///configured"
+    assert config.host_blocks == 7  # a key the JSON does not set still comes through
+    assert ConnectorConfig.from_extra_config({"shadow_url": "file:///flag"},
+                                             env=env).shadow_url == "file:///flag"
+
+
+def test_a_typo_in_the_connector_json_is_an_unknown_key_with_a_suggestion() -> None:
+    from integrations.vllm.config import ConnectorConfig, ConnectorConfigError
+
+    with pytest.raises(ConnectorConfigError,
+                       match=r"unknown key 'connector.shadow_ulr' "
+                             r"\(\$CONTEXTKIT_CONNECTOR_CONFIG\) \(did you mean 'shadow_url'\?\)"):
+        ConnectorConfig.from_extra_config(
+            {}, env={"CONTEXTKIT_CONNECTOR_CONFIG": '{"shadow_ulr": "file:///x"}'})
+    with pytest.raises(ConnectorConfigError, match=r"did you mean 'block_size'"):
+        ConnectorConfig.from_extra_config({}, env={"CONTEXTKIT_CONNECTOR_BLOCK_SZE": "32"})
+
+
 def test_config_show_prints_sources_and_fails_in_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
