@@ -335,10 +335,15 @@ def pin_advice(config: ConnectorConfig, *, tenant: str, needed: int, quota: int,
     options = f"device_blocks to {blocks}"
     if config.pin_share < share <= 1.0:
         options = f"pin_share to {share:g} or {options}"
+    of = f"device_blocks={config.device_blocks}"
+    if pool_ratio != 1.0:
+        # a wider format's pool: device_blocks counts blocks of the codec's size
+        of = (f"the {math.floor(pool_blocks)} blocks of this pool: {of} are counted in "
+              f"blocks of the codec's format, and this pool's blocks are "
+              f"{1 / pool_ratio:.2f}x their size")
     return (f"tenant {tenant!r}: pinning its stable prefix needs {needed} device blocks, "
-            f"over its quota of {quota} (pin_share={config.pin_share:g} of "
-            f"device_blocks={config.device_blocks}), so its blocks are stored unpinned; "
-            f"raise {options} in kv_connector_extra_config")
+            f"over its quota of {quota} (pin_share={config.pin_share:g} of {of}), so its "
+            f"blocks are stored unpinned; raise {options} in kv_connector_extra_config")
 
 
 def kv_transfer_config(config: ConnectorConfig) -> dict[str, Any]:

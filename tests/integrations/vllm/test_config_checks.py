@@ -65,3 +65,18 @@ def test_the_environments_connector_json_is_bounded_too(monkeypatch) -> None:
     monkeypatch.setenv("CONTEXTKIT_CONNECTOR_CONFIG", "[" * 100_000 + "]" * 100_000)
     with pytest.raises(ConnectorConfigError, match="nests deeper"):
         ConnectorConfig.from_json("{}")
+
+
+def test_the_pin_advice_names_a_wider_pools_own_size() -> None:
+    """device_blocks counts the codec's blocks; an int8 pool holds fewer, so a quota of 33
+    with pin_share 0.5 of device_blocks 128 needs its pool named to add up."""
+    from integrations.vllm.config import ConnectorConfig, pin_advice
+
+    config = ConnectorConfig.from_extra_config({"device_blocks": 128, "pin_share": 0.5},
+                                               env={})
+    plain = pin_advice(config, tenant="acme", needed=70, quota=64)
+    assert "(pin_share=0.5 of device_blocks=128)" in plain
+    wide = pin_advice(config, tenant="acme", needed=40, quota=33, pool_ratio=0.52)
+    assert "of the 66 blocks of this pool" in wide and "1.92x their size" in wide
+    # what it asks for still covers the need within the wider pool
+    assert "device_blocks to 154" in wide  # ceil(40 / (0.5 * 0.52))
