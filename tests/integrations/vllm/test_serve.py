@@ -126,6 +126,7 @@ def test_dry_run_uses_vllms_current_entrypoint_and_a_shutdown_window(
     assert kv["kv_load_failure_policy"] == "recompute"
     assert kv["kv_connector_extra_config"]["shadow_url"] == f"file://{tmp_path / 'shadow'}"
     assert cmd[cmd.index("--shutdown-timeout") + 1] == "60"  # room for the final shadow
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"  # not every interface unasked
     assert cmd[-2:] == ["--port", "8000"]
 
     monkeypatch.setenv("FAKE_VLLM_CLI", "1")  # a `vllm` distribution: `vllm serve`
@@ -133,6 +134,9 @@ def test_dry_run_uses_vllms_current_entrypoint_and_a_shutdown_window(
                              "--shutdown-timeout", "5"], capsys)
     assert code == 0 and cmd[:5] == [str(fake_python), "-m", CLI_MODULE, "serve", str(model)]
     assert cmd.count("--shutdown-timeout") == 1 and cmd[-2:] == ["--shutdown-timeout", "5"]
+    code, cmd, _ = _dry_run(["--python", str(fake_python), str(model), "--host", "0.0.0.0"],
+                            capsys)
+    assert code == 0 and cmd.count("--host") == 1 and cmd[-2:] == ["--host", "0.0.0.0"]
 
 
 @pytest.mark.parametrize(("setup", "says"), [

@@ -102,7 +102,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                                extra_args=["--enable-prompt-tokens-details", "--kv-events-config",
                                            json.dumps({"enable_kv_cache_events": True,
                                                        "publisher": "zmq",
-                                                       "endpoint": f"tcp://*:{port}"})],
+                                                       "endpoint": f"tcp://127.0.0.1:{port}"})],
                                env=env)
             srv.start()
             servers.append(srv)
