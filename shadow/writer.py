@@ -73,6 +73,8 @@ from shadow.stores import LocalStore, ShadowStore, StoreConfig, open_store
 __all__ = ["CacheShadow", "ShadowConfig", "ShadowResult"]
 
 logger = logging.getLogger(__name__)
+#: Stores this process has already warned about writing unsigned manifests to.
+_WARNED_UNSIGNED: set[str] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,10 +225,15 @@ class CacheShadow:
         self.last_error: BaseException | None = None
         self._key = resolve_key(self.config.auth_key)
         if self._key is None:
-            logger.warning("session %s: shadow manifests in %s are unauthenticated (unsigned: "
-                           "whoever can write the store can change what is recovered); to "
-                           "sign them: %s (or ShadowConfig.auth_key)",
-                           self.session_id, self.store.url, KEY_STEP)
+            # once per store and process: a server with one writer per format and
+            # session would otherwise say it on every start of each
+            first = self.store.url not in _WARNED_UNSIGNED
+            _WARNED_UNSIGNED.add(self.store.url)
+            logger.log(logging.WARNING if first else logging.DEBUG,
+                       "session %s: shadow manifests in %s are unauthenticated (unsigned: "
+                       "whoever can write the store can change what is recovered); to "
+                       "sign them: %s (or ShadowConfig.auth_key)",
+                       self.session_id, self.store.url, KEY_STEP)
         self._segments = SegmentWriter(cache, self.store, self.session_id,
                                        self.config.chunk_bytes, self._key)
         #: the highest generation this writer committed, tried, or saw recorded: the

@@ -55,6 +55,7 @@ from integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from integrations.vllm.events import MEDIUM_SHARED, BlockEvents
 from integrations.vllm.identity import vllm_cache_identity
 from integrations.vllm.layout import LAYOUTS
+from integrations.vllm.logs import adopt_vllm_logging
 from integrations.vllm.metrics import ContextKitConnectorStats, ContextKitPromMetrics
 from integrations.vllm.planning import (
     LoadSpec,
@@ -125,6 +126,7 @@ class ContextKitConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role,
                          kv_cache_config=kv_cache_config)  # type: ignore[arg-type, unused-ignore]
+        adopt_vllm_logging()
         config = ConnectorConfig.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size

@@ -180,6 +180,18 @@ def test_unsigned_local_shadow_recovers_and_the_writer_warns_once(store_url, tmp
     assert recover_session(open_store(store_url), "plain", make_cache()).blocks == 4
 
 
+def test_the_unsigned_warning_is_said_once_per_store_not_per_session(store_url, caplog):
+    """A vLLM server opens one writer per format and session on every start."""
+    with caplog.at_level(logging.WARNING, logger="shadow"):
+        for session in ("fmt-a", "fmt-b", "fmt-c"):
+            cache = make_cache()
+            add_blocks(cache, range(2))
+            with CacheShadow(cache, store_url, session, config=MANUAL) as sh:
+                sh.shadow_now()
+    warned = [r for r in caplog.records if "unauthenticated" in r.getMessage()]
+    assert len(warned) == 1 and "fmt-a" in warned[0].getMessage()
+
+
 def test_tampered_index_is_refused_with_a_key(store_url, tmp_path):
     _shadow(store_url, "a", range(2), config=SIGNED)
     _edit(tmp_path / "shadow" / "index.json",
