@@ -58,7 +58,7 @@ def check_int(name: str, value: Any, minimum: int, *, none: str | None = None) -
 def _check_fraction(name: str, value: Any) -> None:
     """Refuse ``value`` unless it is a finite number in [0, 1] (not a bool)."""
     if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not math.isfinite(value) or not 0.0 <= value <= 1.0):
+            or not math.isfinite(value) or not 0.0 <= float(value) <= 1.0):
         raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
 
 

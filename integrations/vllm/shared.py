@@ -33,13 +33,15 @@ from typing import TYPE_CHECKING
 
 from integrations.vllm.metrics import StatsRecorder
 from shadow.shared.retention import collect
-from shadow.shared.tier import SharedTier
+from shadow.shared.tier import SharedTier, default_writer_id
 
 if TYPE_CHECKING:
+    from gpu_cache import CacheIdentity
+    from integrations.vllm.config import ConnectorConfig
     from integrations.vllm.planning import LoadSpec, SaveSpec
     from integrations.vllm.store import ConnectorStore
 
-__all__ = ["SharedLookups", "SharedWriter"]
+__all__ = ["SharedLookups", "SharedWriter", "open_shared_tier", "record_counters"]
 
 #: Called with the keys a chunk import brought in and the keys it evicted for them.
 Imported = Callable[[list[bytes], list[bytes]], None]
@@ -51,6 +53,14 @@ _COUNTER_NAMES = {"heads": "shared_heads", "gets": "shared_gets", "puts": "share
                   "bytes_down": "shared_bytes_down", "bytes_up": "shared_bytes_up",
                   "deduplicated": "shared_deduplicated", "errors": "shared_errors",
                   "deadline_misses": "shared_deadline_misses"}
+
+
+def open_shared_tier(config: ConnectorConfig, identity: CacheIdentity, role: str
+                     ) -> SharedTier:
+    """The shared tier as one role of the connector sees it: its writer id names the
+    session, the role (``lookups``, ``writer``) and the host."""
+    return SharedTier(identity, config.shared_tier(), mac_key=config.shared_tier_key(),
+                      writer=f"{config.session_id}-{role}-{default_writer_id()}")
 
 
 def record_counters(tier: SharedTier, stats: StatsRecorder) -> None:

@@ -1,0 +1,39 @@
+"""What passes between the connector's two roles each engine step.
+
+The scheduler sends the worker this step's loads and saves
+(:class:`ContextKitConnectorMetadata`); the worker answers with the keys it stored and
+evicted and the tokens it loaded (:class:`ContextKitWorkerMetadata`). vLLM carries both,
+across processes where the roles run apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from integrations.vllm.planning import LoadSpec, SaveSpec, WorkerReport
+
+__all__ = ["ContextKitConnectorMetadata", "ContextKitWorkerMetadata"]
+
+
+@dataclass
+class ContextKitConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker: this step's loads and saves."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class ContextKitWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: keys stored and evicted, tokens loaded."""
+
+    report: WorkerReport = field(default_factory=WorkerReport)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, ContextKitWorkerMetadata)
+        return ContextKitWorkerMetadata(self.report.merge(other.report))
