@@ -40,7 +40,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from integrations.vllm.connector_metadata import (
     ContextKitConnectorMetadata,
-    ContextKitWorkerMetadata,
 )
 from integrations.vllm.identity import vllm_cache_identity
 from integrations.vllm.logs import adopt_vllm_logging
@@ -64,7 +63,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["ContextKitConnector", "ContextKitConnectorMetadata", "ContextKitWorkerMetadata"]
+__all__ = ["ContextKitConnector"]
 
 logger = logging.getLogger(__name__)
 
