@@ -143,7 +143,7 @@ def _start_replica(setup: Setup, idx: int, work: Path, sizes: dict[str, Any],
         events_port = free_port()
         extra += ["--kv-events-config", json.dumps({
             "enable_kv_cache_events": True, "publisher": "zmq",
-            "endpoint": f"tcp://127.0.0.1:{events_port}", "topic": "kv-events"})]
+            "endpoint": f"tcp://*:{events_port}", "topic": "kv-events"})]
     srv = OpenAIServer(args.model_dir, config, work / f"server-{name}.log", served_name=SERVED,
                        block_size=BLOCK, max_model_len=sizes["max_model_len"],
                        extra_args=extra, env=env)

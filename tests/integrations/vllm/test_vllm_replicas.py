@@ -42,7 +42,7 @@ class Events:
         for port in ports:
             sock = self.ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
-            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.connect(f"tcp://*:{port}")
             self.socks.append(sock)
         self.events: list[list[dict[str, Any]]] = [[] for _ in ports]
         self.stop = threading.Event()
@@ -102,7 +102,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                                extra_args=["--enable-prompt-tokens-details", "--kv-events-config",
                                            json.dumps({"enable_kv_cache_events": True,
                                                        "publisher": "zmq",
-                                                       "endpoint": f"tcp://127.0.0.1:{port}"})],
+                                                       "endpoint": f"tcp://*:{port}"})],
                                env=env)
             srv.start()
             servers.append(srv)
