@@ -42,7 +42,7 @@ class Events:
         for port in ports:
             sock = self.ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
-            sock.connect(f"tcp://*:{port}")
+            sock.connect(f"tcp://127.0.0.1:{port}")
             self.socks.append(sock)
         self.events: list[list[dict[str, Any]]] = [[] for _ in ports]
         self.stop = threading.Event()
