@@ -28,7 +28,7 @@ def test_save_threads_is_capped_at_numbas_pool() -> None:
 
 
 def test_save_threads_below_one_is_refused() -> None:
-    with pytest.raises(ConnectorConfigError, match="save_threads must be >= 1"):
+    with pytest.raises(ConnectorConfigError, match="save_threads must be a whole number >= 1"):
         ConnectorConfig(save_threads=0)
 
 
