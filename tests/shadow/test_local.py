@@ -38,7 +38,8 @@ MANUAL = ShadowConfig(autostart=False)
 
 def test_exports_are_what_they_should_be():
     assert sorted(shadow.__all__) == sorted(
-        ["STORES", "BlobNotFoundError", "BlobWriter", "BlockRecord", "CacheShadow",
+        ["STORES", "BlobNotFoundError", "BlobTooLargeError", "BlobWriter", "BlockRecord",
+         "CacheShadow",
          "CorruptShadowError", "InvalidSessionIdError", "LocalStore", "Manifest",
          "MeteredStore", "RecoveryReport", "S3Store", "SegmentRecord", "SessionInfo",
          "ShadowConfig", "ShadowError", "ShadowResult", "ShadowStore", "ShadowStoreError",
