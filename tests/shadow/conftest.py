@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
 
@@ -57,3 +58,17 @@ def no_aws_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)  # it caches the fixture's credentials
+
+
+@pytest.fixture(params=["file", "s3"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A shared-tier URL on a file store, then on moto's S3 (a prefix per test); the
+    S3 case leaves its endpoint on ``request.node.endpoint``."""
+    from shadow_testkit import BUCKET
+
+    if request.param == "file":
+        return f"file://{tmp_path / 'shared'}"
+    endpoint = request.getfixturevalue("s3_endpoint")
+    prefix = hashlib.sha256(str(tmp_path).encode()).hexdigest()[:12]
+    request.node.endpoint = endpoint
+    return f"s3://{BUCKET}/{prefix}"

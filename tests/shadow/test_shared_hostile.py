@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from shadow_testkit import BUCKET, KEY, SMALL, block_tensors
+from shadow_testkit import KEY, SMALL, block_tensors
 
 from gpu_cache import CacheIdentity
 from shadow import MeteredStore, StoreConfig, open_store
@@ -51,16 +51,6 @@ def _chunk(tier: SharedTier, tenant: str, keys: list[bytes], *, importance: floa
     return SharedChunk(tier.path(tenant, keys[-1]), identity, tenant,
                        [BlockEntry(k, "memories", importance, pinned) for k in keys],
                        [PoolPart(identity, list(range(n)), tensors, None)])
-
-
-@pytest.fixture(params=["file", "s3"])
-def url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
-    if request.param == "file":
-        return f"file://{tmp_path / 'shared'}"
-    endpoint = request.getfixturevalue("s3_endpoint")
-    prefix = hashlib.sha256(str(tmp_path).encode()).hexdigest()[:12]
-    request.node.endpoint = endpoint
-    return f"s3://{BUCKET}/{prefix}"
 
 
 def _tier(url: str, request: pytest.FixtureRequest, **kw: Any) -> SharedTier:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from shadow_testkit import BUCKET, KEY, SMALL, block_tensors
+from shadow_testkit import KEY, SMALL, block_tensors
 
 from gpu_cache import CacheIdentity
 from shadow import ShadowStore, StoreConfig, open_store
@@ -49,16 +49,6 @@ def _chunk(tier: SharedTier, tenant: str, keys: list[bytes], *, serial: int = 0,
     return SharedChunk(tier.path(tenant, keys[-1]), identity, tenant,
                        [BlockEntry(k, layer, importance, pinned) for k in keys],
                        [PoolPart(identity, list(range(n)), tensors, None)])
-
-
-@pytest.fixture(params=["file", "s3"])
-def url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
-    if request.param == "file":
-        return f"file://{tmp_path / 'shared'}"
-    endpoint = request.getfixturevalue("s3_endpoint")
-    prefix = hashlib.sha256(str(tmp_path).encode()).hexdigest()[:12]
-    request.node.endpoint = endpoint
-    return f"s3://{BUCKET}/{prefix}"
 
 
 def _tier(url: str, request: pytest.FixtureRequest | None = None, *, store: ShadowStore | None
