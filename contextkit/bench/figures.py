@@ -112,25 +112,19 @@ def _number(value: float) -> str:
 
 
 # --------------------------------------------------------------------------- readers
-def _chunk_turn_positions(d: dict) -> tuple[int, int]:
-    """(agreeing, positions) of the chunk turns' teacher-forced top-1 agreement."""
-    turns = [i for i, t in enumerate(d["chunk_reused_tokens"]) if t > 0]
-    positions = sum(d["generated_tokens_baseline"][i] for i in turns)
-    agreeing = round(d["top1_agreement_chunk_turns"] * positions)
-    if abs(agreeing / positions - d["top1_agreement_chunk_turns"]) > 1e-9:
-        raise SystemExit("figures: chunk-turn agreement does not match a whole count of "
-                         f"{positions} positions")
-    return agreeing, positions
-
-
-def _positions(d: dict, key: str) -> tuple[int, int]:
-    """(agreeing, positions) of a top-1 agreement share over the chunk turns' positions."""
-    positions = int(d["chunk_turn_positions"])
+def _positions(d: dict, key: str = "top1_agreement_chunk_turns") -> tuple[int, int]:
+    """(agreeing, positions) of a top-1 agreement share over the chunk turns' positions:
+    the file's ``chunk_turn_positions``, or for older files the baseline's generated
+    tokens on the turns that reused chunks."""
+    positions = d.get("chunk_turn_positions")
+    if positions is None:
+        turns = [i for i, t in enumerate(d["chunk_reused_tokens"]) if t > 0]
+        positions = sum(d["generated_tokens_baseline"][i] for i in turns)
     agreeing = round(d[key] * positions)
     if abs(agreeing / positions - d[key]) > 1e-9:
         raise SystemExit(f"figures: {key} does not match a whole count of {positions} "
                          "positions")
-    return agreeing, positions
+    return agreeing, int(positions)
 
 
 def _memory_change(d: dict, key: str) -> list[float]:
@@ -189,7 +183,7 @@ ROWS: tuple[Row, ...] = (
     Row("ttft", "chunk turns: teacher-forced top-1 agreement with a full float prefill, "
         "95% Wilson interval over positions (run 1)", TTFT_SOURCE_NORESERVE[:1],
         lambda d: d["top1_agreement_chunk_turns"], fmt="{:.4f}", goal=Goal(">=", 0.97),
-        interval=lambda d: wilson(*_chunk_turn_positions(d))),
+        interval=lambda d: wilson(*_positions(d))),
     Row("ttft", "chunk turns, re-measured: teacher-forced top-1 agreement with a full "
         "float prefill, 95% Wilson interval over positions", TTFT_GATE,
         lambda d: d["top1_agreement_chunk_turns"], fmt="{:.4f}", goal=Goal(">=", 0.97),
