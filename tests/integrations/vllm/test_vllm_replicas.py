@@ -1,7 +1,7 @@
 """Two vLLM replicas (CPU build) sharing contextkit's live tier on moto's S3 server over
 HTTP, behind vllm-router: a prompt one replica computed loads on the other, tenants
-share nothing, KV events say where blocks are, a tampered object is refused and the
-turn answered by recompute. Run by ``make test-vllm``.
+share nothing, KV events say where blocks are, a tampered object and a MAC-valid
+malformed one are refused and the turn answered by recompute. Run by ``make test-vllm``.
 """
 
 from __future__ import annotations
@@ -248,6 +248,48 @@ def test_a_tampered_object_is_refused_and_the_turn_recomputed(cluster: dict[str,
     record = _record(cb, start)
     assert record["external_hit_tokens"] == 0 and record["load_failed_tokens"] > 0
     assert _metric(b, "vllm:contextkit_shared_refused_total") > refused
+
+
+def test_a_mac_valid_malformed_object_is_refused_and_the_turn_answered(
+        cluster: dict[str, Any]) -> None:
+    # a replica on other code (it holds the key) writes chunks whose header lies about
+    # the body, or whose body is cut short, each signed: B refuses them, never raises,
+    # and answers the turn by recompute
+    from integrations.vllm.bench.replicas_bench import BUCKET
+    from shadow.shared.objects import assemble_object, split_object
+
+    a, b = cluster["servers"]
+    ca, cb = cluster["configs"]
+    client = cluster["s3"].client()
+    before = {o["Key"] for o in client.list_objects_v2(Bucket=BUCKET).get("Contents", [])}
+    n = len(_wait_uploads(ca, 1))
+    text = _text(4)
+    first = _chat(a.url, text, "wayne")
+    _wait_uploads(ca, n + first["usage"]["prompt_tokens"] // BLOCK // 2)  # every chunk
+    new = sorted(o["Key"] for o in client.list_objects_v2(Bucket=BUCKET).get("Contents", [])
+                 if o["Key"] not in before and "/t/" in o["Key"])
+    assert new
+    for i, key in enumerate(new):
+        doc, body = split_object(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+        if i % 2:
+            data = assemble_object(json.dumps(doc).encode(), bytes(body)[:len(body) // 2],
+                                   KEY.encode())
+        else:  # a tensor's declared shape no longer matches its bytes
+            tensor = next(iter(doc["parts"][0]["tensors"].values()))
+            tensor["shape"] = [2 * tensor["shape"][0], *tensor["shape"][1:]]
+            data = assemble_object(json.dumps(doc).encode(), bytes(body), KEY.encode())
+        client.put_object(Bucket=BUCKET, Key=key, Body=data)
+    refused = _metric(b, "vllm:contextkit_shared_refused_total")
+    start = _offset(cb)
+    reply = _chat(b.url, text, "wayne")
+    assert reply["choices"][0]["message"]["content"] is not None
+    record = _record(cb, start)
+    # the lookup promised the chunks (it reads no bodies); the load refused every one
+    # and vLLM recomputed them
+    assert record["external_hit_tokens"] == 0
+    assert record["load_failed_tokens"] == record["shared_hit_tokens"] > 0
+    assert _metric(b, "vllm:contextkit_shared_refused_total") > refused
+    b.get("/health")  # the server is still up
 
 
 def test_the_router_keeps_each_session_on_one_replica(cluster: dict[str, Any]) -> None:
