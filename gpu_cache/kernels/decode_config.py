@@ -52,7 +52,7 @@ class DecodeConfig:
 
 #: Float32 tiles, exact to float32 rounding: the launch under the interpreter (CPU).
 EXACT_DECODE = DecodeConfig()
-#: The launch on CUDA: float16 tiles, register-table lookups and two warps, 3.4x faster
-#: than :data:`EXACT_DECODE` at 32K tokens on an H100 (``bench kernel --sweep``;
-#: docs/gpu.md), within 4e-4 of its output.
+#: The launch on CUDA: float16 tiles, register-table lookups and two warps, the fastest
+#: of ``bench kernel --sweep`` (figures in docs/gpu.md), within 4e-4 of
+#: :data:`EXACT_DECODE`'s output.
 CUDA_DECODE = DecodeConfig(fp16=True, lookup="table", num_warps=2)

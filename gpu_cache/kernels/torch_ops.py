@@ -33,7 +33,7 @@ __all__ = [
 
 #: Bytes of codebook values materialised per online-softmax step: 1 MiB is 256
 #: tokens at Hkv=8, D=128 and stays in L2, so the gather and the matmuls that read
-#: it back run from cache (single thread, 32K tokens: 151 ms vs 193 ms for 4 MiB).
+#: it back run from cache.
 #: On an oversubscribed CPU, larger chunks win instead: every parallel torch op is
 #: a thread barrier, and smaller chunks mean more of them.
 CHUNK_BYTES = 1 << 20

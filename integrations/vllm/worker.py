@@ -81,8 +81,8 @@ class ConnectorWorker:
         self._load_errors: set[int] = set()
         # Saves quantize beside vLLM's forward, whose OpenMP threads are bound to every
         # core: their kernels run on save_threads threads (numba's count is per thread).
-        # They keep vLLM's priority: at nice 19 (tried on the agents bench) they starved,
-        # finished seconds late and held the store's lock while loads waited on it.
+        # They keep vLLM's priority: at a lower one they starve, finish late and hold
+        # the store's lock while loads wait on it.
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="contextkit-save",
                                          initializer=cpu_fused.limit_threads,
                                          initargs=(config.save_threads,))

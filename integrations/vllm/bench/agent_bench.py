@@ -75,8 +75,8 @@ def server_env() -> dict[str, str]:
             # vLLM's CPU build binds the worker's threads to the cores left after
             # reserving one for its scheduler, and one more when a KV connector is
             # configured; on 2 cores that second reservation fails and the connector's
-            # worker gets both cores while the others get one (a 2x difference in
-            # prefill that is not the cache's). Reserve none, for every server alike.
+            # worker gets both cores while the others get one (a difference in prefill
+            # that is not the cache's). Reserve none, for every server alike.
             "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")}
 
 
