@@ -22,9 +22,9 @@ help:
 	@echo "make bench-agents  6 agents sharing a too-small cache: lru vs semantic vs"
 	@echo "                semantic+ooda, and a device-size sweep (~12 min on 2 cores)"
 	@echo "make bench-agent-vllm  a LangChain agent on vLLM, 4 cache configurations (~15 min)"
-	@echo "make bench-agents-vllm  6 agents on one vLLM server with KV for ~2, 8 configurations (~25 min)"
-	@echo "make bench-replicas  6 agents alternating between two vLLM replicas: APC, local DDR,"
-	@echo "                the shared S3 tier, vllm-router, failover, vs one replica (~25 min)"
+	@echo "make bench-agents-vllm  6 agents on one vLLM server with KV for ~2, 5 configurations side by side (~25 min)"
+	@echo "make bench-replicas  6 agents alternating between two vLLM replicas: local DDR vs the"
+	@echo "                shared S3 tier vs one replica, side by side (~25 min)"
 	@echo "make bench-vllm  vLLM answers and TTFT after a restart, 8 agent prompts, per connector"
 	@echo "                precision policy (7: all-tq4 .. native, the ablation; ~20 min)"
 	@echo "make bench-decode  decode tokens/s at 1K/6K/16K: contextkit vs llama.cpp on the same"
@@ -83,7 +83,8 @@ bench-agent-vllm:
 		2>&1 | tee bench/results/agent-vllm-cpu.log
 
 # Six LangChain agents of three tenants on one vLLM server whose KV holds ~2 of them:
-# APC, contextkit's order, the connector (semantic / LRU / fp16), LMCache, the ceiling.
+# APC, the connector (semantic / LRU / one that holds everything) and the ceiling, all
+# servers up and each step sent to each in turn (--sequential for the older comparisons).
 bench-agents-vllm:
 	@bash scripts/vllm_venv.sh
 	@mkdir -p bench/results
@@ -92,8 +93,8 @@ bench-agents-vllm:
 		2>&1 | tee bench/results/agents-vllm-cpu.log
 
 # Two vLLM CPU replicas, each agent's turns alternating between them (moto S3 for the shared
-# tier, vllm-router in front for `routed`): one replica, APC, local DDR, shared, routed,
-# failover (~25 min on 2 cores; .venv-vllm).
+# tier): one replica, local DDR, shared, side by side with the steps interleaved; APC,
+# vllm-router (`routed`) and failover with --configs or --sequential (~25 min; .venv-vllm).
 bench-replicas:
 	@bash scripts/vllm_venv.sh
 	@mkdir -p bench/results

@@ -4,7 +4,13 @@ Runs inside the vLLM virtualenv (``make test-vllm`` creates ``.venv-vllm``). The
 workload is :class:`contextkit.workloads.agents.MultiAgentWorkload` (6 agents of 3
 tenants by default, the seeded 36-step schedule with bursts and returning agents),
 each agent a ``langchain.agents.create_agent`` over ``ChatOpenAI(streaming=True)``.
-Every configuration runs the same schedule on a fresh server:
+Every configuration runs the same schedule on its own fresh server. The servers are up
+at once and each step goes to each configuration in turn, the order rotating, after the
+machine went quiet (one configuration's background saves are not timed against the
+next one's request); the ceiling's replies become every agent's history, so all send
+the same prompts (``reply_matches_transcript`` says who answered the same).
+``--sequential`` runs them one after another instead, each alone on the machine (every
+configuration fits in memory; a slow minute can decide a ratio). The configurations:
 
 - ``apc``: vLLM's prefix caching, each prompt one plain system message in the
   workload's own layer order (``cache_salt`` = the tenant);
@@ -76,9 +82,13 @@ OUT_IS_JSON = True
 CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru", "connector_fp16",
            "connector_int8", "connector_tq4", "connector_saves_all_cores",
            "connector_store_volatile", "connector_all", "lmcache", "lmcache_ordering")
-#: The default run: the issue's seven configurations and the eviction policies' ceiling.
-DEFAULT_CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru",
-                   "connector_fp16", "connector_all", "lmcache")
+#: The default run: what fits side by side in 24 GB (about 3 GiB per vLLM server): the
+#: ceiling, vLLM's prefix cache, the connector, recency eviction and the eviction
+#: policies' ceiling. Other comparisons are runs of their own, each with its ceiling.
+DEFAULT_CONFIGS = ("ceiling", "apc", "connector", "connector_lru", "connector_all")
+#: What ``--sequential`` runs by default: every comparison of the issue, one by one.
+SEQUENTIAL_CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru",
+                      "connector_fp16", "connector_all", "lmcache")
 #: The connector configuration the speedups are of, and what each is compared with.
 VERSUS = {"apc": "apc", "ordering": "ordering", "lru": "connector_lru",
           "fp16": "connector_fp16", "int8": "connector_int8", "tq4": "connector_tq4",
@@ -103,14 +113,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the DDR byte budget B in agent prompts at fp16 (default 3)")
     parser.add_argument("--quality-steps", type=positive_int, default=6,
                         help="prompts read back teacher-forced, 16 positions each (default 6)")
-    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                        help=f"comma-separated, in the order to run, from {', '.join(CONFIGS)} "
-                             f"(default: {','.join(DEFAULT_CONFIGS)}; the ceiling always "
-                             "runs first)")
+    parser.add_argument("--configs", default=None,
+                        help=f"comma-separated, from {', '.join(CONFIGS)} (default: "
+                             f"{','.join(DEFAULT_CONFIGS)}; with --sequential "
+                             f"{','.join(SEQUENTIAL_CONFIGS)}; the ceiling always runs)")
+    parser.add_argument("--sequential", action="store_true",
+                        help="run the configurations one after another, each alone, instead "
+                             "of side by side with the steps interleaved (ratios then carry "
+                             "the machine's drift between runs)")
     parser.add_argument("--ceiling-last", action="store_true",
-                        help="run the ceiling again after the others and report the drift "
-                             "between its two runs (ceiling_drift); the ceiling's figures "
-                             "stay its first run's")
+                        help="with --sequential: run the ceiling again after the others and "
+                             "report the drift between its two runs (ceiling_drift); the "
+                             "ceiling's figures stay its first run's")
     parser.add_argument("--model", default=None,
                         help="model directory (default: the packaged SmolLM2, converted)")
     parser.add_argument("--dir", default=None, help="work directory for logs (default: temp)")
@@ -306,7 +320,13 @@ def _plot(path: Path, ttft: Mapping[str, Sequence[float]], warm: Sequence[bool],
 
 # ---------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    configs = [c.strip() for c in str(args.configs).split(",") if c.strip()]
+    given = args.configs or ",".join(SEQUENTIAL_CONFIGS if args.sequential
+                                     else DEFAULT_CONFIGS)
+    configs = [c.strip() for c in given.split(",") if c.strip()]
+    if args.ceiling_last and not args.sequential:
+        raise SystemExit("--ceiling-last measures the drift between back-to-back runs: add "
+                         "--sequential (side by side, the steps interleave and need no "
+                         "drift check)")
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         raise SystemExit(f"unknown --configs {', '.join(unknown)}; pick from "
@@ -327,6 +347,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "--quality-steps", str(args.quality_steps), "--configs", ",".join(configs)]
     if args.ceiling_last:
         cmd.append("--ceiling-last")
+    if args.sequential:
+        cmd.append("--sequential")
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.run(cmd, stdout=sys.stderr, check=False)
@@ -384,6 +406,10 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         "connector_costs": {n: c for n, c in costs.items() if c is not None},
         "not_run": raw.get("errors", {}),
         "order": raw.get("order"),
+        "interleaved": bool(raw.get("interleaved")),
+        "replies_matching_transcript": {
+            n: sum(bool(r.get("reply_matches_transcript")) for r in runs[n]["rows"])
+            for n in names if any("reply_matches_transcript" in r for r in runs[n]["rows"])},
         "lru_computed_ratio": _ratio_of(runs, "connector_lru", "connector"),
         "apc_computed_ratio": _ratio_of(runs, "apc", "connector"),
         "sizes": raw["sizes"],
@@ -401,7 +427,10 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         "model": "packaged SmolLM2-135M-Instruct (float32)" if not args.model else args.model,
         "omp_num_threads": raw.get("omp_num_threads"),
         "machine": machine_info(),
-        "method": "client-side TTFT (agent.invoke -> first streamed chunk); speedups: "
+        "method": ("every server up, each step sent to each configuration in turn (the "
+                   "order rotating), one transcript; " if raw.get("interleaved") else
+                   "one configuration after another, each on its own server; ")
+                  + "client-side TTFT (agent.invoke -> first streamed chunk); speedups: "
                   "medians over warm steps (agent_turn >= 1), 'same tokens' where both "
                   "sides computed the same prompt tokens; bounds: prompt tokens computed "
                   "against the ceiling's; quality: teacher-forced probe against the "

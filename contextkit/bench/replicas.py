@@ -3,8 +3,12 @@
 Runs inside the vLLM virtualenv (``make test-vllm`` creates ``.venv-vllm``, with moto's
 S3 server and vllm-router). The driver, :mod:`integrations.vllm.bench.replicas_bench`,
 started as a child process by module name, runs the seeded multi-agent schedule
-(:class:`contextkit.workloads.agents.MultiAgentWorkload`, LangChain agents) once per
-configuration on fresh servers and writes raw rows; this module turns them into figures.
+(:class:`contextkit.workloads.agents.MultiAgentWorkload`, LangChain agents) with each
+configuration on its own fresh servers, all up at once and each step sent to each
+configuration in turn, the order rotating (``--sequential``: one configuration after
+another), and writes raw rows; this module turns them into figures. Interleaved, the
+first configuration's replies become every agent's history, so every configuration
+sends the same prompts (``replies_matching_transcript`` counts who answered the same).
 Turn ``k`` of agent ``i`` goes to replica ``(i + k) % 2``, so an agent's every later turn
 lands on the other replica than its previous one. Configurations: ``single`` (one
 replica serves everything: what one replica reuses), ``apc`` (two replicas, vLLM's prefix
@@ -33,7 +37,8 @@ middle values for an even count), a p95 the nearest-rank value. Figures:
   ``ceiling_fraction``: ``single``'s over ``shared``'s (1.0: as fast as one replica);
   ``ceiling_fraction_total``: the same as a ratio of TTFT sums over the steps both
   answered, or "same tokens" where both reused the same prompt tokens there;
-  ``first_configuration``: the one whose server started first in the run (slower);
+  ``first_configuration``: the one whose server started first in the run (slower when
+  run back to back); ``interleaved``: whether the steps were interleaved;
   ``bound_shared_vs_local_p50``: ``local``'s over ``single``'s, the most any shared
   tier reaches against ``local`` on these steps (one replica that saw every turn).
 - ``routed_vs_shared_p50``: ``shared``'s median TTFT over the warm steps (an agent's
@@ -82,8 +87,11 @@ HELP = ("agents alternating between two vLLM replicas: APC, a connector per repl
 #: ``--out`` names a JSON file; the CLI writes the result there with its provenance.
 OUT_IS_JSON = True
 
-#: The driver's configurations, in the order they run by default.
+#: The driver's configurations.
 CONFIGS = ("single", "apc", "local", "shared", "routed", "failover")
+#: The default run, side by side: what fits in 24 GB (about 3 GiB per vLLM server):
+#: one replica (the ceiling), two with local DDR tiers, two sharing the S3 tier.
+DEFAULT_CONFIGS = ("single", "local", "shared")
 #: Counters per answered step in ``shared_tier`` (metric stem -> figure).
 PER_STEP = {"shared_bytes_down": "bytes_down_per_step", "shared_bytes_up": "bytes_up_per_step",
             "shared_gets": "gets_per_step", "shared_puts": "puts_per_step",
@@ -122,9 +130,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-policy", default="consistent_hash",
                         help="vllm-router's --policy (default consistent_hash, on the agent's "
                              "session; kv_aware gives salted requests no cache credit)")
-    parser.add_argument("--configs", default=",".join(CONFIGS),
-                        help=f"comma-separated, in the order to run, from {', '.join(CONFIGS)} "
-                             "(default: all)")
+    parser.add_argument("--configs", default=None,
+                        help=f"comma-separated, from {', '.join(CONFIGS)} (default: "
+                             f"{','.join(DEFAULT_CONFIGS)}; with --sequential all)")
+    parser.add_argument("--sequential", action="store_true",
+                        help="run the configurations one after another, each alone, instead "
+                             "of side by side with the steps interleaved (ratios then carry "
+                             "the machine's drift between runs)")
     parser.add_argument("--dir", default=None, help="work directory for logs (default: temp)")
     parser.add_argument("--out", default=None,
                         help="also write the JSON result (with its provenance) here")
@@ -278,7 +290,8 @@ def _plot(path: Path, ttft: Mapping[str, Sequence[float | None]], cross: Sequenc
 
 # ---------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    configs = [c.strip() for c in str(args.configs).split(",") if c.strip()]
+    given = args.configs or ",".join(CONFIGS if args.sequential else DEFAULT_CONFIGS)
+    configs = [c.strip() for c in given.split(",") if c.strip()]
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown or not configs:
         raise SystemExit(f"unknown --configs {', '.join(unknown) or '(none given)'}; pick "
@@ -302,6 +315,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "--router-policy", str(args.router_policy), "--configs", ",".join(configs)]
     if args.router:  # else the driver's default: on PATH, else beside its Python
         cmd += ["--router", str(args.router)]
+    if args.sequential:
+        cmd.append("--sequential")
     proc = subprocess.run(cmd, stdout=sys.stderr, check=False)
     if proc.returncode or not raw_path.is_file():
         raise SystemExit(f"bench replicas: the driver failed ({proc.returncode}); see the "
@@ -343,9 +358,13 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         "speedup_shared_vs_apc_p50": _ratio(p50.get("apc"), p50.get("shared")),
         "ceiling_fraction": _ratio(p50.get("single"), p50.get("shared")),
         "ceiling_fraction_total": ceiling_fraction_total(shared, single, cross),
-        # every configuration is one server lifetime in sequence, and a run's first
-        # lifetime is slow (cold OS caches): a ratio against it is not a bound
+        # back to back, a run's first server lifetime is slow (cold OS caches): a ratio
+        # against it is not a bound; interleaved, every step pays that alike
         "first_configuration": (raw.get("order") or [None])[0],
+        "interleaved": bool(raw.get("interleaved")),
+        "replies_matching_transcript": {
+            n: sum(bool(r.get("reply_matches_transcript")) for r in rows[n])
+            for n in names if any("reply_matches_transcript" in r for r in rows[n])},
         # the most any shared tier reaches against local on these steps: one replica
         # that saw every turn (single) over local
         "bound_shared_vs_local_p50": _ratio(p50.get("local"), p50.get("single")),

@@ -4,7 +4,8 @@
 [--tenants N] [--steps N] [--seed N] [--scale X] [--max-tokens N] [--configs a,b]``
 drives the multi-agent workload of :class:`contextkit.workloads.agents.MultiAgentWorkload`
 through LangChain agents (one ``create_agent`` over ``ChatOpenAI`` per agent) against
-one vLLM OpenAI server per configuration, and writes the raw rows as JSON: per step
+one vLLM OpenAI server per configuration, all up at once with each step sent to each
+in turn (``--sequential``: one after another), and writes the raw rows as JSON: per step
 the client's TTFT, prompt and cached tokens and the connector's hit tokens, per
 configuration the server's sizes and what the connector stored, and the teacher-forced
 logprobs of the quality probe. The figures are computed by
@@ -37,6 +38,7 @@ from integrations.vllm.bench.agent_bench import (
     ttft_timer,
 )
 from integrations.vllm.bench.harness import params_for, read_stats
+from integrations.vllm.bench.interleave import check_memory, rotation, settle
 
 __all__ = ["CONFIGS", "main", "measure"]
 
@@ -351,66 +353,163 @@ def scrape_connector_metrics(srv: Any) -> dict[str, float]:
     return totals
 
 
-def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], work: Path,
-               args: argparse.Namespace, quality: dict[str, Any]) -> dict[str, Any]:
-    """One configuration on a fresh server: every step of the schedule, then the probe."""
-    from contextkit import CacheAwareContextPipeline
+class Lane:
+    """One configuration for the whole run: its server (and LMCache's), its agents,
+    its rows. Started once; each step is one :meth:`turn`; :meth:`finish` probes the
+    quality and :meth:`stop` ends the servers and gives the configuration's raw result."""
 
-    lmcache = None
-    if setup.lmcache:
-        from integrations.vllm.bench.lmcache_server import LMCacheServer
+    def __init__(self, setup: Setup, workload: Any, served: Any, sizes: dict[str, Any],
+                 work: Path, args: argparse.Namespace) -> None:
+        self.setup, self.workload, self.served = setup, workload, served
+        self.sizes, self.work, self.args = sizes, work, args
+        self.rows: list[dict[str, Any]] = []
+        self.agents: dict[str, WorkloadAgent] = {}
+        self.srv: Any = None
+        self.config: Any = None
+        self.lmcache: Any = None
+        self.started_s = 0.0
+        self.busy_s = 0.0  # seconds spent in this configuration's own requests
+        self.metrics: dict[str, float] = {}
+        self.probe: dict[str, Any] | None = None
 
-        lmcache = LMCacheServer(work, chunk_tokens=BLOCK, budget_bytes=sizes["budget_bytes"])
-        lmcache.start()
-    t0 = time.perf_counter()
-    try:
-        srv, config = _server(setup, work, sizes, args, lmcache)
-    except BaseException:
-        if lmcache is not None:
-            lmcache.stop()
-        raise
-    started = time.perf_counter() - t0
-    rows: list[dict[str, Any]] = []
-    try:
-        agents: dict[str, WorkloadAgent] = {}
-        for spec in workload.agents:
-            pipeline = (CacheAwareContextPipeline(served=served, tenant=spec.tenant,
+    def start(self) -> Lane:
+        from contextkit import CacheAwareContextPipeline
+
+        setup, t0 = self.setup, time.perf_counter()
+        if setup.lmcache:
+            from integrations.vllm.bench.lmcache_server import LMCacheServer
+
+            self.lmcache = LMCacheServer(self.work, chunk_tokens=BLOCK,
+                                         budget_bytes=self.sizes["budget_bytes"])
+            self.lmcache.start()
+        self.srv, self.config = _server(setup, self.work, self.sizes, self.args, self.lmcache)
+        for spec in self.workload.agents:
+            pipeline = (CacheAwareContextPipeline(served=self.served, tenant=spec.tenant,
                                                   agent=spec.name, pin_stable=setup.pin)
                         if setup.contextkit else None)
-            agents[spec.name] = WorkloadAgent(spec.name, spec.tenant, workload, srv.base_url,
-                                               args.max_tokens, pipeline)
-        for step in workload.steps():
-            row = agents[step.agent].turn(step.step, step.user_message)
-            row["kind"], row["agent_turn"] = step.kind, step.agent_turn
-            rows.append(row)
-            print(f"{setup.name:>15} step {step.step:>2} {step.agent:>10}: ttft "
-                  f"{row['ttft_ms']:>8.1f} ms  prompt {row['prompt_tokens']}  cached "
-                  f"{row['cached_tokens']}", file=sys.stderr, flush=True)
-        metrics_after_steps = scrape_connector_metrics(srv)
-        probe = None
+            self.agents[spec.name] = WorkloadAgent(spec.name, spec.tenant, self.workload,
+                                                   self.srv.base_url, self.args.max_tokens,
+                                                   pipeline)
+        self.started_s = round(time.perf_counter() - t0, 1)
+        return self
+
+    def turn(self, step: Any) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        row = self.agents[step.agent].turn(step.step, step.user_message)
+        self.busy_s += time.perf_counter() - t0
+        row["kind"], row["agent_turn"] = step.kind, step.agent_turn
+        self.rows.append(row)
+        print(f"{self.setup.name:>15} step {step.step:>2} {step.agent:>10}: ttft "
+              f"{row['ttft_ms']:>8.1f} ms  prompt {row['prompt_tokens']}  cached "
+              f"{row['cached_tokens']}", file=sys.stderr, flush=True)
+        return row
+
+    def reply(self, agent: str) -> str:
+        return str(self.agents[agent].history[-1].content)
+
+    def adopt(self, agent: str, other: Lane) -> None:
+        """``agent``'s history becomes ``other``'s: one transcript, the same prompts."""
+        self.agents[agent].history = list(other.agents[agent].history)
+
+    def finish(self, quality: dict[str, Any]) -> None:
+        """The connector's counters after the schedule, then the quality probe (the
+        ceiling's forced tokens become the reference of the others)."""
+        setup, t0 = self.setup, time.perf_counter()
+        self.metrics = scrape_connector_metrics(self.srv)
         if setup.probe and (setup.connector is not None or setup.ceiling):
             rng = random.Random(7)
-            filler = [rng.randrange(100, 20000) for _ in range(sizes["max_model_len"] - 8)]
-            probe = quality_probe(srv, quality["prompts"], quality.get("reference"),
-                                  args.quality_tokens, filler)
+            filler = [rng.randrange(100, 20000) for _ in range(self.sizes["max_model_len"] - 8)]
+            self.probe = quality_probe(self.srv, quality["prompts"], quality.get("reference"),
+                                       self.args.quality_tokens, filler)
             if setup.ceiling:
-                quality["reference"] = probe["forced"]
+                quality["reference"] = self.probe["forced"]
+        self.busy_s += time.perf_counter() - t0
+
+    def stop(self) -> None:
+        if self.srv is not None:
+            self.srv.stop()
+            self.srv = None
+        if self.lmcache is not None:
+            self.lmcache.stop()
+
+    def result(self) -> dict[str, Any]:
+        setup = self.setup
+        stats = (read_stats(Path(self.config.stats_path))[0]
+                 if setup.connector is not None and self.config is not None else [])
+        return {"rows": self.rows, "server_start_s": self.started_s,
+                "seconds": round(self.started_s + self.busy_s, 1),
+                "kv_blocks": self.sizes["kv_blocks_ceiling"] if setup.ceiling
+                else self.sizes["kv_blocks_pressure"],
+                "connector": dict(setup.connector) if setup.connector is not None else None,
+                "pin": setup.pin, "contextkit_order": setup.contextkit,
+                "metrics": self.metrics, "connector_stats": stats, "probe": self.probe,
+                # the connector records the warm-up requests first: the figures drop them
+                "warmup_requests": len(WARMUP_WORDS) if setup.connector is not None else 0,
+                "lmcache": self.lmcache.describe() if self.lmcache is not None else None,
+                "loadavg_1min": round(os.getloadavg()[0], 2)}
+
+
+def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], work: Path,
+               args: argparse.Namespace, quality: dict[str, Any]) -> dict[str, Any]:
+    """One configuration on a fresh server alone: every step, then the probe."""
+    lane = Lane(setup, workload, served, sizes, work, args)
+    try:
+        lane.start()
+        for step in workload.steps():
+            lane.turn(step)
+        lane.finish(quality)
     finally:
-        srv.stop()
-        if lmcache is not None:
-            lmcache.stop()
-    stats = read_stats(Path(config.stats_path))[0] if setup.connector is not None else []
-    return {"rows": rows, "server_start_s": round(started, 1),
-            "seconds": round(time.perf_counter() - t0, 1),
-            "kv_blocks": sizes["kv_blocks_ceiling"] if setup.ceiling
-            else sizes["kv_blocks_pressure"],
-            "connector": dict(setup.connector) if setup.connector is not None else None,
-            "pin": setup.pin, "contextkit_order": setup.contextkit,
-            "metrics": metrics_after_steps, "connector_stats": stats, "probe": probe,
-            # the connector records the warm-up requests first: the figures drop them
-            "warmup_requests": len(WARMUP_WORDS) if setup.connector is not None else 0,
-            "lmcache": lmcache.describe() if lmcache is not None else None,
-            "loadavg_1min": round(os.getloadavg()[0], 2)}
+        lane.stop()
+    return lane.result()
+
+
+def run_interleaved(names: list[str], workload: Any, served: Any, sizes: dict[str, Any],
+                    work: Path, args: argparse.Namespace, quality: dict[str, Any],
+                    errors: dict[str, str]) -> dict[str, Any]:
+    """Every configuration's server up at once, each step sent to each in turn (the
+    order rotating), after the machine went quiet; one transcript: the ceiling's
+    replies become every agent's history, so all send the same prompts, and each row
+    says whether its configuration answered the same (``reply_matches_transcript``).
+    A configuration that fails is stopped and reported in ``errors``; the ceiling's
+    failure ends the run."""
+    check_memory(len(names) + sum(SETUPS[n].lmcache for n in names),
+                 extra_gib=sizes["kv_blocks_ceiling"] * sizes["bytes_per_block_fp16"] / 2**30)
+    lanes: dict[str, Lane] = {}
+    try:
+        for name in names:
+            lane = Lane(SETUPS[name], workload, served, sizes, work, args)
+            try:
+                lanes[name] = lane.start()
+            except (Exception, SystemExit) as exc:
+                lane.stop()
+                if name == "ceiling":
+                    raise
+                errors[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+                print(f"{name}: did not start: {errors[name]}", file=sys.stderr, flush=True)
+        reference = lanes["ceiling"]
+        for i, step in enumerate(workload.steps()):
+            for name in rotation(list(lanes), i):
+                row_settle = settle()
+                try:
+                    lanes[name].turn(step)["settle_s"] = row_settle
+                except Exception as exc:
+                    if name == "ceiling":
+                        raise
+                    errors[name] = f"{type(exc).__name__} at step {i}: {str(exc)[:2000]}"
+                    print(f"{name}: stopped: {errors[name]}", file=sys.stderr, flush=True)
+                    lanes.pop(name).stop()
+            said = reference.reply(step.agent)
+            for lane in lanes.values():
+                if lane is not reference:
+                    lane.rows[-1]["reply_matches_transcript"] = lane.reply(step.agent) == said
+                    lane.adopt(step.agent, reference)
+        for lane in lanes.values():  # the ceiling first: its replies are the reference
+            settle()
+            lane.finish(quality)
+    finally:
+        for lane in lanes.values():
+            lane.stop()
+    return {name: lane.result() for name, lane in lanes.items()}
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -438,20 +537,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     configs.insert(0, "ceiling")  # the reference of the quality probe and the ratio
     results: dict[str, Any] = {}
     errors: dict[str, str] = {}
-    for name in configs:
-        try:
-            results[name] = run_config(SETUPS[name], workload, served, sizes, work, args,
-                                       quality)
-        except (Exception, SystemExit) as exc:
-            if name == "ceiling":
-                raise
-            errors[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
-            print(f"{name}: did not run: {errors[name]}", file=sys.stderr, flush=True)
-    if args.ceiling_last:  # the ceiling's timing again, after the others (drift check)
-        again = dataclasses.replace(SETUPS["ceiling"], name="ceiling_last", probe=False)
-        results["ceiling_last"] = run_config(again, workload, served, sizes, work, args,
-                                             quality)
+    if not args.sequential:
+        results = run_interleaved(configs, workload, served, sizes, work, args, quality,
+                                  errors)
+    else:
+        for name in configs:
+            try:
+                results[name] = run_config(SETUPS[name], workload, served, sizes, work, args,
+                                           quality)
+            except (Exception, SystemExit) as exc:
+                if name == "ceiling":
+                    raise
+                errors[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+                print(f"{name}: did not run: {errors[name]}", file=sys.stderr, flush=True)
+        if args.ceiling_last:  # the ceiling's timing again, after the others (drift check)
+            again = dataclasses.replace(SETUPS["ceiling"], name="ceiling_last", probe=False)
+            results["ceiling_last"] = run_config(again, workload, served, sizes, work, args,
+                                                 quality)
     return {"configs": results, "errors": errors, "sizes": sizes, "order": configs,
+            "interleaved": not args.sequential,
             "workload": workload.describe(), "quality_prompt_tokens":
             [len(p.ids) for p in quality["prompts"]],
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
@@ -476,7 +580,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quality-tokens", type=int, default=16)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--ceiling-last", action="store_true")
+    parser.add_argument("--sequential", action="store_true")
     args = parser.parse_args(argv)
+    if args.ceiling_last and not args.sequential:
+        parser.error("--ceiling-last measures drift between back-to-back runs: add "
+                     "--sequential (interleaved runs need no drift check)")
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = sorted(set(args.configs) - set(CONFIGS))
     if unknown:

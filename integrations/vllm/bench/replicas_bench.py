@@ -3,8 +3,10 @@
 ``python -m integrations.vllm.bench.replicas_bench --out FILE [--dir DIR] [--agents N]
 [--tenants N] [--steps N] [--configs a,b] [--router PATH]`` drives the multi-agent
 workload (:class:`contextkit.workloads.agents.MultiAgentWorkload`, LangChain agents
-with contextkit's middleware) against vLLM OpenAI servers, each configuration on fresh
-servers with the same schedule, and writes the raw rows as JSON. Every agent's turns
+with contextkit's middleware) against vLLM OpenAI servers, each configuration on its
+own fresh servers with the same schedule, all up at once with each step sent to each
+configuration in turn (``--sequential``: one after another), and writes the raw rows
+as JSON. Every agent's turns
 alternate between the two replicas (turn ``k`` of agent ``i`` goes to replica
 ``(i + k) % 2``), so every turn after an agent's first lands on the other replica
 than its previous one. The figures are computed by :mod:`contextkit.bench.replicas`.
@@ -43,6 +45,7 @@ from integrations.vllm.bench.agents_bench import (
     scrape_connector_metrics,
 )
 from integrations.vllm.bench.harness import free_port, read_events, read_stats
+from integrations.vllm.bench.interleave import check_memory, rotation, settle
 
 __all__ = ["CONFIGS", "main", "measure"]
 
@@ -244,94 +247,193 @@ def tenant_probe(servers: list[Any], configs: list[Any], workload: Any) -> dict[
     return out
 
 
-def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], work: Path,
-               args: argparse.Namespace) -> dict[str, Any]:
-    """One configuration on fresh servers: every step of the schedule."""
-    from contextkit import CacheAwareContextPipeline
+class Lane:
+    """One configuration for the whole run: its replicas (and moto, and the router),
+    its agents, its rows. Each step is one :meth:`turn`, sent to the replica the
+    schedule (or the router) picks."""
 
-    t0 = time.perf_counter()
-    s3 = MotoS3(work / f"moto-{setup.name}.log").start() if setup.shared else None
-    servers: list[Any] = []
-    configs: list[Any] = []
-    events: list[int | None] = []
-    router: Router | None = None
-    rows: list[dict[str, Any]] = []
-    errors: list[str] = []
-    try:
+    def __init__(self, setup: Setup, workload: Any, served: Any, sizes: dict[str, Any],
+                 work: Path, args: argparse.Namespace) -> None:
+        self.setup, self.workload, self.served = setup, workload, served
+        self.sizes, self.work, self.args = sizes, work, args
+        self.s3: MotoS3 | None = None
+        self.servers: list[Any] = []
+        self.configs: list[Any] = []
+        self.router: Router | None = None
+        self.rows: list[dict[str, Any]] = []
+        self.errors: list[str] = []
+        self.agents: dict[str, WorkloadAgent] = {}
+        self.turns: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+        self.order = {spec.name: i for i, spec in enumerate(workload.agents)}
+        self.steps = len(list(workload.steps()))
+        self.stop_step = (int(self.steps * setup.stop_at) if setup.stop_at is not None
+                          else self.steps + 1)
+        self.alive: list[int] = []
+        self.started_s = 0.0
+        self.busy_s = 0.0
+        self.metrics: list[dict[str, float]] = []
+        self.probe: dict[str, int] | None = None
+
+    def start(self) -> Lane:
+        from contextkit import CacheAwareContextPipeline
+
+        setup, t0 = self.setup, time.perf_counter()
+        self.s3 = MotoS3(self.work / f"moto-{setup.name}.log").start() if setup.shared else None
+        events: list[int | None] = []
         for idx in range(setup.replicas):
-            srv, config, port = _start_replica(setup, idx, work, sizes, args, s3)
-            servers.append(srv)
-            configs.append(config)
+            srv, config, port = _start_replica(setup, idx, self.work, self.sizes, self.args,
+                                               self.s3)
+            self.servers.append(srv)
+            self.configs.append(config)
             events.append(port)
         if setup.router:
-            router = Router(args.router, [s.url for s in servers], events,
-                            work / f"router-{setup.name}.log", args.router_policy).start()
-        started = time.perf_counter() - t0
-        alive = list(range(setup.replicas))
-        agents: dict[str, WorkloadAgent] = {}
-        turns: dict[str, int] = {}
-        last: dict[str, int] = {}
-        order = {spec.name: i for i, spec in enumerate(workload.agents)}
-        steps = list(workload.steps())
-        stop_step = (int(len(steps) * setup.stop_at) if setup.stop_at is not None
-                     else len(steps) + 1)
-        for spec in workload.agents:
-            pipeline = CacheAwareContextPipeline(served=served, tenant=spec.tenant,
+            self.router = Router(self.args.router, [s.url for s in self.servers], events,
+                                 self.work / f"router-{setup.name}.log",
+                                 self.args.router_policy).start()
+        self.alive = list(range(setup.replicas))
+        for spec in self.workload.agents:
+            pipeline = CacheAwareContextPipeline(served=self.served, tenant=spec.tenant,
                                                  agent=spec.name, pin_stable=True)
-            agents[spec.name] = WorkloadAgent(spec.name, spec.tenant, workload,
-                                               servers[0].base_url, args.max_tokens, pipeline)
-            agents[spec.name].user = spec.name  # the router's session key
-        for i, step in enumerate(steps):
-            if i == stop_step and len(alive) > 1:
-                servers[1].stop()  # replica 1 goes away; its agents go on on replica 0
-                alive = [0]
-            k = turns.get(step.agent, 0)
-            turns[step.agent] = k + 1
-            agent = agents[step.agent]
-            before = None
-            if router is not None:
-                target = -1
-                agent.connect(router.url + "/v1")
-                before = [_served_requests(s) for s in servers]
-            else:
-                target = alive[(order[step.agent] + k) % len(alive)]
-                agent.connect(servers[target].base_url)
-            try:
-                row = agent.turn(step.step, step.user_message)
-            except Exception as exc:  # a lost turn: counted, the run goes on
-                errors.append(f"step {step.step} {step.agent}: {type(exc).__name__}: {exc}")
-                rows.append({"step": step.step, "agent": step.agent, "error": str(exc)[:300]})
-                continue
-            if before is not None:
-                after = [_served_requests(s) for s in servers]
-                moved = [j for j, (b, a) in enumerate(zip(before, after, strict=True)) if a > b]
-                target = moved[0] if len(moved) == 1 else -1
-            row.update({"kind": step.kind, "agent_turn": step.agent_turn, "replica": target,
-                        "previous_replica": last.get(step.agent), "after_stop": i >= stop_step})
-            last[step.agent] = target
-            rows.append(row)
-            print(f"{setup.name:>9} step {step.step:>2} {step.agent:>10} -> {target}: ttft "
-                  f"{row['ttft_ms']:>8.1f} ms  prompt {row['prompt_tokens']}  cached "
-                  f"{row['cached_tokens']}", file=sys.stderr, flush=True)
-        metrics = [scrape_connector_metrics(s) for j, s in enumerate(servers) if j in alive]
-        probe = (tenant_probe(servers, configs, workload) if setup.shared and len(alive) > 1
-                 else None)
-    finally:
-        if router is not None:
-            router.stop()
-        for srv in servers:
+            agent = WorkloadAgent(spec.name, spec.tenant, self.workload,
+                                  self.servers[0].base_url, self.args.max_tokens, pipeline)
+            agent.user = spec.name  # the router's session key
+            self.agents[spec.name] = agent
+        self.started_s = round(time.perf_counter() - t0, 1)
+        return self
+
+    def turn(self, i: int, step: Any) -> dict[str, Any]:
+        """Step ``i``; a lost turn is recorded (``error``) and the run goes on."""
+        setup, servers = self.setup, self.servers
+        if i == self.stop_step and len(self.alive) > 1:
+            servers[1].stop()  # replica 1 goes away; its agents go on on replica 0
+            self.alive = [0]
+        k = self.turns.get(step.agent, 0)
+        self.turns[step.agent] = k + 1
+        agent = self.agents[step.agent]
+        before = None
+        if self.router is not None:
+            target = -1
+            agent.connect(self.router.url + "/v1")
+            before = [_served_requests(s) for s in servers]
+        else:
+            target = self.alive[(self.order[step.agent] + k) % len(self.alive)]
+            agent.connect(servers[target].base_url)
+        t0 = time.perf_counter()
+        try:
+            row = agent.turn(step.step, step.user_message)
+        except Exception as exc:
+            self.errors.append(f"step {step.step} {step.agent}: {type(exc).__name__}: {exc}")
+            row = {"step": step.step, "agent": step.agent, "error": str(exc)[:300]}
+            self.rows.append(row)
+            return row
+        finally:
+            self.busy_s += time.perf_counter() - t0
+        if before is not None:
+            after = [_served_requests(s) for s in servers]
+            moved = [j for j, (b, a) in enumerate(zip(before, after, strict=True)) if a > b]
+            target = moved[0] if len(moved) == 1 else -1
+        row.update({"kind": step.kind, "agent_turn": step.agent_turn, "replica": target,
+                    "previous_replica": self.last.get(step.agent),
+                    "after_stop": i >= self.stop_step})
+        self.last[step.agent] = target
+        self.rows.append(row)
+        print(f"{setup.name:>9} step {step.step:>2} {step.agent:>10} -> {target}: ttft "
+              f"{row['ttft_ms']:>8.1f} ms  prompt {row['prompt_tokens']}  cached "
+              f"{row['cached_tokens']}", file=sys.stderr, flush=True)
+        return row
+
+    def reply(self, agent: str) -> str | None:
+        history = self.agents[agent].history
+        return str(history[-1].content) if history else None
+
+    def adopt(self, agent: str, other: Lane) -> None:
+        """``agent``'s history becomes ``other``'s: one transcript, the same prompts."""
+        self.agents[agent].history = list(other.agents[agent].history)
+
+    def finish(self) -> None:
+        """Each live replica's counters, then the shared tier's tenant probe."""
+        self.metrics = [scrape_connector_metrics(s) for j, s in enumerate(self.servers)
+                        if j in self.alive]
+        if self.setup.shared and len(self.alive) > 1:
+            self.probe = tenant_probe(self.servers, self.configs, self.workload)
+
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+        for srv in self.servers:
             srv.stop()
-        if s3 is not None:
-            s3.stop()
-    stats = [read_stats(Path(c.stats_path))[0] if setup.connector else [] for c in configs]
-    uploads = [read_events(Path(c.stats_path), "shared_upload") if setup.connector else []
-               for c in configs]
-    return {"rows": rows, "errors": errors, "server_start_s": round(started, 1),
-            "seconds": round(time.perf_counter() - t0, 1), "replicas": setup.replicas,
-            "metrics": metrics, "connector_stats": stats, "uploads": uploads,
-            "tenant_probe": probe,
-            "router": router.cmd if router is not None else None,
-            "loadavg_1min": round(os.getloadavg()[0], 2)}
+        if self.s3 is not None:
+            self.s3.stop()
+            self.s3 = None
+
+    def result(self) -> dict[str, Any]:
+        setup = self.setup
+        stats = [read_stats(Path(c.stats_path))[0] if setup.connector else []
+                 for c in self.configs]
+        uploads = [read_events(Path(c.stats_path), "shared_upload") if setup.connector else []
+                   for c in self.configs]
+        return {"rows": self.rows, "errors": self.errors, "server_start_s": self.started_s,
+                "seconds": round(self.started_s + self.busy_s, 1),
+                "replicas": setup.replicas, "metrics": self.metrics,
+                "connector_stats": stats, "uploads": uploads, "tenant_probe": self.probe,
+                "router": self.router.cmd if self.router is not None else None,
+                "loadavg_1min": round(os.getloadavg()[0], 2)}
+
+
+def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], work: Path,
+               args: argparse.Namespace) -> dict[str, Any]:
+    """One configuration on fresh servers alone: every step of the schedule."""
+    lane = Lane(setup, workload, served, sizes, work, args)
+    try:
+        lane.start()
+        for i, step in enumerate(workload.steps()):
+            lane.turn(i, step)
+        lane.finish()
+    finally:
+        lane.stop()
+    return lane.result()
+
+
+def run_interleaved(names: list[str], workload: Any, served: Any, sizes: dict[str, Any],
+                    work: Path, args: argparse.Namespace, errors: dict[str, str]
+                    ) -> dict[str, Any]:
+    """Every configuration's replicas up at once, each step sent to each configuration
+    in turn (the order rotating) after the machine went quiet. The first
+    configuration's replies become every agent's history, so all send the same prompts
+    (``reply_matches_transcript``)."""
+    check_memory(sum(SETUPS[n].replicas for n in names))
+    lanes: dict[str, Lane] = {}
+    try:
+        for name in names:
+            lane = Lane(SETUPS[name], workload, served, sizes, work, args)
+            try:
+                lanes[name] = lane.start()
+            except (Exception, SystemExit) as exc:
+                lane.stop()
+                errors[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+                print(f"{name}: did not start: {errors[name]}", file=sys.stderr, flush=True)
+        if not lanes:
+            return {}
+        reference = next(iter(lanes.values()))
+        for i, step in enumerate(workload.steps()):
+            for name in rotation(list(lanes), i):
+                waited = settle()
+                lanes[name].turn(i, step)["settle_s"] = waited
+            said = reference.reply(step.agent)
+            for lane in lanes.values():
+                if lane is not reference and "error" not in lane.rows[-1]:
+                    lane.rows[-1]["reply_matches_transcript"] = lane.reply(step.agent) == said
+                if lane is not reference:
+                    lane.adopt(step.agent, reference)
+        for lane in lanes.values():
+            settle()
+            lane.finish()
+    finally:
+        for lane in lanes.values():
+            lane.stop()
+    return {name: lane.result() for name, lane in lanes.items()}
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -350,13 +452,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     sizes = plan_sizes(workload, served, args)
     results: dict[str, Any] = {}
     errors: dict[str, str] = {}
-    for name in args.configs:
-        try:
-            results[name] = run_config(SETUPS[name], workload, served, sizes, work, args)
-        except (Exception, SystemExit) as exc:
-            errors[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
-            print(f"{name}: did not run: {errors[name]}", file=sys.stderr, flush=True)
+    if not args.sequential:
+        results = run_interleaved(args.configs, workload, served, sizes, work, args, errors)
+    else:
+        for name in args.configs:
+            try:
+                results[name] = run_config(SETUPS[name], workload, served, sizes, work, args)
+            except (Exception, SystemExit) as exc:
+                errors[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+                print(f"{name}: did not run: {errors[name]}", file=sys.stderr, flush=True)
     return {"configs": results, "errors": errors, "sizes": sizes, "order": args.configs,
+            "interleaved": not args.sequential,
             "workload": workload.describe(), "chunk_blocks": args.chunk_blocks,
             "deadline_s": args.deadline_s, "router_policy": args.router_policy}
 
@@ -379,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router", default=default_router())
     parser.add_argument("--router-policy", default="consistent_hash")
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--sequential", action="store_true")
     args = parser.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = sorted(set(args.configs) - set(CONFIGS))

@@ -188,3 +188,21 @@ def test_connector_all_is_the_default_connector_with_room_for_everything(tmp_pat
     config = _connector_config(tmp_path, setup.name, sizes, setup.connector, setup.budget_factor)
     assert config.host_blocks == 832 * ALL_BUDGET_FACTOR
     assert _connector_config(tmp_path, "connector", sizes, {}).host_blocks == 832
+
+
+def test_an_interleaved_run_counts_the_replies_that_matched_the_transcript() -> None:
+    from contextkit.bench.agents_vllm import result_of
+
+    rows = _rows([900.0, 800.0, 200.0, 200.0])
+    matched = [dict(r, reply_matches_transcript=i != 2) for i, r in enumerate(rows)]
+    run = {"seconds": 1.0, "loadavg_1min": 1.0, "metrics": {}}
+    raw = {"configs": {"ceiling": dict(run, rows=rows), "apc": dict(run, rows=matched)},
+           "interleaved": True, "sizes": {
+               "kv_blocks_pressure": 1, "kv_blocks_ceiling": 2, "prompt_tokens_mean": 1,
+               "budget_bytes": 1, "host_blocks": 1},
+           "workload": {"num_agents": 2, "num_steps": 4}}
+    args = argparse.Namespace(kv_agents=2.0, budget_agents=3.0, model=None, plot=None)
+    result = result_of(args, raw)
+    assert result["interleaved"] is True
+    assert result["replies_matching_transcript"] == {"apc": 3}
+    assert result["method"].startswith("every server up")

@@ -1,0 +1,33 @@
+"""The side-by-side run's pieces: the rotating order, the quiet wait, the memory check."""
+
+from __future__ import annotations
+
+import pytest
+
+from integrations.vllm.bench import interleave
+from integrations.vllm.bench.interleave import check_memory, quiet, rotation
+
+
+def test_the_order_rotates_so_each_configuration_goes_first_once_per_round() -> None:
+    names = ["ceiling", "apc", "connector"]
+    firsts = [rotation(names, i)[0] for i in range(6)]
+    assert firsts == ["ceiling", "apc", "connector"] * 2
+    assert all(sorted(rotation(names, i)) == sorted(names) for i in range(6))
+    assert rotation([], 3) == []
+
+
+def test_the_machine_is_quiet_when_its_cpus_were_mostly_idle_between_samples() -> None:
+    # (busy, idle) jiffies: 10 of 100 busy is quiet below 0.25, 40 of 100 is not
+    assert quiet((1000, 5000), (1010, 5090), busy_below=0.25)
+    assert not quiet((1000, 5000), (1040, 5060), busy_below=0.25)
+    assert quiet((1000, 5000), (1000, 5000), busy_below=0.25)  # no time passed
+
+
+def test_servers_that_do_not_fit_are_refused_with_what_to_do(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(interleave, "available_gib", lambda: 10.0)
+    check_memory(3)  # 9 GiB of 10: fits
+    with pytest.raises(SystemExit) as exc:
+        check_memory(4)
+    message = str(exc.value)
+    assert "4 vLLM servers" in message and "--configs" in message and "--sequential" in message
