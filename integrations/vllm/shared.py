@@ -359,8 +359,12 @@ class SharedWriter:
                 lambda: not self._queue and not self._busy and self._warm is None, timeout)
 
     def close(self) -> None:
+        """Stop the thread and release this writer's lease (a clean stop holds nothing)."""
         with self._cond:
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout=30)
+        with self._held_lock:
+            self._held_chunks.clear()
+        self.tier.release_lease()
         self.tier.close()

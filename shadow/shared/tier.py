@@ -383,6 +383,16 @@ class SharedTier:
             self._count(errors=1)
             logger.warning("shared tier lease of %s failed: %s", self.writer, exc)
 
+    def release_lease(self) -> None:
+        """Delete this writer's lease (a clean stop: it holds nothing any more, so its
+        chunks are collectable on age and no starting replica warms from them)."""
+        try:
+            self.store.delete(self.lease_prefix + self.writer)  # a missing one is no error
+        except ShadowStoreError as exc:
+            self._count(errors=1)
+            logger.warning("shared tier: releasing the lease of %s failed: %s", self.writer,
+                           exc)
+
     @property
     def mac_key(self) -> bytes:
         """The deployment's key (collection verifies headers and leases with it)."""

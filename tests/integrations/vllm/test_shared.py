@@ -302,6 +302,27 @@ def test_a_replica_that_starts_warms_its_ddr_tier_from_what_the_fleet_holds(
         c.close()
 
 
+def test_a_clean_stop_releases_the_writers_lease(model: Path, tmp_path: Path) -> None:
+    # a stopped replica holds nothing: its lease goes, so collection may take its
+    # chunks on age and a replica that starts warms nothing from it
+    a = _replica(model, tmp_path, "a")
+    _compute(a, "r1", TOKENS)
+    a.writer._next_lease = 0.0  # renew now (it renews every lease_s / 3)
+    a.writer._chores()
+    leases = a.writer.tier.lease_prefix
+    assert a.writer.tier.store.list(leases) == [leases + "a-w"]
+    a.close()
+    c = _replica(model, tmp_path, "c")
+    try:
+        assert c.writer.tier.store.list(leases) == []
+        warmed: list[bytes] = []
+        c.writer.start_warm(1 << 30, lambda keys, removed: warmed.extend(keys))
+        assert c.writer.flush()
+        assert warmed == []
+    finally:
+        c.close()
+
+
 def test_blocks_evicted_to_make_room_for_an_import_are_forgotten(
         model: Path, tmp_path: Path, replicas: tuple[Replica, Replica]) -> None:
     a, _ = replicas
