@@ -203,6 +203,20 @@ def plan_sizes(workload: Any, served: Any, args: argparse.Namespace) -> dict[str
 
 
 # ---------------------------------------------------------------------- servers
+def allocated_bytes(setup: Setup, sizes: dict[str, Any]) -> int:
+    """What a configuration's server allocates at start beyond the model: vLLM's KV
+    blocks (float32: twice the fp16 bytes) and the connector's DDR tier, whose slots
+    are sized for fp16 blocks (LMCache's L1 takes the same budget)."""
+    fp16 = sizes["bytes_per_block_fp16"]
+    blocks = sizes["kv_blocks_ceiling"] if setup.ceiling else sizes["kv_blocks_pressure"]
+    host = 0
+    if setup.connector is not None:
+        host = max(1, int(sizes["host_blocks"] * setup.budget_factor)) * fp16
+    elif setup.lmcache:
+        host = sizes["budget_bytes"]
+    return blocks * 2 * fp16 + host
+
+
 def _connector_config(work: Path, name: str, sizes: dict[str, Any], overrides: dict[str, Any],
                       budget_factor: float = 1.0) -> Any:
     from integrations.vllm.config import ConnectorConfig
@@ -473,7 +487,7 @@ def run_interleaved(names: list[str], workload: Any, served: Any, sizes: dict[st
     A configuration that fails is stopped and reported in ``errors``; the ceiling's
     failure ends the run."""
     check_memory(len(names) + sum(SETUPS[n].lmcache for n in names),
-                 extra_gib=sizes["kv_blocks_ceiling"] * sizes["bytes_per_block_fp16"] / 2**30)
+                 extra_gib=sum(allocated_bytes(SETUPS[n], sizes) for n in names) / 2**30)
     lanes: dict[str, Lane] = {}
     try:
         for name in names:

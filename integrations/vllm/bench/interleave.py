@@ -15,9 +15,11 @@ from pathlib import Path
 
 __all__ = ["SERVER_GIB", "available_gib", "check_memory", "quiet", "rotation", "settle"]
 
-#: Resident memory of one vLLM OpenAI server on the CPU build with the packaged
-#: SmolLM2 (API process, engine core and worker), before its KV space.
-SERVER_GIB = 3.0
+#: Memory one vLLM OpenAI server on the CPU build takes with the packaged SmolLM2 (API
+#: process, engine core and worker; their libraries' pages are shared), before its KV
+#: space and the connector's DDR tier, which callers add: five servers of
+#: ``bench agents-vllm`` took about 20 GiB of a 24 GB machine, close to this estimate.
+SERVER_GIB = 2.2
 
 
 def rotation(names: Sequence[str], step: int) -> list[str]:
@@ -75,7 +77,8 @@ def available_gib() -> float | None:
 
 def check_memory(servers: int, extra_gib: float = 0.0) -> None:
     """Refuse, in one line that says what to do, to start ``servers`` servers that
-    would not fit in the memory available now."""
+    would not fit in the memory available now; ``extra_gib``: what they allocate beyond
+    :data:`SERVER_GIB` each (vLLM's KV blocks, the connectors' DDR tiers)."""
     have = available_gib()
     need = servers * SERVER_GIB + extra_gib
     if have is not None and need > have:

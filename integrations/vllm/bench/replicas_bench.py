@@ -403,7 +403,12 @@ def run_interleaved(names: list[str], workload: Any, served: Any, sizes: dict[st
     in turn (the order rotating) after the machine went quiet. The first
     configuration's replies become every agent's history, so all send the same prompts
     (``reply_matches_transcript``)."""
-    check_memory(sum(SETUPS[n].replicas for n in names))
+    fp16 = sizes["bytes_per_block_fp16"]
+    per_replica = {n: sizes["kv_blocks_pressure"] * 2 * fp16
+                   + (sizes["host_blocks"] * fp16 if SETUPS[n].connector else 0)
+                   for n in names}
+    check_memory(sum(SETUPS[n].replicas for n in names),
+                 extra_gib=sum(SETUPS[n].replicas * per_replica[n] for n in names) / 2**30)
     lanes: dict[str, Lane] = {}
     try:
         for name in names:

@@ -31,3 +31,16 @@ def test_servers_that_do_not_fit_are_refused_with_what_to_do(
         check_memory(4)
     message = str(exc.value)
     assert "4 vLLM servers" in message and "--configs" in message and "--sequential" in message
+
+
+def test_a_lane_counts_its_kv_blocks_and_its_ddr_tier_before_it_starts() -> None:
+    from integrations.vllm.bench.agents_bench import SETUPS, allocated_bytes
+
+    sizes = {"bytes_per_block_fp16": 1000, "kv_blocks_pressure": 10, "kv_blocks_ceiling": 50,
+             "host_blocks": 20, "budget_bytes": 30_000}
+    assert allocated_bytes(SETUPS["apc"], sizes) == 10 * 2000  # float32 KV only
+    assert allocated_bytes(SETUPS["ceiling"], sizes) == 50 * 2000
+    assert allocated_bytes(SETUPS["connector"], sizes) == 10 * 2000 + 20 * 1000
+    # the connector that holds everything: 8 budgets of DDR slots (7 GiB on the bench)
+    assert allocated_bytes(SETUPS["connector_all"], sizes) == 10 * 2000 + 160 * 1000
+    assert allocated_bytes(SETUPS["lmcache"], sizes) == 10 * 2000 + 30_000

@@ -1,7 +1,8 @@
 """docs/shared-tier.md's recipe, its blocks as written, from a plain shell: moto's S3
 server, two replicas (``contextkit serve-vllm`` through the wrapper script) sharing the
 live tier, vllm-router in front; a turn through the router, the same turn straight to
-the other replica, which finds the prompt in the shared tier. Run by ``make test-vllm``
+the other replica, which finds the prompt in the shared tier; the runbook's checks, and
+its teardown, after which no lease is left. Run by ``make test-vllm``
 (fixed ports: 5000, 5557, 5558, 8000-8002)."""
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def shell(tmp_path: Path) -> Iterator[tuple[dict[str, str], list[subprocess.Pope
 def test_the_recipe_serves_a_turn_that_moves_from_the_shared_tier(
         shell: tuple[dict[str, str], list[subprocess.Popen[bytes]]], tmp_path: Path) -> None:
     env, procs = shell
-    settings, s3, replica_a, replica_b, router, turn, counters, *_ = blocks()
+    (settings, s3, replica_a, replica_b, router, turn, served, counters, uploads, _kv_aware,
+     teardown) = blocks()
     # "every shell shares these settings": run once (one key for every replica)
     shared = subprocess.run(["bash", "-c", settings + "\nenv -0"], cwd=ROOT, env=env,
                             capture_output=True, check=True).stdout
@@ -121,13 +123,36 @@ def test_the_recipe_serves_a_turn_that_moves_from_the_shared_tier(
     assert reply["choices"][0]["message"]["content"]
     picked = [p for p in (8001, 8002) if _served(p) > before[p]]
     assert len(picked) == 1, picked
+    # the runbook's own way to tell: the replica whose count went up
+    counts = dict(line.split(" served ") for line in run(served).splitlines())
+    assert {int(p): float(n) for p, n in counts.items()} == {
+        p: _served(p) for p in (8001, 8002)}
     other = 8002 if picked == [8001] else 8001
     time.sleep(5)  # the chunks' uploads (lag well under a second here)
+    assert re.search(r"replica-[ab] uploads: [1-9]", run(uploads)), run(uploads)
     moved = json.loads(run(turn.replace("127.0.0.1:8000", f"127.0.0.1:{other}")))
     cached = moved["usage"]["prompt_tokens_details"]["cached_tokens"]
-    text = run(counters.replace("127.0.0.1:8002", f"127.0.0.1:{other}"))
+    text = run(counters)
+    assert "# HELP" not in text and "# TYPE" not in text
     found = {m.group(1): float(m.group(2)) for m in re.finditer(
-        r"vllm:contextkit_shared_(\w+)_total\{[^}]*\} ([0-9.e+]+)", text)}
+        rf"^{other} vllm:contextkit_shared_(\w+)_total\{{[^}}]*\}} ([0-9.e+]+)", text, re.M)}
     assert found.get("hit_tokens", 0) >= 128 and found.get("gets", 0) >= 1, text
     assert found.get("refused", 0) == 0
     assert cached >= found["hit_tokens"]
+
+    # teardown, as written: every replica stops cleanly and releases its lease
+    assert _leases(env), "the writer should hold a lease while it runs"
+    left = run(teardown)
+    assert "leases left: []" in left, left
+    assert all(server.wait(timeout=60) == 0 for server in servers)
+
+
+def _leases(env: dict[str, str]) -> list[str]:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url="http://127.0.0.1:5000",
+                      aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                      aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+                      region_name=env["AWS_DEFAULT_REGION"])
+    return [o["Key"] for o in s3.list_objects_v2(Bucket="ck-shared").get("Contents", [])
+            if "/leases/" in o["Key"]]
