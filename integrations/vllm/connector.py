@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from contextkit.pipeline.served.wire import REPORT_KEY
 from integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from integrations.vllm.connector_metadata import (
     ContextKitConnectorMetadata,
@@ -156,8 +157,10 @@ class ContextKitConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler().request_finished(request)
-        return False, None  # blocks were copied out when computed: free them now
+        report = self._scheduler().request_finished(request)
+        # blocks were copied out when computed: free them now; the response's
+        # kv_transfer_params carry what the prompt reused
+        return False, ({REPORT_KEY: report} if report is not None else None)
 
     # ================================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

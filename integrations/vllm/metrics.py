@@ -25,6 +25,8 @@ Metrics (counters are exposed with a ``_total`` suffix):
 ``vllm:contextkit_shadow_bytes``      counter    bytes written to the shadow store
 ``vllm:contextkit_shadow_lag_seconds``  gauge    age of the oldest stored block not yet shadowed
 ``vllm:contextkit_label_mismatches``  counter    requests whose labels fit another prompt (ignored)
+``vllm:contextkit_reuse_*_requests``  counter    finished requests by reuse class (prefix,
+                                                 recomputed, none; see ``cache_report``)
 ====================================  =========  ============================================
 
 The shared tier (:mod:`integrations.vllm.shared`) adds counters ``shared_hit_tokens``
@@ -84,7 +86,8 @@ SHARED_COUNTERS = ("shared_hit_tokens", "shared_imported_blocks", "shared_heads"
 #: Plain counters (one value per interval).
 COUNTERS = ("lookups", "hit_tokens", "loaded_blocks", "load_errors", "shadow_bytes",
             "label_mismatches", "demoted_blocks", "skipped_blocks", "load_seconds",
-            "save_seconds", *SHARED_COUNTERS)
+            "save_seconds", "reuse_prefix_requests", "reuse_recomputed_requests",
+            "reuse_none_requests", *SHARED_COUNTERS)
 #: Counters broken down by the block's source layer.
 BY_LAYER = ("saved_blocks", "evicted_blocks")
 #: Gauges (latest value; merged observations keep the largest).
@@ -98,6 +101,11 @@ OTHER = "other"
 
 _DOCS = {
     "lookups": "Prefix lookups by contextkit's scheduler-side connector.",
+    "reuse_prefix_requests": "Finished requests whose prompt reused a prefix (vLLM's "
+                             "cache or contextkit's).",
+    "reuse_recomputed_requests": "Finished requests that computed tokens promised from "
+                                 "contextkit's cache (they failed to load).",
+    "reuse_none_requests": "Finished requests whose prompt reused nothing.",
     "hit_tokens": "Prompt tokens served from contextkit's cache instead of computed.",
     "loaded_blocks": "Blocks loaded from contextkit's cache into vLLM's paged KV cache.",
     "saved_blocks": "Blocks stored in contextkit's cache, by source layer.",

@@ -308,6 +308,8 @@ class _RequestState:
     shared_from: int = 0  # blocks [shared_from, shared_to) are in the shared tier
     shared_to: int = 0
     shared_tokens: int = 0  # of its loads' tokens, those planned from the shared tier
+    vllm_hit_tokens: int = -1  # vLLM's own prefix-cache hit at the first lookup
+    labels_ignored: str | None = None  # why the request's labels were not used
 
 
 class RequestPlanner:
@@ -375,7 +377,8 @@ class RequestPlanner:
                 self.stats.count("label_mismatches")
                 params = None
             state = _RequestState(tenant or DEFAULT_TENANT, params, num_prompt_tokens,
-                                  self._request_policy(req_id, params))
+                                  self._request_policy(req_id, params),
+                                  labels_ignored=reason)
             self._reqs[req_id] = state
         return state
 
@@ -406,6 +409,8 @@ class RequestPlanner:
         self.stats.count("lookups")
         state = self._state(req_id, tenant, params, token_ids, num_prompt_tokens)
         state.last_num_computed = num_computed
+        if state.vllm_hit_tokens < 0:
+            state.vllm_hit_tokens = num_computed
         max_blocks = max(0, num_prompt_tokens - 1) // self.block_size
         matched = 0
         for key in self._keys(state, token_ids, max_blocks):
@@ -553,6 +558,32 @@ class RequestPlanner:
         before = len(self.index)
         self.index.update(keys)
         return len(self.index) - before
+
+    def report(self, req_id: str) -> dict[str, Any] | None:
+        """What a request's prompt reused, for its response (``kv_transfer_params``):
+        its reuse class (``prefix``: some tokens came from vLLM's cache or contextkit's;
+        ``recomputed``: tokens promised from contextkit's cache failed to load and were
+        computed; ``none``), its prompt tokens by where they came from, and why
+        contextkit fell back, if it did. ``complete`` is False for a request that ended
+        before its load was reported (its loaded tokens are then not known yet)."""
+        state = self._reqs.get(req_id)
+        if state is None:
+            return None
+        loaded = self._loaded.get(req_id, 0)
+        failed = self._load_failed.get(req_id, 0)
+        cached = max(0, state.vllm_hit_tokens)
+        fallback = []
+        if state.labels_ignored is not None:
+            fallback.append(f"labels ignored: {state.labels_ignored}")
+        if failed:
+            fallback.append(f"{failed} tokens failed to load and were computed")
+        reuse = "recomputed" if failed else ("prefix" if cached + loaded else "none")
+        return {"reuse": reuse, "prompt_tokens": state.num_prompt_tokens,
+                "vllm_cached_tokens": cached, "contextkit_loaded_tokens": loaded,
+                "shared_tier_tokens": min(state.shared_tokens, loaded),
+                "computed_tokens": max(0, state.num_prompt_tokens - cached - loaded),
+                "fallback": "; ".join(fallback) or None,
+                "complete": state.load_reported}
 
     def finish(self, req_id: str) -> list[dict[str, Any]]:
         """A request finished. Returns its stats now, or from the :meth:`apply` call

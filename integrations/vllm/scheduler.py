@@ -146,11 +146,17 @@ class ConnectorScheduler:
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._events.take()
 
-    def request_finished(self, request: Request) -> None:
+    def request_finished(self, request: Request) -> dict[str, Any] | None:
+        """Forget the request; returns what its prompt reused (:meth:`RequestPlanner.report`),
+        which vLLM hands back in the response's ``kv_transfer_params``."""
         self._requests.pop(request.request_id, None)
         if self.shared is not None:
             self.shared.forget(request.request_id)
+        report = self.planner.report(request.request_id)
         self._write_stats(self.planner.finish(request.request_id))
+        if report is not None:
+            self.planner.stats.count(f"reuse_{report['reuse']}_requests")
+        return report
 
     def take_stats(self) -> dict[str, Any] | None:
         """Lookups since the last call (with the shared tier's counters)."""

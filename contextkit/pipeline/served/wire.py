@@ -20,6 +20,16 @@ pipeline writes it
 does :func:`integrations.vllm.planning.semantic_params`; the connector's planner reads
 it (:mod:`integrations.vllm.planning`).
 
+A response carries back what its prompt reused, in its own ``kv_transfer_params``::
+
+    {"kv_transfer_params": {"contextkit_cache": {
+        "reuse": "prefix" | "recomputed" | "none", "prompt_tokens": int,
+        "vllm_cached_tokens": int, "contextkit_loaded_tokens": int,
+        "shared_tier_tokens": int, "computed_tokens": int,
+        "fallback": str | None, "complete": bool}}}
+
+(:func:`cache_report` reads it).
+
 Standard library only: the connector's scheduler side imports it without torch.
 """
 
@@ -32,7 +42,10 @@ from typing import Any, NamedTuple
 
 __all__ = [
     "PARAMS_KEY",
+    "REPORT_KEY",
+    "REUSE_CLASSES",
     "WireSpan",
+    "cache_report",
     "decode_fingerprint",
     "decode_precision",
     "decode_spans",
@@ -44,6 +57,17 @@ __all__ = [
 
 #: contextkit's key in a request's ``kv_transfer_params``.
 PARAMS_KEY = "contextkit"
+#: contextkit's key in a response's ``kv_transfer_params``: what the prompt reused.
+REPORT_KEY = "contextkit_cache"
+#: A report's reuse classes.
+REUSE_CLASSES = ("prefix", "recomputed", "none")
+
+
+def cache_report(params: object) -> dict[str, Any] | None:
+    """contextkit's cache report from a response's ``kv_transfer_params`` (None where
+    there is none: no connector, or another server)."""
+    entry = params.get(REPORT_KEY) if isinstance(params, Mapping) else None
+    return dict(entry) if isinstance(entry, Mapping) else None
 
 
 class WireSpan(NamedTuple):

@@ -84,6 +84,41 @@ def test_stats_wait_for_the_load_report_of_a_request_finished_in_that_step() -> 
     assert p.finish("never-seen") == []
 
 
+def test_the_cache_report_splits_a_prompt_by_where_its_tokens_came_from() -> None:
+    keys = hash_token_blocks(IDENTITY.digest(), "default", TOKENS, BS)
+    p = planner()
+    p.seed(keys[:3])
+    # vLLM held block 0; the connector supplies blocks 1 and 2
+    assert p.matched_tokens("r", TOKENS, len(TOKENS), 4) == 8
+    p.on_alloc("r", 8)
+    p.plan([StepRequest("r", TOKENS, 12, 6, [1, 2, 3, 4, 5])])
+    p.apply(WorkerReport(loaded_tokens={"r": 8}))
+    report = p.report("r")
+    assert report == {"reuse": "prefix", "prompt_tokens": 18, "vllm_cached_tokens": 4,
+                      "contextkit_loaded_tokens": 8, "shared_tier_tokens": 0,
+                      "computed_tokens": 6, "fallback": None, "complete": True}
+    assert p.report("never-seen") is None
+
+
+def test_the_cache_report_says_why_contextkit_fell_back() -> None:
+    keys = hash_token_blocks(IDENTITY.digest(), "default", TOKENS, BS)
+    p = planner()
+    p.seed(keys)
+    bad = {PARAMS_KEY: {"spans": "not a list"}}
+    p.matched_tokens("r", TOKENS, len(TOKENS), 0, params=bad)
+    p.on_alloc("r", 16)
+    p.plan([StepRequest("r", TOKENS, 16, 2, [1, 2, 3, 4, 5])])
+    p.apply(WorkerReport(loaded_tokens={"r": 8}, load_failed_tokens={"r": 8}))
+    report = p.report("r")
+    assert report is not None and report["reuse"] == "recomputed"
+    assert report["fallback"].startswith("labels ignored: ")
+    assert "8 tokens failed to load and were computed" in report["fallback"]
+    assert report["computed_tokens"] == 10
+    cold = planner()
+    cold.matched_tokens("c", TOKENS, len(TOKENS), 0)
+    assert (cold.report("c") or {})["reuse"] == "none"
+
+
 def test_evicted_keys_leave_the_index() -> None:
     keys = hash_token_blocks(IDENTITY.digest(), "default", TOKENS, BS)
     p = planner()

@@ -52,9 +52,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path
         yield srv, stats
 
 
-def _chat(srv: Any, stats: Path, text: str, tenant: str) -> tuple[int, int, int]:
+def _chat(srv: Any, stats: Path, text: str, tenant: str
+          ) -> tuple[int, int, int, dict[str, Any]]:
     """One request; (prompt tokens, tokens vLLM reported cached, tokens the connector
-    loaded)."""
+    loaded, the response's cache report)."""
+    from contextkit.pipeline.served.wire import cache_report
     from integrations.vllm.bench.harness import read_stats
 
     _, start = read_stats(stats)
@@ -71,22 +73,33 @@ def _chat(srv: Any, stats: Path, text: str, tenant: str) -> tuple[int, int, int]
             break
         time.sleep(0.1)
     assert len(rows) == 1, rows
+    report = cache_report(reply.get("kv_transfer_params"))
+    assert report is not None, reply.get("kv_transfer_params")
     return (int(usage["prompt_tokens"]), int(cached),
-            int(rows[0].get("external_hit_tokens") or 0))
+            int(rows[0].get("external_hit_tokens") or 0), report)
 
 
 def test_a_returning_agent_loads_from_the_connector_after_vllm_evicted_it(
         server: tuple[Any, Path]) -> None:
     srv, stats = server
     agent_a, agent_b, agent_c = _prompt(1), _prompt(2), _prompt(3)
-    assert _chat(srv, stats, agent_a, "org-a")[1:] == (0, 0)  # cold
+    cold = _chat(srv, stats, agent_a, "org-a")
+    assert cold[1:3] == (0, 0) and cold[3]["reuse"] == "none"
+    assert cold[3]["computed_tokens"] == cold[0]
     # two other agents fill vLLM's KV space: agent A's blocks leave it (the tail first:
     # vLLM frees a finished request's blocks last to first)
     for text, tenant in ((agent_b, "org-a"), (agent_c, "org-b"), (agent_b, "org-a")):
         _chat(srv, stats, text, tenant)
-    prompt, cached, loaded = _chat(srv, stats, agent_a, "org-a")
+    prompt, cached, loaded, report = _chat(srv, stats, agent_a, "org-a")
     assert loaded >= 10 * BLOCK, (prompt, cached, loaded)  # what vLLM lost, from DDR
     # vLLM's own blocks and the connector's together: every full block but the last
     assert cached >= prompt - 2 * BLOCK, (prompt, cached, loaded)
+    # the response says so: cached_tokens counts the connector's hits, and its cache
+    # report splits them by tier
+    assert report["reuse"] == "prefix" and report["fallback"] is None, report
+    assert report["contextkit_loaded_tokens"] == loaded
+    assert report["vllm_cached_tokens"] + loaded == cached, (report, cached)
+    assert report["computed_tokens"] == prompt - cached
     # another tenant sending the same text reuses nothing, on either tier
-    assert _chat(srv, stats, agent_a, "org-b")[1:] == (0, 0)
+    other = _chat(srv, stats, agent_a, "org-b")
+    assert other[1:3] == (0, 0) and other[3]["reuse"] == "none"
