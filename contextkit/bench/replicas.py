@@ -392,7 +392,10 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         "server_seconds": {n: runs[n].get("seconds") for n in names},
         "loadavg_1min": {n: runs[n].get("loadavg_1min") for n in names},
         "machine": machine_info(),
-        "method": "client-side TTFT (agent.invoke -> first streamed chunk); turn k of agent "
+        "method": ("every configuration's servers up, each step sent to each in turn (the "
+                   "order rotating), one transcript; " if raw.get("interleaved") else
+                   "one configuration after another, each on its own servers; ")
+                  + "client-side TTFT (agent.invoke -> first streamed chunk); turn k of agent "
                   "i on replica (i + k) % 2; rows matched by schedule index; medians over "
                   "the cross-replica steps of shared (routing: over the warm steps)",
     })

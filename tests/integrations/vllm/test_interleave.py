@@ -25,8 +25,10 @@ def test_the_machine_is_quiet_when_its_cpus_were_mostly_idle_between_samples() -
 
 def test_servers_that_do_not_fit_are_refused_with_what_to_do(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(interleave, "available_gib", lambda: 10.0)
-    check_memory(3)  # 9 GiB of 10: fits
+    monkeypatch.setattr(interleave, "available_gib", lambda: 3 * interleave.SERVER_GIB)
+    check_memory(3)
+    with pytest.raises(SystemExit) as exc:
+        check_memory(2, extra_gib=interleave.SERVER_GIB + 0.5)  # their KV and DDR slots
     with pytest.raises(SystemExit) as exc:
         check_memory(4)
     message = str(exc.value)
