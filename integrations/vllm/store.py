@@ -127,6 +127,7 @@ class ConnectorStore:
         self._active: dict[str, Pool] = {}
         self._lock = threading.RLock()
         self._ids: dict[bytes, tuple[Pool, int]] = {}  # key -> (pool, block id)
+        self._pin_until: dict[bytes, float] = {}  # key -> when a hint's pin ends (monotonic)
         self._sources: dict[bytes, str | None] = {}  # key -> source layer (metrics)
         #: key -> the rules' format of a block stored above it while there was room
         self._upgraded: dict[bytes, str] = {}
@@ -297,6 +298,7 @@ class ConnectorStore:
         result = SaveResult()
         tenant = tenant_slug(tenant)
         with self._lock:
+            self._expire_pins(time.monotonic())
             new = [i for i, key in enumerate(keys) if key not in self._ids]
             for i in new:
                 formats.check_format(labels[i].fmt)
@@ -474,19 +476,52 @@ class ConnectorStore:
                                     key_offset=cache.key_offset(layer))
             pool.dirty = True
             blocks.set_keys(ids, [BlockHash(keys[i]) for i in index])  # K/V written: findable
-            to_pin = []
+            to_pin, hinted = [], []
+            until: dict[bytes, float] = {}
             for bid, i in zip(ids, index, strict=True):
                 self._ids[keys[i]] = (pool, bid)
                 self._sources[keys[i]] = labels[i].source_layer
-                if labels[i].pinned:
+                keep = labels[i].keep_s
+                if labels[i].pinned and keep is None:
                     to_pin.append(bid)
+                elif labels[i].pinned and keep is not None:
+                    hinted.append(bid)
+                    until[keys[i]] = time.monotonic() + keep
             if to_pin:
                 try:
                     pool.pins.pin(to_pin)
                 except (PinCapacityError, BlockStateError) as exc:
                     result.unpinned = unpinned_reason(self.config, self.identity, pool, tenant,
                                                       len(to_pin), exc)
+            if hinted:  # a hint's pins: any layer, for their time, within the quota
+                try:
+                    pool.pins.pin(hinted, any_layer=True)
+                    self._pin_until.update(until)
+                    self.stats.count("hint_pinned_blocks", len(hinted))
+                except (PinCapacityError, BlockStateError) as exc:
+                    result.unpinned = unpinned_reason(self.config, self.identity, pool, tenant,
+                                                      len(hinted), exc)
+                    self.stats.count("hint_pins_refused", len(hinted))
         return True
+
+    def _expire_pins(self, now: float) -> None:
+        """Unpin the blocks whose hint's time ran out (caller holds ``_lock``): they
+        are ordinary blocks again, evicted by meaning like any other."""
+        done = [key for key, until in self._pin_until.items() if until <= now]
+        for key in done:
+            del self._pin_until[key]
+            held = self._ids.get(key)
+            if held is not None and held[1] in held[0].cache.metadata:
+                held[0].pins.unpin([held[1]])
+
+    def expire_pins(self) -> None:
+        """Unpin the blocks whose hint's time ran out (a save does it too)."""
+        with self._lock:
+            self._expire_pins(time.monotonic())
+
+    def pinned_until(self, key: bytes) -> float | None:
+        """When the hint's pin of block ``key`` ends (monotonic), if it has one."""
+        return self._pin_until.get(key)
 
     def forget_evicted(self) -> tuple[list[bytes], list[str | None]]:
         """Forget the blocks the pools evicted (to make room for a save or an import)

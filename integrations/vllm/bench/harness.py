@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from integrations.vllm.serve import LAUNCHER_MODULE
+from integrations.vllm.serve import HINTS_MIDDLEWARE, LAUNCHER_MODULE
 
 __all__ = ["OpenAIServer", "Prompt", "free_port", "load_prompts", "main", "metric_sum",
            "params_for", "read_stats", "run_openai", "source_text"]
@@ -362,7 +362,8 @@ class OpenAIServer:
             "--port", str(self.port), "--max-model-len", str(max_model_len),
             "--enforce-eager", "--dtype", dtype, "--block-size", str(block_size),
             "--seed", "0", "--shutdown-timeout", "60",  # drain, then stop the connector
-            "--kv-transfer-config", json.dumps(kv_transfer_config(config)), *extra_args]
+            "--kv-transfer-config", json.dumps(kv_transfer_config(config)),
+            "--middleware", HINTS_MIDDLEWARE, *extra_args]
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
