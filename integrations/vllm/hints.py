@@ -218,8 +218,9 @@ def from_request(body: Mapping[str, Any], headers: Mapping[str, str], *,
 
     Returns the hints (None if none was given or usable), one line per hint dropped,
     and the body fields consumed, which the caller removes before vLLM reads the body:
-    vLLM rejects a non-zero ``priority`` unless it schedules by priority, and ignores
-    the others. With ``priority_scheduling``, ``priority`` is vLLM's (lower is earlier)
+    vLLM's API documents a non-zero ``priority`` as an error unless it schedules by
+    priority (0.32 lets it through, meaningless under first-come-first-served), and
+    ignores the others. With ``priority_scheduling``, ``priority`` is vLLM's (lower is earlier)
     and is left alone.
     """
     out: dict[str, Any] = {"sources": []}

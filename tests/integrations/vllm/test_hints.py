@@ -54,7 +54,7 @@ def test_dynamo_agent_hints_priority_and_cache_control() -> None:
 def test_sglang_priority_is_a_hint_unless_vllm_schedules_by_priority() -> None:
     hints, _, consumed = _hints({"priority": 40})
     assert hints is not None and hints.importance == 0.4 and hints.sources == ("sglang",)
-    assert consumed == ["priority"]  # vLLM would refuse it without priority scheduling
+    assert consumed == ["priority"]  # vLLM documents it as an error under FCFS
     hints, _, consumed = _hints({"priority": 40}, priority_scheduling=True)
     assert hints is None and consumed == []  # vLLM's own: lower is earlier
     hints, _, _ = _hints({}, {"x-override-priority": "-3"})
@@ -98,7 +98,7 @@ def test_a_bad_hint_is_dropped_with_one_line_and_the_rest_kept(body: dict[str, A
     hints, warnings, consumed = _hints(sent)
     assert len(warnings) == 1 and says in warnings[0], warnings
     assert "\n" not in warnings[0]
-    assert consumed  # the field never reaches vLLM, which would refuse or ignore it
+    assert consumed  # the field never reaches vLLM, which does not read it as a hint
     if "nvext" not in body:
         assert hints is not None and hints.importance == 0.5
 

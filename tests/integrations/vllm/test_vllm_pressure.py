@@ -103,3 +103,39 @@ def test_a_returning_agent_loads_from_the_connector_after_vllm_evicted_it(
     # another tenant sending the same text reuses nothing, on either tier
     other = _chat(srv, stats, agent_a, "org-b")
     assert other[1:3] == (0, 0) and other[3]["reuse"] == "none"
+
+
+def _counter(srv: Any, name: str) -> float:
+    return sum(float(line.rpartition(" ")[2]) for line in srv.get("/metrics").splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_agent_hints_in_other_stacks_dialects_reach_the_connector(
+        server: tuple[Any, Path]) -> None:
+    # Dynamo's cache_control and an SGLang-style priority, which vLLM alone does not
+    # read as hints: the middleware turns both into contextkit's, and the connector
+    # pins the prompt's blocks for the TTL (without the middleware: none)
+    srv, _ = server
+    before = _counter(srv, "vllm:contextkit_hint_pinned_blocks_total")
+    reply = srv.post("/v1/chat/completions", {
+        "model": SERVED, "max_tokens": 2, "temperature": 0, "cache_salt": "org-hints",
+        "priority": 40, "nvext": {"cache_control": {"type": "ephemeral", "ttl": "5m"}},
+        "messages": [{"role": "system", "content": _prompt(9, words=400)},
+                     {"role": "user", "content": "Summarise."}]})
+    assert reply["choices"][0]["message"]["content"] is not None
+    srv.post("/v1/chat/completions", {  # one more step carries the worker's report
+        "model": SERVED, "max_tokens": 1, "cache_salt": "org-other",
+        "messages": [{"role": "user", "content": "tick"}]})
+    pinned = 0.0
+    for _ in range(50):
+        pinned = _counter(srv, "vllm:contextkit_hint_pinned_blocks_total") - before
+        if pinned:
+            break
+        time.sleep(0.2)
+    assert pinned >= 10, pinned  # the ~500-token prompt's full blocks
+    # a bad hint is dropped and the request served
+    bad = srv.post("/v1/chat/completions", {
+        "model": SERVED, "max_tokens": 1, "cache_salt": "org-hints",
+        "nvext": {"cache_control": {"type": "ephemeral", "ttl": "forever"}},
+        "messages": [{"role": "user", "content": "tick"}]})
+    assert bad["choices"][0]["message"]["content"] is not None
