@@ -1,9 +1,10 @@
 """What passes between the connector's two roles each engine step.
 
-The scheduler sends the worker this step's loads and saves
-(:class:`ContextKitConnectorMetadata`); the worker answers with the keys it stored and
-evicted and the tokens it loaded (:class:`ContextKitWorkerMetadata`). vLLM carries both,
-across processes where the roles run apart.
+The scheduler sends the worker this step's loads and saves, and the blocks to keep
+through (or release after) a session's pause (:class:`ContextKitConnectorMetadata`);
+the worker answers with the keys it stored and evicted and the tokens it loaded
+(:class:`ContextKitWorkerMetadata`). vLLM carries both, across processes where the
+roles run apart.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from integrations.vllm.pauses import KeepSpec
 from integrations.vllm.planning import LoadSpec, SaveSpec, WorkerReport
 
 __all__ = ["ContextKitConnectorMetadata", "ContextKitWorkerMetadata"]
@@ -22,10 +24,11 @@ __all__ = ["ContextKitConnectorMetadata", "ContextKitWorkerMetadata"]
 
 @dataclass
 class ContextKitConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> worker: this step's loads and saves."""
+    """Scheduler -> worker: this step's loads and saves, and pause keeps."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    keeps: list[KeepSpec] = field(default_factory=list)
 
 
 @dataclass

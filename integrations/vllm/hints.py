@@ -79,7 +79,8 @@ class Hints:
     sources: tuple[str, ...] = field(default=())  # the dialects it came from
 
     def __bool__(self) -> bool:
-        return bool(self.importance is not None or self.keep_s or self.ranges)
+        return bool(self.importance is not None or self.keep_s or self.ranges
+                    or self.session)
 
     def to_wire(self) -> dict[str, Any]:
         return {"importance": self.importance, "keep_s": self.keep_s,

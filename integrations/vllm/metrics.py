@@ -90,7 +90,8 @@ COUNTERS = ("lookups", "hit_tokens", "loaded_blocks", "load_errors", "shadow_byt
             "label_mismatches", "demoted_blocks", "skipped_blocks", "load_seconds",
             "save_seconds", "reuse_prefix_requests", "reuse_recomputed_requests",
             "reuse_none_requests", "hint_pinned_blocks", "hint_pins_refused",
-            "hints_ignored", *SHARED_COUNTERS)
+            "hints_ignored", "pause_kept_blocks", "pause_released_blocks",
+            *SHARED_COUNTERS)
 #: Counters broken down by the block's source layer.
 BY_LAYER = ("saved_blocks", "evicted_blocks")
 #: Gauges (latest value; merged observations keep the largest).
@@ -113,6 +114,9 @@ _DOCS = {
     "hint_pins_refused": "Blocks an agent hint asked to pin that the tenant's pin quota "
                          "refused (stored unpinned).",
     "hints_ignored": "Requests whose agent hints were malformed (served without them).",
+    "pause_kept_blocks": "Blocks pinned through a session's expected pause (a tool call), "
+                         "learned from its history.",
+    "pause_released_blocks": "Blocks released when their session came back.",
     "hit_tokens": "Prompt tokens served from contextkit's cache instead of computed.",
     "loaded_blocks": "Blocks loaded from contextkit's cache into vLLM's paged KV cache.",
     "saved_blocks": "Blocks stored in contextkit's cache, by source layer.",

@@ -586,6 +586,18 @@ class RequestPlanner:
         self.index.update(keys)
         return len(self.index) - before
 
+    def session(self, req_id: str) -> tuple[str, str | None]:
+        """A looked-up request's tenant and its session (from its hints), if any."""
+        state = self._reqs.get(req_id)
+        if state is None:
+            return DEFAULT_TENANT, None
+        return state.tenant, state.hints.session if state.hints is not None else None
+
+    def held_keys(self, req_id: str) -> list[bytes]:
+        """The keys of the request's blocks it stored or planned to (a prefix chain)."""
+        state = self._reqs.get(req_id)
+        return list(state.keys[:state.considered_blocks]) if state is not None else []
+
     def report(self, req_id: str) -> dict[str, Any] | None:
         """What a request's prompt reused, for its response (``kv_transfer_params``):
         its reuse class (``prefix``: some tokens came from vLLM's cache or contextkit's;

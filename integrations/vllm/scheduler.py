@@ -24,6 +24,7 @@ from integrations.vllm.connector_metadata import (
     ContextKitWorkerMetadata,
 )
 from integrations.vllm.events import MEDIUM_SHARED, BlockEvents
+from integrations.vllm.pauses import KeepSpec, SessionPauses
 from integrations.vllm.planning import LoadSpec, RequestPlanner, SaveSpec, StepRequest
 from integrations.vllm.shared import SharedLookups, open_shared_tier, record_counters
 from integrations.vllm.store import local_session_keys
@@ -71,6 +72,8 @@ class ConnectorScheduler:
                                         config.shared_chunk_blocks, self.planner.stats)
         seeded = self.planner.seed(local_session_keys(config.local_store, identity))
         self._requests: dict[str, Request] = {}
+        self.pauses = SessionPauses()
+        self._keeps: list[KeepSpec] = []  # for the next step's metadata
         self._events = BlockEvents(block_size)
         self._stats_path = Path(config.stats_path) if config.stats_path else None
         logger.info("ContextKitConnector scheduler: %d recovered block keys, identity %s",
@@ -80,11 +83,18 @@ class ConnectorScheduler:
                        ) -> tuple[int | None, bool]:
         """``get_num_new_matched_tokens``: the DDR tier's hit, then the shared tier's
         past it (``None``, "not yet", until the shared tier answers)."""
+        first = request.request_id not in self._requests
         self._requests[request.request_id] = request
         hit = self.planner.matched_tokens(
             request.request_id, request.all_token_ids, request.num_prompt_tokens,
             num_computed_tokens, tenant=request.cache_salt,
             params=request.kv_transfer_params)
+        if first:  # a session back from its pause: learn it, release what was kept
+            tenant, session = self.planner.session(request.request_id)
+            if session is not None:
+                release = self.pauses.arrived(tenant, session)
+                if release is not None:
+                    self._keeps.append(release)
         if self.shared is not None:
             local_end = (num_computed_tokens + hit) // self.block_size
             tenant, keys = self.planner.lookup_keys(request.request_id)
@@ -130,7 +140,8 @@ class ConnectorScheduler:
             if request is not None:  # which vLLM blocks the keys are (KV events)
                 self._events.planned(spec.keys, spec.first_block, request.block_hashes,
                                      request.all_token_ids, request.cache_salt)
-        return ContextKitConnectorMetadata(loads, saves)
+        keeps, self._keeps = self._keeps, []
+        return ContextKitConnectorMetadata(loads, saves, keeps)
 
     def on_worker_output(self, connector_output: KVConnectorOutput) -> None:
         """``update_connector_output``: what the worker stored, evicted and loaded."""
@@ -153,6 +164,12 @@ class ConnectorScheduler:
         if self.shared is not None:
             self.shared.forget(request.request_id)
         report = self.planner.report(request.request_id)
+        tenant, session = self.planner.session(request.request_id)
+        if session is not None:  # keep its blocks through the pause it is expected to take
+            keep = self.pauses.finished(tenant, session,
+                                        self.planner.held_keys(request.request_id))
+            if keep is not None:
+                self._keeps.append(keep)
         self._write_stats(self.planner.finish(request.request_id))
         if report is not None:
             self.planner.stats.count(f"reuse_{report['reuse']}_requests")

@@ -128,6 +128,7 @@ class ConnectorStore:
         self._lock = threading.RLock()
         self._ids: dict[bytes, tuple[Pool, int]] = {}  # key -> (pool, block id)
         self._pin_until: dict[bytes, float] = {}  # key -> when a hint's pin ends (monotonic)
+        self._kept: set[bytes] = set()  # pinned through a session's pause (keep())
         self._sources: dict[bytes, str | None] = {}  # key -> source layer (metrics)
         #: key -> the rules' format of a block stored above it while there was room
         self._upgraded: dict[bytes, str] = {}
@@ -510,9 +511,54 @@ class ConnectorStore:
         done = [key for key, until in self._pin_until.items() if until <= now]
         for key in done:
             del self._pin_until[key]
+            self._kept.discard(key)
             held = self._ids.get(key)
             if held is not None and held[1] in held[0].cache.metadata:
                 held[0].pins.unpin([held[1]])
+
+    def keep(self, keys: Sequence[bytes], tenant: str, keep_s: float) -> int:
+        """Pin the held blocks of ``keys`` (a prefix chain: from the first, up to the
+        first one not held) for ``keep_s`` seconds, any layer, as many as the tenant's
+        pin quota leaves room for; ``keep_s`` 0 releases the pins an earlier keep
+        made. Blocks pinned for good stay so. Returns the blocks pinned (or released)."""
+        slug = tenant_slug(tenant)
+        with self._lock:
+            self._expire_pins(time.monotonic())
+            held = []
+            for key in keys:
+                found = self._ids.get(key)
+                if found is None:
+                    break
+                held.append((key, *found))
+            if not keep_s:
+                mine = [(key, pool, bid) for key, pool, bid in held if key in self._kept]
+                for key, pool, bid in mine:
+                    self._kept.discard(key)
+                    self._pin_until.pop(key, None)
+                    if bid in pool.cache.metadata:
+                        pool.pins.unpin([bid])
+                self.stats.count("pause_released_blocks", len(mine))
+                return len(mine)
+            until = time.monotonic() + keep_s
+            pinned = 0
+            for pool in {id(p): p for _, p, _ in held}.values():
+                todo = [(key, bid) for key, p, bid in held if p is pool
+                        and not pool.cache.metadata.get(bid).pinned]
+                room = pool.pins.tenant_quota - pool.pins.pinned_by_tenant().get(slug, 0)
+                todo = todo[:max(0, room)]
+                if not todo:
+                    continue
+                try:
+                    pool.pins.pin([bid for _, bid in todo], any_layer=True)
+                except (PinCapacityError, BlockStateError) as exc:
+                    logger.info("session keep of %d blocks not pinned: %s", len(todo), exc)
+                    continue
+                for key, _ in todo:
+                    self._kept.add(key)
+                    self._pin_until[key] = until
+                pinned += len(todo)
+            self.stats.count("pause_kept_blocks", pinned)
+            return pinned
 
     def expire_pins(self) -> None:
         """Unpin the blocks whose hint's time ran out (a save does it too)."""

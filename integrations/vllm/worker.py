@@ -31,6 +31,7 @@ from integrations.vllm.connector_metadata import (
     ContextKitWorkerMetadata,
 )
 from integrations.vllm.layout import LAYOUTS
+from integrations.vllm.pauses import KeepSpec
 from integrations.vllm.planning import LoadSpec, SaveSpec, WorkerReport
 from integrations.vllm.pools import decode_pool_blocks, decode_pool_layer_into
 from integrations.vllm.shared import SharedWriter, open_shared_tier
@@ -134,8 +135,26 @@ class ConnectorWorker:
 
     # ------------------------------------------------------------------ loads
     def start_load(self, meta: ContextKitConnectorMetadata | None) -> None:
-        """``start_load_kv``: every load of the step, complete on return."""
-        if meta is None or not meta.loads:
+        """``start_load_kv``: every load of the step, complete on return; then the
+        step's pause keeps and releases, on the save thread after the saves already
+        queued (a session's blocks are stored before they are kept)."""
+        if meta is None:
+            return
+        try:
+            self._load_all(meta)
+        finally:
+            for keep in meta.keeps:
+                self._futures.append(self._saver.submit(self._keep, keep))
+
+    def _keep(self, spec: KeepSpec) -> None:
+        try:
+            self.store.keep(spec.keys, spec.tenant, spec.keep_s)
+        except Exception:  # a keep is an optimisation: never fail a step over it
+            logger.exception("keeping %d blocks of session %r failed", len(spec.keys),
+                             spec.session)
+
+    def _load_all(self, meta: ContextKitConnectorMetadata) -> None:
+        if not meta.loads:
             return
         t0 = time.perf_counter()
         for spec in meta.loads:

@@ -295,9 +295,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---------------------------------------------------------------------- --openai
-def _post(base: str, path: str, body: dict[str, Any], timeout: float = 900.0) -> Any:
+def _post(base: str, path: str, body: dict[str, Any], timeout: float = 900.0,
+          headers: dict[str, str] | None = None) -> Any:
     request = urllib.request.Request(base + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              **(headers or {})})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 
@@ -417,8 +419,9 @@ class OpenAIServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def post(self, path: str, body: dict[str, Any], timeout: float = 900.0) -> Any:
-        return _post(self.url, path, body, timeout)
+    def post(self, path: str, body: dict[str, Any], timeout: float = 900.0,
+             headers: dict[str, str] | None = None) -> Any:
+        return _post(self.url, path, body, timeout, headers)
 
     def get(self, path: str, timeout: float = 30.0) -> str:
         return _get(self.url, path, timeout)

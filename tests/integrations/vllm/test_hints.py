@@ -237,3 +237,36 @@ def test_a_hint_cannot_pin_past_its_tenants_quota_or_touch_anothers_pins(
     assert _pinned(store) == 4  # globex's pins stand; acme pinned nothing past its quota
     counters = (store.stats.take() or {})["counters"]
     assert counters["hint_pinned_blocks"] == 4 and counters["hint_pins_refused"] == 6
+
+
+# ---------------------------------------------------------------------- pauses
+def test_a_sessions_pause_is_learned_and_its_blocks_kept_then_released() -> None:
+    from integrations.vllm.pauses import KeepSpec, SessionPauses
+
+    pauses = SessionPauses(margin=1.5)
+    keys = [b"k1", b"k2"]
+    assert pauses.arrived("acme", "s1", now=0.0) is None  # first request: nothing yet
+    assert pauses.finished("acme", "s1", keys, now=1.0) is None  # no pause learned yet
+    assert pauses.arrived("acme", "s1", now=11.0) is None  # a 10 s pause, learned
+    keep = pauses.finished("acme", "s1", keys, now=12.0)
+    assert keep == KeepSpec("acme", keys, 15.0, "s1")  # 1.5 x the longest recent pause
+    assert pauses.arrived("acme", "s1", now=14.0) == KeepSpec("acme", keys, 0.0, "s1")
+    # sessions are per tenant: another tenant's session of the same name is its own
+    assert pauses.expected("globex", "s1") is None
+    assert pauses.expected("acme", "s1") == 15.0
+
+
+def test_kept_blocks_stay_pinned_through_the_pause_within_the_quota(
+        model: Path, tmp_path: Path) -> None:
+    store = _store(model, tmp_path)  # quota: 4 blocks per tenant
+    g = torch.Generator().manual_seed(3)
+    shape = (LAYERS, 6, BS, HEADS, DIM)
+    keys = hash_token_blocks(store.identity.digest(), "acme", list(range(6 * BS)), BS)
+    store.save(torch.randn(shape, generator=g), torch.randn(shape, generator=g), keys,
+               "acme", [BlockLabel("user_turn", 0.3)] * 6)
+    assert _pinned(store) == 0
+    assert store.keep(keys, "acme", 60.0) == 4  # the chain's first 4: the quota
+    assert _pinned(store) == 4
+    assert store.keep(keys, "acme", 0.0) == 4  # the session came back: released
+    assert _pinned(store) == 0 and not store.missing(keys)
+    assert store.keep([b"not-held", *keys], "acme", 60.0) == 0  # a chain starts held
