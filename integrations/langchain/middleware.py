@@ -5,6 +5,7 @@ on the system message, the OpenAI-compatible detection)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ from langchain_core.messages import AIMessage, BaseMessage, SystemMessage
 
 from contextkit.pipeline.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport
 from contextkit.pipeline.served.model import LabelRangeError
+from contextkit.pipeline.served.wire import encode_hints, with_hints
 from contextkit.prompt.markup import has_markers
 from integrations._openai_compat import (
     fall_back,
@@ -31,7 +33,10 @@ __all__ = [
     "is_openai_compatible",
     "openai_payload_messages",
     "pipeline_token",
+    "run_hints",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: ``SystemMessage.additional_kwargs`` key carrying the pipeline's call summary.
 METADATA_KEY = "contextkit"
@@ -83,11 +88,45 @@ def openai_payload_messages(model: Any, messages: Sequence[BaseMessage],
 
 
 def _tenant_of(context: Any) -> str | None:
-    if isinstance(context, Mapping):
-        value = context.get("tenant")
-    else:
-        value = getattr(context, "tenant", None)
+    value = _context_value(context, "tenant")
     return str(value) if value else None
+
+
+def _context_value(context: Any, key: str) -> Any:
+    return context.get(key) if isinstance(context, Mapping) else getattr(context, key, None)
+
+
+def _thread_id() -> str | None:
+    """The LangGraph run's ``thread_id`` (its conversation), if the call runs in one."""
+    try:
+        from langgraph.config import get_config
+
+        configurable = get_config().get("configurable") or {}
+    except (ImportError, RuntimeError):
+        return None
+    thread = configurable.get("thread_id")
+    return str(thread) if thread else None
+
+
+def run_hints(context: Any) -> dict[str, Any] | None:
+    """The agent hints of a call, from its runtime context (mapping key or attribute):
+    ``session_id`` (default: the LangGraph ``thread_id``), ``kv_keep_s`` (keep the
+    prompt's KV this many seconds, e.g. through a tool call) and ``kv_priority``
+    (0-100, higher keeps it longer). A bad value is dropped with one warning line."""
+    session = _context_value(context, "session_id") or _thread_id()
+    keep = _context_value(context, "kv_keep_s")
+    priority = _context_value(context, "kv_priority")
+    importance = None
+    if priority is not None:
+        if isinstance(priority, bool) or not isinstance(priority, int | float):
+            logger.warning("kv_priority must be a number in 0-100, got %r; ignored", priority)
+        else:
+            importance = min(max(float(priority), 0.0), 100.0) / 100
+    try:
+        return encode_hints(session=session, keep_s=keep, importance=importance)
+    except ValueError as exc:
+        logger.warning("agent hints ignored (%s)", exc)
+        return encode_hints(session=session, importance=importance)
 
 
 # ---------------------------------------------------------------------------- middleware
@@ -132,6 +171,9 @@ class ContextKitMiddleware(AgentMiddleware):
     (``pipeline.last_report()``). A model whose name is not the served model's, or
     messages the served model cannot render exactly, raise
     :class:`~contextkit.pipeline.served.model.LabelRangeError` rather than send wrong labels.
+    The call's agent hints (:func:`run_hints`: ``session_id``, default the LangGraph
+    ``thread_id``, ``kv_keep_s`` and ``kv_priority`` from the runtime context) travel
+    with them, so the connector keeps the session's KV through its tool calls.
     A server that is not vLLM refuses those fields: the call is resent without them, and
     later calls are plain OpenAI requests with the same layout (one line in the log;
     ``CallReport.served_fields`` says ``"plain"``).
@@ -228,7 +270,9 @@ class ContextKitMiddleware(AgentMiddleware):
                 METADATA_KEY: {**meta, "trailing": True}}))
         if self.pipeline.served is None:
             return request.override(system_message=system, messages=messages), None
-        fields = self.request_fields(request, [system, *messages], tenant, built)
+        fields = with_hints(self.request_fields(request, [system, *messages], tenant, built),
+                            run_hints(getattr(getattr(request, "runtime", None), "context",
+                                              None)))
         extra = merge_extra_body(getattr(request.model, "extra_body", None),
                                  request.model_settings.get("extra_body"))
         settings = {**request.model_settings, "extra_body": merge_extra_body(extra, fields)}

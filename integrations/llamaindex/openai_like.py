@@ -3,6 +3,7 @@ served model (:class:`ContextKitOpenAILike`)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from pydantic import Field, PrivateAttr
 
 from contextkit.pipeline.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport
 from contextkit.pipeline.served.model import LabelRangeError
+from contextkit.pipeline.served.wire import PARAMS_KEY, encode_hints, with_hints
 from contextkit.prompt.markup import has_markers
 from integrations._openai_compat import (
     fall_back,
@@ -33,6 +35,8 @@ from integrations._openai_compat import (
 from integrations.llamaindex.llm import Builder
 
 __all__ = ["ContextKitOpenAILike"]
+
+logger = logging.getLogger(__name__)
 
 
 def _role(message: ChatMessage) -> str:
@@ -55,6 +59,10 @@ class ContextKitOpenAILike(CustomLLM):
             ``tenant=`` call argument wins. Sent as ``cache_salt``.
         trailing_system: put the volatile layers in a second system message after the
             history (default); ``False`` keeps every layer in the leading one.
+        session_id: the agent session of this LLM's calls (a ``session_id=`` call
+            argument wins); with ``kv_keep_s=`` and ``kv_priority=`` call arguments,
+            the call's agent hints, which let the connector keep the session's KV
+            through its tool calls.
 
     Every chat sends the pipeline's layout and, in ``extra_body``,
     :meth:`~contextkit.pipeline.pipeline.CacheAwareContextPipeline.request_fields` computed on
@@ -73,6 +81,8 @@ class ContextKitOpenAILike(CustomLLM):
     """
 
     tenant: str | None = Field(default=None, description="tenant of this LLM's calls")
+    session_id: str | None = Field(default=None, description="agent session of its calls "
+                                   "(the connector keeps its KV through tool calls)")
     trailing_system: bool = Field(default=True, description="volatile layers after history")
     _llm: Any = PrivateAttr()
     _pipeline: CacheAwareContextPipeline = PrivateAttr()
@@ -81,7 +91,8 @@ class ContextKitOpenAILike(CustomLLM):
 
     def __init__(self, llm: Any, pipeline: CacheAwareContextPipeline, *,
                  build_system_message: Builder | None = None, tenant: str | None = None,
-                 trailing_system: bool = True, **kwargs: Any) -> None:
+                 trailing_system: bool = True, session_id: str | None = None,
+                 **kwargs: Any) -> None:
         if pipeline.served is None:
             raise ValueError("ContextKitOpenAILike needs a pipeline attached to the served "
                              "model: CacheAwareContextPipeline(served=ServedModel(model_dir))")
@@ -89,7 +100,8 @@ class ContextKitOpenAILike(CustomLLM):
             raise ValueError("the LLM is not a chat model, so it would send /v1/completions "
                              "without the chat template; use OpenAILike(..., "
                              "is_chat_model=True)")
-        super().__init__(tenant=tenant, trailing_system=trailing_system, **kwargs)
+        super().__init__(tenant=tenant, trailing_system=trailing_system,
+                         session_id=session_id, **kwargs)
         own = dict(getattr(llm, "additional_kwargs", None) or {})
         if "extra_body" in own:  # it would override the per-call value: send it ourselves
             self._extra_body = dict(own.pop("extra_body") or {})
@@ -174,12 +186,35 @@ class ContextKitOpenAILike(CustomLLM):
     def _call(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
               ) -> tuple[list[ChatMessage], dict[str, Any], CallReport | None]:
         kwargs = dict(kwargs)
+        hints = self._hints(kwargs)
         msgs, extra, report = self.prepare(messages, tenant=kwargs.pop("tenant", None),
                                            tools=kwargs.get("tools"),
                                            extra_body=kwargs.pop("extra_body", None))
+        if report is not None and PARAMS_KEY in (extra.get("kv_transfer_params") or {}):
+            extra = with_hints(extra, hints)  # with contextkit's labels, never alone
         if extra:
             kwargs["extra_body"] = extra
         return msgs, kwargs, report
+
+    def _hints(self, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """The call's agent hints, popped from its keywords: ``session_id`` (default
+        this LLM's ``session_id``), ``kv_keep_s`` (keep the prompt's KV this many
+        seconds, e.g. through a tool call) and ``kv_priority`` (0-100, higher keeps it
+        longer). A bad value is dropped with one warning line."""
+        session = kwargs.pop("session_id", None) or self.session_id
+        keep, priority = kwargs.pop("kv_keep_s", None), kwargs.pop("kv_priority", None)
+        importance = None
+        if priority is not None:
+            if isinstance(priority, bool) or not isinstance(priority, int | float):
+                logger.warning("kv_priority must be a number in 0-100, got %r; ignored",
+                               priority)
+            else:
+                importance = min(max(float(priority), 0.0), 100.0) / 100
+        try:
+            return encode_hints(session=session, keep_s=keep, importance=importance)
+        except ValueError as exc:
+            logger.warning("agent hints ignored (%s)", exc)
+            return encode_hints(session=session, importance=importance)
 
     def _record(self, report: CallReport | None, response: Any) -> None:
         raw = getattr(response, "raw", None)

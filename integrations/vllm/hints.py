@@ -43,11 +43,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from contextkit.pipeline.served.wire import HINTS_KEY
+
 __all__ = ["HINTS_KEY", "MAX_KEEP_S", "SESSION_HEADERS", "Hints", "Retention", "from_request",
            "from_wire", "parse_ttl"]
 
-#: contextkit's normalized hints in a request's ``kv_transfer_params``.
-HINTS_KEY = "contextkit_hints"
 #: The longest a hint keeps blocks pinned (Dynamo's cache_control ceiling).
 MAX_KEEP_S = 3600.0
 #: Dynamo's cache_control TTL range (seconds).

@@ -484,3 +484,46 @@ def test_async_agent_sends_the_same_fields_and_records_usage(
     check_labels(openai_server, second, pipeline)
     report = pipeline.last_report("globex")
     assert report.reused_tokens == openai_server.cached_for(1) > 0
+
+
+def test_langchain_and_llamaindex_send_the_runs_agent_hints(
+        openai_server: FakeOpenAIServer, layered_prompt: Callable[[int], str]) -> None:
+    from langchain.agents import create_agent
+    from langchain_openai import ChatOpenAI
+    from llama_index.core.base.llms.types import ChatMessage, MessageRole
+    from llama_index.llms.openai_like import OpenAILike
+    from pydantic import SecretStr
+
+    from contextkit.pipeline.served.wire import HINTS_KEY
+    from integrations.langchain import ContextKitMiddleware
+    from integrations.llamaindex import ContextKitOpenAILike
+
+    system = layered_prompt(1)
+    agent: Any = create_agent(
+        ChatOpenAI(model=SERVED_NAME, base_url=openai_server.base_url, api_key=SecretStr("x"),
+                   max_retries=0), tools=[], context_schema=dict,
+        middleware=[ContextKitMiddleware(served_pipeline(), lambda request: system)])
+    question = [("user", CONVERSATION[0]["content"])]
+    # the runtime context's hints, and the LangGraph thread as the session
+    agent.invoke({"messages": question}, context={"tenant": "acme", "session_id": "agent-7",
+                                                  "kv_keep_s": 90, "kv_priority": 80})
+    agent.invoke({"messages": question}, context={"tenant": "acme"},
+                 config={"configurable": {"thread_id": "thread-3"}})
+    agent.invoke({"messages": question}, context={"tenant": "acme", "kv_keep_s": -1})
+    agent.invoke({"messages": question}, context={"tenant": "acme"})
+    hints = [b["kv_transfer_params"].get(HINTS_KEY) for b in openai_server.chat_requests()]
+    assert hints == [{"session": "agent-7", "keep_s": 90, "importance": 0.8},
+                     {"session": "thread-3"}, None, None]  # a bad keep_s is dropped
+
+    llm = ContextKitOpenAILike(
+        OpenAILike(model=SERVED_NAME, api_base=openai_server.base_url, api_key="x",
+                   is_chat_model=True, max_retries=0), served_pipeline(), tenant="acme",
+        session_id="agent-9")
+    messages = [ChatMessage(role=MessageRole.SYSTEM, content=system),
+                ChatMessage(role=MessageRole.USER, content=CONVERSATION[0]["content"])]
+    llm.chat(messages, kv_keep_s=30)
+    llm.chat(messages, session_id="agent-10")
+    sent = [b["kv_transfer_params"].get(HINTS_KEY) for b in openai_server.chat_requests()[4:]]
+    assert sent == [{"session": "agent-9", "keep_s": 30}, {"session": "agent-10"}]
+    assert all("kv_keep_s" not in b and "session_id" not in b
+               for b in openai_server.chat_requests())  # consumed, not sent as fields

@@ -41,6 +41,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 __all__ = [
+    "HINTS_KEY",
     "PARAMS_KEY",
     "REPORT_KEY",
     "REUSE_CLASSES",
@@ -50,15 +51,51 @@ __all__ = [
     "decode_precision",
     "decode_spans",
     "decode_volatile_from",
+    "encode_hints",
     "encode_labels",
     "labels_entry",
     "prompt_fingerprint",
+    "with_hints",
 ]
 
 #: contextkit's key in a request's ``kv_transfer_params``.
 PARAMS_KEY = "contextkit"
 #: contextkit's key in a response's ``kv_transfer_params``: what the prompt reused.
 REPORT_KEY = "contextkit_cache"
+#: contextkit's key in a request's ``kv_transfer_params``: its agent hints, normalized
+#: (``{"session": str, "keep_s": seconds, "importance": 0..1, "ranges": [[start, end,
+#: importance, keep_s], ...]}``, every key optional); the connector's middleware writes
+#: it from the serving stacks' dialects (``integrations.vllm.hints``), a pipeline from
+#: its run's metadata (:func:`encode_hints`).
+HINTS_KEY = "contextkit_hints"
+
+
+def encode_hints(*, session: str | None = None, keep_s: float | None = None,
+                 importance: float | None = None) -> dict[str, Any] | None:
+    """A hints entry (None when it would say nothing).
+
+    Raises:
+        ValueError: ``keep_s`` outside [0, 3600] or ``importance`` outside [0, 1].
+    """
+    if keep_s is not None and not (isinstance(keep_s, int | float) and 0 <= keep_s <= 3600):
+        raise ValueError(f"keep_s must be seconds in [0, 3600], got {keep_s!r:.40}")
+    if importance is not None and not (isinstance(importance, int | float)
+                                       and 0 <= importance <= 1):
+        raise ValueError(f"importance must be in [0, 1], got {importance!r:.40}")
+    entry = {"session": str(session)[:256] if session else None, "keep_s": keep_s,
+             "importance": importance}
+    out = {k: v for k, v in entry.items() if v is not None}
+    return out or None
+
+
+def with_hints(fields: Mapping[str, Any], entry: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Request ``fields`` (``request_fields``' output) carrying a hints entry; unchanged
+    without one, or for a server that takes no fields (``{}``)."""
+    if not entry or not fields:
+        return dict(fields)
+    params = dict(fields.get("kv_transfer_params") or {})
+    params[HINTS_KEY] = dict(entry)
+    return {**fields, "kv_transfer_params": params}
 #: A report's reuse classes.
 REUSE_CLASSES = ("prefix", "recomputed", "none")
 

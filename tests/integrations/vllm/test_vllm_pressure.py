@@ -139,3 +139,34 @@ def test_agent_hints_in_other_stacks_dialects_reach_the_connector(
         "nvext": {"cache_control": {"type": "ephemeral", "ttl": "forever"}},
         "messages": [{"role": "user", "content": "tick"}]})
     assert bad["choices"][0]["message"]["content"] is not None
+
+
+def test_langchain_usage_shows_the_connectors_hits(server: tuple[Any, Path]) -> None:
+    # a returning prompt loaded from the connector's DDR tier: LangChain's cache_read
+    # counts those tokens, as vLLM's cached_tokens does (LlamaIndex's OpenAILike hands
+    # on that same usage object as its raw response; .venv-vllm has no LlamaIndex)
+    from langchain_openai import ChatOpenAI
+    from pydantic import SecretStr
+
+    from integrations.vllm.bench.harness import read_stats
+
+    srv, stats = server
+    chat = ChatOpenAI(model=SERVED, base_url=srv.base_url, api_key=SecretStr("x"),
+                      max_tokens=2, temperature=0, max_retries=0)
+    text, tenant = _prompt(20), "org-usage"
+    _chat(srv, stats, text, tenant)
+    for filler in (30, 31, 30):  # push it out of vLLM's KV
+        _chat(srv, stats, _prompt(filler), "org-filler")
+    _, start = read_stats(stats)
+    reply = chat.invoke([("system", text), ("user", "Summarise.")],
+                        extra_body={"cache_salt": tenant})
+    cached = (reply.usage_metadata or {}).get("input_token_details", {})["cache_read"]
+    rows: list[dict[str, Any]] = []
+    for _ in range(100):
+        rows, _ = read_stats(stats, start)
+        if rows:
+            break
+        time.sleep(0.1)
+    loaded = int(rows[-1].get("external_hit_tokens") or 0)
+    assert loaded >= 10 * BLOCK, rows
+    assert cached >= loaded, (cached, loaded)
