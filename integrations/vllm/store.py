@@ -494,15 +494,22 @@ class ConnectorStore:
                 except (PinCapacityError, BlockStateError) as exc:
                     result.unpinned = unpinned_reason(self.config, self.identity, pool, tenant,
                                                       len(to_pin), exc)
-            if hinted:  # a hint's pins: any layer, for their time, within the quota
+            if hinted:  # a hint's pins: any layer, for their time, as many as the
+                # tenant's quota leaves room for, the first blocks first
+                room = pool.pins.tenant_quota - pool.pins.pinned_by_tenant().get(tenant, 0)
+                fits = hinted[:max(0, room)]
                 try:
-                    pool.pins.pin(hinted, any_layer=True)
-                    self._pin_until.update(until)
-                    self.stats.count("hint_pinned_blocks", len(hinted))
+                    if fits:
+                        pool.pins.pin(fits, any_layer=True)
                 except (PinCapacityError, BlockStateError) as exc:
                     result.unpinned = unpinned_reason(self.config, self.identity, pool, tenant,
                                                       len(hinted), exc)
-                    self.stats.count("hint_pins_refused", len(hinted))
+                    fits = []
+                pinned = set(fits)
+                self._pin_until.update({key: t for key, t in until.items()
+                                        if self._ids[key][1] in pinned})
+                self.stats.count("hint_pinned_blocks", len(fits))
+                self.stats.count("hint_pins_refused", len(hinted) - len(fits))
         return True
 
     def _expire_pins(self, now: float) -> None:

@@ -232,11 +232,12 @@ def test_a_hint_cannot_pin_past_its_tenants_quota_or_touch_anothers_pins(
     store = _store(model, tmp_path)  # quota: 0.25 of 16 device blocks = 4 per tenant
     _save(store, "globex", 4, keep=600.0, seed=1)
     assert _pinned(store) == 4
-    _, result = _save(store, "acme", 6, keep=600.0, seed=2)
-    assert result.unpinned is not None and "quota" in result.unpinned
-    assert _pinned(store) == 4  # globex's pins stand; acme pinned nothing past its quota
+    keys, _ = _save(store, "acme", 6, keep=600.0, seed=2)
+    # globex's pins stand; acme pins its own quota's worth, its first blocks first
+    assert _pinned(store) == 8
+    assert [store.pinned_until(k) is not None for k in keys] == [True] * 4 + [False] * 2
     counters = (store.stats.take() or {})["counters"]
-    assert counters["hint_pinned_blocks"] == 4 and counters["hint_pins_refused"] == 6
+    assert counters["hint_pinned_blocks"] == 8 and counters["hint_pins_refused"] == 2
 
 
 # ---------------------------------------------------------------------- pauses
