@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft bench-agents bench-agent-vllm bench-agents-vllm bench-replicas bench-vllm bench-decode figures docs lint typecheck clean
+.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft bench-agents bench-agent-vllm bench-agents-vllm bench-replicas bench-tool-pauses bench-vllm bench-decode figures docs lint typecheck clean
 
 help:
 	@echo "make demo       set up, then replay a ten-layer agent on SmolLM2: TTFT with vs"
@@ -23,6 +23,8 @@ help:
 	@echo "                semantic+ooda, and a device-size sweep (~12 min on 2 cores)"
 	@echo "make bench-agent-vllm  a LangChain agent on vLLM, 4 cache configurations (~15 min)"
 	@echo "make bench-agents-vllm  6 agents on one vLLM server with KV for ~2, 5 configurations side by side (~25 min)"
+	@echo "make bench-tool-pauses  8 agents whose every turn ends in a tool call, one vLLM server:"
+	@echo "                APC, the connector, with agent hints, the ceiling, side by side (~20 min)"
 	@echo "make bench-replicas  6 agents alternating between two vLLM replicas: local DDR vs the"
 	@echo "                shared S3 tier vs one replica, side by side (~25 min)"
 	@echo "make bench-vllm  vLLM answers and TTFT after a restart, 8 agent prompts, per connector"
@@ -91,6 +93,15 @@ bench-agents-vllm:
 	.venv-vllm/bin/python -m contextkit.cli bench agents-vllm --json \
 		--out bench/results/agents-vllm-cpu.json --plot bench/results/agents-vllm-cpu.png \
 		2>&1 | tee bench/results/agents-vllm-cpu.log
+
+# Eight LangChain agents whose every turn ends in a tool call (a seeded 1-60 s pause,
+# compressed): is the paused agent's KV there when it resumes? APC, the connector without
+# and with agent hints (session header, Dynamo TTL, SGLang priority), the ceiling.
+bench-tool-pauses:
+	@bash scripts/vllm_venv.sh
+	@mkdir -p bench/results
+	.venv-vllm/bin/python -m contextkit.cli bench tool-pauses --json \
+		--out bench/results/tool-pauses-cpu.json 2>&1 | tee bench/results/tool-pauses-cpu.log
 
 # Two vLLM CPU replicas, each agent's turns alternating between them (moto S3 for the shared
 # tier): one replica, local DDR, shared, side by side with the steps interleaved; APC,

@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, str] = {
     "agents": "contextkit.bench.agents",
     "agents-vllm": "contextkit.bench.agents_vllm",
     "replicas": "contextkit.bench.replicas",
+    "tool-pauses": "contextkit.bench.tool_pauses",
     "decode": "contextkit.bench.decode",
 }
 

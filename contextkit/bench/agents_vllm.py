@@ -71,7 +71,7 @@ from contextkit.bench._common import (
 from contextkit.bench.agent_vllm import vllm_installed
 
 __all__ = ["CONFIGS", "HELP", "add_arguments", "connector_costs", "percentile", "quality",
-           "run", "speedups"]
+           "run", "run_driver", "speedups"]
 
 HELP = ("many LangChain agents on one vLLM server whose KV holds ~2 of them: vLLM APC, "
         "contextkit order, + connector (semantic, LRU, fp16, one that holds everything), "
@@ -333,10 +333,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          f"{', '.join(CONFIGS)}")
     if args.plot and not str(args.plot).endswith(".png"):
         raise SystemExit(f"--plot writes a PNG: give a path ending in .png, got {args.plot}")
+    return result_of(args, run_driver(args, configs, "agents-vllm"))
+
+
+def run_driver(args: argparse.Namespace, configs: Sequence[str], bench: str,
+               extra: Sequence[str] = ()) -> dict[str, Any]:
+    """Run the driver (:mod:`integrations.vllm.bench.agents_bench`) in a child process
+    with ``args``' workload and sizes and ``configs``; its raw result. ``extra``: more
+    driver arguments."""
     if not vllm_installed() or importlib.util.find_spec("langchain_openai") is None:
-        raise SystemExit("contextkit bench agents-vllm runs inside the vLLM virtualenv: "
-                         "`make test-vllm` creates .venv-vllm, then `make bench-agents-vllm`")
-    work = Path(args.dir or tempfile.mkdtemp(prefix="ck-bench-agents-vllm-"))
+        raise SystemExit(f"contextkit bench {bench} runs inside the vLLM virtualenv: "
+                         f"`make test-vllm` creates .venv-vllm, then `make bench-{bench}`")
+    work = Path(args.dir or tempfile.mkdtemp(prefix=f"ck-bench-{bench}-"))
     work.mkdir(parents=True, exist_ok=True)
     raw_path = work / "raw.json"
     cmd = [sys.executable, "-m", "integrations.vllm.bench.agents_bench", "--out", str(raw_path),
@@ -344,18 +352,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "--steps", str(args.steps), "--seed", str(args.seed), "--scale", str(args.scale),
            "--max-tokens", str(args.max_tokens), "--kv-agents", str(args.kv_agents),
            "--budget-agents", str(args.budget_agents),
-           "--quality-steps", str(args.quality_steps), "--configs", ",".join(configs)]
-    if args.ceiling_last:
+           "--quality-steps", str(args.quality_steps), "--configs", ",".join(configs),
+           *extra]
+    if getattr(args, "ceiling_last", False):
         cmd.append("--ceiling-last")
-    if args.sequential:
+    if getattr(args, "sequential", False):
         cmd.append("--sequential")
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.run(cmd, stdout=sys.stderr, check=False)
     if proc.returncode:
-        raise SystemExit(f"bench agents-vllm: the driver failed ({proc.returncode}); see the "
+        raise SystemExit(f"bench {bench}: the driver failed ({proc.returncode}); see the "
                          f"output above and the server logs in {work}")
-    return result_of(args, json.loads(raw_path.read_text()))
+    return dict(json.loads(raw_path.read_text()))
 
 
 def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:

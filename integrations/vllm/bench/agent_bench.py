@@ -50,11 +50,14 @@ def ttft_timer() -> Any:
     return Timer()
 
 
-def chat_model(base_url: str, max_tokens: int, user: str | None = None) -> Any:
+def chat_model(base_url: str, max_tokens: int, user: str | None = None,
+               extra: dict[str, Any] | None = None) -> Any:
     """The agents' ``ChatOpenAI``: greedy, streamed with usage, ``max_tokens`` long
     replies (``ignore_eos``, so every configuration's history grows alike); ``user``:
     OpenAI's ``user`` field and the ``x-session-id`` header (a router's session key:
-    vllm-router 0.1.17's ``consistent_hash`` reads the header on chat requests)."""
+    vllm-router 0.1.17's ``consistent_hash`` reads the header on chat requests, and
+    contextkit's connector names the agent's session with it); ``extra``: more body
+    fields (agent hints in a serving stack's dialect)."""
     from langchain_openai import ChatOpenAI
     from pydantic import SecretStr
 
@@ -62,7 +65,8 @@ def chat_model(base_url: str, max_tokens: int, user: str | None = None) -> Any:
                       use_responses_api=False, temperature=0, streaming=True,
                       stream_usage=True, max_completion_tokens=max_tokens, max_retries=0,
                       timeout=900,
-                      extra_body={"ignore_eos": True, **({"user": user} if user else {})},
+                      extra_body={"ignore_eos": True, **({"user": user} if user else {}),
+                                  **(extra or {})},
                       default_headers={"x-session-id": user} if user else None)
 
 

@@ -51,7 +51,13 @@ WARMUP_WORDS = (60, 1500, 1500)
 #: compares the others with its logprobs).
 CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru", "connector_fp16",
            "connector_int8", "connector_tq4", "connector_saves_all_cores",
-           "connector_store_volatile", "connector_all", "lmcache", "lmcache_ordering")
+           "connector_store_volatile", "connector_all", "connector_hints", "lmcache",
+           "lmcache_ordering")
+#: The body fields of ``connector_hints``' agents: Dynamo's cache_control (a TTL, which
+#: Dynamo clamps to at least 300 s) and an SGLang-style priority (higher is kept longer).
+HINT_FIELDS: dict[str, Any] = {"nvext": {"cache_control": {"type": "ephemeral",
+                                                           "ttl": "5m"}},
+                               "priority": 60}
 #: ``connector_all``'s DDR budget in B: enough for every block the default schedule
 #: saves (the run reports its evictions), so no eviction policy at B can do better.
 ALL_BUDGET_FACTOR = 8.0
@@ -80,6 +86,7 @@ class Setup:
     lmcache: bool = False
     probe: bool = True  # run the quality probe (configurations with a connector or ceiling)
     budget_factor: float = 1.0  # the connector's DDR budget in B
+    hints: bool = False  # agents send their session header and HINT_FIELDS
 
 
 SETUPS = {
@@ -102,6 +109,9 @@ SETUPS = {
         "eviction": "semantic", "store_volatile": "always"}),
     "connector_all": Setup("connector_all", True, {"eviction": "semantic"}, probe=False,
                            budget_factor=ALL_BUDGET_FACTOR),
+    # agent hints in the stacks' dialects: the x-session-id header (a learned pause),
+    # Dynamo's cache_control TTL and an SGLang priority
+    "connector_hints": Setup("connector_hints", True, {"eviction": "semantic"}, hints=True),
     "lmcache": Setup("lmcache", False, None, lmcache=True),
     "lmcache_ordering": Setup("lmcache_ordering", True, None, lmcache=True),
 }
@@ -132,12 +142,13 @@ class WorkloadAgent:
         self.timer = ttft_timer()
         self.agent: Any = None
         self.user: str | None = None  # OpenAI's user field (a router's affinity key)
+        self.extra: dict[str, Any] | None = None  # more body fields (agent hints)
         self.connect(base_url)
 
     def connect(self, base_url: str) -> None:
         from langchain.agents import create_agent
 
-        model = chat_model(base_url, self.max_tokens, self.user)
+        model = chat_model(base_url, self.max_tokens, self.user, self.extra)
         if self.pipeline is not None:
             from integrations.langchain import ContextKitMiddleware
 
@@ -401,9 +412,12 @@ class Lane:
             pipeline = (CacheAwareContextPipeline(served=self.served, tenant=spec.tenant,
                                                   agent=spec.name, pin_stable=setup.pin)
                         if setup.contextkit else None)
-            self.agents[spec.name] = WorkloadAgent(spec.name, spec.tenant, self.workload,
-                                                   self.srv.base_url, self.args.max_tokens,
-                                                   pipeline)
+            agent = WorkloadAgent(spec.name, spec.tenant, self.workload,
+                                  self.srv.base_url, self.args.max_tokens, pipeline)
+            if setup.hints:
+                agent.user, agent.extra = spec.name, dict(HINT_FIELDS)
+                agent.connect(self.srv.base_url)
+            self.agents[spec.name] = agent
         self.started_s = round(time.perf_counter() - t0, 1)
         return self
 
@@ -463,6 +477,17 @@ class Lane:
                 "loadavg_1min": round(os.getloadavg()[0], 2)}
 
 
+def tool_pause(args: argparse.Namespace, step: Any) -> float:
+    """With ``--tool-pauses SCALE``: every turn ends in a tool call, and the agent's
+    next turn waits for the tool, a pause drawn from 1-60 s (seeded per agent and
+    turn) times SCALE; 0 without."""
+    scale = float(getattr(args, "tool_pauses", 0.0) or 0.0)
+    if not scale or step.agent_turn < 1:
+        return 0.0
+    rng = random.Random(f"{args.seed}:{step.agent}:{step.agent_turn}")
+    return round(rng.uniform(1.0, 60.0) * scale, 3)
+
+
 def run_config(setup: Setup, workload: Any, served: Any, sizes: dict[str, Any], work: Path,
                args: argparse.Namespace, quality: dict[str, Any]) -> dict[str, Any]:
     """One configuration on a fresh server alone: every step, then the probe."""
@@ -501,7 +526,11 @@ def run_interleaved(names: list[str], workload: Any, served: Any, sizes: dict[st
                 errors[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
                 print(f"{name}: did not start: {errors[name]}", file=sys.stderr, flush=True)
         reference = lanes["ceiling"]
+        ended: dict[str, float] = {}  # an agent's previous turn ended (all lanes)
         for i, step in enumerate(workload.steps()):
+            pause = tool_pause(args, step)
+            if pause and step.agent in ended:  # the tool runs at least this long
+                time.sleep(max(0.0, ended[step.agent] + pause - time.monotonic()))
             for name in rotation(list(lanes), i):
                 row_settle = settle()
                 try:
@@ -512,8 +541,10 @@ def run_interleaved(names: list[str], workload: Any, served: Any, sizes: dict[st
                     errors[name] = f"{type(exc).__name__} at step {i}: {str(exc)[:2000]}"
                     print(f"{name}: stopped: {errors[name]}", file=sys.stderr, flush=True)
                     lanes.pop(name).stop()
+            ended[step.agent] = time.monotonic()
             said = reference.reply(step.agent)
             for lane in lanes.values():
+                lane.rows[-1]["tool_pause_s"] = pause
                 if lane is not reference:
                     lane.rows[-1]["reply_matches_transcript"] = lane.reply(step.agent) == said
                     lane.adopt(step.agent, reference)
@@ -569,7 +600,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             results["ceiling_last"] = run_config(again, workload, served, sizes, work, args,
                                                  quality)
     return {"configs": results, "errors": errors, "sizes": sizes, "order": configs,
-            "interleaved": not args.sequential,
+            "interleaved": not args.sequential, "tool_pauses_scale": args.tool_pauses,
             "workload": workload.describe(), "quality_prompt_tokens":
             [len(p.ids) for p in quality["prompts"]],
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
@@ -595,6 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--ceiling-last", action="store_true")
     parser.add_argument("--sequential", action="store_true")
+    parser.add_argument("--tool-pauses", type=float, default=0.0)
     args = parser.parse_args(argv)
     if args.ceiling_last and not args.sequential:
         parser.error("--ceiling-last measures drift between back-to-back runs: add "
