@@ -165,6 +165,30 @@ def _shared_goal_vs_ceiling(d: dict) -> str:
             "every turn reuses every prefix, so prefix reuse alone cannot reach it")
 
 
+def _resume_goal_vs_ceiling(d: dict) -> str:
+    bound = d["resumed_hit_fraction"]["ceiling"]
+    if bound >= 0.95:
+        return ""
+    return (f"the goal is above this run's ceiling ({bound:.2f}): a resume sent as a new "
+            "user turn rebuilds the trailing volatile message, so at most the prompt "
+            "before it is reused")
+
+
+def _hints_same_tokens(d: dict) -> str:
+    resume = d["resume"]
+    if resume["connector"]["resume_computed_tokens"] == resume["connector_hints"][
+            "resume_computed_tokens"]:
+        return ("same tokens with and without hints: the DDR tier kept every paused "
+                "agent, so hints had nothing to save")
+    return ""
+
+
+def _hint_pins(d: dict) -> str:
+    counters = d["counters"]["connector_hints"]
+    return (f"hints pinned {counters['hint_pinned_blocks']:.0f} blocks; the tenants' pin "
+            f"quotas refused {counters['hint_pins_refused']:.0f}")
+
+
 def _replica_order(d: dict) -> str:
     return ("configurations ran in one fixed order (" + ", ".join(d["order"]) + "): "
             "the first server of a run is slow, so this is not an interleaved bound")
@@ -185,6 +209,10 @@ AGENTS_VLLM_INTERLEAVED = ("agents-vllm-amd-interleaved.json",)
 EXCL_TURN1 = ("the same, turns 2-20 (these files' `speedup_total`; "
               "`speedup_total_excl_turn1` from now on)")
 REPLICAS = tuple(f"replicas-cpu-r{i}.json" for i in range(1, 5))
+#: bench tool-pauses: the default sizes (a DDR budget of 3 agents' prompts in fp16 bytes)
+TOOL_PAUSES = ("tool-pauses-amd.json",)
+#: the same with a DDR budget of 0.8 agent prompts in fp16 bytes (~2.5 stored agents)
+TOOL_PAUSES_SMALL_DDR = ("tool-pauses-amd-small-ddr.json",)
 #: bench replicas with every configuration's servers up and the steps interleaved
 REPLICAS_INTERLEAVED = ("replicas-amd-interleaved.json",)
 
@@ -307,6 +335,37 @@ ROWS: tuple[Row, ...] = (
     Row("replicas", "another tenant's tokens found in the shared tier", REPLICAS,
         lambda d: d["tenant_probe"]["probe-b_on_1_shared_tokens"], fmt="{:.0f}",
         goal=Goal("<=", 0), tags=("readme",)),
+    # tool-pauses: 8 agents whose every turn ends in a tool call, one vLLM CPU server
+    Row("tool-pauses", "`resumed_hit_fraction` (the paused agent's previous prompt reused "
+        "on its resume), connector with agent hints; ceiling: a server whose KV holds "
+        "every agent", TOOL_PAUSES, lambda d: d["resumed_hit_fraction"]["connector_hints"],
+        fmt="{:.3f}", goal=Goal(">=", 0.95),
+        ceiling=lambda d: d["resumed_hit_fraction"]["ceiling"],
+        remark=_resume_goal_vs_ceiling),
+    Row("tool-pauses", "`resumed_hit_fraction`, the connector without hints", TOOL_PAUSES,
+        lambda d: d["resumed_hit_fraction"]["connector"], fmt="{:.3f}",
+        ceiling=lambda d: d["resumed_hit_fraction"]["ceiling"], remark=_hints_same_tokens),
+    Row("tool-pauses", "resume-turn TTFT p50 APC / connector with hints; ceiling: APC / the "
+        "server that holds every agent", TOOL_PAUSES, lambda d: d["speedup_vs_apc_p50"],
+        goal=Goal(">=", 3.0), ceiling=lambda d: d["ceiling_vs_apc_p50"],
+        remark=lambda d: (f"the goal is above this run's ceiling "
+                          f"({d['ceiling_vs_apc_p50']:.2f})"
+                          if d["ceiling_vs_apc_p50"] < 3.0 else "")),
+    Row("tool-pauses", "blocks agent hints asked to pin that the tenants' pin quotas "
+        "refused (of those asked)", TOOL_PAUSES,
+        lambda d: d["counters"]["connector_hints"]["hint_pins_refused"], fmt="{:.0f}",
+        remark=lambda d: (f"{d['counters']['connector_hints']['hint_pinned_blocks']:.0f} "
+                          "pinned")),
+    Row("tool-pauses", "prompt tokens computed on the resume turns, DDR for ~2.5 agents: "
+        "the connector with agent hints; ceiling: a server whose KV holds every agent",
+        TOOL_PAUSES_SMALL_DDR,
+        lambda d: d["resume"]["connector_hints"]["resume_computed_tokens"], fmt="{:,.0f}",
+        ceiling=lambda d: d["resume"]["ceiling"]["resume_computed_tokens"]),
+    Row("tool-pauses", "prompt tokens computed on the resume turns, the same without hints",
+        TOOL_PAUSES_SMALL_DDR,
+        lambda d: d["resume"]["connector"]["resume_computed_tokens"], fmt="{:,.0f}",
+        ceiling=lambda d: d["resume"]["ceiling"]["resume_computed_tokens"],
+        remark=_hint_pins),
     # vllm: restart and recovery on vLLM's CPU build, default precision policy
     Row("vllm", "teacher-forced agreement after recovery (default policy)",
         ("vllm-cpu-rows.json",), lambda d: d["teacher_forced_agreement"], fmt="{:.3f}",
