@@ -100,8 +100,11 @@ class PrefixPinManager:
         return {t: n - quota for t, n in self.pinned_by_tenant().items() if n > quota}
 
     # ------------------------------------------------------------------ pinning
-    def pin(self, block_ids: Sequence[int], *, now: float | None = None) -> list[int]:
-        """Pin blocks, all or none; returns the ids newly pinned.
+    def pin(self, block_ids: Sequence[int], *, now: float | None = None,
+            any_layer: bool = False) -> list[int]:
+        """Pin blocks, all or none; returns the ids newly pinned. ``any_layer``: blocks
+        of any source layer (a time-bound pin the request asked for, e.g. through a
+        tool-call pause); the quotas hold all the same.
 
         Raises:
             BlockStateError: a block's source layer is not pinnable.
@@ -110,12 +113,13 @@ class PrefixPinManager:
                 pins), or the device tier cannot make room for blocks still in the
                 host tier. None of the given blocks is pinned then.
         """
-        result = self.try_pin(block_ids, now=now)
+        result = self.try_pin(block_ids, now=now, any_layer=any_layer)
         if result.refused is not None:
             raise PinCapacityError(result.refused)
         return result.pinned
 
-    def try_pin(self, block_ids: Sequence[int], *, now: float | None = None) -> PinResult:
+    def try_pin(self, block_ids: Sequence[int], *, now: float | None = None,
+                any_layer: bool = False) -> PinResult:
         """Pin blocks within their tenants' quotas, or leave them unpinned and say why.
 
         Idle pins (past the TTL) are demoted first. When the cap is reached, the
@@ -132,7 +136,7 @@ class PrefixPinManager:
         with cache.locked():
             metas = [cache.metadata.get(b) for b in cache._checked(block_ids)]
             for meta in metas:
-                if meta.source_layer not in self.pinnable_sources:
+                if not any_layer and meta.source_layer not in self.pinnable_sources:
                     raise BlockStateError(
                         f"block {meta.block_id} comes from layer {meta.source_layer!r}, which is "
                         f"not pinnable (pinnable: {sorted(self.pinnable_sources)}); pin only "

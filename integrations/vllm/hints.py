@@ -6,8 +6,7 @@ request (body and headers) into one :class:`Hints`; the API server's middleware
 (:mod:`integrations.vllm.hints_middleware`) puts it in the request's
 ``kv_transfer_params`` under :data:`HINTS_KEY`, where the scheduler-side connector finds
 it (:func:`from_wire`). The planner turns it into block labels: a higher importance
-for eviction, and blocks kept from eviction for ``keep_s`` seconds, within the
-tenant's share of the DDR budget.
+for eviction, and pins that last ``keep_s`` seconds, within the tenant's pin quota.
 
 =============================================  ========================================
 dialect (where)                                contextkit
@@ -26,13 +25,12 @@ priority 0-100, duration s}]``                 ``duration`` seconds (1-3600)
 ``agent_hint.cache_control.ttl`` (vLLM RFC     keep the prompt ``ttl`` seconds (0-3600)
 52113), ``agent_hint.session_id``
 session: ``x-dynamo-session-id``,              the session the kept blocks belong to
-``x-session-id``, ``retention_scope``          (its pauses are learned and kept)
+``x-session-id``, ``retention_scope``          (reported; pins stay per tenant)
 =============================================  ========================================
 
-Hints only raise what a block keeps: a request's own labels stay, a hint never keeps
-more than its tenant's share of the DDR budget
-(:data:`~integrations.vllm.store.RETAIN_TENANT_SHARE`), and never touches another
-tenant's blocks (every block is the request's tenant's). A bad hint (a wrong
+Hints only raise what a block keeps: a request's own labels stay, a hint never pins
+past the tenant's quota (:class:`gpu_cache.PrefixPinManager`), and never touches
+another tenant's blocks (every block is the request's tenant's). A bad hint (a wrong
 type, a negative TTL, a priority out of range) is dropped with a one-line reason; the
 request is served without it.
 """
@@ -50,7 +48,7 @@ from contextkit.pipeline.served.wire import HINTS_KEY
 __all__ = ["HINTS_KEY", "MAX_KEEP_S", "SESSION_HEADERS", "Hints", "Retention", "from_request",
            "from_wire", "parse_ttl"]
 
-#: The longest a hint keeps blocks (Dynamo's cache_control ceiling).
+#: The longest a hint keeps blocks pinned (Dynamo's cache_control ceiling).
 MAX_KEEP_S = 3600.0
 #: Dynamo's cache_control TTL range (seconds).
 _DYNAMO_TTL = (300.0, 3600.0)
@@ -75,7 +73,7 @@ class Hints:
     """What a request's hints ask of the KV it computes, in contextkit's terms."""
 
     importance: float | None = None  # for every block of the prompt, in [0, 1]
-    keep_s: float | None = None  # keep every block of the prompt this long
+    keep_s: float | None = None  # pin every block of the prompt this long
     ranges: tuple[Retention, ...] = ()
     session: str | None = None
     sources: tuple[str, ...] = field(default=())  # the dialects it came from

@@ -110,12 +110,12 @@ _DOCS = {
     "reuse_recomputed_requests": "Finished requests that computed tokens promised from "
                                  "contextkit's cache (they failed to load).",
     "reuse_none_requests": "Finished requests whose prompt reused nothing.",
-    "hint_pinned_blocks": "Blocks an agent hint kept from eviction for its TTL.",
-    "hint_pins_refused": "Blocks an agent hint asked to keep beyond the tenant's share of "
-                         "the DDR budget (stored, not kept).",
+    "hint_pinned_blocks": "Blocks an agent hint pinned for its TTL (then unpinned).",
+    "hint_pins_refused": "Blocks an agent hint asked to pin that the tenant's pin quota "
+                         "refused (stored unpinned).",
     "hints_ignored": "Requests whose agent hints were malformed (served without them).",
-    "pause_kept_blocks": "Blocks kept from eviction through a session's expected pause "
-                         "(a tool call), learned from its history.",
+    "pause_kept_blocks": "Blocks pinned through a session's expected pause (a tool call), "
+                         "learned from its history.",
     "pause_released_blocks": "Blocks released when their session came back.",
     "hit_tokens": "Prompt tokens served from contextkit's cache instead of computed.",
     "loaded_blocks": "Blocks loaded from contextkit's cache into vLLM's paged KV cache.",

@@ -4,13 +4,13 @@ An agent whose reply is a tool call comes back when the tool returns, seconds to
 minute later, with the same prompt plus the tool's result. In between, other agents'
 saves would evict its blocks from the connector's DDR tier. The scheduler learns each
 session's pause (from a request's end to the session's next request) and, when a
-session's request ends, asks the worker to keep that request's blocks for the
+session's request ends, asks the worker to keep that request's blocks pinned for the
 pause it expects (:class:`KeepSpec`): ``margin`` times the longest of the session's
 recent pauses, at most :data:`~integrations.vllm.hints.MAX_KEEP_S`. When the session
-comes back, after its loads, they are let go. A session is named by the
+comes back, after its loads, the pins are released. A session is named by the
 request's hints (the ``x-session-id`` / ``x-dynamo-session-id`` headers or
-``retention_scope``); requests without one are not kept. Kept blocks count against the
-tenant's share of the DDR budget, as a hint's do: what does not fit is not kept.
+``retention_scope``); requests without one are not kept. The pins count against the
+tenant's pin quota like any other: what does not fit is not kept.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ __all__ = ["KeepSpec", "SessionPauses"]
 
 @dataclass(slots=True)
 class KeepSpec:
-    """Worker instruction: keep the stored blocks ``keys`` (a prefix chain, in order)
-    of ``tenant`` from eviction for ``keep_s`` seconds, as many as the tenant's share
-    allows, from the first; ``keep_s`` 0 lets go of what an earlier keep of them kept."""
+    """Worker instruction: pin the stored blocks ``keys`` (a prefix chain, in order)
+    of ``tenant`` for ``keep_s`` seconds, as many as the quota allows from the first;
+    ``keep_s`` 0 releases the pins an earlier keep of these keys made."""
 
     tenant: str
     keys: list[bytes]

@@ -256,8 +256,8 @@ def _short(value: object, limit: int = 80) -> str:
 def hinted_labels(labels: Sequence[BlockLabel], hints: Hints, first_block: int,
                   block_size: int) -> list[BlockLabel]:
     """``labels`` (of blocks ``first_block`` on) raised by a request's agent hints: the
-    larger importance, and ``keep_s`` (the store keeps the block from eviction that
-    long) where the block was not pinned for good already."""
+    larger importance, and a pin for ``keep_s`` seconds where the block was not
+    pinned for good already."""
     out = []
     for b, label in enumerate(labels, start=first_block):
         importance, keep = hints.at(b * block_size)

@@ -62,9 +62,8 @@ class BlockLabel:
     #: identical prompt (a retry, a replay) reuses it. Stored only while the DDR budget
     #: has room (``ConnectorConfig.store_volatile``).
     tail: bool = False
-    #: with ``pinned``: kept from eviction in the DDR tier for this many seconds only
-    #: (an agent hint's TTL), then an ordinary block again; None: a pin lasts (stable
-    #: prefixes)
+    #: pinned for this many seconds only (an agent hint's TTL: a tool-call pause), then
+    #: an ordinary block again; None: a pin lasts (stable prefixes)
     keep_s: float | None = None
 
 

@@ -70,8 +70,7 @@ from integrations.vllm.store_shared import SharedBlocks, tenant_slug
 from shadow import CacheShadow, RecoveryReport, ShadowResult
 from shadow.shared.objects import SharedChunk
 
-__all__ = ["LOCAL_SESSION", "RETAIN_TENANT_SHARE", "RETAIN_TOTAL_SHARE", "ConnectorStore",
-           "SaveResult", "local_session_keys",
+__all__ = ["LOCAL_SESSION", "ConnectorStore", "SaveResult", "local_session_keys",
            "shadow_manifest", "shadow_manifests", "tenant_slug"]
 
 logger = logging.getLogger(__name__)
@@ -91,13 +90,6 @@ class SaveResult:
     #: volatile-tail keys not stored: the save did not fit without evicting
     #: (``ConnectorConfig.store_volatile`` = ``"room"``)
     skipped: list[bytes] = field(default_factory=list)
-
-
-#: A tenant's blocks kept from eviction (an agent hint's TTL, a session's pause) hold at
-#: most this share of the DDR byte budget, and all tenants' together at most
-#: RETAIN_TOTAL_SHARE: the rest stays for everyone's saves.
-RETAIN_TENANT_SHARE = 0.5
-RETAIN_TOTAL_SHARE = 0.75
 
 
 class ConnectorStore:
@@ -135,10 +127,8 @@ class ConnectorStore:
         self._active: dict[str, Pool] = {}
         self._lock = threading.RLock()
         self._ids: dict[bytes, tuple[Pool, int]] = {}  # key -> (pool, block id)
-        #: key -> (until, tenant slug): blocks kept from eviction for a hint's TTL or a
-        #: session's pause, within RETAIN_TENANT_SHARE / RETAIN_TOTAL_SHARE of the budget
-        self._retained: dict[bytes, tuple[float, str]] = {}
-        self._kept: set[bytes] = set()  # of those, kept through a session's pause (keep())
+        self._pin_until: dict[bytes, float] = {}  # key -> when a hint's pin ends (monotonic)
+        self._kept: set[bytes] = set()  # pinned through a session's pause (keep())
         self._sources: dict[bytes, str | None] = {}  # key -> source layer (metrics)
         #: key -> the rules' format of a block stored above it while there was room
         self._upgraded: dict[bytes, str] = {}
@@ -309,7 +299,7 @@ class ConnectorStore:
         result = SaveResult()
         tenant = tenant_slug(tenant)
         with self._lock:
-            self._expire_retained(time.monotonic())
+            self._expire_pins(time.monotonic())
             new = [i for i, key in enumerate(keys) if key not in self._ids]
             for i in new:
                 formats.check_format(labels[i].fmt)
@@ -396,19 +386,7 @@ class ConnectorStore:
                 self._demote(excess, protect)
         # listed after _demote: a demotion may make a pool (the first of its blocks'
         # rules' format), whose bytes and blocks the eviction must count
-        return fit_budget(list(self.pools.values()), pool, num_blocks, self.budget,
-                          self._with_retained(protect))
-
-    def _with_retained(self, protect: dict[int, set[int]]) -> dict[int, set[int]]:
-        """``protect`` and the retained blocks: no eviction takes them while they last."""
-        if not self._retained:
-            return protect
-        out = {pool_id: set(ids) for pool_id, ids in protect.items()}
-        for key in self._retained:
-            held = self._ids.get(key)
-            if held is not None:
-                out.setdefault(id(held[0]), set()).add(held[1])
-        return out
+        return fit_budget(list(self.pools.values()), pool, num_blocks, self.budget, protect)
 
     def _demote(self, excess: int, protect: dict[int, set[int]]) -> None:
         """Transcode upgraded blocks to their rules' format, lowest eviction priority
@@ -516,88 +494,87 @@ class ConnectorStore:
                 except (PinCapacityError, BlockStateError) as exc:
                     result.unpinned = unpinned_reason(self.config, self.identity, pool, tenant,
                                                       len(to_pin), exc)
-            if hinted:  # a hint's TTL: kept from eviction, any layer, within the shares
-                first = min(until.values())
-                kept = self._retain([keys[i] for i in index if keys[i] in until], tenant, first)
-                self.stats.count("hint_pinned_blocks", len(kept))
-                self.stats.count("hint_pins_refused", len(hinted) - len(kept))
+            if hinted:  # a hint's pins: any layer, for their time, as many as the
+                # tenant's quota leaves room for, the first blocks first
+                room = pool.pins.tenant_quota - pool.pins.pinned_by_tenant().get(tenant, 0)
+                fits = hinted[:max(0, room)]
+                try:
+                    if fits:
+                        pool.pins.pin(fits, any_layer=True)
+                except (PinCapacityError, BlockStateError) as exc:
+                    result.unpinned = unpinned_reason(self.config, self.identity, pool, tenant,
+                                                      len(hinted), exc)
+                    fits = []
+                pinned = set(fits)
+                self._pin_until.update({key: t for key, t in until.items()
+                                        if self._ids[key][1] in pinned})
+                self.stats.count("hint_pinned_blocks", len(fits))
+                self.stats.count("hint_pins_refused", len(hinted) - len(fits))
         return True
 
-    def _retained_bytes(self) -> tuple[dict[str, int], int]:
-        """Bytes the retained blocks hold, per tenant and in all (caller holds _lock)."""
-        by_tenant: dict[str, int] = {}
-        for key, (_, slug) in self._retained.items():
-            held = self._ids.get(key)
-            if held is not None:
-                by_tenant[slug] = by_tenant.get(slug, 0) + held[0].identity.bytes_per_block
-        return by_tenant, sum(by_tenant.values())
-
-    def _retain(self, keys: Sequence[bytes], slug: str, until: float) -> list[bytes]:
-        """Keep the held blocks of ``keys`` (in order, up to the first one not held)
-        from eviction until ``until`` (monotonic), as many as the tenant's share and the
-        total share of the budget leave room for; returns those kept (caller holds
-        _lock). A block kept already is kept until the later of its two times."""
-        by_tenant, total = self._retained_bytes()
-        tenant_cap = RETAIN_TENANT_SHARE * self.budget
-        total_cap = RETAIN_TOTAL_SHARE * self.budget
-        kept: list[bytes] = []
-        for key in keys:
-            held = self._ids.get(key)
-            if held is None:
-                break
-            if key in self._retained:
-                self._retained[key] = (max(until, self._retained[key][0]), slug)
-                kept.append(key)
-                continue
-            size = held[0].identity.bytes_per_block
-            if by_tenant.get(slug, 0) + size > tenant_cap or total + size > total_cap:
-                break
-            self._retained[key] = (until, slug)
-            by_tenant[slug] = by_tenant.get(slug, 0) + size
-            total += size
-            kept.append(key)
-        return kept
-
-    def _expire_retained(self, now: float) -> None:
-        """Let go of the blocks whose time ran out, or that are gone (caller holds
-        ``_lock``): they are ordinary blocks again, evicted by meaning like any other."""
-        done = [key for key, (until, _) in self._retained.items()
-                if until <= now or key not in self._ids]
+    def _expire_pins(self, now: float) -> None:
+        """Unpin the blocks whose hint's time ran out (caller holds ``_lock``): they
+        are ordinary blocks again, evicted by meaning like any other."""
+        done = [key for key, until in self._pin_until.items() if until <= now]
         for key in done:
-            del self._retained[key]
+            del self._pin_until[key]
             self._kept.discard(key)
+            held = self._ids.get(key)
+            if held is not None and held[1] in held[0].cache.metadata:
+                held[0].pins.unpin([held[1]])
 
     def keep(self, keys: Sequence[bytes], tenant: str, keep_s: float) -> int:
-        """Keep the held blocks of ``keys`` (a prefix chain: from the first, up to the
-        first one not held) from eviction for ``keep_s`` seconds, any layer, as many as
-        the tenant's share of the DDR budget leaves room for; ``keep_s`` 0 lets go of
-        what an earlier keep of these keys kept. Returns the blocks kept (or let go)."""
+        """Pin the held blocks of ``keys`` (a prefix chain: from the first, up to the
+        first one not held) for ``keep_s`` seconds, any layer, as many as the tenant's
+        pin quota leaves room for; ``keep_s`` 0 releases the pins an earlier keep
+        made. Blocks pinned for good stay so. Returns the blocks pinned (or released)."""
         slug = tenant_slug(tenant)
         with self._lock:
-            now = time.monotonic()
-            self._expire_retained(now)
+            self._expire_pins(time.monotonic())
+            held = []
+            for key in keys:
+                found = self._ids.get(key)
+                if found is None:
+                    break
+                held.append((key, *found))
             if not keep_s:
-                mine = [key for key in keys if key in self._kept]
-                for key in mine:
+                mine = [(key, pool, bid) for key, pool, bid in held if key in self._kept]
+                for key, pool, bid in mine:
                     self._kept.discard(key)
-                    self._retained.pop(key, None)
+                    self._pin_until.pop(key, None)
+                    if bid in pool.cache.metadata:
+                        pool.pins.unpin([bid])
                 self.stats.count("pause_released_blocks", len(mine))
                 return len(mine)
-            kept = self._retain(keys, slug, now + keep_s)
-            self._kept.update(kept)
-            self.stats.count("pause_kept_blocks", len(kept))
-            return len(kept)
+            until = time.monotonic() + keep_s
+            pinned = 0
+            for pool in {id(p): p for _, p, _ in held}.values():
+                todo = [(key, bid) for key, p, bid in held if p is pool
+                        and not pool.cache.metadata.get(bid).pinned]
+                room = pool.pins.tenant_quota - pool.pins.pinned_by_tenant().get(slug, 0)
+                todo = todo[:max(0, room)]
+                if not todo:
+                    continue
+                try:
+                    pool.pins.pin([bid for _, bid in todo], any_layer=True)
+                except (PinCapacityError, BlockStateError) as exc:
+                    logger.info("session keep of %d blocks not pinned: %s", len(todo), exc)
+                    continue
+                for key, _ in todo:
+                    self._kept.add(key)
+                    self._pin_until[key] = until
+                pinned += len(todo)
+            self.stats.count("pause_kept_blocks", pinned)
+            return pinned
 
-    def expire_retained(self, now: float | None = None) -> None:
-        """Let go of the blocks whose time ran out by ``now`` (monotonic; default: now),
-        as every save does first."""
+    def expire_pins(self) -> None:
+        """Unpin the blocks whose hint's time ran out (a save does it too)."""
         with self._lock:
-            self._expire_retained(time.monotonic() if now is None else now)
+            self._expire_pins(time.monotonic())
 
-    def kept_until(self, key: bytes) -> float | None:
-        """Until when (monotonic) block ``key`` is kept from eviction, if it is."""
-        found = self._retained.get(key)
-        return found[0] if found is not None else None
+    def pinned_until(self, key: bytes) -> float | None:
+        """When the hint's pin of block ``key`` ends (monotonic), if it has one."""
+        return self._pin_until.get(key)
 
     def forget_evicted(self) -> tuple[list[bytes], list[str | None]]:
         """Forget the blocks the pools evicted (to make room for a save or an import)

@@ -195,54 +195,49 @@ def test_the_planner_labels_a_hinted_requests_saves() -> None:
 BS, LAYERS, HEADS, DIM = 16, 2, 2, 64
 
 
-def _store(model: Path, tmp: Path, host_blocks: int = 16) -> ConnectorStore:
+def _store(model: Path, tmp: Path) -> ConnectorStore:
     ident = vllm_cache_identity(str(model), BS)
     return ConnectorStore(ident, ConnectorConfig(
-        block_size=BS, shadow_url="", host_blocks=host_blocks, device_blocks=16,
-        pin_share=0.25, precision={"default": "tq4", "layers": {}, "importance": [],
-                                   "pinned": None, "sink_blocks": 0}))
+        block_size=BS, shadow_url="", host_blocks=64, device_blocks=16, pin_share=0.25))
 
 
-def _keys(store: ConnectorStore, tenant: str, n: int, seed: int) -> list[bytes]:
-    return hash_token_blocks(store.identity.digest(), tenant,
-                             list(range(seed, seed + n * BS)), BS)
-
-
-def _save(store: ConnectorStore, tenant: str, n: int, keep: float | None,
-          seed: int = 0) -> tuple[list[bytes], Any]:
+def _save(store: ConnectorStore, tenant: str, n: int, keep: float, seed: int = 0) -> Any:
     g = torch.Generator().manual_seed(seed)
     shape = (LAYERS, n, BS, HEADS, DIM)
-    keys = _keys(store, tenant, n, seed)
-    label = BlockLabel("user_turn", 0.3, pinned=keep is not None, keep_s=keep)
+    keys = hash_token_blocks(store.identity.digest(), tenant,
+                             list(range(seed, seed + n * BS)), BS)
+    label = BlockLabel("user_turn", 0.3, pinned=True, keep_s=keep)
     return keys, store.save(torch.randn(shape, generator=g), torch.randn(shape, generator=g),
                             keys, tenant, [label] * n)
 
 
-def test_a_hint_keeps_any_layer_from_eviction_until_its_time_runs_out(
-        model: Path, tmp_path: Path) -> None:
-    store = _store(model, tmp_path)  # room for 16 blocks
-    keys, result = _save(store, "acme", 4, keep=60.0)
-    assert result.unpinned is None and all(store.kept_until(k) for k in keys)
-    for seed in range(1, 7):  # others fill the store three times over
-        assert _save(store, "globex", 8, keep=None, seed=1000 * seed)[1].failed == []
-    assert not store.missing(keys)  # conversation blocks, kept through it all
-    store.expire_retained(now=time.monotonic() + 61)  # their minute is over
-    for seed in range(7, 9):  # ordinary blocks again: evicted like the others
-        _save(store, "globex", 8, keep=None, seed=1000 * seed)
-    assert store.kept_until(keys[0]) is None and set(store.missing(keys)) == set(keys)
+def _pinned(store: ConnectorStore, tenant: str | None = None) -> int:
+    return sum(len(pool.cache.metadata.pinned(tenant)) for pool in store.pools.values())
 
 
-def test_a_hint_keeps_at_most_its_tenants_share_and_leaves_the_rest_for_others(
+def test_a_hints_pin_holds_any_layer_until_its_time_runs_out(model: Path,
+                                                              tmp_path: Path) -> None:
+    store = _store(model, tmp_path)
+    keys, result = _save(store, "acme", 3, keep=0.2)
+    assert result.unpinned is None and _pinned(store) == 3  # conversation blocks too
+    assert store.pinned_until(keys[0]) is not None
+    time.sleep(0.25)
+    store.expire_pins()
+    assert _pinned(store) == 0 and store.pinned_until(keys[0]) is None
+    assert set(store.missing(keys)) == set()  # unpinned, not dropped
+
+
+def test_a_hint_cannot_pin_past_its_tenants_quota_or_touch_anothers_pins(
         model: Path, tmp_path: Path) -> None:
-    store = _store(model, tmp_path)  # a tenant keeps at most half the budget: 8 blocks
-    keys, _ = _save(store, "acme", 12, keep=600.0)
-    assert [store.kept_until(k) is not None for k in keys] == [True] * 8 + [False] * 4
+    store = _store(model, tmp_path)  # quota: 0.25 of 16 device blocks = 4 per tenant
+    _save(store, "globex", 4, keep=600.0, seed=1)
+    assert _pinned(store) == 4
+    keys, _ = _save(store, "acme", 6, keep=600.0, seed=2)
+    # globex's pins stand; acme pins its own quota's worth, its first blocks first
+    assert _pinned(store) == 8
+    assert [store.pinned_until(k) is not None for k in keys] == [True] * 4 + [False] * 2
     counters = (store.stats.take() or {})["counters"]
-    assert counters["hint_pinned_blocks"] == 8 and counters["hint_pins_refused"] == 4
-    # another tenant's saves still find room: what acme kept is half the budget at most
-    other, result = _save(store, "globex", 8, keep=None, seed=500)
-    assert result.failed == [] and not store.missing(other)
-    assert not store.missing(keys[:8])
+    assert counters["hint_pinned_blocks"] == 8 and counters["hint_pins_refused"] == 2
 
 
 # ---------------------------------------------------------------------- pauses
@@ -262,14 +257,17 @@ def test_a_sessions_pause_is_learned_and_its_blocks_kept_then_released() -> None
     assert pauses.expected("acme", "s1") == 15.0
 
 
-def test_kept_blocks_stay_through_the_pause_within_the_share(model: Path,
-                                                             tmp_path: Path) -> None:
-    store = _store(model, tmp_path)
-    keys, _ = _save(store, "acme", 10, keep=None, seed=3)
-    assert store.keep(keys, "acme", 60.0) == 8  # the chain's first 8: half the budget
-    for seed in range(1, 5):
-        assert _save(store, "globex", 8, keep=None, seed=1000 * seed)[1].failed == []
-    assert not store.missing(keys[:8]) and set(store.missing(keys[8:])) == set(keys[8:])
-    assert store.keep(keys, "acme", 0.0) == 8  # the session came back: let go
-    assert store.kept_until(keys[0]) is None
+def test_kept_blocks_stay_pinned_through_the_pause_within_the_quota(
+        model: Path, tmp_path: Path) -> None:
+    store = _store(model, tmp_path)  # quota: 4 blocks per tenant
+    g = torch.Generator().manual_seed(3)
+    shape = (LAYERS, 6, BS, HEADS, DIM)
+    keys = hash_token_blocks(store.identity.digest(), "acme", list(range(6 * BS)), BS)
+    store.save(torch.randn(shape, generator=g), torch.randn(shape, generator=g), keys,
+               "acme", [BlockLabel("user_turn", 0.3)] * 6)
+    assert _pinned(store) == 0
+    assert store.keep(keys, "acme", 60.0) == 4  # the chain's first 4: the quota
+    assert _pinned(store) == 4
+    assert store.keep(keys, "acme", 0.0) == 4  # the session came back: released
+    assert _pinned(store) == 0 and not store.missing(keys)
     assert store.keep([b"not-held", *keys], "acme", 60.0) == 0  # a chain starts held
