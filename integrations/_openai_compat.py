@@ -25,10 +25,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from contextkit.pipeline.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport
+from contextkit.pipeline.served.wire import encode_hints
 from integrations._call_log import usage_from
 
 __all__ = [
     "FIELD_NAMES",
+    "agent_hints",
     "fall_back",
     "merge_extra_body",
     "record_served_usage",
@@ -42,6 +44,24 @@ __all__ = [
 FIELD_NAMES = ("kv_transfer_params", "cache_salt")
 
 logger = logging.getLogger(__name__)
+
+
+def agent_hints(session: Any, keep_s: Any, priority: Any) -> dict[str, Any] | None:
+    """A call's agent hints entry from what its run says: a ``session`` id, ``keep_s``
+    (keep the prompt's KV this many seconds, e.g. through a tool call) and ``priority``
+    (0-100, higher keeps it longer). A bad value is dropped with one warning line; the
+    others stay."""
+    importance = None
+    if priority is not None:
+        if isinstance(priority, bool) or not isinstance(priority, int | float):
+            logger.warning("kv_priority must be a number in 0-100, got %r; ignored", priority)
+        else:
+            importance = min(max(float(priority), 0.0), 100.0) / 100
+    try:
+        return encode_hints(session=session, keep_s=keep_s, importance=importance)
+    except ValueError as exc:
+        logger.warning("agent hints ignored (%s)", exc)
+        return encode_hints(session=session, importance=importance)
 
 
 def system_texts(built: BuiltPrompt, trailing_system: bool = True) -> tuple[str, str]:

@@ -5,7 +5,6 @@ on the system message, the OpenAI-compatible detection)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -14,9 +13,10 @@ from langchain_core.messages import AIMessage, BaseMessage, SystemMessage
 
 from contextkit.pipeline.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport
 from contextkit.pipeline.served.model import LabelRangeError
-from contextkit.pipeline.served.wire import encode_hints, with_hints
+from contextkit.pipeline.served.wire import with_hints
 from contextkit.prompt.markup import has_markers
 from integrations._openai_compat import (
+    agent_hints,
     fall_back,
     merge_extra_body,
     record_served_usage,
@@ -35,8 +35,6 @@ __all__ = [
     "pipeline_token",
     "run_hints",
 ]
-
-logger = logging.getLogger(__name__)
 
 #: ``SystemMessage.additional_kwargs`` key carrying the pipeline's call summary.
 METADATA_KEY = "contextkit"
@@ -110,23 +108,11 @@ def _thread_id() -> str | None:
 
 def run_hints(context: Any) -> dict[str, Any] | None:
     """The agent hints of a call, from its runtime context (mapping key or attribute):
-    ``session_id`` (default: the LangGraph ``thread_id``), ``kv_keep_s`` (keep the
-    prompt's KV this many seconds, e.g. through a tool call) and ``kv_priority``
-    (0-100, higher keeps it longer). A bad value is dropped with one warning line."""
-    session = _context_value(context, "session_id") or _thread_id()
-    keep = _context_value(context, "kv_keep_s")
-    priority = _context_value(context, "kv_priority")
-    importance = None
-    if priority is not None:
-        if isinstance(priority, bool) or not isinstance(priority, int | float):
-            logger.warning("kv_priority must be a number in 0-100, got %r; ignored", priority)
-        else:
-            importance = min(max(float(priority), 0.0), 100.0) / 100
-    try:
-        return encode_hints(session=session, keep_s=keep, importance=importance)
-    except ValueError as exc:
-        logger.warning("agent hints ignored (%s)", exc)
-        return encode_hints(session=session, importance=importance)
+    ``session_id`` (default: the LangGraph ``thread_id``), ``kv_keep_s`` and
+    ``kv_priority`` (see :func:`integrations._openai_compat.agent_hints`)."""
+    return agent_hints(_context_value(context, "session_id") or _thread_id(),
+                       _context_value(context, "kv_keep_s"),
+                       _context_value(context, "kv_priority"))
 
 
 # ---------------------------------------------------------------------------- middleware

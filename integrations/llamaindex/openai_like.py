@@ -3,7 +3,6 @@ served model (:class:`ContextKitOpenAILike`)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -22,9 +21,10 @@ from pydantic import Field, PrivateAttr
 
 from contextkit.pipeline.pipeline import BuiltPrompt, CacheAwareContextPipeline, CallReport
 from contextkit.pipeline.served.model import LabelRangeError
-from contextkit.pipeline.served.wire import PARAMS_KEY, encode_hints, with_hints
+from contextkit.pipeline.served.wire import PARAMS_KEY, with_hints
 from contextkit.prompt.markup import has_markers
 from integrations._openai_compat import (
+    agent_hints,
     fall_back,
     merge_extra_body,
     record_served_usage,
@@ -35,8 +35,6 @@ from integrations._openai_compat import (
 from integrations.llamaindex.llm import Builder
 
 __all__ = ["ContextKitOpenAILike"]
-
-logger = logging.getLogger(__name__)
 
 
 def _role(message: ChatMessage) -> str:
@@ -198,23 +196,10 @@ class ContextKitOpenAILike(CustomLLM):
 
     def _hints(self, kwargs: dict[str, Any]) -> dict[str, Any] | None:
         """The call's agent hints, popped from its keywords: ``session_id`` (default
-        this LLM's ``session_id``), ``kv_keep_s`` (keep the prompt's KV this many
-        seconds, e.g. through a tool call) and ``kv_priority`` (0-100, higher keeps it
-        longer). A bad value is dropped with one warning line."""
-        session = kwargs.pop("session_id", None) or self.session_id
-        keep, priority = kwargs.pop("kv_keep_s", None), kwargs.pop("kv_priority", None)
-        importance = None
-        if priority is not None:
-            if isinstance(priority, bool) or not isinstance(priority, int | float):
-                logger.warning("kv_priority must be a number in 0-100, got %r; ignored",
-                               priority)
-            else:
-                importance = min(max(float(priority), 0.0), 100.0) / 100
-        try:
-            return encode_hints(session=session, keep_s=keep, importance=importance)
-        except ValueError as exc:
-            logger.warning("agent hints ignored (%s)", exc)
-            return encode_hints(session=session, importance=importance)
+        this LLM's ``session_id``), ``kv_keep_s`` and ``kv_priority`` (see
+        :func:`integrations._openai_compat.agent_hints`)."""
+        return agent_hints(kwargs.pop("session_id", None) or self.session_id,
+                           kwargs.pop("kv_keep_s", None), kwargs.pop("kv_priority", None))
 
     def _record(self, report: CallReport | None, response: Any) -> None:
         raw = getattr(response, "raw", None)

@@ -43,13 +43,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from contextkit.pipeline.served.wire import HINTS_KEY
+from contextkit.pipeline.served.wire import HINTS_KEY, MAX_KEEP_S
 
 __all__ = ["HINTS_KEY", "MAX_KEEP_S", "SESSION_HEADERS", "Hints", "Retention", "from_request",
            "from_wire", "parse_ttl"]
 
-#: The longest a hint keeps blocks pinned (Dynamo's cache_control ceiling).
-MAX_KEEP_S = 3600.0
 #: Dynamo's cache_control TTL range (seconds).
 _DYNAMO_TTL = (300.0, 3600.0)
 #: Session headers, in the order they are read.
@@ -128,8 +126,7 @@ def parse_ttl(value: Any, what: str = "ttl") -> float:
             raise ValueError(f"{what} must be seconds or like '5m' / '1h', got {value!r:.40}")
         number, unit = float(match.group(1)), match.group(2)
         value = number * {"": 1, "s": 1, "m": 60, "h": 3600}[unit]
-    seconds = _number(value, what, 0.0, math.inf)
-    return seconds
+    return _number(value, what, 0.0, math.inf)
 
 
 # ---------------------------------------------------------------------- dialects

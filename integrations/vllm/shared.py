@@ -364,7 +364,5 @@ class SharedWriter:
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout=30)
-        with self._held_lock:
-            self._held_chunks.clear()
         self.tier.release_lease()
         self.tier.close()

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 
 __all__ = [
     "HINTS_KEY",
+    "MAX_KEEP_S",
     "PARAMS_KEY",
     "REPORT_KEY",
     "REUSE_CLASSES",
@@ -68,6 +69,10 @@ REPORT_KEY = "contextkit_cache"
 #: it from the serving stacks' dialects (``integrations.vllm.hints``), a pipeline from
 #: its run's metadata (:func:`encode_hints`).
 HINTS_KEY = "contextkit_hints"
+#: The longest a hint keeps blocks (Dynamo's cache_control ceiling).
+MAX_KEEP_S = 3600.0
+#: A report's reuse classes.
+REUSE_CLASSES = ("prefix", "recomputed", "none")
 
 
 def encode_hints(*, session: str | None = None, keep_s: float | None = None,
@@ -75,10 +80,11 @@ def encode_hints(*, session: str | None = None, keep_s: float | None = None,
     """A hints entry (None when it would say nothing).
 
     Raises:
-        ValueError: ``keep_s`` outside [0, 3600] or ``importance`` outside [0, 1].
+        ValueError: ``keep_s`` outside [0, :data:`MAX_KEEP_S`] or ``importance``
+            outside [0, 1].
     """
-    if keep_s is not None and not (isinstance(keep_s, int | float) and 0 <= keep_s <= 3600):
-        raise ValueError(f"keep_s must be seconds in [0, 3600], got {keep_s!r:.40}")
+    if keep_s is not None and not (isinstance(keep_s, int | float) and 0 <= keep_s <= MAX_KEEP_S):
+        raise ValueError(f"keep_s must be seconds in [0, {MAX_KEEP_S:g}], got {keep_s!r:.40}")
     if importance is not None and not (isinstance(importance, int | float)
                                        and 0 <= importance <= 1):
         raise ValueError(f"importance must be in [0, 1], got {importance!r:.40}")
@@ -96,8 +102,6 @@ def with_hints(fields: Mapping[str, Any], entry: Mapping[str, Any] | None) -> di
     params = dict(fields.get("kv_transfer_params") or {})
     params[HINTS_KEY] = dict(entry)
     return {**fields, "kv_transfer_params": params}
-#: A report's reuse classes.
-REUSE_CLASSES = ("prefix", "recomputed", "none")
 
 
 def cache_report(params: object) -> dict[str, Any] | None:
