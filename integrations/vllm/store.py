@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -477,7 +477,8 @@ class ConnectorStore:
                                     key_offset=cache.key_offset(layer))
             pool.dirty = True
             blocks.set_keys(ids, [BlockHash(keys[i]) for i in index])  # K/V written: findable
-            to_pin, hinted = [], []
+            to_pin: list[int] = []
+            hinted: list[tuple[bytes, int]] = []
             until: dict[bytes, float] = {}
             for bid, i in zip(ids, index, strict=True):
                 self._ids[keys[i]] = (pool, bid)
@@ -486,7 +487,7 @@ class ConnectorStore:
                 if labels[i].pinned and keep is None:
                     to_pin.append(bid)
                 elif labels[i].pinned and keep is not None:
-                    hinted.append(bid)
+                    hinted.append((keys[i], bid))
                     until[keys[i]] = time.monotonic() + keep
             if to_pin:
                 try:
@@ -494,34 +495,45 @@ class ConnectorStore:
                 except (PinCapacityError, BlockStateError) as exc:
                     result.unpinned = unpinned_reason(self.config, self.identity, pool, tenant,
                                                       len(to_pin), exc)
-            if hinted:  # a hint's pins: any layer, for their time, as many as the
-                # tenant's quota leaves room for, the first blocks first
-                room = pool.pins.tenant_quota - pool.pins.pinned_by_tenant().get(tenant, 0)
-                fits = hinted[:max(0, room)]
-                try:
-                    if fits:
-                        pool.pins.pin(fits, any_layer=True)
-                except (PinCapacityError, BlockStateError) as exc:
+            if hinted:  # a hint's pins: any layer, for their time
+                pinned, failure = self._pin_timed(pool, tenant, hinted, until)
+                if failure is not None:
                     result.unpinned = unpinned_reason(self.config, self.identity, pool, tenant,
-                                                      len(hinted), exc)
-                    fits = []
-                pinned = set(fits)
-                self._pin_until.update({key: t for key, t in until.items()
-                                        if self._ids[key][1] in pinned})
-                self.stats.count("hint_pinned_blocks", len(fits))
-                self.stats.count("hint_pins_refused", len(hinted) - len(fits))
+                                                      len(hinted), failure)
+                self.stats.count("hint_pinned_blocks", len(pinned))
+                self.stats.count("hint_pins_refused", len(hinted) - len(pinned))
         return True
+
+    def _pin_timed(self, pool: Pool, slug: str, blocks: Sequence[tuple[bytes, int]],
+                   until: Mapping[bytes, float]) -> tuple[list[bytes], Exception | None]:
+        """Pin ``blocks`` ((key, id) of ``pool``, in order) until ``until[key]``, any
+        layer, as many as the tenant's pin quota leaves room for, the first first
+        (caller holds ``_lock``); the keys pinned, and why none was if pinning failed."""
+        room = pool.pins.tenant_quota - pool.pins.pinned_by_tenant().get(slug, 0)
+        fits = list(blocks[:max(0, room)])
+        if not fits:
+            return [], None
+        try:
+            pool.pins.pin([bid for _, bid in fits], any_layer=True)
+        except (PinCapacityError, BlockStateError) as exc:
+            return [], exc
+        for key, _ in fits:
+            self._pin_until[key] = until[key]
+        return [key for key, _ in fits], None
+
+    def _unpin_timed(self, key: bytes) -> None:
+        """Drop block ``key``'s timed pin (caller holds ``_lock``)."""
+        self._pin_until.pop(key, None)
+        self._kept.discard(key)
+        held = self._ids.get(key)
+        if held is not None and held[1] in held[0].cache.metadata:
+            held[0].pins.unpin([held[1]])
 
     def _expire_pins(self, now: float) -> None:
         """Unpin the blocks whose hint's time ran out (caller holds ``_lock``): they
         are ordinary blocks again, evicted by meaning like any other."""
-        done = [key for key, until in self._pin_until.items() if until <= now]
-        for key in done:
-            del self._pin_until[key]
-            self._kept.discard(key)
-            held = self._ids.get(key)
-            if held is not None and held[1] in held[0].cache.metadata:
-                held[0].pins.unpin([held[1]])
+        for key in [key for key, until in self._pin_until.items() if until <= now]:
+            self._unpin_timed(key)
 
     def keep(self, keys: Sequence[bytes], tenant: str, keep_s: float) -> int:
         """Pin the held blocks of ``keys`` (a prefix chain: from the first, up to the
@@ -538,32 +550,22 @@ class ConnectorStore:
                     break
                 held.append((key, *found))
             if not keep_s:
-                mine = [(key, pool, bid) for key, pool, bid in held if key in self._kept]
-                for key, pool, bid in mine:
-                    self._kept.discard(key)
-                    self._pin_until.pop(key, None)
-                    if bid in pool.cache.metadata:
-                        pool.pins.unpin([bid])
+                mine = [key for key, _, _ in held if key in self._kept]
+                for key in mine:
+                    self._unpin_timed(key)
                 self.stats.count("pause_released_blocks", len(mine))
                 return len(mine)
-            until = time.monotonic() + keep_s
+            until = dict.fromkeys((key for key, _, _ in held), time.monotonic() + keep_s)
             pinned = 0
             for pool in {id(p): p for _, p, _ in held}.values():
                 todo = [(key, bid) for key, p, bid in held if p is pool
                         and not pool.cache.metadata.get(bid).pinned]
-                room = pool.pins.tenant_quota - pool.pins.pinned_by_tenant().get(slug, 0)
-                todo = todo[:max(0, room)]
-                if not todo:
-                    continue
-                try:
-                    pool.pins.pin([bid for _, bid in todo], any_layer=True)
-                except (PinCapacityError, BlockStateError) as exc:
-                    logger.info("session keep of %d blocks not pinned: %s", len(todo), exc)
-                    continue
-                for key, _ in todo:
-                    self._kept.add(key)
-                    self._pin_until[key] = until
-                pinned += len(todo)
+                kept, failure = self._pin_timed(pool, slug, todo, until)
+                if failure is not None:
+                    logger.info("session keep of %d blocks not pinned: %s", len(todo),
+                                failure)
+                self._kept.update(kept)
+                pinned += len(kept)
             self.stats.count("pause_kept_blocks", pinned)
             return pinned
 
