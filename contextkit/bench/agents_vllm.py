@@ -70,8 +70,8 @@ from contextkit.bench._common import (
 )
 from contextkit.bench.agent_vllm import vllm_installed
 
-__all__ = ["CONFIGS", "HELP", "add_arguments", "connector_costs", "percentile", "quality",
-           "run", "run_driver", "speedups"]
+__all__ = ["CONFIGS", "HELP", "add_arguments", "add_workload_arguments", "connector_costs",
+           "percentile", "quality", "run", "run_driver", "speedups"]
 
 HELP = ("many LangChain agents on one vLLM server whose KV holds ~2 of them: vLLM APC, "
         "contextkit order, + connector (semantic, LRU, fp16, one that holds everything), "
@@ -97,11 +97,14 @@ VERSUS = {"apc": "apc", "ordering": "ordering", "lru": "connector_lru",
           "lmcache": "lmcache", "lmcache_ordering": "lmcache_ordering"}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--agents", type=positive_int, default=6, help="agents (default 6)")
+def add_workload_arguments(parser: argparse.ArgumentParser, *, agents: int,
+                           steps: int) -> None:
+    """The workload and sizing arguments :func:`run_driver` passes to the driver."""
+    parser.add_argument("--agents", type=positive_int, default=agents,
+                        help=f"agents (default {agents})")
     parser.add_argument("--tenants", type=positive_int, default=3, help="tenants (default 3)")
-    parser.add_argument("--steps", type=positive_int, default=36,
-                        help="steps of the schedule (default 36)")
+    parser.add_argument("--steps", type=positive_int, default=steps,
+                        help=f"steps of the schedule (default {steps})")
     parser.add_argument("--seed", type=int, default=0, help="schedule seed (default 0)")
     parser.add_argument("--scale", type=positive_float, default=1.0,
                         help="prompt scale (default 1.0: 2.1K-2.8K tokens per agent)")
@@ -111,6 +114,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's KV space in mean agent prompts (default 2)")
     parser.add_argument("--budget-agents", type=positive_float, default=3.0,
                         help="the DDR byte budget B in agent prompts at fp16 (default 3)")
+    parser.add_argument("--model", default=None,
+                        help="model directory (default: the packaged SmolLM2, converted)")
+    parser.add_argument("--dir", default=None, help="work directory for logs (default: temp)")
+    parser.add_argument("--out", default=None,
+                        help="also write the JSON result (with its provenance) here")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser, agents=6, steps=36)
     parser.add_argument("--quality-steps", type=positive_int, default=6,
                         help="prompts read back teacher-forced, 16 positions each (default 6)")
     parser.add_argument("--configs", default=None,
@@ -125,11 +137,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --sequential: run the ceiling again after the others and "
                              "report the drift between its two runs (ceiling_drift); the "
                              "ceiling's figures stay its first run's")
-    parser.add_argument("--model", default=None,
-                        help="model directory (default: the packaged SmolLM2, converted)")
-    parser.add_argument("--dir", default=None, help="work directory for logs (default: temp)")
-    parser.add_argument("--out", default=None,
-                        help="also write the JSON result (with its provenance) here")
     parser.add_argument("--plot", default=None, help="write the TTFT-per-step plot (PNG) here")
 
 

@@ -34,8 +34,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from contextkit.bench._agents_report import SAME_TOKENS
-from contextkit.bench._common import machine_info, positive_float, positive_int, print_table
-from contextkit.bench.agents_vllm import run_driver
+from contextkit.bench._common import machine_info, positive_float, print_table
+from contextkit.bench.agents_vllm import add_workload_arguments, run_driver
 
 __all__ = ["CONFIGS", "HELP", "add_arguments", "result_of", "resume_figures", "run"]
 
@@ -53,29 +53,12 @@ COUNTERS = ("hint_pinned_blocks", "hint_pins_refused", "pause_kept_blocks",
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--agents", type=positive_int, default=8, help="agents (default 8)")
-    parser.add_argument("--tenants", type=positive_int, default=3, help="tenants (default 3)")
-    parser.add_argument("--steps", type=positive_int, default=32,
-                        help="steps of the schedule (default 32)")
-    parser.add_argument("--seed", type=int, default=0, help="schedule seed (default 0)")
-    parser.add_argument("--scale", type=positive_float, default=1.0,
-                        help="prompt scale (default 1.0)")
-    parser.add_argument("--max-tokens", type=positive_int, default=16,
-                        help="tokens generated per turn (default 16)")
-    parser.add_argument("--kv-agents", type=positive_float, default=2.0,
-                        help="vLLM's KV space in mean agent prompts (default 2)")
-    parser.add_argument("--budget-agents", type=positive_float, default=3.0,
-                        help="the DDR byte budget in agent prompts at fp16 (default 3)")
+    add_workload_arguments(parser, agents=8, steps=32)
     parser.add_argument("--time-scale", type=positive_float, default=0.05,
                         help="the tools' pauses (1-60 s) times this (default 0.05)")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated, from {', '.join(CONFIGS)} (default: all; "
                              "the ceiling always runs)")
-    parser.add_argument("--model", default=None,
-                        help="model directory (default: the packaged SmolLM2, converted)")
-    parser.add_argument("--dir", default=None, help="work directory for logs (default: temp)")
-    parser.add_argument("--out", default=None,
-                        help="also write the JSON result (with its provenance) here")
 
 
 # ---------------------------------------------------------------------- pure figures
