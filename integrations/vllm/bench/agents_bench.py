@@ -38,7 +38,7 @@ from integrations.vllm.bench.agent_bench import (
     ttft_timer,
 )
 from integrations.vllm.bench.harness import params_for, read_stats
-from integrations.vllm.bench.interleave import check_memory, rotation, settle
+from integrations.vllm.bench.interleave import check_memory, rotation, settle, start_lanes
 
 __all__ = ["CONFIGS", "main", "measure"]
 
@@ -481,7 +481,7 @@ def tool_pause(args: argparse.Namespace, step: Any) -> float:
     """With ``--tool-pauses SCALE``: every turn ends in a tool call, and the agent's
     next turn waits for the tool, a pause drawn from 1-60 s (seeded per agent and
     turn) times SCALE; 0 without."""
-    scale = float(getattr(args, "tool_pauses", 0.0) or 0.0)
+    scale = args.tool_pauses
     if not scale or step.agent_turn < 1:
         return 0.0
     rng = random.Random(f"{args.seed}:{step.agent}:{step.agent_turn}")
@@ -513,18 +513,10 @@ def run_interleaved(names: list[str], workload: Any, served: Any, sizes: dict[st
     failure ends the run."""
     check_memory(len(names) + sum(SETUPS[n].lmcache for n in names),
                  extra_gib=sum(allocated_bytes(SETUPS[n], sizes) for n in names) / 2**30)
-    lanes: dict[str, Lane] = {}
+    lanes: dict[str, Lane] = start_lanes(
+        names, lambda name: Lane(SETUPS[name], workload, served, sizes, work, args), errors,
+        required="ceiling")
     try:
-        for name in names:
-            lane = Lane(SETUPS[name], workload, served, sizes, work, args)
-            try:
-                lanes[name] = lane.start()
-            except (Exception, SystemExit) as exc:
-                lane.stop()
-                if name == "ceiling":
-                    raise
-                errors[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
-                print(f"{name}: did not start: {errors[name]}", file=sys.stderr, flush=True)
         reference = lanes["ceiling"]
         ended: dict[str, float] = {}  # an agent's previous turn ended (all lanes)
         for i, step in enumerate(workload.steps()):

@@ -9,11 +9,14 @@ the next one's request), and a check that the servers fit in memory before any s
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["SERVER_GIB", "available_gib", "check_memory", "quiet", "rotation", "settle"]
+__all__ = ["SERVER_GIB", "available_gib", "check_memory", "quiet", "rotation", "settle",
+           "start_lanes"]
 
 #: Memory one vLLM OpenAI server on the CPU build takes with the packaged SmolLM2 (API
 #: process, engine core and worker; their libraries' pages are shared), before its KV
@@ -86,3 +89,25 @@ def check_memory(servers: int, extra_gib: float = 0.0) -> None:
             f"{servers} vLLM servers side by side need about {need:.0f} GiB and "
             f"{have:.0f} GiB are available: give fewer --configs (each run measures its "
             "own ceiling), or --sequential to run them one after another")
+
+
+def start_lanes(names: Sequence[str], make: Callable[[str], Any], errors: dict[str, str],
+                required: str | None = None) -> dict[str, Any]:
+    """Each configuration's lane (``make(name)``, with ``start()`` and ``stop()``),
+    started in turn; one that fails to start is stopped and reported in ``errors``,
+    except ``required``, whose failure is raised (the run has no reference without it).
+    The caller stops the lanes returned."""
+    lanes: dict[str, Any] = {}
+    for name in names:
+        lane = make(name)
+        try:
+            lanes[name] = lane.start()
+        except (Exception, SystemExit) as exc:
+            lane.stop()
+            if name == required:
+                for started in lanes.values():
+                    started.stop()
+                raise
+            errors[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+            print(f"{name}: did not start: {errors[name]}", file=sys.stderr, flush=True)
+    return lanes

@@ -45,7 +45,7 @@ from integrations.vllm.bench.agents_bench import (
     scrape_connector_metrics,
 )
 from integrations.vllm.bench.harness import free_port, read_events, read_stats
-from integrations.vllm.bench.interleave import check_memory, rotation, settle
+from integrations.vllm.bench.interleave import check_memory, rotation, settle, start_lanes
 
 __all__ = ["CONFIGS", "main", "measure"]
 
@@ -409,16 +409,9 @@ def run_interleaved(names: list[str], workload: Any, served: Any, sizes: dict[st
                    for n in names}
     check_memory(sum(SETUPS[n].replicas for n in names),
                  extra_gib=sum(SETUPS[n].replicas * per_replica[n] for n in names) / 2**30)
-    lanes: dict[str, Lane] = {}
+    lanes: dict[str, Lane] = start_lanes(
+        names, lambda name: Lane(SETUPS[name], workload, served, sizes, work, args), errors)
     try:
-        for name in names:
-            lane = Lane(SETUPS[name], workload, served, sizes, work, args)
-            try:
-                lanes[name] = lane.start()
-            except (Exception, SystemExit) as exc:
-                lane.stop()
-                errors[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
-                print(f"{name}: did not start: {errors[name]}", file=sys.stderr, flush=True)
         if not lanes:
             return {}
         reference = next(iter(lanes.values()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from integrations.vllm.bench import interleave
-from integrations.vllm.bench.interleave import check_memory, quiet, rotation
+from integrations.vllm.bench.interleave import check_memory, quiet, rotation, start_lanes
 
 
 def test_the_order_rotates_so_each_configuration_goes_first_once_per_round() -> None:
@@ -46,3 +46,35 @@ def test_a_lane_counts_its_kv_blocks_and_its_ddr_tier_before_it_starts() -> None
     # the connector that holds everything: 8 budgets of DDR slots (7 GiB on the bench)
     assert allocated_bytes(SETUPS["connector_all"], sizes) == 10 * 2000 + 160 * 1000
     assert allocated_bytes(SETUPS["lmcache"], sizes) == 10 * 2000 + 30_000
+
+
+class _Lane:
+    """A lane that records its stop and fails to start when told to."""
+
+    def __init__(self, name: str, fails: bool) -> None:
+        self.name, self.fails, self.stopped = name, fails, False
+
+    def start(self) -> _Lane:
+        if self.fails:
+            raise RuntimeError(f"{self.name} did not come up")
+        return self
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_a_lane_that_does_not_start_is_stopped_and_reported_unless_required() -> None:
+    made: dict[str, _Lane] = {}
+
+    def make(name: str) -> _Lane:
+        made[name] = _Lane(name, fails=name == "lmcache")
+        return made[name]
+
+    errors: dict[str, str] = {}
+    lanes = start_lanes(["ceiling", "lmcache", "apc"], make, errors, required="ceiling")
+    assert list(lanes) == ["ceiling", "apc"] and made["lmcache"].stopped
+    assert errors == {"lmcache": "RuntimeError: lmcache did not come up"}
+    made.clear()
+    with pytest.raises(RuntimeError):
+        start_lanes(["apc", "lmcache"], make, {}, required="lmcache")
+    assert made["apc"].stopped  # what had started is stopped when the required one fails

@@ -9,8 +9,6 @@ loses them. Run by ``make test-vllm``.
 
 from __future__ import annotations
 
-import os
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,39 +16,21 @@ from typing import Any
 
 import pytest
 
+from tests.integrations.vllm.connector_server import BLOCK, connector_server, counter, words_text
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
-BLOCK = 32
 SERVED = "contextkit-pauses"
 KV_BLOCKS = 60  # 1,920 tokens: the agent's prompt, and one filler at a time
 HOST_BLOCKS = 48  # the DDR tier: ~1.5K tokens in fp16 slots
 PAUSE_S = 8.0
-WORDS = ("alert", "latency", "replica", "deploy", "rollback", "quota", "shard", "region",
-         "ticket", "budget", "canary", "cache", "queue", "trace", "index", "owner")
-
-
-def _text(seed: int, words: int) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path]]:
-    from integrations.vllm.bench.harness import OpenAIServer
-    from integrations.vllm.config import ConnectorConfig
-    from integrations.vllm.model import packaged_model_dir
-
-    work = tmp_path_factory.mktemp("pauses")
-    stats = work / "stats.jsonl"
-    config = ConnectorConfig(block_size=BLOCK, shadow_url="",
-                             local_store=f"file://{work / 'local'}", stats_path=str(stats),
-                             host_blocks=HOST_BLOCKS, eviction="semantic")
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
-    srv = OpenAIServer(str(packaged_model_dir()), config, work / "server.log",
-                       served_name=SERVED, block_size=BLOCK, max_model_len=1800,
-                       extra_args=["--enable-prompt-tokens-details",
-                                   "--num-gpu-blocks-override", str(KV_BLOCKS)], env=env)
+    srv, stats = connector_server(tmp_path_factory.mktemp("pauses"), SERVED,
+                                  kv_blocks=KV_BLOCKS, host_blocks=HOST_BLOCKS,
+                                  max_model_len=1800)
     with srv:
         yield srv, stats
 
@@ -74,15 +54,10 @@ def _turn(srv: Any, stats: Path, text: str, tenant: str, session: str | None,
     raise AssertionError("no record of the turn")
 
 
-def _counter(srv: Any, name: str) -> float:
-    return sum(float(line.rpartition(" ")[2]) for line in srv.get("/metrics").splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
-
-
 def _fill(srv: Any, stats: Path) -> None:
     """Other tenants' prompts: three times the DDR tier, vLLM's KV overflowed each time."""
     for i in range(5):
-        _turn(srv, stats, _text(100 + i, 900), f"filler-{i % 2}", None)
+        _turn(srv, stats, words_text(100 + i, 900), f"filler-{i % 2}", None)
 
 
 @pytest.mark.parametrize("session", ["agent-7", None])
@@ -90,18 +65,18 @@ def test_a_paused_sessions_kv_comes_back_on_its_return(server: tuple[Any, Path],
                                                        session: str | None) -> None:
     srv, stats = server
     tenant = "org-kept" if session else "org-unknown"
-    text = _text(7 if session else 8, 380)  # ~12 blocks
+    text = words_text(7 if session else 8, 380)  # ~12 blocks
     _turn(srv, stats, text, tenant, session)
     time.sleep(PAUSE_S)  # the first pause: learned
     _turn(srv, stats, text, tenant, session)  # back, then paused again: kept
     _fill(srv, stats)
-    kept = _counter(srv, "vllm:contextkit_pause_kept_blocks_total")
+    kept = counter(srv, "vllm:contextkit_pause_kept_blocks_total")
     back = _turn(srv, stats, text, tenant, session)
     _turn(srv, stats, "tick", "filler-0", None)  # one more step carries the release
     blocks = back["prompt_tokens"] // BLOCK
     if session:
         assert kept >= blocks - 1, kept
         assert back["external_hit_tokens"] >= (blocks - 1) * BLOCK, back
-        assert _counter(srv, "vllm:contextkit_pause_released_blocks_total") >= blocks - 1
+        assert counter(srv, "vllm:contextkit_pause_released_blocks_total") >= blocks - 1
     else:  # nothing learned, nothing kept: the fillers took its blocks
         assert back["external_hit_tokens"] < (blocks - 1) * BLOCK, back

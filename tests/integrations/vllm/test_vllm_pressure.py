@@ -8,8 +8,6 @@ instead of recomputing; another tenant sending the same text loads nothing. Run 
 
 from __future__ import annotations
 
-import os
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,37 +15,22 @@ from typing import Any
 
 import pytest
 
+from tests.integrations.vllm.connector_server import BLOCK, connector_server, counter, words_text
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
-BLOCK = 32
 SERVED = "contextkit-pressure"
 KV_BLOCKS = 100  # 3,200 tokens: about two of the ~1,400-token prompts below
-WORDS = ("alert", "latency", "replica", "deploy", "rollback", "quota", "shard", "region",
-         "ticket", "budget", "canary", "cache", "queue", "trace", "index", "owner")
 
 
 def _prompt(seed: int, words: int = 1100) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(words))
+    return words_text(seed, words)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path]]:
-    from integrations.vllm.bench.harness import OpenAIServer
-    from integrations.vllm.config import ConnectorConfig
-    from integrations.vllm.model import packaged_model_dir
-
-    work = tmp_path_factory.mktemp("pressure")
-    stats = work / "stats.jsonl"
-    config = ConnectorConfig(block_size=BLOCK, shadow_url="",
-                             local_store=f"file://{work / 'local'}", stats_path=str(stats),
-                             host_blocks=600, eviction="semantic")
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
-    srv = OpenAIServer(str(packaged_model_dir()), config, work / "server.log",
-                       served_name=SERVED, block_size=BLOCK, max_model_len=3072,
-                       extra_args=["--enable-prompt-tokens-details",
-                                   "--num-gpu-blocks-override", str(KV_BLOCKS)], env=env)
+    srv, stats = connector_server(tmp_path_factory.mktemp("pressure"), SERVED,
+                                  kv_blocks=KV_BLOCKS, host_blocks=600, max_model_len=3072)
     with srv:
         yield srv, stats
 
@@ -105,18 +88,13 @@ def test_a_returning_agent_loads_from_the_connector_after_vllm_evicted_it(
     assert other[1:3] == (0, 0) and other[3]["reuse"] == "none"
 
 
-def _counter(srv: Any, name: str) -> float:
-    return sum(float(line.rpartition(" ")[2]) for line in srv.get("/metrics").splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
-
-
 def test_agent_hints_in_other_stacks_dialects_reach_the_connector(
         server: tuple[Any, Path]) -> None:
     # Dynamo's cache_control and an SGLang-style priority, which vLLM alone does not
     # read as hints: the middleware turns both into contextkit's, and the connector
     # pins the prompt's blocks for the TTL (without the middleware: none)
     srv, _ = server
-    before = _counter(srv, "vllm:contextkit_hint_pinned_blocks_total")
+    before = counter(srv, "vllm:contextkit_hint_pinned_blocks_total")
     reply = srv.post("/v1/chat/completions", {
         "model": SERVED, "max_tokens": 2, "temperature": 0, "cache_salt": "org-hints",
         "priority": 40, "nvext": {"cache_control": {"type": "ephemeral", "ttl": "5m"}},
@@ -128,7 +106,7 @@ def test_agent_hints_in_other_stacks_dialects_reach_the_connector(
         "messages": [{"role": "user", "content": "tick"}]})
     pinned = 0.0
     for _ in range(50):
-        pinned = _counter(srv, "vllm:contextkit_hint_pinned_blocks_total") - before
+        pinned = counter(srv, "vllm:contextkit_hint_pinned_blocks_total") - before
         if pinned:
             break
         time.sleep(0.2)

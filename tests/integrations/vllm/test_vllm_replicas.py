@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from tests.integrations.vllm.connector_server import counter
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 BLOCK = 32
@@ -169,14 +171,6 @@ def _wait_uploads(config: Any, n: int) -> list[dict[str, Any]]:
     raise AssertionError(f"fewer than {n} uploads")
 
 
-def _metric(srv: Any, name: str) -> float:
-    total = 0.0
-    for line in srv.get("/metrics").splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rpartition(" ")[2])
-    return total
-
-
 def test_a_prompt_one_replica_computed_loads_on_the_other(cluster: dict[str, Any]) -> None:
     a, b = cluster["servers"]
     ca, cb = cluster["configs"]
@@ -223,31 +217,46 @@ def test_events_say_where_the_blocks_are_with_the_tenant_salt(cluster: dict[str,
                for e in ours)
 
 
+def _new_chunks(cluster: dict[str, Any], text: str, tenant: str) -> list[str]:
+    """Replica A serves ``text`` for ``tenant``; the shared tier's new chunk objects,
+    once every whole chunk of the prompt is uploaded (sorted by name)."""
+    from integrations.vllm.bench.replicas_bench import BUCKET
+
+    a, _ = cluster["servers"]
+    ca, _ = cluster["configs"]
+    client = cluster["s3"].client()
+
+    def names() -> set[str]:
+        return {o["Key"] for o in client.list_objects_v2(Bucket=BUCKET).get("Contents", [])}
+
+    before = names()
+    n = len(_wait_uploads(ca, 1))
+    first = _chat(a.url, text, tenant)
+    _wait_uploads(ca, n + first["usage"]["prompt_tokens"] // BLOCK // 2)  # every chunk
+    new = sorted(k for k in names() - before if "/t/" in k)
+    assert new
+    return new
+
+
 def test_a_tampered_object_is_refused_and_the_turn_recomputed(cluster: dict[str, Any]) -> None:
     from integrations.vllm.bench.replicas_bench import BUCKET
 
-    a, b = cluster["servers"]
-    ca, cb = cluster["configs"]
+    _, b = cluster["servers"]
+    _, cb = cluster["configs"]
     client = cluster["s3"].client()
-    before = {o["Key"] for o in client.list_objects_v2(Bucket=BUCKET).get("Contents", [])}
-    n = len(_wait_uploads(ca, 1))
     text = _text(3)
-    _chat(a.url, text, "umbrella")
-    _wait_uploads(ca, n + 2)
-    new = [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET).get("Contents", [])
-           if o["Key"] not in before and "/t/" in o["Key"]]
-    assert new
+    new = _new_chunks(cluster, text, "umbrella")
     for key in new:  # one byte of each new chunk's KV
         data = bytearray(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
         data[len(data) // 2] ^= 0xFF
         client.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
-    refused = _metric(b, "vllm:contextkit_shared_refused_total")
+    refused = counter(b, "vllm:contextkit_shared_refused_total")
     start = _offset(cb)
     reply = _chat(b.url, text, "umbrella")  # answered all the same
     assert reply["choices"][0]["message"]["content"] is not None
     record = _record(cb, start)
     assert record["external_hit_tokens"] == 0 and record["load_failed_tokens"] > 0
-    assert _metric(b, "vllm:contextkit_shared_refused_total") > refused
+    assert counter(b, "vllm:contextkit_shared_refused_total") > refused
 
 
 def test_a_mac_valid_malformed_object_is_refused_and_the_turn_answered(
@@ -258,18 +267,11 @@ def test_a_mac_valid_malformed_object_is_refused_and_the_turn_answered(
     from integrations.vllm.bench.replicas_bench import BUCKET
     from shadow.shared.objects import assemble_object, split_object
 
-    a, b = cluster["servers"]
-    ca, cb = cluster["configs"]
+    _, b = cluster["servers"]
+    _, cb = cluster["configs"]
     client = cluster["s3"].client()
-    before = {o["Key"] for o in client.list_objects_v2(Bucket=BUCKET).get("Contents", [])}
-    n = len(_wait_uploads(ca, 1))
     text = _text(4)
-    first = _chat(a.url, text, "wayne")
-    _wait_uploads(ca, n + first["usage"]["prompt_tokens"] // BLOCK // 2)  # every chunk
-    new = sorted(o["Key"] for o in client.list_objects_v2(Bucket=BUCKET).get("Contents", [])
-                 if o["Key"] not in before and "/t/" in o["Key"])
-    assert new
-    for i, key in enumerate(new):
+    for i, key in enumerate(_new_chunks(cluster, text, "wayne")):
         doc, body = split_object(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
         if i % 2:
             data = assemble_object(json.dumps(doc).encode(), bytes(body)[:len(body) // 2],
@@ -279,7 +281,7 @@ def test_a_mac_valid_malformed_object_is_refused_and_the_turn_answered(
             tensor["shape"] = [2 * tensor["shape"][0], *tensor["shape"][1:]]
             data = assemble_object(json.dumps(doc).encode(), bytes(body), KEY.encode())
         client.put_object(Bucket=BUCKET, Key=key, Body=data)
-    refused = _metric(b, "vllm:contextkit_shared_refused_total")
+    refused = counter(b, "vllm:contextkit_shared_refused_total")
     start = _offset(cb)
     reply = _chat(b.url, text, "wayne")
     assert reply["choices"][0]["message"]["content"] is not None
@@ -288,7 +290,7 @@ def test_a_mac_valid_malformed_object_is_refused_and_the_turn_answered(
     # and vLLM recomputed them
     assert record["external_hit_tokens"] == 0
     assert record["load_failed_tokens"] == record["shared_hit_tokens"] > 0
-    assert _metric(b, "vllm:contextkit_shared_refused_total") > refused
+    assert counter(b, "vllm:contextkit_shared_refused_total") > refused
     b.get("/health")  # the server is still up
 
 
@@ -298,9 +300,9 @@ def test_the_router_keeps_each_session_on_one_replica(cluster: dict[str, Any]) -
     where: dict[str, set[int]] = {}
     for turn in range(2):
         for s in range(10):  # all on one replica by chance: 2 in 1,024
-            before = [_metric(x, "vllm:request_success_total") for x in servers]
+            before = [counter(x, "vllm:request_success_total") for x in servers]
             _chat(router.url, _text(100 + s, 40 + turn), "acme", session=f"agent-{s}")
-            after = [_metric(x, "vllm:request_success_total") for x in servers]
+            after = [counter(x, "vllm:request_success_total") for x in servers]
             (served,) = [j for j, (a, b) in enumerate(zip(after, before, strict=True)) if a > b]
             where.setdefault(f"agent-{s}", set()).add(served)
     assert all(len(replicas) == 1 for replicas in where.values()), where
