@@ -125,6 +125,17 @@ class ConnectorConfig:
         shared_warm_share: at start, the DDR tier is warmed from the chunks the
             live replicas lease (what their DDR tiers hold) up to this share of its
             budget, beside serving (0: not warmed).
+        chunk_reuse: reuse labelled spans found after a request's prefix hit (chunks:
+            moved K/V, seams recomputed with the served model; see docs/chunks.md "On
+            vLLM"). Needs ``--load-format contextkit`` and applies to requests that opt
+            in (a ``cache_salt`` ending in ``#ck-chunks``). Default off.
+        chunk_repair_first: each moved chunk's first tokens recomputed (its seam).
+        chunk_min_tokens: spans shorter than this are computed, not reused.
+        chunk_max_hops: chunks this many moves from a full computation are computed.
+        chunk_layers: comma-separated labels (layers) that may be reused; empty: all.
+        chunk_gate_min_agreement, chunk_gate_max_kl: the per-model check at start
+            (chunk reuse against a full prefill, teacher-forced) that turns chunk
+            reuse on; below the agreement or above the KL it stays off.
         recover_strict: ``contextkit serve-vllm`` does not start vLLM when the
             startup recovery reports an error (a session refused, a block skipped, a
             store it cannot read); default: it says so and serves, recomputing what
@@ -163,6 +174,13 @@ class ConnectorConfig:
     shared_tenant_budget_mb: int = 4096
     shared_gc_interval_s: float = 0.0
     shared_warm_share: float = 0.5
+    chunk_reuse: bool = False
+    chunk_repair_first: int = 4
+    chunk_min_tokens: int = 16
+    chunk_max_hops: int = 4
+    chunk_layers: str = ""
+    chunk_gate_min_agreement: float = 0.9
+    chunk_gate_max_kl: float = 0.1
 
     def __post_init__(self) -> None:
         if self.store_volatile not in STORE_VOLATILE:
@@ -185,6 +203,10 @@ class ConnectorConfig:
             raise ConnectorConfigError(f"pin_share must be in (0, 1], got {self.pin_share}")
         if self.shared_url:
             self.shared_tier()  # checks the shared tier's settings
+        if not 0.0 <= self.chunk_gate_min_agreement <= 1.0 or self.chunk_gate_max_kl < 0:
+            raise ConnectorConfigError(
+                "chunk_gate_min_agreement must be in [0, 1] and chunk_gate_max_kl >= 0, got "
+                f"{self.chunk_gate_min_agreement} and {self.chunk_gate_max_kl}")
         if not 0.0 <= self.shared_warm_share <= 1.0:
             raise ConnectorConfigError(
                 f"shared_warm_share must be in [0, 1], got {self.shared_warm_share}")
@@ -202,8 +224,10 @@ class ConnectorConfig:
         for name in ("shared_deadline_s", "shared_max_age_s", "shared_pinned_max_age_s"):
             seconds(getattr(self, name), name, error=err)
         for name in ("block_size", "host_blocks", "device_blocks", "save_threads",
-                     "shared_chunk_blocks", "shared_tenant_budget_mb"):
+                     "shared_chunk_blocks", "shared_tenant_budget_mb", "chunk_min_tokens",
+                     "chunk_max_hops"):
             size(getattr(self, name), name, minimum=1, error=err)
+        size(self.chunk_repair_first, "chunk_repair_first", minimum=0, error=err)
 
     def shared_tier(self) -> SharedTierConfig:
         """The shared tier's settings (:class:`shadow.shared.SharedTierConfig`).
@@ -253,6 +277,12 @@ class ConnectorConfig:
         from gpu_cache.config import PinConfig  # lazily: this module stays numba-free
 
         return PinConfig(tenant_share=self.pin_share, total_share=max(0.75, self.pin_share))
+
+    @property
+    def chunk_labels(self) -> frozenset[str] | None:
+        """The labels chunk reuse may reuse (None: every label)."""
+        names = frozenset(n.strip() for n in self.chunk_layers.split(",") if n.strip())
+        return names or None
 
     @property
     def policy(self) -> PrecisionPolicy:

@@ -108,7 +108,8 @@ class ContextKitConnector(KVConnectorBase_V1):
             self.scheduler = ConnectorScheduler(config, self.identity, block_size,
                                                 self._manager_block_ids)
         else:
-            self.worker = ConnectorWorker(config, self.identity, block_size)
+            self.worker = ConnectorWorker(config, self.identity, block_size,
+                                          tokenizer_dir=model.tokenizer or model.model)
 
     def _manager_block_ids(self, req_id: str) -> list[int] | None:
         if self._kv_cache_manager is None:

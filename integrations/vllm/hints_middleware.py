@@ -9,6 +9,11 @@ that wrapper pass ``--middleware integrations.vllm.hints_middleware.AgentHintsMi
 
 A body that is not a JSON object passes through untouched (vLLM answers it); a hint
 that cannot be used is dropped with one warning line and the request is served.
+
+It also turns ``kv_transfer_params["contextkit"]["chunks"] = true`` into the request's
+opt-in to chunk reuse: its ``cache_salt`` gets contextkit's chunk suffix
+(:func:`contextkit.pipeline.served.wire.chunk_salt`), which keeps vLLM's prefix cache
+of such requests apart from every other request's.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from contextkit.pipeline.served.wire import PARAMS_KEY, chunk_salt
 from integrations.vllm.hints import HINTS_KEY, from_request
 
 __all__ = ["PATHS", "AgentHintsMiddleware", "rewrite_body", "schedules_by_priority"]
@@ -60,7 +66,13 @@ def rewrite_body(body: bytes, headers: dict[str, str], *, priority_scheduling: b
         return body, []
     hints, warnings, consumed = from_request(doc, headers,
                                              priority_scheduling=priority_scheduling)
-    if not consumed and hints is None:
+    params = doc.get("kv_transfer_params")
+    ours = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+    opt_in = isinstance(ours, dict) and ours.get("chunks") is True
+    salt = doc.get("cache_salt")
+    if opt_in and (salt is None or isinstance(salt, str)):
+        doc["cache_salt"] = chunk_salt(salt)
+    elif not consumed and hints is None:
         return body, warnings
     for name in consumed:
         doc.pop(name, None)

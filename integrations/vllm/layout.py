@@ -79,3 +79,45 @@ SPLIT_LAYOUT = PagedLayout(pages=lambda kv: kv, join=lambda k, v: torch.cat((k, 
 
 #: layout name -> layout; the connector picks "cpu" on vLLM's CPU platform.
 LAYOUTS: dict[str, PagedLayout] = {"cpu": CPU_LAYOUT, "split": SPLIT_LAYOUT}
+
+
+#: How a CPU page's key half orders its values: ``"token"`` (``[N, D]``: one row per
+#: token) or ``"dim"`` (``[D, N]``: the "vec" kernels keep keys d-major so that a
+#: query's dot products run along tokens). Values are token-major on every ISA.
+KEY_ORDERS = ("token", "dim")
+
+
+def probe_cpu_key_order(isa: str, block_size: int, head_dim: int) -> str | None:
+    """Where vLLM's CPU attention writes a token's key inside a page: one of
+    :data:`KEY_ORDERS`, or None for a layout neither describes. Found by writing known
+    keys through vLLM's own cache kernel (``cpu_attn_reshape_and_cache``) for ``isa``.
+
+    The connector stores and loads whole pages, so either order round-trips; moving a
+    chunk's keys to other positions (chunk reuse) needs each token's key.
+    """
+    from vllm import _custom_ops as ops
+
+    n, d = block_size, head_dim
+    pages = torch.zeros(1, 1, 2 * n, d)
+    k_half, v_half = pages.chunk(2, dim=2)
+    keys = torch.arange(n * d, dtype=torch.float32).reshape(n, 1, d) + 1
+    ops.cpu_attn_reshape_and_cache(keys, keys.clone(), k_half, v_half, torch.arange(n), isa)
+    memory = k_half.reshape(-1)
+    for order in KEY_ORDERS:
+        if torch.equal(keys_by_token(memory.view(1, 1, n, d), order)[0, 0], keys[:, 0]):
+            return order
+    return None
+
+
+def keys_by_token(k: torch.Tensor, order: str) -> torch.Tensor:
+    """A page's key half ``[..., N, D]`` (as :class:`PagedLayout` ``split`` gives it, or
+    stored blocks of it) with one row per token; a view where the trailing ``N * D``
+    values are contiguous (writable into the pages), else a copy."""
+    if order == "token":
+        return k
+    n, d = k.shape[-2], k.shape[-1]
+    try:
+        flat = k.view(*k.shape[:-2], d, n)
+    except RuntimeError:
+        flat = k.contiguous().view(*k.shape[:-2], d, n)
+    return flat.transpose(-1, -2)

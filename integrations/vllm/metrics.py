@@ -26,7 +26,9 @@ Metrics (counters are exposed with a ``_total`` suffix):
 ``vllm:contextkit_shadow_lag_seconds``  gauge    age of the oldest stored block not yet shadowed
 ``vllm:contextkit_label_mismatches``  counter    requests whose labels fit another prompt (ignored)
 ``vllm:contextkit_reuse_*_requests``  counter    finished requests by reuse class (prefix,
-                                                 recomputed, none; see ``cache_report``)
+                                                 chunk, recomputed, none; ``cache_report``)
+``vllm:contextkit_chunk_*``           counter    chunk reuse: tokens moved in, tokens the
+                                                 connector computed, seconds it took
 ``vllm:contextkit_hint_*``            counter    agent hints: blocks pinned, pins refused
                                                  by the quota, malformed entries ignored
 ====================================  =========  ============================================
@@ -91,7 +93,8 @@ COUNTERS = ("lookups", "hit_tokens", "loaded_blocks", "load_errors", "shadow_byt
             "save_seconds", "reuse_prefix_requests", "reuse_recomputed_requests",
             "reuse_none_requests", "hint_pinned_blocks", "hint_pins_refused",
             "hints_ignored", "pause_kept_blocks", "pause_released_blocks",
-            *SHARED_COUNTERS)
+            "reuse_chunk_requests", "chunk_reused_tokens", "chunk_computed_tokens",
+            "chunk_seconds", *SHARED_COUNTERS)
 #: Counters broken down by the block's source layer.
 BY_LAYER = ("saved_blocks", "evicted_blocks")
 #: Gauges (latest value; merged observations keep the largest).
@@ -110,6 +113,13 @@ _DOCS = {
     "reuse_recomputed_requests": "Finished requests that computed tokens promised from "
                                  "contextkit's cache (they failed to load).",
     "reuse_none_requests": "Finished requests whose prompt reused nothing.",
+    "reuse_chunk_requests": "Finished requests that reused chunks after their prefix "
+                            "(moved K/V, seams recomputed).",
+    "chunk_reused_tokens": "Prompt tokens moved in from chunks computed elsewhere and not "
+                           "recomputed.",
+    "chunk_computed_tokens": "Prompt tokens the connector computed itself between and at "
+                             "the seams of reused chunks (changed spans, repairs).",
+    "chunk_seconds": "Seconds vLLM's forward waited for chunk reuse (decode, move, repair).",
     "hint_pinned_blocks": "Blocks an agent hint pinned for its TTL (then unpinned).",
     "hint_pins_refused": "Blocks an agent hint asked to pin that the tenant's pin quota "
                          "refused (stored unpinned).",

@@ -35,9 +35,11 @@ from contextkit.pipeline.served.wire import (
     decode_volatile_from,
     encode_labels,
     labels_entry,
+    opted_into_chunks,
     prompt_fingerprint,
 )
 from gpu_cache import PINNABLE_SOURCES, hash_block_tokens
+from integrations.vllm.chunk_planning import ChunkLoad, ChunkPlanner
 from integrations.vllm.hints import Hints, from_wire
 from integrations.vllm.metrics import StatsRecorder, layer_names
 from integrations.vllm.precision import (
@@ -82,6 +84,8 @@ class LoadSpec:
     #: (its name is the last one's); the load's keys among them come from there
     shared: list[list[bytes]] = field(default_factory=list)
     first_block: int = 0  # index of the first block within the request
+    #: after these blocks, the chunks to move in and the tokens to compute
+    chunk: ChunkLoad | None = None
 
 
 @dataclass(slots=True)
@@ -109,11 +113,20 @@ class WorkerReport:
     loaded_tokens: dict[str, int] = field(default_factory=dict)
     load_failed_tokens: dict[str, int] = field(default_factory=dict)
     shared: set[bytes] = field(default_factory=set)  # keys now in the shared tier
+    #: per request, chunk tokens moved in and not recomputed / computed by the connector
+    chunk_reused_tokens: dict[str, int] = field(default_factory=dict)
+    chunk_computed_tokens: dict[str, int] = field(default_factory=dict)
+    #: once, after the model check: "" (chunk reuse is on) or why it is off
+    chunk_status: str | None = None
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         out = WorkerReport(self.stored | other.stored, self.removed | other.removed,
                            self.failed | other.failed, dict(self.loaded_tokens),
-                           dict(self.load_failed_tokens), self.shared | other.shared)
+                           dict(self.load_failed_tokens), self.shared | other.shared,
+                           {**self.chunk_reused_tokens, **other.chunk_reused_tokens},
+                           {**self.chunk_computed_tokens, **other.chunk_computed_tokens},
+                           other.chunk_status if other.chunk_status is not None
+                           else self.chunk_status)
         # Every worker loads the same tokens (its own heads): a token counts as
         # loaded when all workers loaded it, and as failed when any worker failed.
         for req_id, n in other.loaded_tokens.items():
@@ -124,7 +137,8 @@ class WorkerReport:
 
     def __bool__(self) -> bool:
         return bool(self.stored or self.removed or self.failed or self.loaded_tokens
-                    or self.load_failed_tokens or self.shared)
+                    or self.load_failed_tokens or self.shared or self.chunk_reused_tokens
+                    or self.chunk_computed_tokens or self.chunk_status is not None)
 
 
 @dataclass(slots=True)
@@ -329,6 +343,11 @@ class _RequestState:
     vllm_hit_tokens: int = -1  # vLLM's own prefix-cache hit at the first lookup
     labels_ignored: str | None = None  # why the request's labels were not used
     hints: Hints | None = None  # the request's agent hints (integrations.vllm.hints)
+    chunk: ChunkLoad | None = None  # the chunk load of its latest lookup
+    chunk_planned: bool = False  # allocated: the next plan sends it
+    unsaved: range = range(0)  # blocks holding moved K/V: never saved
+    hops: int = 0  # moves between its chunks' K/V and a full computation
+    chunks_off: str | None = None  # why an opted-in request reused no chunk
 
 
 class RequestPlanner:
@@ -343,15 +362,18 @@ class RequestPlanner:
             may override keys of it (``kv_transfer_params["contextkit"]["precision"]``).
         head_dim: the model's head dimension (the byte costs of the policy's budget).
         chunk_blocks: blocks per shared-tier chunk (0: no shared tier).
+        chunks: chunk reuse for requests that opt in (None: prefix reuse only).
 
     Attributes:
         stats: the scheduler side's metrics (lookups), taken by the connector.
+        chunk_status: why chunk reuse is off (None: on); the worker's model check
+            sets it (:attr:`WorkerReport.chunk_status`).
     """
 
     def __init__(self, identity_digest: bytes, block_size: int,
                  default_layer: str = "user_turn",
                  policy: PrecisionPolicy | None = None, head_dim: int = 128,
-                 chunk_blocks: int = 0) -> None:
+                 chunk_blocks: int = 0, chunks: ChunkPlanner | None = None) -> None:
         self.stats = StatsRecorder(layer_names(default_layer))
         self.identity_digest = identity_digest
         self.block_size = block_size
@@ -364,6 +386,12 @@ class RequestPlanner:
         self._reqs: dict[str, _RequestState] = {}
         self._loaded: dict[str, int] = {}
         self._load_failed: dict[str, int] = {}
+        self.chunks = chunks
+        self.chunk_status: str | None = (
+            "the worker has not reported its model check yet" if chunks is not None
+            else "chunk reuse is not enabled on this server (chunk_reuse)")
+        self._chunk_reused: dict[str, int] = {}
+        self._chunk_computed: dict[str, int] = {}
 
     # ------------------------------------------------------------------ keys
     def _keys(self, state: _RequestState, token_ids: Sequence[int], num_blocks: int
@@ -450,6 +478,33 @@ class RequestPlanner:
         state = self._reqs[req_id]
         return state.tenant, state.keys[:max(0, state.num_prompt_tokens - 1) // self.block_size]
 
+    def chunk_tokens(self, req_id: str, token_ids: Sequence[int], prefix_end: int) -> int:
+        """Tokens past ``prefix_end`` (the prefix hit, block-aligned) that chunk reuse
+        materializes for a looked-up request (0: none; see
+        :meth:`ChunkPlanner.plan <integrations.vllm.chunk_planning.ChunkPlanner.plan>`).
+        Only requests whose tenant (``cache_salt``) opted in are considered."""
+        state = self._reqs[req_id]
+        state.chunk = None
+        if not opted_into_chunks(state.tenant):
+            return 0
+        if self.chunks is None or self.chunk_status is not None:
+            state.chunks_off = f"chunk reuse is off: {self.chunk_status}"
+            return 0
+        ours = labels_entry(state.params)
+        if not ours:
+            state.chunks_off = "the request carries no contextkit spans to find chunks by"
+            return 0
+        _, spans = decode_spans(ours)
+        state.chunks_off = None
+        state.chunk = self.chunks.plan(req_id, state.tenant, token_ids,
+                                       state.num_prompt_tokens, spans, prefix_end,
+                                       held=self.index.__contains__)
+        if state.chunk is None:
+            return 0
+        state.chunk.hops = 1 + max(state.chunk.hops, self.chunks.hops_of(
+            state.keys[:prefix_end // self.block_size]))
+        return state.chunk.end - prefix_end
+
     def note_shared(self, req_id: str, first: int, end: int) -> None:
         """The shared tier holds blocks ``first .. end-1`` of the request, past what the
         DDR tier holds: the next load brings them in (:attr:`LoadSpec.shared`)."""
@@ -464,6 +519,12 @@ class RequestPlanner:
         bs = self.block_size
         state.load_first_block = state.last_num_computed // bs
         state.load_num_blocks = num_external // bs
+        chunk, state.chunk = state.chunk, None
+        if chunk is not None and state.last_num_computed + num_external == chunk.end:
+            # blocks up to the chunk range are loaded; the range is materialized
+            state.load_num_blocks = (chunk.start - state.last_num_computed) // bs
+            state.chunk, state.chunk_planned = chunk, True
+            state.unsaved = range(chunk.start // bs, chunk.end // bs)
         state.load_planned = True
         state.load_reported = False
         state.planned_hit_tokens += num_external
@@ -482,16 +543,23 @@ class RequestPlanner:
                 state.load_planned = False
                 first, n = state.load_first_block, state.load_num_blocks
                 keys = self._keys(state, req.token_ids, first + n)[first:]
+                chunk = None
+                if state.chunk_planned and state.chunk is not None:
+                    state.chunk_planned = False
+                    chunk = state.chunk
+                    chunk.block_ids = list(req.block_ids[:chunk.end // bs])
                 loads.append(LoadSpec(req.req_id, state.tenant, list(keys),
                                       list(req.block_ids[first:first + n]),
-                                      self._shared_chunks(state, first, first + n), first))
+                                      self._shared_chunks(state, first, first + n), first,
+                                      chunk))
                 if loads[-1].shared:  # brought in from the shared tier: not saved again
                     state.considered_blocks = max(state.considered_blocks, first + n)
             full = min(req.num_computed + req.num_scheduled, len(req.token_ids)) // bs
             full = min(full, len(req.block_ids))
             keys = self._keys(state, req.token_ids, full)
             todo = [b for b in range(state.considered_blocks, full)
-                    if keys[b] not in self.index and keys[b] not in self.pending]
+                    if keys[b] not in self.index and keys[b] not in self.pending
+                    and b not in state.unsaved]
             state.considered_blocks = max(state.considered_blocks, full)
             state.planned_saves += len(todo)
             if not todo:
@@ -567,12 +635,22 @@ class RequestPlanner:
         self.index |= report.stored
         self.index -= report.removed
         self.pending -= report.stored | report.failed | report.removed
+        if report.chunk_status is not None and self.chunks is not None:
+            self.chunk_status = report.chunk_status or None
         done = []
-        for req_id in set(report.loaded_tokens) | set(report.load_failed_tokens):
+        for req_id in (set(report.loaded_tokens) | set(report.load_failed_tokens)
+                       | set(report.chunk_reused_tokens)):
             self._loaded[req_id] = (self._loaded.get(req_id, 0)
                                     + report.loaded_tokens.get(req_id, 0))
             self._load_failed[req_id] = (self._load_failed.get(req_id, 0)
                                          + report.load_failed_tokens.get(req_id, 0))
+            for mine, theirs, stat in (
+                    (self._chunk_reused, report.chunk_reused_tokens, "chunk_reused_tokens"),
+                    (self._chunk_computed, report.chunk_computed_tokens,
+                     "chunk_computed_tokens")):
+                if req_id in theirs:
+                    mine[req_id] = mine.get(req_id, 0) + theirs[req_id]
+                    self.stats.count(stat, theirs[req_id])
             state = self._reqs.get(req_id)
             if state is not None:
                 state.load_reported = True
@@ -610,33 +688,65 @@ class RequestPlanner:
             return None
         loaded = self._loaded.get(req_id, 0)
         failed = self._load_failed.get(req_id, 0)
+        reused = self._chunk_reused.get(req_id, 0)
         cached = max(0, state.vllm_hit_tokens)
         fallback = []
         if state.labels_ignored is not None:
             fallback.append(f"labels ignored: {state.labels_ignored}")
         if failed:
             fallback.append(f"{failed} tokens failed to load and were computed")
-        reuse = "recomputed" if failed else ("prefix" if cached + loaded else "none")
+        if state.chunks_off is not None:
+            fallback.append(state.chunks_off)
+        reuse = ("recomputed" if failed else "chunk" if reused
+                 else ("prefix" if cached + loaded else "none"))
         return {"reuse": reuse, "prompt_tokens": state.num_prompt_tokens,
                 "vllm_cached_tokens": cached, "contextkit_loaded_tokens": loaded,
                 "shared_tier_tokens": min(state.shared_tokens, loaded),
-                "computed_tokens": max(0, state.num_prompt_tokens - cached - loaded),
+                "chunk_reused_tokens": reused,
+                "repaired_tokens": self._chunk_computed.get(req_id, 0),
+                "computed_tokens": max(0, state.num_prompt_tokens - cached - loaded - reused),
                 "fallback": "; ".join(fallback) or None,
                 "complete": state.load_reported}
 
-    def finish(self, req_id: str) -> list[dict[str, Any]]:
-        """A request finished. Returns its stats now, or from the :meth:`apply` call
-        that brings its load report (vLLM frees a request that finishes in the step
-        of its load before it hands over that step's worker report)."""
+    def finish(self, req_id: str, token_ids: Sequence[int] = ()) -> list[dict[str, Any]]:
+        """A request finished (``token_ids``: its tokens, whose labelled spans become
+        chunks where it opted into chunk reuse). Returns its stats now, or from the
+        :meth:`apply` call that brings its load report (vLLM frees a request that
+        finishes in the step of its load before it hands over that step's worker
+        report)."""
         state = self._reqs.get(req_id)
         if state is None:
             return []
         state.finished = True
+        if self.chunks is not None and token_ids and opted_into_chunks(state.tenant):
+            self._register_chunks(state, token_ids)
         return [self._close(req_id)] if state.load_reported else []
+
+    def _register_chunks(self, state: _RequestState, token_ids: Sequence[int]) -> None:
+        """The request's spans into the chunk index; the blocks computed over moved K/V
+        marked with their hops first (their spans inherit them)."""
+        assert self.chunks is not None
+        keys = state.keys[:state.considered_blocks]
+        if state.unsaved:
+            self.chunks.taint(keys[state.unsaved.start:], state.chunk.hops if state.chunk
+                              else 1)
+        else:
+            hops = self.chunks.hops_of(keys[:state.load_first_block + state.load_num_blocks])
+            self.chunks.taint(keys, hops)
+        ours = labels_entry(state.params)
+        if not ours:
+            return
+        _, spans = decode_spans(ours)
+        self.chunks.register(state.tenant, token_ids, spans, keys, len(keys),
+                             lambda k: k in self.index or k in self.pending,
+                             skip=state.unsaved)
 
     def _close(self, req_id: str) -> dict[str, Any]:
         state = self._reqs.pop(req_id)
+        reused = self._chunk_reused.pop(req_id, 0)
+        self._chunk_computed.pop(req_id, None)
         return {
+            "chunk_reused_tokens": reused,
             "request_id": req_id,
             "tenant": state.tenant,
             "prompt_tokens": state.num_prompt_tokens,

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from integrations.vllm.chunk_planning import ChunkPlanner
 from integrations.vllm.config import ConnectorConfig
 from integrations.vllm.connector_metadata import (
     ContextKitConnectorMetadata,
@@ -45,6 +46,15 @@ logger = logging.getLogger(__name__)
 BlockIdsOf = Callable[[str], "list[int] | None"]
 
 
+def _chunk_planner(config: ConnectorConfig, identity: CacheIdentity, block_size: int
+                   ) -> ChunkPlanner | None:
+    if not config.chunk_reuse:
+        return None
+    return ChunkPlanner(identity.digest(), block_size, min_tokens=config.chunk_min_tokens,
+                        repair_first=config.chunk_repair_first,
+                        max_hops=config.chunk_max_hops, layers=config.chunk_labels)
+
+
 class ConnectorScheduler:
     """The scheduler role of :class:`~integrations.vllm.connector.ContextKitConnector`.
 
@@ -65,7 +75,8 @@ class ConnectorScheduler:
         self.planner = RequestPlanner(identity.digest(), block_size,
                                       config.default_source_layer, policy=config.policy,
                                       head_dim=identity.head_dim,
-                                      chunk_blocks=config.shared_chunk_blocks if shared else 0)
+                                      chunk_blocks=config.shared_chunk_blocks if shared else 0,
+                                      chunks=_chunk_planner(config, identity, block_size))
         self.shared: SharedLookups | None = None
         if shared:
             self.shared = SharedLookups(open_shared_tier(config, identity, "lookups"),
@@ -104,6 +115,8 @@ class ConnectorScheduler:
             if end > local_end:
                 self.planner.note_shared(request.request_id, local_end, end)
                 hit = end * self.block_size - num_computed_tokens
+        hit += self.planner.chunk_tokens(request.request_id, request.all_token_ids,
+                                         num_computed_tokens + hit)
         return hit, False
 
     def on_alloc(self, request: Request, num_external_tokens: int) -> None:
@@ -170,7 +183,7 @@ class ConnectorScheduler:
                                         self.planner.held_keys(request.request_id))
             if keep is not None:
                 self._keeps.append(keep)
-        self._write_stats(self.planner.finish(request.request_id))
+        self._write_stats(self.planner.finish(request.request_id, request.all_token_ids))
         if report is not None:
             self.planner.stats.count(f"reuse_{report['reuse']}_requests")
         return report

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,15 +26,19 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 
 from gpu_cache.kernels import cpu_fused
+from integrations.vllm.chunk_forward import PagedKV, ServedLlama, served_llama
+from integrations.vllm.chunk_gate import run_gate
+from integrations.vllm.chunk_planning import ChunkLoad
 from integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from integrations.vllm.connector_metadata import (
     ContextKitConnectorMetadata,
     ContextKitWorkerMetadata,
 )
-from integrations.vllm.layout import LAYOUTS
+from integrations.vllm.layout import LAYOUTS, keys_by_token, probe_cpu_key_order
 from integrations.vllm.pauses import KeepSpec
 from integrations.vllm.planning import LoadSpec, SaveSpec, WorkerReport
-from integrations.vllm.pools import decode_pool_blocks, decode_pool_layer_into
+from integrations.vllm.pools import assemble_parts, decode_pool_blocks, decode_pool_layer_into
+from integrations.vllm.served_model import served_model
 from integrations.vllm.shared import SharedWriter, open_shared_tier
 from integrations.vllm.store import ConnectorStore, local_session_keys
 
@@ -61,10 +66,11 @@ class ConnectorWorker:
         config: the connector's configuration.
         identity: the cache identity of the served model.
         block_size: vLLM's block size (the connector's).
+        tokenizer_dir: the served tokenizer (chunk reuse's model check tokenizes with it).
     """
 
     def __init__(self, config: ConnectorConfig, identity: CacheIdentity,
-                 block_size: int) -> None:
+                 block_size: int, tokenizer_dir: str | None = None) -> None:
         self.config = config
         self.identity = identity
         self.block_size = block_size
@@ -102,6 +108,11 @@ class ConnectorWorker:
                 self.writer.start_warm(int(budget * config.shared_warm_share),
                                        self._imported)
         self._unpinned_tenants: set[str] = set()  # tenants told their prefix is unpinned
+        self._tokenizer_dir = tokenizer_dir
+        self._served: ServedLlama | None = None  # chunk reuse's model, once checked
+        self._key_order = "token"  # how a page's key half orders its values
+        #: the latest chunk loads materialized (diagnostics: which blocks, what moved)
+        self.recent_chunks: deque[ChunkLoad] = deque(maxlen=16)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = LAYOUTS["cpu" if current_platform.is_cpu() else "split"]
@@ -132,6 +143,43 @@ class ConnectorWorker:
         if not row_path and all(t.device.type == "cpu" for t in layers):
             logger.warning("ContextKitConnector: vLLM's CPU KV cache is not one contiguous "
                            "tensor per layer; loads decode, then copy whole pages (slower)")
+        if self.config.chunk_reuse:
+            self._check_chunk_model()
+
+    def _check_chunk_model(self) -> None:
+        """Chunk reuse's model check (:mod:`.chunk_gate`); the scheduler hears the
+        outcome with the next report ("" on, else why off)."""
+        served, why = served_llama(served_model())
+        if served is not None and current_platform.is_cpu():
+            isa = getattr(served.layers[0].self_attn.attn, "isa", None)
+            order = probe_cpu_key_order(isa, self.block_size, self.identity.head_dim) \
+                if isa else None
+            if order is None:
+                why = f"vLLM's CPU attention ({isa}) lays keys out in pages in an unknown order"
+            else:
+                self._key_order = order
+        if served is not None and why is None:
+            try:
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(self._tokenizer_dir)
+                result = run_gate(served, lambda text: tok.encode(text, add_special_tokens=False),
+                                  repair_first=self.config.chunk_repair_first,
+                                  min_agreement=self.config.chunk_gate_min_agreement,
+                                  max_kl=self.config.chunk_gate_max_kl)
+                why = result.reason()
+                logger.info("chunk reuse model check: top-1 agreement %.3f, mean KL %.4f "
+                            "over %d tokens", result.agreement, result.mean_kl, result.tokens)
+            except Exception as exc:  # the check must not stop the server
+                logger.exception("chunk reuse model check failed to run")
+                why = f"the model check could not run ({type(exc).__name__}: {exc})"
+        self._served = served if why is None else None
+        if why is None:
+            logger.info("chunk reuse: on")
+        else:
+            logger.warning("chunk reuse: off, prefix reuse only (%s)", why)
+        with self._lock:
+            self._report.chunk_status = why or ""
 
     # ------------------------------------------------------------------ loads
     def start_load(self, meta: ContextKitConnectorMetadata | None) -> None:
@@ -170,6 +218,8 @@ class ConnectorWorker:
             if missing:
                 logger.warning("request %s: %d of %d blocks no longer stored; vLLM recomputes "
                                "them", spec.req_id, len(missing), len(spec.block_ids))
+            if spec.chunk is not None:
+                self._materialize(spec.chunk, failed=bool(missing))
             with self._lock:
                 self._load_errors.update(missing)
                 self._report.loaded_tokens[spec.req_id] = (
@@ -203,6 +253,81 @@ class ConnectorWorker:
                 pages.index_copy_(0, block_ids.to(pages.device),
                                   page.to(pages.device, pages.dtype))
         return sum(len(positions) for _, positions, _ in parts)
+
+    def _materialize(self, chunk: ChunkLoad, *, failed: bool) -> None:
+        """Tokens ``chunk.start .. chunk.end-1`` into the request's pages: each moved
+        chunk's K/V decoded from the store, keys re-rotated to their new positions, then
+        the changed spans and seams computed by the served model over the pages. Any
+        failure (a source block gone, another tenant's, the model missing) turns the
+        range into load errors, which vLLM recomputes."""
+        t0 = time.perf_counter()
+        bs = self.block_size
+        ok = False
+        if not failed and self._served is not None:
+            try:
+                ok = self._place_and_repair(chunk, self._served)
+            except Exception:
+                logger.exception("request %s: chunk reuse failed; vLLM recomputes tokens "
+                                 "%d..%d", chunk.req_id, chunk.start, chunk.end)
+        with self._lock:
+            if ok:
+                self.recent_chunks.append(chunk)
+                self._report.chunk_reused_tokens[chunk.req_id] = chunk.reused_tokens
+                self._report.chunk_computed_tokens[chunk.req_id] = len(chunk.compute)
+            else:
+                self._load_errors.update(chunk.block_ids[chunk.start // bs:chunk.end // bs])
+                self._report.load_failed_tokens[chunk.req_id] = (
+                    self._report.load_failed_tokens.get(chunk.req_id, 0)
+                    + chunk.end - chunk.start)
+        self.store.stats.count("chunk_seconds", time.perf_counter() - t0)
+
+    def _place_and_repair(self, chunk: ChunkLoad, model: ServedLlama) -> bool:
+        keys: dict[bytes, int] = {}
+        for moved in chunk.chunks:
+            for key in moved.source_keys:
+                keys.setdefault(key, len(keys))
+        sources = self._loader.submit(self._decode_sources, list(keys), chunk.tenant).result()
+        if sources is None:
+            logger.warning("request %s: a reused chunk's blocks are no longer stored; vLLM "
+                           "recomputes tokens %d..%d", chunk.req_id, chunk.start, chunk.end)
+            return False
+        k_stored, v_stored = sources
+        # stored blocks are page bytes: their key rows in the page's order
+        k_stored = keys_by_token(k_stored.permute(0, 1, 3, 2, 4), self._key_order)
+        k_all = k_stored.permute(0, 1, 3, 2, 4).flatten(1, 2)  # [L, blocks * N, H, D]
+        v_all = v_stored.flatten(1, 2)
+        bs = self.block_size
+        k_pages, v_pages = [], []
+        for name in self._names:
+            k, v = self._layout.split(self._pages[name])
+            k_pages.append(keys_by_token(k, self._key_order))
+            v_pages.append(v)
+        paged = PagedKV(k_pages, v_pages, chunk.block_ids, bs)
+        for moved in chunk.chunks:
+            rows = torch.cat([torch.arange(bs) + keys[key] * bs for key in moved.source_keys])
+            rows = rows[moved.offset:moved.offset + moved.length]
+            k_src, v_src = k_all[:, rows], v_all[:, rows]  # [L, T, H, D]
+            layers, t = k_src.shape[0], k_src.shape[1]
+            delta = torch.full((layers * t,), moved.position - moved.source_position)
+            k_new = model.rotate(k_src.reshape(layers * t, *k_src.shape[2:]), delta)
+            k_new = k_new.reshape(k_src.shape)
+            positions = torch.arange(moved.position, moved.position + t)
+            for layer in range(layers):
+                paged.write(layer, positions, k_new[layer], v_src[layer])
+        if chunk.compute:
+            model.forward(chunk.compute_ids, chunk.compute, paged)
+        return True
+
+    def _decode_sources(self, keys: list[bytes], tenant: str
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K/V ``[L, n, N, H, D]`` of these stored blocks (loader thread), or None when
+        the store no longer holds one of them for ``tenant``."""
+        parts = self.store.export_parts(keys, tenant)
+        if sum(len(positions) for _, positions, _ in parts) < len(keys):
+            return None
+        decoded = [(positions, *decode_pool_blocks(pool, data))
+                   for pool, positions, data in parts]
+        return assemble_parts(decoded, len(keys))
 
     def take_load_errors(self) -> set[int]:
         """``get_block_ids_with_load_errors``: blocks vLLM must recompute."""

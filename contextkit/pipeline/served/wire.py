@@ -41,6 +41,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 __all__ = [
+    "CHUNKS_SALT_SUFFIX",
     "HINTS_KEY",
     "MAX_KEEP_S",
     "PARAMS_KEY",
@@ -48,6 +49,7 @@ __all__ = [
     "REUSE_CLASSES",
     "WireSpan",
     "cache_report",
+    "chunk_salt",
     "decode_fingerprint",
     "decode_precision",
     "decode_spans",
@@ -55,6 +57,7 @@ __all__ = [
     "encode_hints",
     "encode_labels",
     "labels_entry",
+    "opted_into_chunks",
     "prompt_fingerprint",
     "with_hints",
 ]
@@ -72,7 +75,24 @@ HINTS_KEY = "contextkit_hints"
 #: The longest a hint keeps blocks (Dynamo's cache_control ceiling).
 MAX_KEEP_S = 3600.0
 #: A report's reuse classes.
-REUSE_CLASSES = ("prefix", "recomputed", "none")
+REUSE_CLASSES = ("prefix", "chunk", "recomputed", "none")
+#: The end of a ``cache_salt`` that opts a request into chunk reuse on vLLM: K/V moved
+#: from elsewhere in the cache, its seams repaired, an approximation of a full prefill.
+#: vLLM keys its prefix cache by the salt, so such blocks never reach a request whose
+#: salt lacks it (see :func:`chunk_salt`).
+CHUNKS_SALT_SUFFIX = "#ck-chunks"
+
+
+def chunk_salt(tenant: str | None) -> str:
+    """The ``cache_salt`` of ``tenant``'s requests that opt into chunk reuse (contextkit's
+    tenant on vLLM is the salt; these requests are a namespace of their own)."""
+    base = tenant or "default"
+    return base if base.endswith(CHUNKS_SALT_SUFFIX) else base + CHUNKS_SALT_SUFFIX
+
+
+def opted_into_chunks(salt: str | None) -> bool:
+    """Whether a request with this ``cache_salt`` opted into chunk reuse."""
+    return bool(salt) and str(salt).endswith(CHUNKS_SALT_SUFFIX)
 
 
 def encode_hints(*, session: str | None = None, keep_s: float | None = None,

@@ -96,6 +96,7 @@ def test_the_cache_report_splits_a_prompt_by_where_its_tokens_came_from() -> Non
     report = p.report("r")
     assert report == {"reuse": "prefix", "prompt_tokens": 18, "vllm_cached_tokens": 4,
                       "contextkit_loaded_tokens": 8, "shared_tier_tokens": 0,
+                      "chunk_reused_tokens": 0, "repaired_tokens": 0,
                       "computed_tokens": 6, "fallback": None, "complete": True}
     assert p.report("never-seen") is None
 

@@ -1,0 +1,215 @@
+"""The served model's own forward over chosen tokens: how the connector repairs chunks
+on vLLM.
+
+A chunk moved to a new position keeps its values and has its keys re-rotated by the
+position delta (RoPE rotations compose). What changed around it (a new memory line,
+an edited document) and the first tokens of each moved chunk (its seam with new
+context) must be computed, attending over everything before them, before vLLM's own
+forward computes the rest of the prompt. vLLM's scheduler cannot compute a scattered
+set of tokens, so the connector does it here, with the server's own model modules
+(the weights vLLM loaded, reached through :mod:`integrations.vllm.served_model`):
+each decoder layer runs over the chosen tokens only, writes their K/V into the paged
+cache and attends over the request's pages. That is CacheBlend's selective recompute
+with the tokens picked ahead (EPIC's rule: each chunk's first tokens).
+
+Only Llama-family decoders (vLLM's ``LlamaForCausalLM`` module layout, neox RoPE
+over the whole head) are supported; :func:`served_llama` names why another model
+cannot be, and the connector then serves prefix reuse only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["ContiguousKV", "KVAccess", "PagedKV", "ServedLlama", "served_llama"]
+
+#: vLLM model classes whose module layout :class:`ServedLlama` drives.
+LLAMA_FAMILY = frozenset({"LlamaForCausalLM"})
+
+
+class KVAccess(Protocol):
+    """Where a forward writes the chosen tokens' K/V and reads the context from."""
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Store ``k``/``v`` ``[T, H_kv, D]`` of tokens at ``positions`` ``[T]``."""
+
+    def context(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V ``[H_kv, upto, D]`` of positions ``0 .. upto-1``."""
+
+
+@dataclass
+class PagedKV:
+    """One request's K/V in vLLM's paged cache.
+
+    Attributes:
+        k_pages, v_pages: per layer, writable ``[num_blocks, H_kv, N, D]`` views of the
+            layer's pages (:class:`~integrations.vllm.layout.PagedLayout` ``split``).
+        block_ids: the request's vLLM block ids, in order.
+        block_size: tokens per block (``N``).
+    """
+
+    k_pages: Sequence[torch.Tensor]
+    v_pages: Sequence[torch.Tensor]
+    block_ids: Sequence[int]
+    block_size: int
+
+    def _slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.as_tensor(list(self.block_ids), dtype=torch.int64)
+        return ids[positions // self.block_size], positions % self.block_size
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        blocks, slots = self._slots(positions.to(torch.int64).cpu())
+        kp, vp = self.k_pages[layer], self.v_pages[layer]
+        blocks, slots = blocks.to(kp.device), slots.to(kp.device)
+        kp[blocks, :, slots] = k.to(kp.device, kp.dtype)
+        vp[blocks, :, slots] = v.to(vp.device, vp.dtype)
+
+    def context(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = -(-upto // self.block_size)
+        kp, vp = self.k_pages[layer], self.v_pages[layer]
+        idx = torch.as_tensor(list(self.block_ids[:n]), dtype=torch.int64, device=kp.device)
+        out = []
+        for pages in (kp, vp):
+            blocks = pages.index_select(0, idx)  # [n, H, N, D]
+            h, d = blocks.shape[1], blocks.shape[3]
+            out.append(blocks.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :upto])
+        return out[0], out[1]
+
+
+class ContiguousKV:
+    """K/V in plain tensors ``[L, H_kv, S, D]`` (the gate's full and reused passes)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, length: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.k = torch.zeros(num_layers, num_kv_heads, length, head_dim, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        pos = positions.to(torch.int64).cpu()
+        self.k[layer][:, pos] = k.transpose(0, 1).to(self.k.dtype).cpu()
+        self.v[layer][:, pos] = v.transpose(0, 1).to(self.v.dtype).cpu()
+
+    def context(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer][:, :upto], self.v[layer][:, :upto]
+
+
+class ServedLlama:
+    """A vLLM Llama-family model's modules, driven token by chosen token.
+
+    Args:
+        model: vLLM's ``LlamaForCausalLM`` (or a module of the same layout).
+    """
+
+    def __init__(self, model: Any) -> None:
+        inner = model.model
+        self.model = model
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        attn = self.layers[0].self_attn
+        self.num_heads: int = attn.num_heads
+        self.num_kv_heads: int = attn.num_kv_heads
+        self.head_dim: int = attn.head_dim
+        self.q_size: int = attn.q_size
+        self.kv_size: int = attn.kv_size
+        self.scaling: float = attn.scaling
+        rope = attn.rotary_emb
+        cache = rope.cos_sin_cache
+        half = cache.shape[-1] // 2
+        self._cos, self._sin = cache[:, :half].float(), cache[:, half:].float()
+        self.max_position = cache.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def rotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Keys ``[T, H, D]`` computed at ``p`` as they are at ``p + delta`` (``[T]``,
+        any sign): RoPE's rotations compose, so one more rotation by ``delta`` moves
+        them (neox layout: dimension ``i`` pairs with ``i + D/2``)."""
+        mag = delta.abs().to(torch.int64).cpu()
+        sign = torch.where(delta.cpu() < 0, -1.0, 1.0)[:, None, None]
+        cos = self._cos[mag][:, None, :].to(k.device)
+        sin = (self._sin[mag][:, None, :] * sign).to(k.device)
+        x = k.float()
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(k.dtype)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: Sequence[int], positions: Sequence[int], kv: KVAccess,
+                *, logits: bool = False) -> torch.Tensor | None:
+        """Run every layer over ``token_ids`` at ``positions`` (ascending), writing their
+        K/V through ``kv`` and attending over ``kv``'s context up to each token.
+
+        Returns:
+            The tokens' logits ``[T, vocab]`` when ``logits``, else None.
+        """
+        device = next(self.model.parameters()).device
+        ids = torch.as_tensor(list(token_ids), dtype=torch.int64, device=device)
+        pos = torch.as_tensor(list(positions), dtype=torch.int64, device=device)
+        upto = int(pos.max()) + 1
+        key_pos = torch.arange(upto, device=device)
+        mask = key_pos[None, :] <= pos[:, None]  # [T, S]: causal by position
+        t = ids.shape[0]
+        hidden = self.embed(ids)
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual = hidden
+                x = layer.input_layernorm(hidden)
+            else:
+                x, residual = layer.input_layernorm(hidden, residual)
+            attn = layer.self_attn
+            qkv, _ = attn.qkv_proj(x)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k = attn.rotary_emb(pos, q.contiguous(), k.contiguous())
+            k = k.reshape(t, self.num_kv_heads, self.head_dim)
+            v = v.reshape(t, self.num_kv_heads, self.head_dim)
+            kv.write(i, pos, k, v)
+            ck, cv = kv.context(i, upto)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.reshape(t, self.num_heads, self.head_dim).transpose(0, 1).float(),
+                ck.float(), cv.float(), attn_mask=mask, scale=self.scaling,
+                enable_gqa=True)
+            out = out.transpose(0, 1).reshape(t, self.q_size).to(x.dtype)
+            hidden, _ = attn.o_proj(out)
+            x, residual = layer.post_attention_layernorm(hidden, residual)
+            hidden = layer.mlp(x)
+        if not logits:
+            return None
+        hidden, _ = self.norm(hidden, residual)
+        return self.model.compute_logits(hidden).float()
+
+
+def served_llama(model: Any) -> tuple[ServedLlama | None, str | None]:
+    """The model as a :class:`ServedLlama`, or None and why chunk reuse cannot use it."""
+    if model is None:
+        return None, ("the served model is not available to the connector: launch vLLM "
+                      "with --load-format contextkit (contextkit's model loader plugin)")
+    name = type(model).__name__
+    if name not in LLAMA_FAMILY:
+        return None, (f"{name} is not a Llama-family decoder (supported: "
+                      f"{', '.join(sorted(LLAMA_FAMILY))})")
+    try:
+        served = ServedLlama(model)
+        attn = served.layers[0].self_attn
+        rope = attn.rotary_emb
+        if not getattr(rope, "is_neox_style", False) or rope.rotary_dim != served.head_dim:
+            return None, f"{name} rotates keys other than by neox RoPE over the whole head"
+        if type(attn.rotary_emb).__name__ not in {"RotaryEmbedding", "Llama3RotaryEmbedding"}:
+            return None, f"{name} uses {type(rope).__name__}, not a position-only RoPE"
+    except (AttributeError, IndexError, TypeError) as exc:
+        return None, f"{name} does not have the Llama module layout ({exc})"
+    return served, None

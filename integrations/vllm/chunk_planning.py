@@ -1,0 +1,182 @@
+"""Scheduler side of chunk reuse on vLLM: which labelled spans after a request's prefix
+hit are stored elsewhere, and what the worker must place and compute (vLLM-free).
+
+Every labelled span of a finished request (a prompt layer, a document, a conversation
+turn; ``kv_transfer_params`` spans, see :mod:`contextkit.pipeline.served.wire`) is
+registered in a :class:`gpu_cache.chunks.ChunkIndex` under its content key (tenant,
+model identity, label, token ids), naming the stored blocks that hold it. A later
+request of the same tenant finds its spans there wherever they were computed. The
+connector then reports as matched every token up to the end of the last reused chunk
+(block-aligned): vLLM skips them, and the worker materializes them before the forward
+(:class:`ChunkLoad`): it moves the chunks into place and computes the rest of that
+range (the changed spans, the template between spans, each chunk's first
+``repair_first`` tokens). What cannot be materialized is reported as a load error and
+vLLM recomputes it.
+
+Blocks holding moved K/V are approximations: the planner never saves them, and marks
+the K/V computed after them (their ``hops``, :meth:`ChunkIndex.taint`) so that drift
+stays bounded (``max_hops``). Only requests that opted in (a ``cache_salt`` ending in
+:data:`~contextkit.pipeline.served.wire.CHUNKS_SALT_SUFFIX`) reuse chunks: vLLM's own
+prefix cache then keys their blocks apart from every request that did not opt in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from contextkit.pipeline.served.wire import WireSpan
+from gpu_cache.chunks import ChunkEntry, ChunkIndex
+from gpu_cache.hashing import BlockHash
+
+__all__ = ["ChunkLoad", "ChunkPlanner", "MovedChunk"]
+
+
+@dataclass(slots=True)
+class MovedChunk:
+    """One chunk a request reuses: where its K/V are stored and where they go."""
+
+    source_keys: list[bytes]  # stored blocks holding it, in order
+    offset: int  # its first token's slot in the first of them
+    source_position: int  # where it was computed
+    position: int  # where it goes in this request
+    length: int
+    label: str
+
+
+@dataclass(slots=True)
+class ChunkLoad:
+    """Worker instruction: materialize tokens ``start .. end-1`` of a request whose
+    prefix ``0 .. start-1`` is in its pages (vLLM's hit, or this step's loads)."""
+
+    req_id: str
+    tenant: str
+    start: int
+    end: int
+    chunks: list[MovedChunk]
+    compute: list[int]  # positions computed by the connector, ascending
+    compute_ids: list[int]  # their token ids
+    block_ids: list[int] = field(default_factory=list)  # the request's first end/N blocks
+    hops: int = 0  # the most moves between a reused chunk's K/V and a full computation
+
+    @property
+    def reused_tokens(self) -> int:
+        """Tokens moved in and not recomputed."""
+        return self.end - self.start - len(self.compute)
+
+
+class ChunkPlanner:
+    """The chunk index and the per-request plans.
+
+    Args:
+        identity_digest: the cache identity's digest (salts every chunk key).
+        block_size: tokens per block.
+        min_tokens: spans shorter than this are computed, not looked up.
+        repair_first: each moved chunk's first tokens are recomputed (its seam).
+        max_hops: chunks this many moves from a full computation are not reused.
+        min_share: a request reuses chunks only when they cover at least this share
+            of the range the connector would materialize.
+        layers: labels that may be reused (None: all).
+    """
+
+    def __init__(self, identity_digest: bytes, block_size: int, *, min_tokens: int = 16,
+                 repair_first: int = 4, max_hops: int = 4, min_share: float = 0.2,
+                 layers: frozenset[str] | None = None) -> None:
+        self.index = ChunkIndex(identity_digest)
+        self.block_size = block_size
+        self.min_tokens = min_tokens
+        self.repair_first = repair_first
+        self.max_hops = max_hops
+        self.min_share = min_share
+        self.layers = layers
+
+    def eligible(self, span: WireSpan) -> bool:
+        return (span.end - span.start >= self.min_tokens
+                and (self.layers is None or span.source_layer in self.layers))
+
+    def plan(self, req_id: str, tenant: str, token_ids: Sequence[int], num_prompt: int,
+             spans: Sequence[WireSpan], prefix_end: int,
+             held: Callable[[bytes], bool]) -> ChunkLoad | None:
+        """The chunk load of a request whose first ``prefix_end`` tokens are found by
+        prefix, or None when no chunk after it is worth reusing.
+
+        Args:
+            held: whether the store holds a block key (an entry naming a block it no
+                longer holds is dropped).
+        """
+        bs = self.block_size
+        limit = max(0, num_prompt - 1) // bs * bs  # vLLM computes at least one token
+        moved: list[MovedChunk] = []
+        hops = 0
+        for span in sorted(spans, key=lambda s: s.start):
+            if span.start < prefix_end or span.start >= limit or not self.eligible(span):
+                continue
+            ids = list(token_ids[span.start:span.end])
+            key = self.index.key(tenant, span.source_layer, ids)
+            entry = self.index.get(key, tenant)
+            if entry is None or entry.length != len(ids) or entry.hops >= self.max_hops:
+                continue
+            if not all(held(k) for k in entry.block_keys):
+                self.index.discard(key)
+                continue
+            hops = max(hops, entry.hops)
+            moved.append(MovedChunk([bytes(k) for k in entry.block_keys], entry.offset,
+                                    entry.position, span.start, len(ids),
+                                    span.source_layer))
+        if not moved:
+            return None
+        end = min(limit, (moved[-1].position + moved[-1].length) // bs * bs)
+        kept = []
+        for chunk in moved:  # the last ones may end past the block-aligned end
+            if chunk.position + self.repair_first >= end:
+                continue
+            chunk.length = min(chunk.length, end - chunk.position)
+            kept.append(chunk)
+        if not kept:
+            return None
+        covered = [False] * (end - prefix_end)
+        for chunk in kept:
+            for p in range(chunk.position + self.repair_first, chunk.position + chunk.length):
+                covered[p - prefix_end] = True
+        compute = [prefix_end + i for i, c in enumerate(covered) if not c]
+        reused = len(covered) - len(compute)
+        if end <= prefix_end or reused < self.min_share * len(covered):
+            return None
+        return ChunkLoad(req_id, tenant, prefix_end, end, kept, compute,
+                         [int(token_ids[p]) for p in compute], hops=hops)
+
+    def register(self, tenant: str, token_ids: Sequence[int], spans: Sequence[WireSpan],
+                 keys: Sequence[bytes], stored_blocks: int, held: Callable[[bytes], bool],
+                 *, skip: range = range(0), hops: int = 0) -> int:
+        """Register a request's spans held by its first ``stored_blocks`` blocks
+        (``keys``: their chained keys), except those touching the blocks in ``skip``
+        (moved K/V that were not stored). ``held``: whether the store holds a block
+        key. Returns how many were registered."""
+        bs = self.block_size
+        n = 0
+        for span in spans:
+            if not self.eligible(span) or span.end > stored_blocks * bs:
+                continue
+            first, last = span.start // bs, (span.end - 1) // bs
+            if skip and first < skip.stop and last >= skip.start:
+                continue
+            block_keys = tuple(BlockHash(k) for k in keys[first:last + 1])
+            span_hops = max(hops, self.index.hops_of(block_keys))
+            ids = list(token_ids[span.start:span.end])
+            key = self.index.key(tenant, span.source_layer, ids)
+            old = self.index.get(key, tenant)
+            entry = ChunkEntry(tenant, span.source_layer, block_keys, span.start % bs,
+                               span.start, len(ids), span_hops)
+            # a still-stored entry fewer hops from a full computation is kept
+            keep = (old if old is not None and old.hops < span_hops
+                    and all(held(bytes(k)) for k in old.block_keys) else None)
+            n += self.index.put(key, entry, keep=keep)
+        return n
+
+    def taint(self, keys: Sequence[bytes], hops: int) -> None:
+        """These blocks hold K/V computed over moved chunks ``hops`` moves away."""
+        if hops > 0 and keys:
+            self.index.taint([BlockHash(k) for k in keys], hops)
+
+    def hops_of(self, keys: Sequence[bytes]) -> int:
+        return self.index.hops_of([BlockHash(k) for k in keys]) if keys else 0

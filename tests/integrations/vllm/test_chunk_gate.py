@@ -1,0 +1,38 @@
+"""Chunk reuse's model check and its refusals (no vLLM needed)."""
+
+from __future__ import annotations
+
+import torch
+
+from integrations.vllm.chunk_forward import served_llama
+from integrations.vllm.chunk_gate import compare_logits
+
+
+def test_a_model_the_connector_cannot_drive_is_refused_with_its_reason() -> None:
+    model, why = served_llama(None)
+    assert model is None and why is not None and "--load-format contextkit" in why
+
+    class GPT2LMHeadModel(torch.nn.Module):
+        pass
+
+    model, why = served_llama(GPT2LMHeadModel())
+    assert model is None and why is not None
+    assert why.startswith("GPT2LMHeadModel is not a Llama-family decoder")
+
+    class LlamaForCausalLM(torch.nn.Module):  # the name, not the layout
+        pass
+
+    model, why = served_llama(LlamaForCausalLM())
+    assert model is None and why is not None and "Llama module layout" in why
+
+
+def test_the_gate_passes_agreeing_logits_and_fails_a_constructed_bad_case() -> None:
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(30, 50, generator=gen)
+    same = compare_logits(full + 1e-4 * torch.randn(30, 50, generator=gen), full,
+                          min_agreement=0.9, max_kl=0.1)
+    assert same.passed and same.agreement == 1.0 and same.reason() is None
+    bad = compare_logits(full.roll(1, dims=0), full, min_agreement=0.9, max_kl=0.1)
+    assert not bad.passed and bad.agreement < 0.9
+    reason = bad.reason()
+    assert reason is not None and "check failed" in reason and "30 tokens" in reason

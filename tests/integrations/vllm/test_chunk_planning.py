@@ -1,0 +1,197 @@
+"""Chunk reuse on vLLM, scheduler side (no vLLM needed): which spans after a prefix hit
+are found stored elsewhere, what the worker is told to place and compute, what is never
+saved, and who may reuse what."""
+
+from __future__ import annotations
+
+import json
+
+from contextkit.pipeline.served.wire import (
+    CHUNKS_SALT_SUFFIX,
+    PARAMS_KEY,
+    chunk_salt,
+    opted_into_chunks,
+)
+from gpu_cache import CacheIdentity
+from integrations.vllm.chunk_planning import ChunkPlanner
+from integrations.vllm.hints_middleware import rewrite_body
+from integrations.vllm.planning import (
+    RequestPlanner,
+    StepRequest,
+    WorkerReport,
+    semantic_params,
+)
+
+BS = 4
+IDENTITY = CacheIdentity(model_id="m", num_layers=2, num_kv_heads=2, head_dim=8, block_size=BS)
+TENANT = chunk_salt("acme")
+HEAD = [1, 2, 3, 4]  # one block of system text, the same every turn
+DOCS = {name: [base + i for i in range(8)] for name, base in
+        (("a", 100), ("b", 200), ("c", 300), ("d", 400))}
+QUESTION = [7, 7, 7, 7, 7]
+
+
+def prompt(order: str, question: list[int] = QUESTION) -> tuple[list[int], dict]:
+    ids, spans = list(HEAD), [(0, len(HEAD), "rules")]
+    for name in order:
+        spans.append((len(ids), len(ids) + len(DOCS[name]), "documents"))
+        ids += DOCS[name]
+    spans.append((len(ids), len(ids) + len(question), "user_turn"))
+    ids += question
+    return ids, semantic_params(spans, prompt_token_ids=ids)
+
+
+def planner(**kwargs: object) -> RequestPlanner:
+    chunks = ChunkPlanner(IDENTITY.digest(), BS, min_tokens=4, repair_first=1,
+                          **kwargs)  # type: ignore[arg-type]
+    p = RequestPlanner(IDENTITY.digest(), BS, chunks=chunks)
+    p.apply(WorkerReport(chunk_status=""))  # the worker's model check passed
+    return p
+
+
+def serve(p: RequestPlanner, req: str, ids: list[int], params: dict, tenant: str = TENANT,
+          stored: bool = True) -> tuple[int, list]:
+    """One request through lookup, allocation, one step computing the rest, its saves
+    stored and its finish; returns its hit and its loads."""
+    hit = p.matched_tokens(req, ids, len(ids), 0, tenant=tenant, params=params)
+    hit += p.chunk_tokens(req, ids, hit)
+    p.on_alloc(req, hit)
+    loads, saves = p.plan([StepRequest(req, ids, 0, len(ids), list(range(10, 20)))])
+    if stored:
+        p.apply(WorkerReport(stored={k for s in saves for k in s.keys}))
+    p.finish(req, ids)
+    return hit, loads
+
+
+def test_opting_in_is_a_cache_salt_suffix_the_middleware_sets() -> None:
+    assert chunk_salt("acme") == "acme" + CHUNKS_SALT_SUFFIX == chunk_salt(chunk_salt("acme"))
+    assert chunk_salt(None) == "default" + CHUNKS_SALT_SUFFIX
+    assert opted_into_chunks(TENANT) and not opted_into_chunks("acme")
+    assert not opted_into_chunks(None)
+    body = {"model": "m", "prompt": "x", "cache_salt": "acme",
+            "kv_transfer_params": {PARAMS_KEY: {"spans": [], "chunks": True}}}
+    new, _ = rewrite_body(json.dumps(body).encode(), {}, priority_scheduling=False)
+    assert json.loads(new)["cache_salt"] == TENANT
+    body["kv_transfer_params"][PARAMS_KEY]["chunks"] = False  # type: ignore[index]
+    new, _ = rewrite_body(json.dumps(body).encode(), {}, priority_scheduling=False)
+    assert json.loads(new)["cache_salt"] == "acme"
+
+
+def test_documents_in_a_new_order_are_found_and_placed_not_computed() -> None:
+    p = planner()
+    ids1, params1 = prompt("abc")
+    assert serve(p, "t1", ids1, params1)[0] == 0
+    ids2, params2 = prompt("cda", [8, 8, 8, 8, 8])
+    hit, loads = serve(p, "t2", ids2, params2)
+    # the head block is a prefix hit; c and a are moved in; d is new and computed;
+    # everything up to a's end (block-aligned) is promised to vLLM
+    assert hit == 28
+    (load,) = loads
+    chunk = load.chunk
+    assert chunk is not None and (chunk.start, chunk.end) == (4, 28)
+    assert len(load.keys) == 1  # the head block, loaded by prefix
+    assert [(m.label, m.position, m.source_position, m.length) for m in chunk.chunks] == [
+        ("documents", 4, 20, 8), ("documents", 20, 4, 8)]
+    # computed: c's first token (its seam), all of d, a's first token
+    assert chunk.compute == [4, *range(12, 21)]
+    assert chunk.compute_ids == [ids2[i] for i in chunk.compute]
+    assert chunk.reused_tokens == 24 - 10
+    assert chunk.block_ids == list(range(10, 17))
+    p.apply(WorkerReport(chunk_reused_tokens={"t2": chunk.reused_tokens},
+                         chunk_computed_tokens={"t2": len(chunk.compute)}))
+
+
+def test_blocks_holding_moved_kv_are_never_saved() -> None:
+    p = planner()
+    serve(p, "t1", *prompt("abc"))
+    ids2, params2 = prompt("cda", [8, 8, 8, 8, 8])
+    hit = p.matched_tokens("t2", ids2, len(ids2), 0, tenant=TENANT, params=params2)
+    hit += p.chunk_tokens("t2", ids2, hit)
+    p.on_alloc("t2", hit)
+    _, saves = p.plan([StepRequest("t2", ids2, 0, len(ids2), list(range(10, 20)))])
+    saved_blocks = {s.first_block + i for s in saves for i in range(len(s.keys))}
+    assert saved_blocks.isdisjoint(range(1, 7))  # blocks 1..6 hold moved K/V
+    assert 7 in saved_blocks  # computed by vLLM after them: saved (tainted by a hop)
+
+
+def test_the_report_says_chunk_and_counts_reused_and_repaired_tokens() -> None:
+    p = planner()
+    serve(p, "t1", *prompt("abc"))
+    ids2, params2 = prompt("cda", [8, 8, 8, 8, 8])
+    hit = p.matched_tokens("t2", ids2, len(ids2), 0, tenant=TENANT, params=params2)
+    hit += p.chunk_tokens("t2", ids2, hit)
+    p.on_alloc("t2", hit)
+    (load,), _ = p.plan([StepRequest("t2", ids2, 0, len(ids2), list(range(10, 20)))])
+    chunk = load.chunk
+    assert chunk is not None
+    p.apply(WorkerReport(loaded_tokens={"t2": 4},
+                         chunk_reused_tokens={"t2": chunk.reused_tokens},
+                         chunk_computed_tokens={"t2": len(chunk.compute)}))
+    report = p.report("t2")
+    assert report is not None
+    assert report["reuse"] == "chunk"
+    assert report["chunk_reused_tokens"] == chunk.reused_tokens
+    assert report["repaired_tokens"] == len(chunk.compute)
+    assert report["computed_tokens"] == len(ids2) - 4 - chunk.reused_tokens
+    assert p.stats.take()["counters"]["chunk_reused_tokens"] == chunk.reused_tokens
+
+
+def test_another_tenant_or_a_request_that_did_not_opt_in_finds_no_chunk() -> None:
+    p = planner()
+    serve(p, "t1", *prompt("abc"))
+    ids2, params2 = prompt("cda", [8, 8, 8, 8, 8])
+    other = chunk_salt("globex")
+    assert serve(p, "x", ids2, params2, tenant=other)[0] == 0
+    hit, loads = serve(p, "y", ids2, params2, tenant="acme")  # same tenant, not opted in
+    assert hit == 0 and not loads
+
+
+def test_a_chunk_whose_blocks_were_evicted_is_not_promised() -> None:
+    p = planner()
+    ids1, params1 = prompt("abc")
+    serve(p, "t1", ids1, params1)
+    ids2, params2 = prompt("cda", [8, 8, 8, 8, 8])
+    p.apply(WorkerReport(removed=set(p.index)))  # the DDR tier dropped everything
+    assert serve(p, "t2", ids2, params2)[0] == 0
+
+
+def test_chunk_reuse_waits_for_the_model_check_and_says_why_it_is_off() -> None:
+    chunks = ChunkPlanner(IDENTITY.digest(), BS, min_tokens=4, repair_first=1)
+    p = RequestPlanner(IDENTITY.digest(), BS, chunks=chunks)
+    serve(p, "t1", *prompt("abc"))
+    ids2, params2 = prompt("cda", [8, 8, 8, 8, 8])
+    hit, loads = serve(p, "t2", ids2, params2)  # no report from the worker yet
+    assert hit == 4 and all(load.chunk is None for load in loads)  # the head block only
+    p.apply(WorkerReport(chunk_status="the model's chunk-reuse check failed: ..."))
+    ids3, params3 = prompt("bda", [9, 9, 9, 9, 9])
+    hit = p.matched_tokens("t3", ids3, len(ids3), 0, tenant=TENANT, params=params3)
+    assert p.chunk_tokens("t3", ids3, hit) == 0
+    report = p.report("t3")
+    assert report is not None and "check failed" in report["fallback"]
+    p.apply(WorkerReport(chunk_status=""))
+    assert p.chunk_tokens("t3", ids3, hit) > 0
+
+
+def test_a_label_can_turn_chunk_reuse_off() -> None:
+    p = planner(layers=frozenset({"user_turn"}))  # documents are not reusable
+    serve(p, "t1", *prompt("abc"))
+    ids2, params2 = prompt("cda", [8, 8, 8, 8, 8])
+    hit, loads = serve(p, "t2", ids2, params2)
+    assert hit == 4 and all(load.chunk is None for load in loads)
+
+
+def test_moved_kv_is_reused_at_most_max_hops_times() -> None:
+    for max_hops, expected in ((1, ["documents"]), (2, ["documents", "user_turn"])):
+        p = planner(max_hops=max_hops)
+        serve(p, "t1", *prompt("ab"))
+        # t2 moves a and b: what it computes after them is one hop from a full prefill
+        question = [8] * 8
+        ids2, params2 = prompt("ba", question)
+        assert serve(p, "t2", ids2, params2)[0] > 0
+        entries = {e.position: e.hops for e in p.chunks.index.of_tenant(TENANT)}  # type: ignore[union-attr]
+        assert entries[20] == 1 and entries[4] == 0  # t2's question; t1's a
+        # t3 has b, then t2's question: the question is reused only below max_hops
+        ids3, params3 = prompt("db", question)
+        _, loads = serve(p, "t3", ids3, params3)
+        moved = [m.label for load in loads if load.chunk for m in load.chunk.chunks]
+        assert moved == expected, max_hops
