@@ -134,18 +134,40 @@ class ServedLlama:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
-    def rotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Keys ``[T, H, D]`` computed at ``p`` as they are at ``p + delta`` (``[T]``,
-        any sign): RoPE's rotations compose, so one more rotation by ``delta`` moves
-        them (neox layout: dimension ``i`` pairs with ``i + D/2``)."""
+    def rotation(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, D/2]`` of RoPE's rotation by ``delta`` (``[T]``, any
+        sign) positions."""
         mag = delta.abs().to(torch.int64).cpu()
         sign = torch.where(delta.cpu() < 0, -1.0, 1.0)[:, None, None]
-        cos = self._cos[mag][:, None, :].to(k.device)
-        sin = (self._sin[mag][:, None, :] * sign).to(k.device)
+        return self._cos[mag][:, None, :], self._sin[mag][:, None, :] * sign
+
+    def rotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Keys ``[T, H, D]`` computed at ``p`` as they are at ``p + delta``: RoPE's
+        rotations compose, so one more rotation by ``delta`` moves them."""
+        cos, sin = self.rotation(delta)
+        return self.rotate_with(k, cos, sin)
+
+    @staticmethod
+    def rotate_with(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``k`` ``[T, H, D]`` rotated by :meth:`rotation`'s ``cos``/``sin`` (neox
+        layout: dimension ``i`` pairs with ``i + D/2``)."""
         x = k.float()
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
+        cos, sin = cos.to(x.device), sin.to(x.device)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(k.dtype)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int
+                ) -> torch.Tensor:
+        """Attention of a run of consecutive positions ending at ``end`` (queries
+        ``[H, n, D]``) over keys ``0 .. end-1``: causal, aligned bottom-right (the
+        run's last query sees every key), which SDPA runs without a dense mask."""
+        from torch.nn.attention.bias import causal_lower_right
+
+        n = q.shape[1]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q[None], k[None, :, :end].float(), v[None, :, :end].float(),
+            attn_mask=causal_lower_right(n, end), scale=self.scaling, enable_gqa=True)[0]
 
     @torch.inference_mode()
     def forward(self, token_ids: Sequence[int], positions: Sequence[int], kv: KVAccess,
@@ -160,8 +182,7 @@ class ServedLlama:
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64, device=device)
         pos = torch.as_tensor(list(positions), dtype=torch.int64, device=device)
         upto = int(pos.max()) + 1
-        key_pos = torch.arange(upto, device=device)
-        mask = key_pos[None, :] <= pos[:, None]  # [T, S]: causal by position
+        runs = _runs(list(positions))
         t = ids.shape[0]
         hidden = self.embed(ids)
         residual: torch.Tensor | None = None
@@ -179,10 +200,9 @@ class ServedLlama:
             v = v.reshape(t, self.num_kv_heads, self.head_dim)
             kv.write(i, pos, k, v)
             ck, cv = kv.context(i, upto)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q.reshape(t, self.num_heads, self.head_dim).transpose(0, 1).float(),
-                ck.float(), cv.float(), attn_mask=mask, scale=self.scaling,
-                enable_gqa=True)
+            q = q.reshape(t, self.num_heads, self.head_dim).transpose(0, 1).float()
+            out = torch.cat([self._attend(q[:, a:b], ck, cv, end) for a, b, end in runs],
+                            dim=1)
             out = out.transpose(0, 1).reshape(t, self.q_size).to(x.dtype)
             hidden, _ = attn.o_proj(out)
             x, residual = layer.post_attention_layernorm(hidden, residual)
@@ -191,6 +211,17 @@ class ServedLlama:
             return None
         hidden, _ = self.norm(hidden, residual)
         return self.model.compute_logits(hidden).float()
+
+
+def _runs(positions: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive positions: ``(first row, end row, end position)`` each."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(positions) + 1):
+        if i == len(positions) or positions[i] != positions[i - 1] + 1:
+            runs.append((start, i, positions[i - 1] + 1))
+            start = i
+    return runs
 
 
 def served_llama(model: Any) -> tuple[ServedLlama | None, str | None]:

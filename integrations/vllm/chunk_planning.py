@@ -13,15 +13,18 @@ range (the changed spans, the template between spans, each chunk's first
 ``repair_first`` tokens). What cannot be materialized is reported as a load error and
 vLLM recomputes it.
 
-Blocks holding moved K/V are approximations: the planner never saves them, and marks
-the K/V computed after them (their ``hops``, :meth:`ChunkIndex.taint`) so that drift
-stays bounded (``max_hops``). Only requests that opted in (a ``cache_salt`` ending in
+Blocks holding moved K/V are approximations: the planner saves them under
+:func:`moved_key` (a key no prefix lookup computes, so only chunk lookups find them,
+as sources of their spans), and marks them and the K/V computed after them with their
+``hops`` (:meth:`ChunkIndex.taint`) so that drift stays bounded (``max_hops``).
+Only requests that opted in (a ``cache_salt`` ending in
 :data:`~contextkit.pipeline.served.wire.CHUNKS_SALT_SUFFIX`) reuse chunks: vLLM's own
 prefix cache then keys their blocks apart from every request that did not opt in.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,7 +32,13 @@ from contextkit.pipeline.served.wire import WireSpan
 from gpu_cache.chunks import ChunkEntry, ChunkIndex
 from gpu_cache.hashing import BlockHash
 
-__all__ = ["ChunkLoad", "ChunkPlanner", "MovedChunk"]
+__all__ = ["ChunkLoad", "ChunkPlanner", "MovedChunk", "moved_key"]
+
+
+def moved_key(key: bytes) -> bytes:
+    """The store key of a block whose K/V were moved in (chunk reuse), from its exact
+    chained key: a prefix lookup never computes it."""
+    return hashlib.sha256(b"contextkit-moved-v1" + key).digest()
 
 
 @dataclass(slots=True)
@@ -147,19 +156,16 @@ class ChunkPlanner:
 
     def register(self, tenant: str, token_ids: Sequence[int], spans: Sequence[WireSpan],
                  keys: Sequence[bytes], stored_blocks: int, held: Callable[[bytes], bool],
-                 *, skip: range = range(0), hops: int = 0) -> int:
+                 *, hops: int = 0) -> int:
         """Register a request's spans held by its first ``stored_blocks`` blocks
-        (``keys``: their chained keys), except those touching the blocks in ``skip``
-        (moved K/V that were not stored). ``held``: whether the store holds a block
-        key. Returns how many were registered."""
+        (``keys``: the keys they are stored under). ``held``: whether the store holds
+        a block key. Returns how many were registered."""
         bs = self.block_size
         n = 0
         for span in spans:
             if not self.eligible(span) or span.end > stored_blocks * bs:
                 continue
             first, last = span.start // bs, (span.end - 1) // bs
-            if skip and first < skip.stop and last >= skip.start:
-                continue
             block_keys = tuple(BlockHash(k) for k in keys[first:last + 1])
             span_hops = max(hops, self.index.hops_of(block_keys))
             ids = list(token_ids[span.start:span.end])

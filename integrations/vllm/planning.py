@@ -39,7 +39,7 @@ from contextkit.pipeline.served.wire import (
     prompt_fingerprint,
 )
 from gpu_cache import PINNABLE_SOURCES, hash_block_tokens
-from integrations.vllm.chunk_planning import ChunkLoad, ChunkPlanner
+from integrations.vllm.chunk_planning import ChunkLoad, ChunkPlanner, moved_key
 from integrations.vllm.hints import Hints, from_wire
 from integrations.vllm.metrics import StatsRecorder, layer_names
 from integrations.vllm.precision import (
@@ -101,6 +101,9 @@ class SaveSpec:
     #: keys of the request's blocks from the start of ``first_block``'s shared-tier
     #: chunk up to it (empty without a shared tier): the chunks this save completes
     lead_keys: list[bytes] = field(default_factory=list)
+    #: the blocks hold moved K/V (chunk reuse): ``keys`` are their
+    #: :func:`~integrations.vllm.chunk_planning.moved_key`, which no prefix lookup finds
+    moved: bool = False
 
 
 @dataclass(slots=True)
@@ -345,7 +348,7 @@ class _RequestState:
     hints: Hints | None = None  # the request's agent hints (integrations.vllm.hints)
     chunk: ChunkLoad | None = None  # the chunk load of its latest lookup
     chunk_planned: bool = False  # allocated: the next plan sends it
-    unsaved: range = range(0)  # blocks holding moved K/V: never saved
+    moved: range = range(0)  # blocks holding moved K/V: saved under moved_key only
     hops: int = 0  # moves between its chunks' K/V and a full computation
     chunks_off: str | None = None  # why an opted-in request reused no chunk
 
@@ -524,7 +527,7 @@ class RequestPlanner:
             # blocks up to the chunk range are loaded; the range is materialized
             state.load_num_blocks = (chunk.start - state.last_num_computed) // bs
             state.chunk, state.chunk_planned = chunk, True
-            state.unsaved = range(chunk.start // bs, chunk.end // bs)
+            state.moved = range(chunk.start // bs, chunk.end // bs)
         state.load_planned = True
         state.load_reported = False
         state.planned_hit_tokens += num_external
@@ -556,10 +559,9 @@ class RequestPlanner:
                     state.considered_blocks = max(state.considered_blocks, first + n)
             full = min(req.num_computed + req.num_scheduled, len(req.token_ids)) // bs
             full = min(full, len(req.block_ids))
-            keys = self._keys(state, req.token_ids, full)
+            keys = self._save_keys(state, self._keys(state, req.token_ids, full))
             todo = [b for b in range(state.considered_blocks, full)
-                    if keys[b] not in self.index and keys[b] not in self.pending
-                    and b not in state.unsaved]
+                    if keys[b] not in self.index and keys[b] not in self.pending]
             state.considered_blocks = max(state.considered_blocks, full)
             state.planned_saves += len(todo)
             if not todo:
@@ -567,7 +569,7 @@ class RequestPlanner:
             # one spec per contiguous run keeps the labels' positions right
             runs: list[list[int]] = [[todo[0]]]
             for b in todo[1:]:
-                if b == runs[-1][-1] + 1:
+                if b == runs[-1][-1] + 1 and (b in state.moved) == (b - 1 in state.moved):
                     runs[-1].append(b)
                 else:
                     runs.append([b])
@@ -587,8 +589,17 @@ class RequestPlanner:
                         if self.chunk_blocks else [])
                 saves.append(SaveSpec(
                     req.req_id, state.tenant, run_keys, [req.block_ids[b] for b in run],
-                    run[0], labels, list(lead)))
+                    run[0], labels, list(lead), moved=run[0] in state.moved))
         return loads, saves
+
+    @staticmethod
+    def _save_keys(state: _RequestState, keys: list[bytes]) -> list[bytes]:
+        """The keys the request's blocks are stored under: blocks holding moved K/V
+        under their :func:`moved_key` (chunk sources for later requests, never a
+        prefix hit)."""
+        if not state.moved:
+            return keys
+        return [moved_key(k) if b in state.moved else k for b, k in enumerate(keys)]
 
     def _shared_chunks(self, state: _RequestState, first: int, end: int) -> list[list[bytes]]:
         """The shared-tier chunks covering blocks ``first .. end-1`` that
@@ -686,9 +697,15 @@ class RequestPlanner:
         state = self._reqs.get(req_id)
         if state is None:
             return None
-        loaded = self._loaded.get(req_id, 0)
+        # a request that finished in the step of its load is reported as planned
+        # (``complete`` False): the worker's report of that step comes after it
+        planned = not state.load_reported
+        chunk = state.chunk if planned and not state.chunk_planned else None
+        loaded = self._loaded.get(req_id, state.load_num_blocks * self.block_size
+                                  if planned else 0)
         failed = self._load_failed.get(req_id, 0)
-        reused = self._chunk_reused.get(req_id, 0)
+        reused = self._chunk_reused.get(req_id, chunk.reused_tokens if chunk else 0)
+        repaired = self._chunk_computed.get(req_id, len(chunk.compute) if chunk else 0)
         cached = max(0, state.vllm_hit_tokens)
         fallback = []
         if state.labels_ignored is not None:
@@ -703,7 +720,7 @@ class RequestPlanner:
                 "vllm_cached_tokens": cached, "contextkit_loaded_tokens": loaded,
                 "shared_tier_tokens": min(state.shared_tokens, loaded),
                 "chunk_reused_tokens": reused,
-                "repaired_tokens": self._chunk_computed.get(req_id, 0),
+                "repaired_tokens": repaired,
                 "computed_tokens": max(0, state.num_prompt_tokens - cached - loaded - reused),
                 "fallback": "; ".join(fallback) or None,
                 "complete": state.load_reported}
@@ -726,9 +743,9 @@ class RequestPlanner:
         """The request's spans into the chunk index; the blocks computed over moved K/V
         marked with their hops first (their spans inherit them)."""
         assert self.chunks is not None
-        keys = state.keys[:state.considered_blocks]
-        if state.unsaved:
-            self.chunks.taint(keys[state.unsaved.start:], state.chunk.hops if state.chunk
+        keys = self._save_keys(state, state.keys[:state.considered_blocks])
+        if state.moved:
+            self.chunks.taint(keys[state.moved.start:], state.chunk.hops if state.chunk
                               else 1)
         else:
             hops = self.chunks.hops_of(keys[:state.load_first_block + state.load_num_blocks])
@@ -738,8 +755,7 @@ class RequestPlanner:
             return
         _, spans = decode_spans(ours)
         self.chunks.register(state.tenant, token_ids, spans, keys, len(keys),
-                             lambda k: k in self.index or k in self.pending,
-                             skip=state.unsaved)
+                             lambda k: k in self.index or k in self.pending)
 
     def _close(self, req_id: str) -> dict[str, Any]:
         state = self._reqs.pop(req_id)

@@ -150,7 +150,8 @@ class ConnectorScheduler:
         specs: list[LoadSpec | SaveSpec] = [*loads, *saves]
         for spec in specs:
             request = self._requests.get(spec.req_id)
-            if request is not None:  # which vLLM blocks the keys are (KV events)
+            if request is not None and not (isinstance(spec, SaveSpec) and spec.moved):
+                # which vLLM blocks the keys are (KV events); moved K/V are no block's
                 self._events.planned(spec.keys, spec.first_block, request.block_hashes,
                                      request.all_token_ids, request.cache_salt)
         keeps, self._keeps = self._keeps, []

@@ -34,10 +34,10 @@ from integrations.vllm.connector_metadata import (
     ContextKitConnectorMetadata,
     ContextKitWorkerMetadata,
 )
-from integrations.vllm.layout import LAYOUTS, keys_by_token, probe_cpu_key_order
+from integrations.vllm.layout import LAYOUTS, keys_by_token, keys_to_page, probe_cpu_key_order
 from integrations.vllm.pauses import KeepSpec
 from integrations.vllm.planning import LoadSpec, SaveSpec, WorkerReport
-from integrations.vllm.pools import assemble_parts, decode_pool_blocks, decode_pool_layer_into
+from integrations.vllm.pools import decode_pool_blocks, decode_pool_layer_into
 from integrations.vllm.served_model import served_model
 from integrations.vllm.shared import SharedWriter, open_shared_tier
 from integrations.vllm.store import ConnectorStore, local_session_keys
@@ -286,48 +286,77 @@ class ConnectorWorker:
         for moved in chunk.chunks:
             for key in moved.source_keys:
                 keys.setdefault(key, len(keys))
-        sources = self._loader.submit(self._decode_sources, list(keys), chunk.tenant).result()
-        if sources is None:
+        n_src = len(keys)
+        t0 = time.perf_counter()
+        stored = self._loader.submit(self._decode_sources, list(keys), chunk.tenant).result()
+        if stored is None:
             logger.warning("request %s: a reused chunk's blocks are no longer stored; vLLM "
                            "recomputes tokens %d..%d", chunk.req_id, chunk.start, chunk.end)
             return False
-        k_stored, v_stored = sources
-        # stored blocks are page bytes: their key rows in the page's order
-        k_stored = keys_by_token(k_stored.permute(0, 1, 3, 2, 4), self._key_order)
-        k_all = k_stored.permute(0, 1, 3, 2, 4).flatten(1, 2)  # [L, blocks * N, H, D]
-        v_all = v_stored.flatten(1, 2)
-        bs = self.block_size
-        k_pages, v_pages = [], []
-        for name in self._names:
-            k, v = self._layout.split(self._pages[name])
-            k_pages.append(keys_by_token(k, self._key_order))
-            v_pages.append(v)
-        paged = PagedKV(k_pages, v_pages, chunk.block_ids, bs)
+        t1 = time.perf_counter()
+        bs, heads, dim = self.block_size, self.identity.num_kv_heads, self.identity.head_dim
+        rows, delta, positions = [], [], []
         for moved in chunk.chunks:
-            rows = torch.cat([torch.arange(bs) + keys[key] * bs for key in moved.source_keys])
-            rows = rows[moved.offset:moved.offset + moved.length]
-            k_src, v_src = k_all[:, rows], v_all[:, rows]  # [L, T, H, D]
-            layers, t = k_src.shape[0], k_src.shape[1]
-            delta = torch.full((layers * t,), moved.position - moved.source_position)
-            k_new = model.rotate(k_src.reshape(layers * t, *k_src.shape[2:]), delta)
-            k_new = k_new.reshape(k_src.shape)
-            positions = torch.arange(moved.position, moved.position + t)
-            for layer in range(layers):
-                paged.write(layer, positions, k_new[layer], v_src[layer])
+            at = torch.cat([torch.arange(bs) + keys[key] * bs for key in moved.source_keys])
+            rows.append(at[moved.offset:moved.offset + moved.length])
+            delta.append(torch.full((moved.length,), moved.position - moved.source_position))
+            positions.append(torch.arange(moved.position, moved.position + moved.length))
+        at, where = torch.cat(rows), torch.cat(positions) - chunk.start
+        cos, sin = model.rotation(torch.cat(delta))
+        # whole pages of the range, layer by layer: the tokens to compute hold stale
+        # values until the forward writes them, before anything reads them
+        first, n = chunk.start // bs, (chunk.end - chunk.start) // bs
+        ids = torch.tensor(chunk.block_ids[first:first + n], dtype=torch.int64)
+        k_range = torch.empty(n * bs, heads, dim)
+        v_range = torch.empty_like(k_range)
+        for layer, name in enumerate(self._names):
+            # the stored rows are page memory: [n, N, H, D] -> token-major keys
+            k_mem = stored[layer, 0].permute(0, 2, 1, 3).contiguous()  # [n, H, N, D]
+            k_tok = keys_by_token(k_mem, self._key_order).permute(0, 2, 1, 3)
+            k_range[where] = model.rotate_with(k_tok.reshape(n_src * bs, heads, dim)[at],
+                                               cos, sin)
+            v_range[where] = stored[layer, 1].reshape(n_src * bs, heads, dim)[at]
+            pages = self._pages[name]
+            page = self._layout.join(
+                keys_to_page(k_range.view(n, bs, heads, dim).transpose(1, 2),
+                             self._key_order),
+                v_range.view(n, bs, heads, dim).transpose(1, 2))
+            pages.index_copy_(0, ids.to(pages.device), page.to(pages.device, pages.dtype))
+        t2 = time.perf_counter()
         if chunk.compute:
-            model.forward(chunk.compute_ids, chunk.compute, paged)
+            k_pages, v_pages = [], []
+            for name in self._names:
+                k, v = self._layout.split(self._pages[name])
+                k_pages.append(keys_by_token(k, self._key_order))
+                v_pages.append(v)
+            model.forward(chunk.compute_ids, chunk.compute,
+                          PagedKV(k_pages, v_pages, chunk.block_ids, bs))
+        logger.debug("request %s: chunk reuse decoded %d blocks in %.3f s, placed %d tokens "
+                     "in %.3f s, computed %d in %.3f s", chunk.req_id, n_src, t1 - t0,
+                     len(at), t2 - t1, len(chunk.compute), time.perf_counter() - t2)
         return True
 
-    def _decode_sources(self, keys: list[bytes], tenant: str
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """K/V ``[L, n, N, H, D]`` of these stored blocks (loader thread), or None when
+    def _decode_sources(self, keys: list[bytes], tenant: str) -> torch.Tensor | None:
+        """The stored rows of these blocks, ``[L, 2 (K, V), n, N, H, D]`` float32
+        (loader thread; the fused decoder sets its thread's OpenMP count), or None when
         the store no longer holds one of them for ``tenant``."""
         parts = self.store.export_parts(keys, tenant)
         if sum(len(positions) for _, positions, _ in parts) < len(keys):
             return None
-        decoded = [(positions, *decode_pool_blocks(pool, data))
-                   for pool, positions, data in parts]
-        return assemble_parts(decoded, len(keys))
+        n, bs = len(keys), self.block_size
+        heads, dim = self.identity.num_kv_heads, self.identity.head_dim
+        out = torch.empty(self.identity.num_layers, 2, n, bs, heads, dim)
+        per_layer = 2 * n * bs * heads
+        for pool, positions, data in parts:
+            blocks = torch.tensor(positions, dtype=torch.int64)[:, None, None]
+            token = torch.arange(bs)[None, :, None]
+            head = torch.arange(heads)[None, None, :]
+            k_rows = ((blocks * bs + token) * heads + head).reshape(-1)
+            for layer in range(self.identity.num_layers):
+                rows = out[layer].view(-1, dim)
+                decode_pool_layer_into(pool, data, layer, rows, k_rows,
+                                       k_rows + per_layer // 2)
+        return out
 
     def take_load_errors(self) -> set[int]:
         """``get_block_ids_with_load_errors``: blocks vLLM must recompute."""

@@ -12,8 +12,8 @@ from contextkit.pipeline.served.wire import (
     chunk_salt,
     opted_into_chunks,
 )
-from gpu_cache import CacheIdentity
-from integrations.vllm.chunk_planning import ChunkPlanner
+from gpu_cache import CacheIdentity, hash_token_blocks
+from integrations.vllm.chunk_planning import ChunkPlanner, moved_key
 from integrations.vllm.hints_middleware import rewrite_body
 from integrations.vllm.planning import (
     RequestPlanner,
@@ -101,7 +101,7 @@ def test_documents_in_a_new_order_are_found_and_placed_not_computed() -> None:
                          chunk_computed_tokens={"t2": len(chunk.compute)}))
 
 
-def test_blocks_holding_moved_kv_are_never_saved() -> None:
+def test_blocks_holding_moved_kv_are_stored_where_no_prefix_lookup_finds_them() -> None:
     p = planner()
     serve(p, "t1", *prompt("abc"))
     ids2, params2 = prompt("cda", [8, 8, 8, 8, 8])
@@ -109,9 +109,19 @@ def test_blocks_holding_moved_kv_are_never_saved() -> None:
     hit += p.chunk_tokens("t2", ids2, hit)
     p.on_alloc("t2", hit)
     _, saves = p.plan([StepRequest("t2", ids2, 0, len(ids2), list(range(10, 20)))])
-    saved_blocks = {s.first_block + i for s in saves for i in range(len(s.keys))}
-    assert saved_blocks.isdisjoint(range(1, 7))  # blocks 1..6 hold moved K/V
-    assert 7 in saved_blocks  # computed by vLLM after them: saved (tainted by a hop)
+    exact = hash_token_blocks(IDENTITY.digest(), TENANT, ids2, BS)
+    by_block = {s.first_block + i: (k, s.moved) for s in saves for i, k in enumerate(s.keys)}
+    for b in range(1, 7):  # blocks 1..6 hold moved K/V: under their moved key only
+        assert by_block[b] == (moved_key(exact[b]), True)
+    assert by_block[7] == (exact[7], False)  # computed by vLLM after them
+    p.apply(WorkerReport(stored={k for s in saves for k in s.keys}))
+    p.finish("t2", ids2)
+    # the same prompt again, through vLLM's and the connector's prefix path: the chain
+    # stops at the first moved block
+    assert p.matched_tokens("again", ids2, len(ids2), 0, tenant=TENANT, params=params2) == 4
+    # d, computed by the connector in t2, is a chunk now (one hop from a full prefill)
+    entries = {e.position: e for e in p.chunks.index.of_tenant(TENANT)}  # type: ignore[union-attr]
+    assert entries[12].hops == 1 and entries[12].block_keys[0] == moved_key(exact[3])
 
 
 def test_the_report_says_chunk_and_counts_reused_and_repaired_tokens() -> None:
