@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft bench-agents bench-agent-vllm bench-agents-vllm bench-replicas bench-tool-pauses bench-vllm bench-decode figures docs lint typecheck clean
+.PHONY: help setup demo test test-heavy test-fast test-vllm bench bench-ttft bench-agents bench-agent-vllm bench-agents-vllm bench-replicas bench-tool-pauses bench-chunks-vllm bench-vllm bench-decode figures docs lint typecheck clean
 
 help:
 	@echo "make demo       set up, then replay a ten-layer agent on SmolLM2: TTFT with vs"
@@ -23,6 +23,7 @@ help:
 	@echo "                semantic+ooda, and a device-size sweep (~12 min on 2 cores)"
 	@echo "make bench-agent-vllm  a LangChain agent on vLLM, 4 cache configurations (~15 min)"
 	@echo "make bench-agents-vllm  6 agents on one vLLM server with KV for ~2, 5 configurations side by side (~25 min)"
+	@echo "make bench-chunks-vllm  a RAG agent on vLLM: chunk reuse after changed documents (~20 min)"
 	@echo "make bench-tool-pauses  8 agents whose every turn ends in a tool call, one vLLM server:"
 	@echo "                APC, the connector, with agent hints, the ceiling, side by side (~20 min)"
 	@echo "make bench-replicas  6 agents alternating between two vLLM replicas: local DDR vs the"
@@ -102,6 +103,14 @@ bench-tool-pauses:
 	@mkdir -p bench/results
 	.venv-vllm/bin/python -m contextkit.cli bench tool-pauses --json \
 		--out bench/results/tool-pauses-cpu.json 2>&1 | tee bench/results/tool-pauses-cpu.log
+
+# Reuse beyond the prefix on vLLM: a RAG agent whose documents change order and membership
+# every turn; chunk reuse vs prefix reuse, APC, LMCache and a full prefill, interleaved.
+bench-chunks-vllm:
+	@bash scripts/vllm_venv.sh
+	@mkdir -p bench/results
+	.venv-vllm/bin/python -m contextkit.cli bench chunks-vllm --json \
+		--out bench/results/chunks-vllm-cpu.json 2>&1 | tee bench/results/chunks-vllm-cpu.log
 
 # Two vLLM CPU replicas, each agent's turns alternating between them (moto S3 for the shared
 # tier): one replica, local DDR, shared, side by side with the steps interleaved; APC,

@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "agents-vllm": "contextkit.bench.agents_vllm",
     "replicas": "contextkit.bench.replicas",
     "tool-pauses": "contextkit.bench.tool_pauses",
+    "chunks-vllm": "contextkit.bench.chunks_vllm",
     "decode": "contextkit.bench.decode",
 }
 

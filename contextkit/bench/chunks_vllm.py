@@ -1,0 +1,218 @@
+"""Reuse beyond the prefix on vLLM: a RAG agent whose retrieved documents change order
+and membership every turn, placed before the conversation.
+
+Runs inside the vLLM virtualenv, through :mod:`integrations.vllm.bench.chunks_bench`
+(all servers up, each step sent to each configuration in turn, one transcript: the
+full prefill's replies). On the turns where ``connector_chunks`` reused chunks, it
+reports each configuration's TTFT (a one-token request, client side), the tokens it
+computed (for chunk reuse: the prompt tokens vLLM computed plus those the connector
+computed itself, the changed spans and seams), and the teacher-forced agreement,
+perplexity ratio and mean KL of chunk reuse and of prefix reuse against the full
+prefill on the same turns. Ratios are medians of the TTFTs over those turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from contextkit.bench._common import machine_info, positive_float, positive_int, print_table
+from contextkit.bench.agent_vllm import vllm_installed
+
+__all__ = ["CONFIGS", "HELP", "add_arguments", "quality", "result_of", "run"]
+
+HELP = ("reuse beyond the prefix on vLLM: a RAG agent whose documents change order and "
+        "membership every turn; chunk reuse vs prefix reuse, APC, LMCache, full prefill")
+#: ``--out`` names a JSON file; the CLI writes the result there with its provenance.
+OUT_IS_JSON = True
+
+CONFIGS = ("full", "ceiling", "apc", "connector", "connector_chunks", "lmcache")
+#: The issue's targets (checked in the report, never in a test).
+GOALS = {"speedup_chunks_vs_prefix_p50": (">=", 2.5),
+         "tokens_computed_vs_prefix": ("<=", 0.4),
+         "teacher_forced_agreement": (">=", 0.97), "ppl_ratio": ("<=", 1.03),
+         "mean_kl": ("<=", 0.02), "speedup_vs_lmcache_p50": (">=", 2.0)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--agents", type=positive_int, default=3, help="agents (default 3)")
+    parser.add_argument("--tenants", type=positive_int, default=2, help="tenants (default 2)")
+    parser.add_argument("--steps", type=positive_int, default=24,
+                        help="steps, one agent turn each, round robin (default 24)")
+    parser.add_argument("--docs", type=positive_int, default=5,
+                        help="documents retrieved per turn (default 5)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    parser.add_argument("--max-tokens", type=positive_int, default=24,
+                        help="tokens of each reply (default 24)")
+    parser.add_argument("--kv-agents", type=positive_float, default=1.5,
+                        help="vLLM's KV space in agent prompts, but for full and ceiling "
+                             "(default 1.5)")
+    parser.add_argument("--quality-turns", type=positive_int, default=8,
+                        help="chunk turns teacher-forced (default 8)")
+    parser.add_argument("--quality-tokens", type=positive_int, default=16,
+                        help="forced positions per turn (default 16)")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"comma-separated, from {', '.join(CONFIGS)} (full always runs)")
+    parser.add_argument("--model", default=None,
+                        help="model directory (default: the packaged SmolLM2, converted)")
+    parser.add_argument("--dir", default=None, help="work directory for logs (default: temp)")
+    parser.add_argument("--out", default=None,
+                        help="also write the JSON result (with its provenance) here")
+
+
+# ---------------------------------------------------------------------- pure figures
+def computed_tokens(row: Mapping[str, Any]) -> int:
+    """Prompt tokens a configuration computed on a step: those vLLM computed, plus
+    those contextkit's connector computed itself (chunk reuse's spans and seams)."""
+    prompt, cached = int(row["prompt_tokens"]), int(row.get("cached_tokens") or 0)
+    report = row.get("report") or {}
+    return prompt - cached + int(report.get("repaired_tokens") or 0)
+
+
+def quality(probes: Sequence[Mapping[str, Any]], name: str, reference: str = "full"
+            ) -> dict[str, Any] | None:
+    """Teacher-forced agreement (top-1 equals the forced token), perplexity ratio of the
+    forced tokens and mean KL(reference || name) over the reference's top-20 (the
+    other's missing entries at its lowest logprob) of ``name`` against ``reference``."""
+    agree = n = 0
+    nll = nll_ref = kl = 0.0
+    for probe in probes:
+        tops = probe["tops"]
+        if name not in tops or reference not in tops:
+            continue
+        for j, token in enumerate(probe["forced"]):
+            mine, ref = tops[name][j], tops[reference][j]
+            key = str(token)
+            agree += max(mine, key=lambda t: mine[t]) == key
+            floor = min(mine.values())
+            nll -= mine.get(key, floor)
+            nll_ref -= ref.get(key, min(ref.values()))
+            kl += sum(math.exp(lp) * (lp - mine.get(t, floor)) for t, lp in ref.items())
+            n += 1
+    if not n:
+        return None
+    return {"teacher_forced_agreement": round(agree / n, 4),
+            "ppl_ratio": round(math.exp((nll - nll_ref) / n), 4),
+            "mean_kl": round(kl / n, 5), "positions": n}
+
+
+def _p50(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def _met(value: Any, goal: tuple[str, float]) -> str:
+    op, bound = goal
+    if not isinstance(value, int | float):
+        return f"{value} (goal {op} {bound:g})"
+    ok = value >= bound if op == ">=" else value <= bound
+    return f"{value} ({'met' if ok else 'not met'}: goal {op} {bound:g})"
+
+
+def result_of(args: argparse.Namespace, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The bench's figures from the driver's raw rows."""
+    runs: Mapping[str, Any] = raw["configs"]
+    chunk_rows = runs.get("connector_chunks", {}).get("rows", [])
+    turns = [i for i, r in enumerate(chunk_rows) if (r.get("report") or {}).get("reuse") == "chunk"]
+    ttft = {n: [float(runs[n]["rows"][i]["ttft_ms"]) for i in turns] for n in runs}
+    computed = {n: sum(computed_tokens(runs[n]["rows"][i]) for i in turns) for n in runs}
+    p50 = {n: _p50(t) for n, t in ttft.items()}
+    chunks = p50.get("connector_chunks")
+    probes = raw.get("probes", [])
+    q_chunks = quality(probes, "connector_chunks")
+    q_prefix = quality(probes, "connector")
+    reused = sum(int((chunk_rows[i].get("report") or {}).get("chunk_reused_tokens") or 0)
+                 for i in turns)
+    result: dict[str, Any] = {
+        "bench": "chunks-vllm",
+        "chunk_turns": len(turns), "steps": len(chunk_rows),
+        "speedup_chunks_vs_prefix_p50": _ratio(p50.get("connector"), chunks),
+        "tokens_computed_vs_prefix": (round(computed["connector_chunks"]
+                                            / computed["connector"], 3)
+                                      if computed.get("connector") and "connector_chunks"
+                                      in computed else None),
+        "speedup_vs_apc_p50": _ratio(p50.get("apc"), chunks),
+        "speedup_vs_lmcache_p50": _ratio(p50.get("lmcache"), chunks),
+        "speedup_vs_full_p50": _ratio(p50.get("full"), chunks),
+        "speedup_vs_prefix_ceiling_p50": _ratio(p50.get("ceiling"), chunks),
+        "prefix_ceiling_vs_connector_p50": _ratio(p50.get("connector"), p50.get("ceiling")),
+        "chunk_reused_tokens": reused,
+        **(q_chunks or {}),
+        "quality_prefix_only": q_prefix,
+        "goals": {k: f"{op} {v:g}" for k, (op, v) in GOALS.items()},
+        "ttft_p50_ms": p50,
+        "computed_tokens": computed,
+        "chunk_turn_steps": turns,
+        "ttft_ms": {n: [r["ttft_ms"] for r in runs[n]["rows"]] for n in runs},
+        "prompt_tokens": {n: [r["prompt_tokens"] for r in runs[n]["rows"]] for n in runs},
+        "cached_tokens": {n: [r["cached_tokens"] for r in runs[n]["rows"]] for n in runs},
+        "reports": [r.get("report") for r in chunk_rows],
+        "counters": {n: {k.removeprefix("vllm:contextkit_"): v
+                         for k, v in runs[n].get("metrics", {}).items()
+                         if "chunk" in k or "reuse_" in k}
+                     for n in runs if n.startswith("connector")},
+        "interleaved": bool(raw.get("interleaved")),
+        "not_run": raw.get("errors", {}),
+        "sizes": raw.get("sizes"),
+        "workload": raw.get("workload"),
+        "machine": machine_info(),
+        "load_after": raw.get("loadavg_1min"),
+        "model": "packaged SmolLM2-135M-Instruct (float32)" if not args.model else args.model,
+        "method": "every server up, each step sent to each configuration in turn, one "
+                  "transcript (the full prefill's replies); TTFT = a one-token "
+                  "/v1/completions request, client side; figures over the turns where "
+                  "connector_chunks reused chunks; quality teacher-forced against full",
+    }
+    table: list[tuple[str, Any]] = [
+        (f"ttft p50 {n} (ms)", v) for n, v in p50.items()]
+    table += [(f"tokens computed {n}", c) for n, c in computed.items()]
+    table += [(k, _met(result.get(k), goal)) for k, goal in GOALS.items()]
+    table += [("speedup_vs_apc_p50", result["speedup_vs_apc_p50"]),
+              ("speedup_vs_prefix_ceiling_p50", result["speedup_vs_prefix_ceiling_p50"]),
+              ("prefix only: agreement / ppl ratio / KL",
+               None if q_prefix is None else
+               f"{q_prefix['teacher_forced_agreement']} / {q_prefix['ppl_ratio']} / "
+               f"{q_prefix['mean_kl']}")]
+    print_table(f"RAG agent, {len(turns)} chunk turns of {len(chunk_rows)} steps", table)
+    return result
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    configs = [c.strip() for c in str(args.configs).split(",") if c.strip()]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        raise SystemExit(f"unknown --configs {', '.join(unknown)}; pick from "
+                         f"{', '.join(CONFIGS)}")
+    if not vllm_installed():
+        raise SystemExit("contextkit bench chunks-vllm runs inside the vLLM virtualenv: "
+                         "`make test-vllm` creates .venv-vllm, then `make bench-chunks-vllm`")
+    if importlib.util.find_spec("memory_graph") is None:
+        raise SystemExit("bench chunks-vllm needs contextkit's memory_graph package")
+    work = Path(args.dir or tempfile.mkdtemp(prefix="ck-bench-chunks-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    raw_path = work / "raw.json"
+    cmd = [sys.executable, "-m", "integrations.vllm.bench.chunks_bench", "--out", str(raw_path),
+           "--dir", str(work), "--agents", str(args.agents), "--tenants", str(args.tenants),
+           "--steps", str(args.steps), "--docs", str(args.docs), "--seed", str(args.seed),
+           "--max-tokens", str(args.max_tokens), "--kv-agents", str(args.kv_agents),
+           "--quality-turns", str(args.quality_turns),
+           "--quality-tokens", str(args.quality_tokens), "--configs", ",".join(configs)]
+    if args.model:
+        cmd += ["--model", args.model]
+    proc = subprocess.run(cmd, stdout=sys.stderr, check=False)
+    if proc.returncode:
+        raise SystemExit(f"bench chunks-vllm: the driver failed ({proc.returncode}); see "
+                         f"the output above and the server logs in {work}")
+    return result_of(args, json.loads(raw_path.read_text()))
