@@ -324,7 +324,7 @@ def plan_sizes(workload: RagWorkload, args: argparse.Namespace) -> dict[str, Any
     pressure = max(-(-longest // BLOCK) + 2, int(args.kv_agents * longest / BLOCK))
     ceiling = len(workload.agents) * (-(-longest // BLOCK) + 8) + 64
     # the DDR tier holds every block the run saves: chunk reuse, not eviction, decides
-    host = 4 * args.steps * (-(-longest // BLOCK))
+    host = int(1.2 * args.steps * (-(-longest // BLOCK)))
     return {"prompt_tokens_first_mean": round(prompt), "longest_prompt_tokens": longest,
             "kv_blocks_pressure": pressure, "kv_blocks_ceiling": ceiling,
             "host_blocks": host, "fp16_block": fp16, "tq4_block": tq4,
