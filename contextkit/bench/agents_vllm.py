@@ -81,7 +81,8 @@ OUT_IS_JSON = True
 
 CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru", "connector_fp16",
            "connector_int8", "connector_tq4", "connector_saves_all_cores",
-           "connector_store_volatile", "connector_all", "lmcache", "lmcache_ordering")
+           "connector_store_volatile", "connector_all", "connector_chunks", "lmcache",
+           "lmcache_ordering")
 #: The default run: what fits side by side in 24 GB (about 3 GiB per vLLM server): the
 #: ceiling, vLLM's prefix cache, the connector, recency eviction and the eviction
 #: policies' ceiling. Other comparisons are runs of their own, each with its ceiling.
@@ -250,18 +251,46 @@ def _step_stats(config: Mapping[str, Any], *, probe: bool = False
 
 def _hits(config: Mapping[str, Any]) -> dict[str, int]:
     """Prompt tokens served per tier over the schedule: vLLM's own cache, the
-    connector's DDR tier, the shadow (read at startup only: 0 per request)."""
+    connector's DDR tier, the shadow (read at startup only: 0 per request), chunks moved
+    in; computed counts the tokens the connector computed for chunk reuse too."""
     rows = config["rows"]
     cached = sum(r.get("cached_tokens") or 0 for r in rows)
     stats = _step_stats(config)
     ddr = sum(s.get("external_hit_tokens") or 0 for s in stats)
+    chunk = sum(s.get("chunk_reused_tokens") or 0 for s in stats)
+    repaired = sum(s.get("chunk_computed_tokens") or 0 for s in stats)
     external = config.get("metrics", {})
     if not stats and config.get("lmcache"):
         ddr = int(external.get("vllm:external_prefix_cache_hits_total", 0)
                   or external.get("vllm:external_prefix_cache_hits", 0))
-    return {"vllm": cached - ddr, "ddr": ddr, "shadow": 0,
-            "computed": sum((r.get("prompt_tokens") or 0) - (r.get("cached_tokens") or 0)
-                            for r in rows)}
+    return {"vllm": cached - ddr - chunk - repaired, "ddr": ddr, "shadow": 0, "chunk": chunk,
+            "computed": repaired + sum((r.get("prompt_tokens") or 0)
+                                       - (r.get("cached_tokens") or 0) for r in rows)}
+
+
+def _chunk_figures(ttft: Mapping[str, Sequence[float]], warm: Sequence[bool],
+                   computed: Mapping[str, int], runs: Mapping[str, Any]) -> dict[str, Any]:
+    """``connector_chunks`` against the others: warm-step TTFT medians' ratios (the
+    other's over chunk reuse's), over all warm steps and over those where chunks were
+    moved in, and the tokens each computed."""
+    stats = _step_stats(runs["connector_chunks"])
+    moved = [bool(s.get("chunk_reused_tokens")) for s in stats]
+    out: dict[str, Any] = {"computed_tokens": dict(computed),
+                           "chunk_reused_tokens": sum(s.get("chunk_reused_tokens") or 0
+                                                      for s in stats),
+                           "chunk_steps": sum(moved)}
+    for label, mask in (("warm", warm), ("chunk_steps", [
+            w and m for w, m in zip(warm, moved + [False] * len(warm), strict=False)])):
+        def p50(name: str, mask: Sequence[bool] = mask) -> float | None:
+            values = [t for t, w in zip(ttft.get(name, ()), mask, strict=False) if w]
+            return statistics.median(values) if values else None
+
+        mine = p50("connector_chunks")
+        for other in ("apc", "connector", "ceiling", "lmcache"):
+            theirs = p50(other)
+            out[f"{label}_speedup_vs_{other}_p50"] = (round(theirs / mine, 3)
+                                                      if theirs and mine else None)
+    return out
 
 
 def _ratio_of(runs: Mapping[str, Any], num: str, den: str) -> float | None:
@@ -405,6 +434,9 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         qualities[n] = quality(reference["tops"], probe["tops"], reference["forced"])
         qualities[n]["probe_connector_hit_tokens"] = sum(
             s.get("external_hit_tokens") or 0 for s in _step_stats(runs[n], probe=True))
+    if "connector_chunks" in runs:
+        result["chunks"] = _chunk_figures(ttft, warm, computed, runs)
+        result["chunks"]["quality"] = qualities.get("connector_chunks")
     main = qualities.get("connector", {})
     costs = {n: connector_costs(runs[n].get("metrics", {}), len(runs[n]["rows"]))
              for n in names}

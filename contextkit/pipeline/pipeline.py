@@ -131,6 +131,12 @@ class CacheAwareContextPipeline:
         pin_stable: pin the stable prefix's blocks in the device tier; a prefix over
             the tenant's pin quota is served unpinned (a warning, ``pin_reason``), or
             refused before any work with ``"strict"``.
+        reuse_chunks: on a served model, opt this pipeline's requests into chunk reuse
+            (the vLLM connector's ``chunk_reuse``: sections after a changed one are
+            moved in from where they were computed, their seams recomputed; an
+            approximation of a full prefill, see docs/chunks.md "On vLLM"). Their
+            ``cache_salt`` then carries contextkit's chunk suffix, a cache namespace of
+            its own.
         volatility_alpha: weight of the newest observation in each layer's change rate.
         spillover: where over-budget lines go (a new queue by default).
         tiers: a tier manager to register every call's blocks with (see
@@ -163,6 +169,7 @@ class CacheAwareContextPipeline:
         reorder: bool = True,
         trailing_message: bool = True,
         pin_stable: bool | Literal["strict"] = True,
+        reuse_chunks: bool = False,
         volatility_alpha: float = 0.3,
         spillover: SpilloverQueue | None = None,
         metrics: ContextkitMetrics | bool | None = None,
@@ -191,6 +198,7 @@ class CacheAwareContextPipeline:
         self.reorder = reorder
         self.trailing_message = trailing_message
         self.pin_stable = pin_stable
+        self.reuse_chunks = bool(reuse_chunks)
         self.alpha = volatility_alpha
         self.spillover = spillover if spillover is not None else SpilloverQueue()
         self._lock = threading.RLock()
@@ -560,7 +568,8 @@ class CacheAwareContextPipeline:
             InvalidNameError: a tenant vLLM refuses as ``cache_salt`` (it contains ``@``).
         """
         return self._served.request_fields(messages, pin=bool(self.pin_stable), tenant=tenant,
-                                           built=built, tools=tools)
+                                           built=built, tools=tools,
+                                           chunks=self.reuse_chunks)
 
     def record_usage(self, report_or_tenant: CallReport | str | None, prompt_tokens: int,
                      cached_tokens: int) -> CallReport:

@@ -760,9 +760,9 @@ class RequestPlanner:
     def _close(self, req_id: str) -> dict[str, Any]:
         state = self._reqs.pop(req_id)
         reused = self._chunk_reused.pop(req_id, 0)
-        self._chunk_computed.pop(req_id, None)
         return {
             "chunk_reused_tokens": reused,
+            "chunk_computed_tokens": self._chunk_computed.pop(req_id, 0),
             "request_id": req_id,
             "tenant": state.tenant,
             "prompt_tokens": state.num_prompt_tokens,

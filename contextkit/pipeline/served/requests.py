@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from contextkit.engine.types import TokenSpan
 from contextkit.pipeline.reports import BuiltPrompt, CallReport, tokens_by_layer
 from contextkit.pipeline.served.model import LabelRangeError, ServedModel
-from contextkit.pipeline.served.wire import WireSpan, encode_labels
+from contextkit.pipeline.served.wire import WireSpan, chunk_salt, encode_labels
 from contextkit.pipeline.tenancy import TenantViews, check_tenant
 from contextkit.prompt.layers import LayerConfig
 from gpu_cache import InvalidNameError
@@ -109,9 +109,11 @@ class ServedRequests:
 
     def request_fields(self, messages: Sequence[Mapping[str, Any]], *, pin: bool,
                        tenant: str | None = None, built: BuiltPrompt | None = None,
-                       tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+                       tools: Sequence[Mapping[str, Any]] | None = None,
+                       chunks: bool = False) -> dict[str, Any]:
         """See :meth:`CacheAwareContextPipeline.request_fields`; ``pin``: the pipeline's
-        ``pin_stable``. ``{}`` when the served model sends no fields
+        ``pin_stable``, ``chunks``: its ``reuse_chunks`` (the salt opts into chunk
+        reuse). ``{}`` when the served model sends no fields
         (:attr:`ServedModel.sends_fields`): the spans are still computed, for the
         per-layer usage."""
         served = self.served
@@ -120,6 +122,11 @@ class ServedRequests:
                                "CacheAwareContextPipeline(served=ServedModel(model_dir))")
         tenant, built = self.built_for(tenant, built)
         salt = cache_salt(tenant)
+        if chunks:
+            salt = chunk_salt(salt)
+            if len(salt) > 128:
+                raise InvalidNameError(f"tenant {tenant!r} is too long to opt into chunk "
+                                       "reuse: vLLM's cache_salt takes 128 characters")
         rendered = served.render(messages, tools)
         contents = served.content_spans(messages, tools, rendered)
         texts = [rendered.text[a:b] for a, b in contents]

@@ -51,7 +51,8 @@ WARMUP_WORDS = (60, 1500, 1500)
 #: compares the others with its logprobs).
 CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru", "connector_fp16",
            "connector_int8", "connector_tq4", "connector_saves_all_cores",
-           "connector_store_volatile", "connector_all", "connector_hints", "lmcache",
+           "connector_store_volatile", "connector_all", "connector_hints", "connector_chunks",
+           "lmcache",
            "lmcache_ordering")
 #: The body fields of ``connector_hints``' agents: Dynamo's cache_control (a TTL, which
 #: Dynamo clamps to at least 300 s) and an SGLang-style priority (higher is kept longer).
@@ -87,6 +88,7 @@ class Setup:
     probe: bool = True  # run the quality probe (configurations with a connector or ceiling)
     budget_factor: float = 1.0  # the connector's DDR budget in B
     hints: bool = False  # agents send their session header and HINT_FIELDS
+    chunks: bool = False  # chunk reuse: the pipelines opt in, the server loads the model
 
 
 SETUPS = {
@@ -112,6 +114,9 @@ SETUPS = {
     # agent hints in the stacks' dialects: the x-session-id header (a learned pause),
     # Dynamo's cache_control TTL and an SGLang priority
     "connector_hints": Setup("connector_hints", True, {"eviction": "semantic"}, hints=True),
+    # chunk reuse: sections after a changed one (memories) moved in, seams recomputed
+    "connector_chunks": Setup("connector_chunks", True, {"eviction": "semantic",
+                                                         "chunk_reuse": True}, chunks=True),
     "lmcache": Setup("lmcache", False, None, lmcache=True),
     "lmcache_ordering": Setup("lmcache_ordering", True, None, lmcache=True),
 }
@@ -252,6 +257,10 @@ def _server(setup: Setup, work: Path, sizes: dict[str, Any], args: argparse.Name
     env = server_env()
     extra = ["--enable-prompt-tokens-details", "--num-gpu-blocks-override", str(blocks),
              "--max-logprobs", "20"]
+    if setup.chunks:
+        from integrations.vllm.served_model import LOAD_FORMAT
+
+        extra += ["--load-format", LOAD_FORMAT]
     srv = OpenAIServer(args.model_dir, config, work / f"server-{setup.name}.log",
                        served_name=SERVED, block_size=BLOCK, max_model_len=sizes["max_model_len"],
                        extra_args=extra, env=env)
@@ -410,7 +419,8 @@ class Lane:
         self.srv, self.config = _server(setup, self.work, self.sizes, self.args, self.lmcache)
         for spec in self.workload.agents:
             pipeline = (CacheAwareContextPipeline(served=self.served, tenant=spec.tenant,
-                                                  agent=spec.name, pin_stable=setup.pin)
+                                                  agent=spec.name, pin_stable=setup.pin,
+                                                  reuse_chunks=setup.chunks)
                         if setup.contextkit else None)
             agent = WorkloadAgent(spec.name, spec.tenant, self.workload,
                                   self.srv.base_url, self.args.max_tokens, pipeline)

