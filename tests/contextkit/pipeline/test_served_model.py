@@ -584,14 +584,12 @@ def test_volatile_from_is_where_the_next_call_stops_sharing_the_prompt(
 
 
 def test_reuse_chunks_opts_the_requests_in_through_their_salt(served: ServedModel) -> None:
-    from contextkit.pipeline.served.wire import opted_into_chunks
-
     pipeline = served_pipeline(served, tenant="acme", reuse_chunks=True)
     pipeline.build(layered(0))
     fields = pipeline.request_fields(pipeline.openai_messages([{"role": "user",
                                                                 "content": "hi"}]))
-    assert fields["cache_salt"] == "acme#ck-chunks" and opted_into_chunks(fields["cache_salt"])
-    plain = served_pipeline(served)
-    plain.build(layered(0), tenant="acme")
+    assert fields["cache_salt"] == "acme#ck-chunks"
+    plain = served_pipeline(served, tenant="acme")
+    plain.build(layered(0))
     messages = plain.openai_messages([{"role": "user", "content": "hi"}])
-    assert not opted_into_chunks(plain.request_fields(messages)["cache_salt"])
+    assert plain.request_fields(messages)["cache_salt"] == "acme"
