@@ -3,7 +3,9 @@ and membership every turn, placed before the conversation.
 
 Runs inside the vLLM virtualenv, through :mod:`integrations.vllm.bench.chunks_bench`
 (all servers up, each step sent to each configuration in turn, one transcript: the
-full prefill's replies). On the turns where ``connector_chunks`` reused chunks, it
+full prefill's replies). Before the schedule each document is prefilled once, as an
+application does when a document enters its store (``--no-ingest``: not). On the
+turns where ``connector_chunks`` reused chunks, it
 reports each configuration's TTFT (a one-token request, client side), the tokens it
 computed (for chunk reuse: the prompt tokens vLLM computed plus those the connector
 computed itself, the changed spans and seams), and the teacher-forced agreement,
@@ -60,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="chunk turns teacher-forced (default 8)")
     parser.add_argument("--quality-tokens", type=positive_int, default=16,
                         help="forced positions per turn (default 16)")
+    parser.add_argument("--no-ingest", dest="ingest", action="store_false",
+                        help="do not prefill each document once before the schedule (as "
+                             "an application does when a document enters its store)")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated, from {', '.join(CONFIGS)} (full always runs)")
     parser.add_argument("--model", default=None,
@@ -209,6 +214,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "--max-tokens", str(args.max_tokens), "--kv-agents", str(args.kv_agents),
            "--quality-turns", str(args.quality_turns),
            "--quality-tokens", str(args.quality_tokens), "--configs", ",".join(configs)]
+    if not args.ingest:
+        cmd.append("--no-ingest")
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.run(cmd, stdout=sys.stderr, check=False)

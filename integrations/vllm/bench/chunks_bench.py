@@ -7,7 +7,9 @@ order and membership change every turn, placed before the conversation), the
 conversation so far and the new question. The prompt is sent as token ids with
 contextkit's spans (one per document, one per conversation message) through
 ``/v1/completions``, to one vLLM OpenAI server per configuration, all up at once, each
-step sent to each in turn, on one transcript (the full prefill's replies):
+step sent to each in turn, on one transcript (the full prefill's replies). Before the
+schedule, each tenant's documents are prefilled once on every server but ``full``
+(``--no-ingest``: not), as an application does when a document enters its store:
 
 - ``full``: no reuse across turns (a fresh ``cache_salt`` per turn): the quality
   reference, whose replies every configuration's conversation carries;
@@ -154,6 +156,23 @@ class RagWorkload:
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
+
+    def ingest_prompts(self) -> list[tuple[list[int], list[tuple[int, int, str]]]]:
+        """One prompt per document, as an application prefills a document when it
+        enters the store (CacheBlend's offline step): the system text, the document as
+        it sits in a turn's prompt (the same tokens and label), and a closing text long
+        enough that the document ends inside full blocks (only full blocks are
+        stored)."""
+        out = []
+        closing = self._ids("\n\n[CONVERSATION]\n" + "(no conversation yet) " * 8)
+        for doc in self.docs:
+            ids: list[int] = ([self.tok.bos_token_id] if self.tok.bos_token_id is not None
+                              else [])
+            ids += self._ids(SYSTEM) + self._ids("\n\n[DOCUMENTS]")
+            piece = self._ids("\n- " + doc)
+            out.append((ids + piece + closing, [(len(ids), len(ids) + len(piece),
+                                                 "documents")]))
+        return out
 
     def prompt(self, agent: Agent, turn: int) -> tuple[list[int], list[tuple[int, int, str]]]:
         """Token ids and spans ``(start, end, layer)`` of the agent's prompt this turn."""
@@ -349,7 +368,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     lanes: dict[str, Lane] = start_lanes(
         names, lambda n: Lane(SETUPS[n], args, work, sizes), errors, required="full")
     probes: list[dict[str, Any]] = []
+    ingested = 0
     try:
+        if args.ingest:  # every tenant's documents prefilled once, not timed
+            for name, lane in lanes.items():
+                if SETUPS[name].fresh:
+                    continue
+                for tenant in sorted({a.tenant for a in workload.agents}):
+                    agent = next(a for a in workload.agents if a.tenant == tenant)
+                    for ids, spans in workload.ingest_prompts():
+                        lane.srv.post("/v1/completions", lane.body(
+                            ids, spans, lane.salt(agent, -1), max_tokens=1))
+                        ingested += 1
         for step in range(args.steps):
             agent = workload.agent_of(step)
             ids, spans = workload.prompt(agent, len(agent.history))
@@ -377,8 +407,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                       "fresh": SETUPS[n].fresh}}
                         for n, lane in lanes.items()},
             "probes": probes, "errors": errors, "sizes": sizes, "interleaved": True,
+            "ingested_prompts": ingested,
             "workload": {"agents": args.agents, "tenants": args.tenants,
                          "steps": args.steps, "docs": args.docs, "seed": args.seed,
+                         "documents": len(workload.docs), "ingest": args.ingest,
                          "max_tokens": args.max_tokens},
             "loadavg_1min": round(os.getloadavg()[0], 2)}
 
@@ -398,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quality-turns", type=int, default=8)
     parser.add_argument("--quality-tokens", type=int, default=16)
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--no-ingest", dest="ingest", action="store_false",
+                        help="do not prefill each document once before the schedule")
     parser.add_argument("--model", default=None)
     args = parser.parse_args(argv)
     args.configs = {c.strip() for c in args.configs.split(",") if c.strip()} | {"full"}
