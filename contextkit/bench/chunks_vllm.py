@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-ingest", dest="ingest", action="store_false",
                         help="do not prefill each document once before the schedule (as "
                              "an application does when a document enters its store)")
+    parser.add_argument("--repair-first", type=int, default=16,
+                        help="connector_chunks' chunk_repair_first: each moved chunk's "
+                             "first tokens recomputed (default 16)")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated, from {', '.join(CONFIGS)} (full always runs)")
     parser.add_argument("--model", default=None,
@@ -216,6 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "--quality-tokens", str(args.quality_tokens), "--configs", ",".join(configs)]
     if not args.ingest:
         cmd.append("--no-ingest")
+    cmd += ["--repair-first", str(args.repair_first)]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.run(cmd, stdout=sys.stderr, check=False)

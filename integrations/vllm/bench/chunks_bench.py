@@ -220,11 +220,14 @@ class Lane:
         blocks = sizes["kv_blocks_ceiling"] if setup.ceiling else sizes["kv_blocks_pressure"]
         config = ConnectorConfig(block_size=BLOCK)
         if setup.connector is not None:
+            overrides = dict(setup.connector)
+            if setup.chunks:
+                overrides["chunk_repair_first"] = self.args.repair_first
             config = ConnectorConfig(
                 block_size=BLOCK, shadow_url="",
                 local_store=f"file://{self.work / f'local-{setup.name}'}",
                 stats_path=str(self.work / f"stats-{setup.name}.jsonl"),
-                host_blocks=sizes["host_blocks"], **setup.connector)
+                host_blocks=sizes["host_blocks"], **overrides)
         extra = ["--enable-prompt-tokens-details", "--num-gpu-blocks-override", str(blocks),
                  "--max-logprobs", "20"]
         if setup.chunks:
@@ -411,6 +414,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "workload": {"agents": args.agents, "tenants": args.tenants,
                          "steps": args.steps, "docs": args.docs, "seed": args.seed,
                          "documents": len(workload.docs), "ingest": args.ingest,
+                         "repair_first": args.repair_first,
                          "max_tokens": args.max_tokens},
             "loadavg_1min": round(os.getloadavg()[0], 2)}
 
@@ -432,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--no-ingest", dest="ingest", action="store_false",
                         help="do not prefill each document once before the schedule")
+    parser.add_argument("--repair-first", type=int, default=16)
     parser.add_argument("--model", default=None)
     args = parser.parse_args(argv)
     args.configs = {c.strip() for c in args.configs.split(",") if c.strip()} | {"full"}
