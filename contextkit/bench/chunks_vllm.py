@@ -3,9 +3,9 @@ and membership every turn, placed before the conversation.
 
 Runs inside the vLLM virtualenv, through :mod:`integrations.vllm.bench.chunks_bench`
 (all servers up, each step sent to each configuration in turn, one transcript: the
-full prefill's replies). Before the schedule each document is prefilled once, as an
-application does when a document enters its store (``--no-ingest``: not). On the
-turns where ``connector_chunks`` reused chunks, it
+full prefill's replies). With ``--ingest`` each document is prefilled once before the
+schedule, as an application does when a document enters its store. On the turns
+where ``connector_chunks`` reused chunks, it
 reports each configuration's TTFT (a one-token request, client side), the tokens it
 computed (for chunk reuse: the prompt tokens vLLM computed plus those the connector
 computed itself, the changed spans and seams), and the teacher-forced agreement,
@@ -62,12 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="chunk turns teacher-forced (default 8)")
     parser.add_argument("--quality-tokens", type=positive_int, default=16,
                         help="forced positions per turn (default 16)")
-    parser.add_argument("--no-ingest", dest="ingest", action="store_false",
-                        help="do not prefill each document once before the schedule (as "
-                             "an application does when a document enters its store)")
-    parser.add_argument("--repair-first", type=int, default=16,
+    parser.add_argument("--ingest", action="store_true",
+                        help="prefill each document once before the schedule, as an "
+                             "application does when a document enters its store")
+    parser.add_argument("--repair-first", type=int, default=4,
                         help="connector_chunks' chunk_repair_first: each moved chunk's "
-                             "first tokens recomputed (default 16)")
+                             "first tokens recomputed (default 4, the connector's)")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated, from {', '.join(CONFIGS)} (full always runs)")
     parser.add_argument("--model", default=None,
@@ -217,8 +217,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "--max-tokens", str(args.max_tokens), "--kv-agents", str(args.kv_agents),
            "--quality-turns", str(args.quality_turns),
            "--quality-tokens", str(args.quality_tokens), "--configs", ",".join(configs)]
-    if not args.ingest:
-        cmd.append("--no-ingest")
+    if args.ingest:
+        cmd.append("--ingest")
     cmd += ["--repair-first", str(args.repair_first)]
     if args.model:
         cmd += ["--model", args.model]

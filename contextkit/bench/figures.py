@@ -115,6 +115,12 @@ def _number(value: float) -> str:
 
 
 # --------------------------------------------------------------------------- readers
+def _forced(d: dict) -> tuple[int, int]:
+    """(agreeing, positions) of bench chunks-vllm's teacher-forced agreement."""
+    positions = int(d["positions"])
+    return round(d["teacher_forced_agreement"] * positions), positions
+
+
 def _positions(d: dict, key: str = "top1_agreement_chunk_turns") -> tuple[int, int]:
     """(agreeing, positions) of a top-1 agreement share over the chunk turns' positions:
     the file's ``chunk_turn_positions``, or for older files the baseline's generated
@@ -193,6 +199,12 @@ TOOL_PAUSES = ("tool-pauses-amd.json",)
 TOOL_PAUSES_SMALL_DDR = ("tool-pauses-amd-small-ddr.json",)
 #: bench replicas with every configuration's servers up and the steps interleaved
 REPLICAS_INTERLEAVED = ("replicas-amd-interleaved.json",)
+#: bench chunks-vllm: the RAG agent, documents reordered and changed every turn
+CHUNKS_VLLM = ("chunks-vllm-amd.json",)
+#: the same with every document prefilled once before the schedule (--ingest), each
+#: chunk's first 4 tokens repaired, then 16 (--repair-first 16)
+CHUNKS_VLLM_INGEST = ("chunks-vllm-amd-ingest.json",)
+CHUNKS_VLLM_INGEST_16 = ("chunks-vllm-amd-ingest-repair16.json",)
 
 ROWS: tuple[Row, ...] = (
     # ttft: the 20-turn agent replay (docs/chunks.md, docs/reservations.md)
@@ -310,6 +322,49 @@ ROWS: tuple[Row, ...] = (
     Row("replicas", "TTFT sum local DDR / shared tier (same 24 turns)", REPLICAS,
         lambda d: ratio_of_sums(d["local_ttft_ms"], d["shared_ttft_ms"]),
         goal=Goal(">=", 2.0), remark=_replica_order),
+    Row("chunks-vllm", "chunk turns: TTFT p50 prefix-only connector / chunk reuse",
+        CHUNKS_VLLM, lambda d: d["speedup_chunks_vs_prefix_p50"],
+        goal=Goal(">=", 2.5), tags=("readme",)),
+    Row("chunks-vllm", "chunk turns: TTFT p50 of prefix reuse's bound (a server whose KV "
+        "holds every agent) / chunk reuse", CHUNKS_VLLM,
+        lambda d: d["speedup_vs_prefix_ceiling_p50"]),
+    Row("chunks-vllm", "chunk turns: tokens computed, chunk reuse / prefix-only connector",
+        CHUNKS_VLLM, lambda d: d["tokens_computed_vs_prefix"], fmt="{:.3f}",
+        goal=Goal("<=", 0.4)),
+    Row("chunks-vllm", "chunk turns: TTFT p50 LMCache / chunk reuse", CHUNKS_VLLM,
+        lambda d: d["speedup_vs_lmcache_p50"], goal=Goal(">=", 2.0)),
+    Row("chunks-vllm", "chunk turns: TTFT p50 APC / chunk reuse", CHUNKS_VLLM,
+        lambda d: d["speedup_vs_apc_p50"]),
+    Row("chunks-vllm", "chunk turns: teacher-forced top-1 agreement with a full prefill, "
+        "95% Wilson interval over positions",
+        CHUNKS_VLLM, lambda d: d["teacher_forced_agreement"], fmt="{:.4f}",
+        goal=Goal(">=", 0.97), interval=lambda d: wilson(*_forced(d))),
+    Row("chunks-vllm", "the same positions through the prefix-only connector (its TQ4 "
+        "cache's own agreement)", CHUNKS_VLLM,
+        lambda d: d["quality_prefix_only"]["teacher_forced_agreement"], fmt="{:.4f}"),
+    Row("chunks-vllm", "chunk turns: perplexity ratio to a full prefill", CHUNKS_VLLM,
+        lambda d: d["ppl_ratio"], fmt="{:.4f}", goal=Goal("<=", 1.03)),
+    Row("chunks-vllm", "chunk turns: mean KL to a full prefill (its top 20)", CHUNKS_VLLM,
+        lambda d: d["mean_kl"], fmt="{:.4f}", goal=Goal("<=", 0.02)),
+    Row("chunks-vllm", "the same positions through the prefix-only connector: mean KL",
+        CHUNKS_VLLM, lambda d: d["quality_prefix_only"]["mean_kl"], fmt="{:.4f}"),
+    Row("chunks-vllm", "`--ingest` (documents prefilled when they enter the store): TTFT "
+        "p50 prefix-only connector / chunk reuse", CHUNKS_VLLM_INGEST,
+        lambda d: d["speedup_chunks_vs_prefix_p50"], goal=Goal(">=", 2.5)),
+    Row("chunks-vllm", "`--ingest`: tokens computed, chunk reuse / prefix-only connector",
+        CHUNKS_VLLM_INGEST, lambda d: d["tokens_computed_vs_prefix"], fmt="{:.3f}",
+        goal=Goal("<=", 0.4)),
+    Row("chunks-vllm", "`--ingest`: teacher-forced top-1 agreement with a full prefill",
+        CHUNKS_VLLM_INGEST, lambda d: d["teacher_forced_agreement"], fmt="{:.4f}",
+        goal=Goal(">=", 0.97), interval=lambda d: wilson(*_forced(d))),
+    Row("chunks-vllm", "`--ingest`: mean KL to a full prefill", CHUNKS_VLLM_INGEST,
+        lambda d: d["mean_kl"], fmt="{:.4f}", goal=Goal("<=", 0.02)),
+    Row("chunks-vllm", "`--ingest --repair-first 16`: teacher-forced top-1 agreement",
+        CHUNKS_VLLM_INGEST_16, lambda d: d["teacher_forced_agreement"], fmt="{:.4f}",
+        goal=Goal(">=", 0.97), interval=lambda d: wilson(*_forced(d))),
+    Row("chunks-vllm", "`--ingest --repair-first 16`: TTFT p50 prefix-only connector / "
+        "chunk reuse", CHUNKS_VLLM_INGEST_16, lambda d: d["speedup_chunks_vs_prefix_p50"],
+        goal=Goal(">=", 2.5)),
     Row("replicas", "turns lost at failover", REPLICAS,
         lambda d: d["failover_lost_turns"], fmt="{:.0f}", goal=Goal("<=", 0)),
     Row("replicas", "another tenant's tokens found in the shared tier", REPLICAS,

@@ -7,9 +7,9 @@ order and membership change every turn, placed before the conversation), the
 conversation so far and the new question. The prompt is sent as token ids with
 contextkit's spans (one per document, one per conversation message) through
 ``/v1/completions``, to one vLLM OpenAI server per configuration, all up at once, each
-step sent to each in turn, on one transcript (the full prefill's replies). Before the
-schedule, each tenant's documents are prefilled once on every server but ``full``
-(``--no-ingest``: not), as an application does when a document enters its store:
+step sent to each in turn, on one transcript (the full prefill's replies). With
+``--ingest``, each tenant's documents are prefilled once before the schedule on every
+server but ``full``, as an application does when a document enters its store:
 
 - ``full``: no reuse across turns (a fresh ``cache_salt`` per turn): the quality
   reference, whose replies every configuration's conversation carries;
@@ -434,9 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quality-turns", type=int, default=8)
     parser.add_argument("--quality-tokens", type=int, default=16)
     parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--no-ingest", dest="ingest", action="store_false",
-                        help="do not prefill each document once before the schedule")
-    parser.add_argument("--repair-first", type=int, default=16)
+    parser.add_argument("--ingest", action="store_true",
+                        help="prefill each document once before the schedule")
+    parser.add_argument("--repair-first", type=int, default=4)
     parser.add_argument("--model", default=None)
     args = parser.parse_args(argv)
     args.configs = {c.strip() for c in args.configs.split(",") if c.strip()} | {"full"}
