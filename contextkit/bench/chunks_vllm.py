@@ -27,7 +27,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from contextkit.bench._common import machine_info, positive_float, positive_int, print_table
+from contextkit.bench._common import (
+    machine_info,
+    positive_float,
+    positive_int,
+    print_table,
+    unit_float,
+)
 from contextkit.bench.agent_vllm import vllm_installed
 
 __all__ = ["CONFIGS", "HELP", "add_arguments", "quality", "result_of", "run"]
@@ -68,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repair-first", type=int, default=4,
                         help="connector_chunks' chunk_repair_first: each moved chunk's "
                              "first tokens recomputed (default 4, the connector's)")
+    parser.add_argument("--repair-ratio", type=unit_float, default=0.0,
+                        help="connector_chunks' chunk_repair_ratio: the share of moved "
+                             "tokens recomputed where their K/V deviate most (default 0)")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated, from {', '.join(CONFIGS)} (full always runs)")
     parser.add_argument("--model", default=None,
@@ -219,7 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "--quality-tokens", str(args.quality_tokens), "--configs", ",".join(configs)]
     if args.ingest:
         cmd.append("--ingest")
-    cmd += ["--repair-first", str(args.repair_first)]
+    cmd += ["--repair-first", str(args.repair_first), "--repair-ratio", str(args.repair_ratio)]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.run(cmd, stdout=sys.stderr, check=False)

@@ -19,13 +19,19 @@ cannot be, and the connector then serves prefix reuse only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from integrations.vllm.layout import keys_by_token
+
 __all__ = ["ContiguousKV", "KVAccess", "PagedKV", "ServedLlama", "served_llama"]
+
+#: Runs of consecutive tokens at least this long attend on their own (SDPA's causal
+#: kernel); shorter ones (seams) together under one dense mask.
+LONG_RUN = 16
 
 #: vLLM model classes whose module layout :class:`ServedLlama` drives.
 LLAMA_FAMILY = frozenset({"LlamaForCausalLM"})
@@ -47,14 +53,18 @@ class PagedKV:
     """One request's K/V in vLLM's paged cache.
 
     Attributes:
-        k_pages, v_pages: per layer, writable ``[num_blocks, H_kv, N, D]`` views of the
-            layer's pages (:class:`~integrations.vllm.layout.PagedLayout` ``split``).
+        pages: per layer, the page view ``[num_blocks, ...]`` of vLLM's KV tensor
+            (:class:`~integrations.vllm.layout.PagedLayout` ``pages``).
+        split: the layout's pages -> ``(k, v)`` ``[n, H_kv, N, D]``.
+        key_order: how a page's key half orders its values
+            (:data:`~integrations.vllm.layout.KEY_ORDERS`).
         block_ids: the request's vLLM block ids, in order.
         block_size: tokens per block (``N``).
     """
 
-    k_pages: Sequence[torch.Tensor]
-    v_pages: Sequence[torch.Tensor]
+    pages: Sequence[torch.Tensor]
+    split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    key_order: str
     block_ids: Sequence[int]
     block_size: int
 
@@ -64,21 +74,23 @@ class PagedKV:
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
+        kp, vp = self.split(self.pages[layer])
+        kp = keys_by_token(kp, self.key_order)
         blocks, slots = self._slots(positions.to(torch.int64).cpu())
-        kp, vp = self.k_pages[layer], self.v_pages[layer]
         blocks, slots = blocks.to(kp.device), slots.to(kp.device)
         kp[blocks, :, slots] = k.to(kp.device, kp.dtype)
         vp[blocks, :, slots] = v.to(vp.device, vp.dtype)
 
     def context(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = -(-upto // self.block_size)
-        kp, vp = self.k_pages[layer], self.v_pages[layer]
-        idx = torch.as_tensor(list(self.block_ids[:n]), dtype=torch.int64, device=kp.device)
+        pages = self.pages[layer]
+        idx = torch.as_tensor(list(self.block_ids[:n]), dtype=torch.int64, device=pages.device)
+        # whole pages first (one contiguous copy), then each into token order
+        k, v = self.split(pages.index_select(0, idx))
         out = []
-        for pages in (kp, vp):
-            blocks = pages.index_select(0, idx)  # [n, H, N, D]
-            h, d = blocks.shape[1], blocks.shape[3]
-            out.append(blocks.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :upto])
+        for part in (keys_by_token(k, self.key_order), v):  # [n, H, N, D]
+            h, d = part.shape[1], part.shape[3]
+            out.append(part.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :upto])
         return out[0], out[1]
 
 
@@ -157,6 +169,19 @@ class ServedLlama:
         cos, sin = cos.to(x.device), sin.to(x.device)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(k.dtype)
 
+    @staticmethod
+    def _short_rows(runs: list[tuple[int, int, int]], pos: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The rows of the short runs (seams), attended together in one call with a
+        dense causal mask: their rows, the mask and the keys it spans."""
+        short = [(a, b, end) for a, b, end in runs if b - a < LONG_RUN]
+        if not short:
+            return None
+        rows = torch.cat([torch.arange(a, b) for a, b, _ in short]).to(pos.device)
+        end = max(e for _, _, e in short)
+        mask = torch.arange(end, device=pos.device)[None, :] <= pos[rows][:, None]
+        return rows, mask, end
+
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int
                 ) -> torch.Tensor:
         """Attention of a run of consecutive positions ending at ``end`` (queries
@@ -178,39 +203,73 @@ class ServedLlama:
         Returns:
             The tokens' logits ``[T, vocab]`` when ``logits``, else None.
         """
+        hidden, residual = self._run(token_ids, positions, kv, len(self.layers))
+        if not logits:
+            return None
+        hidden, _ = self.norm(hidden, residual)
+        return self.model.compute_logits(hidden).float()
+
+    @torch.inference_mode()
+    def select_kv(self, token_ids: Sequence[int], positions: Sequence[int], kv: KVAccess,
+                  layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers ``0 .. layer-1`` over the tokens (their K/V written), then layer
+        ``layer``'s fresh K/V of each ``[T, H_kv, D]``, not written: CacheBlend's
+        selection pass, whose caller compares them with the moved K/V there."""
+        hidden, residual = self._run(token_ids, positions, kv, layer)
+        device = hidden.device
+        pos = torch.as_tensor(list(positions), dtype=torch.int64, device=device)
+        block = self.layers[layer]
+        x = (block.input_layernorm(hidden) if residual is None
+             else block.input_layernorm(hidden, residual)[0])
+        return self._kv(block.self_attn, x, pos)[1:]
+
+    def _kv(self, attn: Any, x: torch.Tensor, pos: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t = x.shape[0]
+        qkv, _ = attn.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = attn.rotary_emb(pos, q.contiguous(), k.contiguous())
+        return (q, k.reshape(t, self.num_kv_heads, self.head_dim),
+                v.reshape(t, self.num_kv_heads, self.head_dim))
+
+    def _run(self, token_ids: Sequence[int], positions: Sequence[int], kv: KVAccess,
+             num_layers: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first ``num_layers`` decoder layers over the tokens; the hidden state
+        and residual after them."""
         device = next(self.model.parameters()).device
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64, device=device)
         pos = torch.as_tensor(list(positions), dtype=torch.int64, device=device)
         upto = int(pos.max()) + 1
         runs = _runs(list(positions))
+        short = self._short_rows(runs, pos)
         t = ids.shape[0]
         hidden = self.embed(ids)
         residual: torch.Tensor | None = None
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers]):
             if residual is None:
                 residual = hidden
                 x = layer.input_layernorm(hidden)
             else:
                 x, residual = layer.input_layernorm(hidden, residual)
             attn = layer.self_attn
-            qkv, _ = attn.qkv_proj(x)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q, k = attn.rotary_emb(pos, q.contiguous(), k.contiguous())
-            k = k.reshape(t, self.num_kv_heads, self.head_dim)
-            v = v.reshape(t, self.num_kv_heads, self.head_dim)
+            q, k, v = self._kv(attn, x, pos)
             kv.write(i, pos, k, v)
             ck, cv = kv.context(i, upto)
             q = q.reshape(t, self.num_heads, self.head_dim).transpose(0, 1).float()
-            out = torch.cat([self._attend(q[:, a:b], ck, cv, end) for a, b, end in runs],
-                            dim=1)
+            out = q.new_empty(q.shape)
+            for a, b, end in runs:
+                if b - a >= LONG_RUN:
+                    out[:, a:b] = self._attend(q[:, a:b], ck, cv, end)
+            if short is not None:
+                rows, mask, end = short
+                out[:, rows] = torch.nn.functional.scaled_dot_product_attention(
+                    q[None, :, rows], ck[None, :, :end].float(), cv[None, :, :end].float(),
+                    attn_mask=mask, scale=self.scaling, enable_gqa=True)[0]
             out = out.transpose(0, 1).reshape(t, self.q_size).to(x.dtype)
             hidden, _ = attn.o_proj(out)
             x, residual = layer.post_attention_layernorm(hidden, residual)
             hidden = layer.mlp(x)
-        if not logits:
-            return None
-        hidden, _ = self.norm(hidden, residual)
-        return self.model.compute_logits(hidden).float()
+        return hidden, residual
 
 
 def _runs(positions: Sequence[int]) -> list[tuple[int, int, int]]:

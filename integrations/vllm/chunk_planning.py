@@ -63,10 +63,15 @@ class ChunkLoad:
     start: int
     end: int
     chunks: list[MovedChunk]
-    compute: list[int]  # positions computed by the connector, ascending
-    compute_ids: list[int]  # their token ids
+    compute: list[int]  # positions the connector computes, ascending
+    range_ids: list[int]  # the request's token ids ``start .. end-1``
     block_ids: list[int] = field(default_factory=list)  # the request's first end/N blocks
     hops: int = 0  # the most moves between a reused chunk's K/V and a full computation
+
+    @property
+    def compute_ids(self) -> list[int]:
+        """The token ids at :attr:`compute`."""
+        return [self.range_ids[p - self.start] for p in self.compute]
 
     @property
     def reused_tokens(self) -> int:
@@ -152,7 +157,7 @@ class ChunkPlanner:
         if end <= prefix_end or reused < self.min_share * len(covered):
             return None
         return ChunkLoad(req_id, tenant, prefix_end, end, kept, compute,
-                         [int(token_ids[p]) for p in compute], hops=hops)
+                         [int(t) for t in token_ids[prefix_end:end]], hops=hops)
 
     def register(self, tenant: str, token_ids: Sequence[int], spans: Sequence[WireSpan],
                  keys: Sequence[bytes], stored_blocks: int, held: Callable[[bytes], bool],

@@ -130,6 +130,11 @@ class ConnectorConfig:
             vLLM"). Needs ``--load-format contextkit`` and applies to requests that opt
             in (a ``cache_salt`` ending in ``#ck-chunks``). Default off.
         chunk_repair_first: each moved chunk's first tokens recomputed (its seam).
+        chunk_repair_ratio: besides those, this share of the moved tokens is recomputed:
+            the ones whose K/V at ``chunk_select_layer`` deviate most from the moved
+            K/V (CacheBlend's selection; the layers up to it run over every token of
+            the range). 0 (default): the seams only.
+        chunk_select_layer: the layer of that comparison.
         chunk_min_tokens: spans shorter than this are computed, not reused.
         chunk_max_hops: chunks this many moves from a full computation are computed.
         chunk_layers: comma-separated labels (layers) that may be reused; empty: all.
@@ -176,6 +181,8 @@ class ConnectorConfig:
     shared_warm_share: float = 0.5
     chunk_reuse: bool = False
     chunk_repair_first: int = 4
+    chunk_repair_ratio: float = 0.0
+    chunk_select_layer: int = 1
     chunk_min_tokens: int = 16
     chunk_max_hops: int = 4
     chunk_layers: str = ""
@@ -203,6 +210,9 @@ class ConnectorConfig:
             raise ConnectorConfigError(f"pin_share must be in (0, 1], got {self.pin_share}")
         if self.shared_url:
             self.shared_tier()  # checks the shared tier's settings
+        if not 0.0 <= self.chunk_repair_ratio <= 1.0:
+            raise ConnectorConfigError(
+                f"chunk_repair_ratio must be in [0, 1], got {self.chunk_repair_ratio}")
         if not 0.0 <= self.chunk_gate_min_agreement <= 1.0 or self.chunk_gate_max_kl < 0:
             raise ConnectorConfigError(
                 "chunk_gate_min_agreement must be in [0, 1] and chunk_gate_max_kl >= 0, got "
@@ -228,6 +238,7 @@ class ConnectorConfig:
                      "chunk_max_hops"):
             size(getattr(self, name), name, minimum=1, error=err)
         size(self.chunk_repair_first, "chunk_repair_first", minimum=0, error=err)
+        size(self.chunk_select_layer, "chunk_select_layer", minimum=0, error=err)
 
     def shared_tier(self) -> SharedTierConfig:
         """The shared tier's settings (:class:`shadow.shared.SharedTierConfig`).

@@ -262,18 +262,19 @@ class ConnectorWorker:
         range into load errors, which vLLM recomputes."""
         t0 = time.perf_counter()
         bs = self.block_size
-        ok = False
+        computed: int | None = None
         if not failed and self._served is not None:
             try:
-                ok = self._place_and_repair(chunk, self._served)
+                computed = self._place_and_repair(chunk, self._served)
             except Exception:
                 logger.exception("request %s: chunk reuse failed; vLLM recomputes tokens "
                                  "%d..%d", chunk.req_id, chunk.start, chunk.end)
         with self._lock:
-            if ok:
+            if computed is not None:
                 self.recent_chunks.append(chunk)
-                self._report.chunk_reused_tokens[chunk.req_id] = chunk.reused_tokens
-                self._report.chunk_computed_tokens[chunk.req_id] = len(chunk.compute)
+                span = chunk.end - chunk.start
+                self._report.chunk_reused_tokens[chunk.req_id] = span - computed
+                self._report.chunk_computed_tokens[chunk.req_id] = computed
             else:
                 self._load_errors.update(chunk.block_ids[chunk.start // bs:chunk.end // bs])
                 self._report.load_failed_tokens[chunk.req_id] = (
@@ -281,7 +282,9 @@ class ConnectorWorker:
                     + chunk.end - chunk.start)
         self.store.stats.count("chunk_seconds", time.perf_counter() - t0)
 
-    def _place_and_repair(self, chunk: ChunkLoad, model: ServedLlama) -> bool:
+    def _place_and_repair(self, chunk: ChunkLoad, model: ServedLlama) -> int | None:
+        """Move the chunks in, compute the rest of the range; the tokens computed, or
+        None when a source block is gone."""
         keys: dict[bytes, int] = {}
         for moved in chunk.chunks:
             for key in moved.source_keys:
@@ -292,7 +295,7 @@ class ConnectorWorker:
         if stored is None:
             logger.warning("request %s: a reused chunk's blocks are no longer stored; vLLM "
                            "recomputes tokens %d..%d", chunk.req_id, chunk.start, chunk.end)
-            return False
+            return None
         t1 = time.perf_counter()
         bs, heads, dim = self.block_size, self.identity.num_kv_heads, self.identity.head_dim
         rows, delta, positions = [], [], []
@@ -323,18 +326,38 @@ class ConnectorWorker:
                 v_range.view(n, bs, heads, dim).transpose(1, 2))
             pages.index_copy_(0, ids.to(pages.device), page.to(pages.device, pages.dtype))
         t2 = time.perf_counter()
-        if chunk.compute:
-            k_pages, v_pages = [], []
-            for name in self._names:
-                k, v = self._layout.split(self._pages[name])
-                k_pages.append(keys_by_token(k, self._key_order))
-                v_pages.append(v)
-            model.forward(chunk.compute_ids, chunk.compute,
-                          PagedKV(k_pages, v_pages, chunk.block_ids, bs))
+        paged = PagedKV([self._pages[name] for name in self._names], self._layout.split,
+                        self._key_order, chunk.block_ids, bs)
+        compute = chunk.compute
+        if self.config.chunk_repair_ratio > 0 and len(compute) < chunk.end - chunk.start:
+            compute = self._select(chunk, model, paged)
+        if compute:
+            model.forward([chunk.range_ids[p - chunk.start] for p in compute], compute, paged)
         logger.debug("request %s: chunk reuse decoded %d blocks in %.3f s, placed %d tokens "
                      "in %.3f s, computed %d in %.3f s", chunk.req_id, n_src, t1 - t0,
-                     len(at), t2 - t1, len(chunk.compute), time.perf_counter() - t2)
-        return True
+                     len(at), t2 - t1, len(compute), time.perf_counter() - t2)
+        return len(compute)
+
+    def _select(self, chunk: ChunkLoad, model: ServedLlama, paged: PagedKV) -> list[int]:
+        """CacheBlend's selection: the range's first layers run over every token; at
+        ``chunk_select_layer`` the moved tokens whose fresh K/V deviate most from the
+        moved ones (``chunk_repair_ratio`` of them) join the tokens to compute. Every
+        token's fresh K/V are written at that layer and below."""
+        start, end = chunk.start, chunk.end
+        layer = min(self.config.chunk_select_layer, model.num_layers - 1)
+        old_k, old_v = (t[:, start:end].transpose(0, 1) for t in paged.context(layer, end))
+        old_k, old_v = old_k.clone(), old_v.clone()
+        positions = list(range(start, end))
+        k, v = model.select_kv(chunk.range_ids, positions, paged, layer)
+        deviation = ((k.float() - old_k.float()) ** 2).sum((1, 2)) + (
+            (v.float() - old_v.float()) ** 2).sum((1, 2))
+        computed = torch.tensor([p - start for p in chunk.compute], dtype=torch.int64)
+        deviation[computed] = -1.0
+        moved = end - start - len(chunk.compute)
+        picks = round(self.config.chunk_repair_ratio * moved)
+        paged.write(layer, torch.arange(start, end), k, v)
+        chosen = torch.topk(deviation, picks).indices + start if picks else torch.empty(0)
+        return sorted({*chunk.compute, *(int(p) for p in chosen)})
 
     def _decode_sources(self, keys: list[bytes], tenant: str) -> torch.Tensor | None:
         """The stored rows of these blocks, ``[L, 2 (K, V), n, N, H, D]`` float32

@@ -223,6 +223,7 @@ class Lane:
             overrides = dict(setup.connector)
             if setup.chunks:
                 overrides["chunk_repair_first"] = self.args.repair_first
+                overrides["chunk_repair_ratio"] = self.args.repair_ratio
             config = ConnectorConfig(
                 block_size=BLOCK, shadow_url="",
                 local_store=f"file://{self.work / f'local-{setup.name}'}",
@@ -415,6 +416,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                          "steps": args.steps, "docs": args.docs, "seed": args.seed,
                          "documents": len(workload.docs), "ingest": args.ingest,
                          "repair_first": args.repair_first,
+                         "repair_ratio": args.repair_ratio,
                          "max_tokens": args.max_tokens},
             "loadavg_1min": round(os.getloadavg()[0], 2)}
 
@@ -437,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ingest", action="store_true",
                         help="prefill each document once before the schedule")
     parser.add_argument("--repair-first", type=int, default=4)
+    parser.add_argument("--repair-ratio", type=float, default=0.0)
     parser.add_argument("--model", default=None)
     args = parser.parse_args(argv)
     args.configs = {c.strip() for c in args.configs.split(",") if c.strip()} | {"full"}

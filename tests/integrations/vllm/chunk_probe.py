@@ -32,7 +32,6 @@ def _worker_check(worker: Any, ids: list[int]) -> dict[str, Any]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from integrations.vllm.chunk_forward import ContiguousKV, PagedKV, served_llama
-    from integrations.vllm.layout import keys_by_token
     from integrations.vllm.served_model import served_model
 
     connector = get_kv_transfer_group().worker
@@ -40,12 +39,9 @@ def _worker_check(worker: Any, ids: list[int]) -> dict[str, Any]:
     model, _ = served_llama(served_model())
     full = ContiguousKV(model.num_layers, model.num_kv_heads, chunk.end, model.head_dim)
     model.forward(ids[:chunk.end], range(chunk.end), full)
-    k_pages, v_pages = [], []
-    for name in connector._names:
-        k, v = connector._layout.split(connector._pages[name])
-        k_pages.append(keys_by_token(k, connector._key_order))
-        v_pages.append(v)
-    paged = PagedKV(k_pages, v_pages, chunk.block_ids, connector.block_size)
+    paged = PagedKV([connector._pages[name] for name in connector._names],
+                    connector._layout.split, connector._key_order, chunk.block_ids,
+                    connector.block_size)
     computed = set(chunk.compute)
     moved = [p for p in range(chunk.start, chunk.end) if p not in computed]
     seam = []  # computed tokens right after the prefix: their context is exact
