@@ -205,6 +205,8 @@ CHUNKS_VLLM = ("chunks-vllm-amd.json",)
 #: chunk's first 4 tokens repaired, then 16 (--repair-first 16)
 CHUNKS_VLLM_INGEST = ("chunks-vllm-amd-ingest.json",)
 CHUNKS_VLLM_INGEST_16 = ("chunks-vllm-amd-ingest-repair16.json",)
+#: the same with CacheBlend's selection: 15% of the moved tokens (--repair-ratio 0.15)
+CHUNKS_VLLM_INGEST_RATIO = ("chunks-vllm-amd-ingest-ratio15.json",)
 
 ROWS: tuple[Row, ...] = (
     # ttft: the 20-turn agent replay (docs/chunks.md, docs/reservations.md)
@@ -364,6 +366,16 @@ ROWS: tuple[Row, ...] = (
         goal=Goal(">=", 0.97), interval=lambda d: wilson(*_forced(d))),
     Row("chunks-vllm", "`--ingest --repair-first 16`: TTFT p50 prefix-only connector / "
         "chunk reuse", CHUNKS_VLLM_INGEST_16, lambda d: d["speedup_chunks_vs_prefix_p50"],
+        goal=Goal(">=", 2.5)),
+    Row("chunks-vllm", "`--ingest --repair-ratio 0.15` (CacheBlend's selection at layer 1): "
+        "teacher-forced top-1 agreement", CHUNKS_VLLM_INGEST_RATIO,
+        lambda d: d["teacher_forced_agreement"], fmt="{:.4f}", goal=Goal(">=", 0.97),
+        interval=lambda d: wilson(*_forced(d))),
+    Row("chunks-vllm", "`--ingest --repair-ratio 0.15`: mean KL to a full prefill",
+        CHUNKS_VLLM_INGEST_RATIO, lambda d: d["mean_kl"], fmt="{:.4f}",
+        goal=Goal("<=", 0.02)),
+    Row("chunks-vllm", "`--ingest --repair-ratio 0.15`: TTFT p50 prefix-only connector / "
+        "chunk reuse", CHUNKS_VLLM_INGEST_RATIO, lambda d: d["speedup_chunks_vs_prefix_p50"],
         goal=Goal(">=", 2.5)),
     Row("replicas", "turns lost at failover", REPLICAS,
         lambda d: d["failover_lost_turns"], fmt="{:.0f}", goal=Goal("<=", 0)),

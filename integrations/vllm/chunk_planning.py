@@ -67,6 +67,9 @@ class ChunkLoad:
     range_ids: list[int]  # the request's token ids ``start .. end-1``
     block_ids: list[int] = field(default_factory=list)  # the request's first end/N blocks
     hops: int = 0  # the most moves between a reused chunk's K/V and a full computation
+    #: moved tokens the worker also recomputes, picked where their K/V deviate most
+    #: (CacheBlend's selection; 0: the seams only)
+    selected: int = 0
 
     @property
     def compute_ids(self) -> list[int]:
@@ -76,7 +79,12 @@ class ChunkLoad:
     @property
     def reused_tokens(self) -> int:
         """Tokens moved in and not recomputed."""
-        return self.end - self.start - len(self.compute)
+        return self.end - self.start - len(self.compute) - self.selected
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens the worker computes: :attr:`compute` and the selected ones."""
+        return len(self.compute) + self.selected
 
 
 class ChunkPlanner:
@@ -90,18 +98,21 @@ class ChunkPlanner:
         max_hops: chunks this many moves from a full computation are not reused.
         min_share: a request reuses chunks only when they cover at least this share
             of the range the connector would materialize.
+        repair_ratio: the share of the moved tokens the worker also recomputes
+            (CacheBlend's selection, ``chunk_repair_ratio``).
         layers: labels that may be reused (None: all).
     """
 
     def __init__(self, identity_digest: bytes, block_size: int, *, min_tokens: int = 16,
                  repair_first: int = 4, max_hops: int = 4, min_share: float = 0.2,
-                 layers: frozenset[str] | None = None) -> None:
+                 repair_ratio: float = 0.0, layers: frozenset[str] | None = None) -> None:
         self.index = ChunkIndex(identity_digest)
         self.block_size = block_size
         self.min_tokens = min_tokens
         self.repair_first = repair_first
         self.max_hops = max_hops
         self.min_share = min_share
+        self.repair_ratio = repair_ratio
         self.layers = layers
 
     def eligible(self, span: WireSpan) -> bool:
@@ -157,7 +168,8 @@ class ChunkPlanner:
         if end <= prefix_end or reused < self.min_share * len(covered):
             return None
         return ChunkLoad(req_id, tenant, prefix_end, end, kept, compute,
-                         [int(t) for t in token_ids[prefix_end:end]], hops=hops)
+                         [int(t) for t in token_ids[prefix_end:end]], hops=hops,
+                         selected=round(self.repair_ratio * reused))
 
     def register(self, tenant: str, token_ids: Sequence[int], spans: Sequence[WireSpan],
                  keys: Sequence[bytes], stored_blocks: int, held: Callable[[bytes], bool],

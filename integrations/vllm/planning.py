@@ -705,7 +705,7 @@ class RequestPlanner:
                                   if planned else 0)
         failed = self._load_failed.get(req_id, 0)
         reused = self._chunk_reused.get(req_id, chunk.reused_tokens if chunk else 0)
-        repaired = self._chunk_computed.get(req_id, len(chunk.compute) if chunk else 0)
+        repaired = self._chunk_computed.get(req_id, chunk.computed_tokens if chunk else 0)
         cached = max(0, state.vllm_hit_tokens)
         fallback = []
         if state.labels_ignored is not None:

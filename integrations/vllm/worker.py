@@ -329,7 +329,7 @@ class ConnectorWorker:
         paged = PagedKV([self._pages[name] for name in self._names], self._layout.split,
                         self._key_order, chunk.block_ids, bs)
         compute = chunk.compute
-        if self.config.chunk_repair_ratio > 0 and len(compute) < chunk.end - chunk.start:
+        if chunk.selected:
             compute = self._select(chunk, model, paged)
         if compute:
             model.forward([chunk.range_ids[p - chunk.start] for p in compute], compute, paged)
@@ -340,9 +340,9 @@ class ConnectorWorker:
 
     def _select(self, chunk: ChunkLoad, model: ServedLlama, paged: PagedKV) -> list[int]:
         """CacheBlend's selection: the range's first layers run over every token; at
-        ``chunk_select_layer`` the moved tokens whose fresh K/V deviate most from the
-        moved ones (``chunk_repair_ratio`` of them) join the tokens to compute. Every
-        token's fresh K/V are written at that layer and below."""
+        ``chunk_select_layer`` the ``chunk.selected`` moved tokens whose fresh K/V deviate
+        most from the moved ones join the tokens to compute. Every token's fresh K/V are
+        written at that layer and below."""
         start, end = chunk.start, chunk.end
         layer = min(self.config.chunk_select_layer, model.num_layers - 1)
         old_k, old_v = (t[:, start:end].transpose(0, 1) for t in paged.context(layer, end))
@@ -353,8 +353,7 @@ class ConnectorWorker:
             (v.float() - old_v.float()) ** 2).sum((1, 2))
         computed = torch.tensor([p - start for p in chunk.compute], dtype=torch.int64)
         deviation[computed] = -1.0
-        moved = end - start - len(chunk.compute)
-        picks = round(self.config.chunk_repair_ratio * moved)
+        picks = chunk.selected
         paged.write(layer, torch.arange(start, end), k, v)
         chosen = torch.topk(deviation, picks).indices + start if picks else torch.empty(0)
         return sorted({*chunk.compute, *(int(p) for p in chosen)})

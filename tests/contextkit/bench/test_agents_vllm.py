@@ -78,7 +78,7 @@ def test_result_reports_hit_tokens_per_tier_quality_and_what_did_not_run(tmp_pat
     result = result_of(args, raw)
     assert result["speedup_vs_apc_p50"] == 3.5  # warm steps 2-3: 700 / 200
     assert result["hit_tokens"]["connector"] == {"vllm": 3000 - 640, "ddr": 640,
-                                                 "shadow": 0, "computed": 5000}
+                                                 "shadow": 0, "chunk": 0, "computed": 5000}
     assert result["teacher_forced_agreement"] == 1.0
     assert result["quality"]["connector"]["probe_connector_hit_tokens"] == 64
     assert result["not_run"] == {"lmcache": "SystemExit: no lmcache"}

@@ -36,3 +36,21 @@ def test_the_gate_passes_agreeing_logits_and_fails_a_constructed_bad_case() -> N
     assert not bad.passed and bad.agreement < 0.9
     reason = bad.reason()
     assert reason is not None and "check failed" in reason and "30 tokens" in reason
+
+
+def test_chunk_settings_are_checked_with_one_line_each() -> None:
+    import pytest
+
+    from integrations.vllm.config import ConnectorConfig, ConnectorConfigError
+
+    with pytest.raises(ConnectorConfigError, match="chunk_repair_ratio must be in"):
+        ConnectorConfig(chunk_repair_ratio=1.5)
+    with pytest.raises(ConnectorConfigError, match="chunk_gate_min_agreement"):
+        ConnectorConfig(chunk_gate_min_agreement=2.0)
+    with pytest.raises(ConnectorConfigError, match="chunk_min_tokens"):
+        ConnectorConfig(chunk_min_tokens=0)
+    config = ConnectorConfig(chunk_reuse=True, chunk_layers="documents, user_turn")
+    assert config.chunk_labels == frozenset({"documents", "user_turn"})
+    assert ConnectorConfig().chunk_labels is None
+    again = ConnectorConfig.from_extra_config(config.to_extra_config())
+    assert again.chunk_reuse and again.chunk_layers == config.chunk_layers

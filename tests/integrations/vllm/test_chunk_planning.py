@@ -205,3 +205,19 @@ def test_moved_kv_is_reused_at_most_max_hops_times() -> None:
         _, loads = serve(p, "t3", ids3, params3)
         moved = [m.label for load in loads if load.chunk for m in load.chunk.chunks]
         assert moved == expected, max_hops
+
+
+def test_the_selection_share_is_planned_so_the_report_counts_it() -> None:
+    p = planner(repair_ratio=0.5)
+    serve(p, "t1", *prompt("abc"))
+    ids2, params2 = prompt("cda", [8, 8, 8, 8, 8])
+    hit = p.matched_tokens("t2", ids2, len(ids2), 0, tenant=TENANT, params=params2)
+    hit += p.chunk_tokens("t2", ids2, hit)
+    p.on_alloc("t2", hit)
+    (load,), _ = p.plan([StepRequest("t2", ids2, 0, len(ids2), list(range(10, 20)))])
+    chunk = load.chunk
+    assert chunk is not None and chunk.selected == 7  # half of the 14 moved tokens
+    assert chunk.reused_tokens == 24 - 10 - 7 and chunk.computed_tokens == 10 + 7
+    report = p.report("t2")  # the worker has not reported: the planned figures
+    assert report is not None and not report["complete"]
+    assert (report["chunk_reused_tokens"], report["repaired_tokens"]) == (7, 17)
