@@ -206,3 +206,31 @@ def test_an_interleaved_run_counts_the_replies_that_matched_the_transcript() -> 
     assert result["interleaved"] is True
     assert result["replies_matching_transcript"] == {"apc": 3}
     assert result["method"].startswith("every server up")
+
+
+def test_chunk_reuse_is_compared_over_warm_steps_and_over_those_that_moved_chunks() -> None:
+    rows = _rows([900, 800, 400, 100])
+    raw = {
+        "configs": {
+            "apc": {"rows": _rows([900, 800, 700, 700]), "seconds": 1.0, "metrics": {}, "loadavg_1min": 1.0},
+            "connector": {"rows": _rows([900, 800, 200, 200]), "seconds": 1.0, "metrics": {},
+                          "loadavg_1min": 1.0,
+                          "connector_stats": [{"external_hit_tokens": 0}] * 4},
+            "connector_chunks": {
+                "rows": rows, "seconds": 1.0, "metrics": {}, "loadavg_1min": 1.0,
+                "connector_stats": [{"external_hit_tokens": 0}] * 3
+                + [{"external_hit_tokens": 0, "chunk_reused_tokens": 600,
+                    "chunk_computed_tokens": 50}]},
+        },
+        "sizes": {"kv_blocks_pressure": 140, "kv_blocks_ceiling": 700,
+                  "prompt_tokens_mean": 2200, "budget_bytes": 10 ** 8, "host_blocks": 480},
+        "workload": {"num_agents": 2, "num_steps": 4},
+    }
+    args = argparse.Namespace(kv_agents=2.0, budget_agents=3.0, model=None, plot=None)
+    chunks = result_of(args, raw)["chunks"]
+    assert chunks["chunk_steps"] == 1 and chunks["chunk_reused_tokens"] == 600
+    assert chunks["warm_speedup_vs_apc_p50"] == 2.8  # 700 / median(400, 100) = 250
+    assert chunks["chunk_steps_speedup_vs_connector_p50"] == 2.0  # step 3: 200 / 100
+    # the tokens the connector computed itself count as computed
+    assert result_of(args, raw)["hit_tokens"]["connector_chunks"]["computed"] == 3000 + 50
+    assert chunks["warm_speedup_vs_lmcache_p50"] is None
