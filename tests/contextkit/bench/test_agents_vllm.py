@@ -212,7 +212,8 @@ def test_chunk_reuse_is_compared_over_warm_steps_and_over_those_that_moved_chunk
     rows = _rows([900, 800, 400, 100])
     raw = {
         "configs": {
-            "apc": {"rows": _rows([900, 800, 700, 700]), "seconds": 1.0, "metrics": {}, "loadavg_1min": 1.0},
+            "apc": {"rows": _rows([900, 800, 700, 700]), "seconds": 1.0, "metrics": {},
+                    "loadavg_1min": 1.0},
             "connector": {"rows": _rows([900, 800, 200, 200]), "seconds": 1.0, "metrics": {},
                           "loadavg_1min": 1.0,
                           "connector_stats": [{"external_hit_tokens": 0}] * 4},
@@ -232,5 +233,5 @@ def test_chunk_reuse_is_compared_over_warm_steps_and_over_those_that_moved_chunk
     assert chunks["warm_speedup_vs_apc_p50"] == 2.8  # 700 / median(400, 100) = 250
     assert chunks["chunk_steps_speedup_vs_connector_p50"] == 2.0  # step 3: 200 / 100
     # the tokens the connector computed itself count as computed
-    assert result_of(args, raw)["hit_tokens"]["connector_chunks"]["computed"] == 3000 + 50
+    assert result_of(args, raw)["hit_tokens"]["connector_chunks"]["computed"] == 5000 + 50
     assert chunks["warm_speedup_vs_lmcache_p50"] is None
