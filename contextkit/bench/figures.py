@@ -199,6 +199,8 @@ TOOL_PAUSES = ("tool-pauses-amd.json",)
 TOOL_PAUSES_SMALL_DDR = ("tool-pauses-amd-small-ddr.json",)
 #: bench replicas with every configuration's servers up and the steps interleaved
 REPLICAS_INTERLEAVED = ("replicas-amd-interleaved.json",)
+#: bench agents-vllm with chunk reuse beside prefix reuse, interleaved
+AGENTS_VLLM_CHUNKS = ("agents-vllm-amd-chunks.json",)
 #: bench chunks-vllm: the RAG agent, documents reordered and changed every turn
 CHUNKS_VLLM = ("chunks-vllm-amd.json",)
 #: the same with every document prefilled once before the schedule (--ingest), each
@@ -377,6 +379,16 @@ ROWS: tuple[Row, ...] = (
     Row("chunks-vllm", "`--ingest --repair-ratio 0.15`: TTFT p50 prefix-only connector / "
         "chunk reuse", CHUNKS_VLLM_INGEST_RATIO, lambda d: d["speedup_chunks_vs_prefix_p50"],
         goal=Goal(">=", 2.5)),
+    Row("agents-vllm", "tokens computed with chunk reuse (`connector_chunks`), against "
+        "prefix reuse's bound: a server whose KV holds every agent", AGENTS_VLLM_CHUNKS,
+        lambda d: d["chunks"]["computed_tokens"]["connector_chunks"], fmt="{:,.0f}",
+        remark=lambda d: (f"the bound computed {d['chunks']['computed_tokens']['ceiling']:,}"
+                          f"; the prefix-only connector "
+                          f"{d['chunks']['computed_tokens']['connector']:,}")),
+    Row("agents-vllm", "warm-step TTFT p50 APC / chunk reuse", AGENTS_VLLM_CHUNKS,
+        lambda d: d["chunks"]["warm_speedup_vs_apc_p50"], goal=Goal(">=", 3.0)),
+    Row("agents-vllm", "warm-step TTFT p50 prefix-only connector / chunk reuse",
+        AGENTS_VLLM_CHUNKS, lambda d: d["chunks"]["warm_speedup_vs_connector_p50"]),
     Row("replicas", "turns lost at failover", REPLICAS,
         lambda d: d["failover_lost_turns"], fmt="{:.0f}", goal=Goal("<=", 0)),
     Row("replicas", "another tenant's tokens found in the shared tier", REPLICAS,
