@@ -138,9 +138,10 @@ class ConnectorConfig:
         chunk_min_tokens: spans shorter than this are computed, not reused.
         chunk_max_hops: chunks this many moves from a full computation are computed.
         chunk_layers: comma-separated labels (layers) that may be reused; empty: all.
-        chunk_gate_min_agreement, chunk_gate_max_kl: the per-model check at start
-            (chunk reuse against a full prefill, teacher-forced) that turns chunk
-            reuse on; below the agreement or above the KL it stays off.
+        chunk_gate_min_agreement: the per-model check at start (chunk reuse against a
+            full prefill, teacher-forced) turns chunk reuse on at this top-1 agreement
+            or above ...
+        chunk_gate_max_kl: ... and this mean KL or below; else it stays off.
         recover_strict: ``contextkit serve-vllm`` does not start vLLM when the
             startup recovery reports an error (a session refused, a block skipped, a
             store it cannot read); default: it says so and serves, recomputing what
