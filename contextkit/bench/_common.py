@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["machine_info", "median_seconds", "number_type", "print_table", "sync"]
+__all__ = ["machine_info", "median_seconds", "number_type", "print_table", "sync",
+           "the_configs"]
 
 
 def sync(device: torch.device | str | None = None) -> None:
@@ -66,6 +67,17 @@ def write_result(path: str | os.PathLike[str], result: dict[str, Any]) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+
+
+def the_configs(given: str, known: Sequence[str]) -> list[str]:
+    """A bench's ``--configs`` (comma-separated names), refused in one line when a name
+    is not one of ``known``."""
+    configs = [c.strip() for c in str(given).split(",") if c.strip()]
+    unknown = sorted(set(configs) - set(known))
+    if unknown:
+        raise SystemExit(f"unknown --configs {', '.join(unknown)}; pick from "
+                         f"{', '.join(known)}")
+    return configs
 
 
 def print_table(title: str, rows: Sequence[tuple[str, Any]]) -> None:

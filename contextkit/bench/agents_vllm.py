@@ -67,6 +67,7 @@ from contextkit.bench._common import (
     positive_float,
     positive_int,
     print_table,
+    the_configs,
 )
 from contextkit.bench.agent_vllm import vllm_installed
 
@@ -358,15 +359,11 @@ def _plot(path: Path, ttft: Mapping[str, Sequence[float]], warm: Sequence[bool],
 def run(args: argparse.Namespace) -> dict[str, Any]:
     given = args.configs or ",".join(SEQUENTIAL_CONFIGS if args.sequential
                                      else DEFAULT_CONFIGS)
-    configs = [c.strip() for c in given.split(",") if c.strip()]
     if args.ceiling_last and not args.sequential:
         raise SystemExit("--ceiling-last measures the drift between back-to-back runs: add "
                          "--sequential (side by side, the steps interleave and need no "
                          "drift check)")
-    unknown = sorted(set(configs) - set(CONFIGS))
-    if unknown:
-        raise SystemExit(f"unknown --configs {', '.join(unknown)}; pick from "
-                         f"{', '.join(CONFIGS)}")
+    configs = the_configs(given, CONFIGS)
     if args.plot and not str(args.plot).endswith(".png"):
         raise SystemExit(f"--plot writes a PNG: give a path ending in .png, got {args.plot}")
     return result_of(args, run_driver(args, configs, "agents-vllm"))

@@ -32,6 +32,7 @@ from contextkit.bench._common import (
     positive_float,
     positive_int,
     print_table,
+    the_configs,
     unit_float,
 )
 from contextkit.bench.agent_vllm import vllm_installed
@@ -207,11 +208,7 @@ def result_of(args: argparse.Namespace, raw: Mapping[str, Any]) -> dict[str, Any
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    configs = [c.strip() for c in str(args.configs).split(",") if c.strip()]
-    unknown = sorted(set(configs) - set(CONFIGS))
-    if unknown:
-        raise SystemExit(f"unknown --configs {', '.join(unknown)}; pick from "
-                         f"{', '.join(CONFIGS)}")
+    configs = the_configs(args.configs, CONFIGS)
     if not vllm_installed():
         raise SystemExit("contextkit bench chunks-vllm runs inside the vLLM virtualenv: "
                          "`make test-vllm` creates .venv-vllm, then `make bench-chunks-vllm`")

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from contextkit.bench._agents_report import SAME_TOKENS
-from contextkit.bench._common import machine_info, positive_float, print_table
+from contextkit.bench._common import machine_info, positive_float, print_table, the_configs
 from contextkit.bench.agents_vllm import add_workload_arguments, run_driver
 
 __all__ = ["CONFIGS", "HELP", "add_arguments", "result_of", "resume_figures", "run"]
@@ -150,11 +150,7 @@ def result_of(args: argparse.Namespace, raw: Mapping[str, Any]) -> dict[str, Any
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    configs = [c.strip() for c in str(args.configs).split(",") if c.strip()]
-    unknown = sorted(set(configs) - set(CONFIGS))
-    if unknown:
-        raise SystemExit(f"unknown --configs {', '.join(unknown)}; pick from "
-                         f"{', '.join(CONFIGS)}")
+    configs = the_configs(args.configs, CONFIGS)
     args.quality_steps = 1  # the driver's probe: one prompt (this bench reports no quality)
     raw = run_driver(args, configs, "tool-pauses", ["--tool-pauses", str(args.time_scale)])
     return result_of(args, raw)

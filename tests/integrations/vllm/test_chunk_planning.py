@@ -49,6 +49,14 @@ def planner(**kwargs: object) -> RequestPlanner:
     return p
 
 
+def plan_step(p: RequestPlanner, req: str, ids: list[int], params: dict) -> int:
+    """Lookup (prefix, then chunks) and allocation of one request; its hit."""
+    hit = p.matched_tokens(req, ids, len(ids), 0, tenant=TENANT, params=params)
+    hit += p.chunk_tokens(req, ids, hit)
+    p.on_alloc(req, hit)
+    return hit
+
+
 def serve(p: RequestPlanner, req: str, ids: list[int], params: dict, tenant: str = TENANT,
           stored: bool = True) -> tuple[int, list]:
     """One request through lookup, allocation, one step computing the rest, its saves
@@ -105,9 +113,7 @@ def test_blocks_holding_moved_kv_are_stored_where_no_prefix_lookup_finds_them() 
     p = planner()
     serve(p, "t1", *prompt("abc"))
     ids2, params2 = prompt("cda", [8, 8, 8, 8, 8])
-    hit = p.matched_tokens("t2", ids2, len(ids2), 0, tenant=TENANT, params=params2)
-    hit += p.chunk_tokens("t2", ids2, hit)
-    p.on_alloc("t2", hit)
+    plan_step(p, "t2", ids2, params2)
     _, saves = p.plan([StepRequest("t2", ids2, 0, len(ids2), list(range(10, 20)))])
     exact = hash_token_blocks(IDENTITY.digest(), TENANT, ids2, BS)
     by_block = {s.first_block + i: (k, s.moved) for s in saves for i, k in enumerate(s.keys)}
@@ -128,9 +134,7 @@ def test_the_report_says_chunk_and_counts_reused_and_repaired_tokens() -> None:
     p = planner()
     serve(p, "t1", *prompt("abc"))
     ids2, params2 = prompt("cda", [8, 8, 8, 8, 8])
-    hit = p.matched_tokens("t2", ids2, len(ids2), 0, tenant=TENANT, params=params2)
-    hit += p.chunk_tokens("t2", ids2, hit)
-    p.on_alloc("t2", hit)
+    plan_step(p, "t2", ids2, params2)
     (load,), _ = p.plan([StepRequest("t2", ids2, 0, len(ids2), list(range(10, 20)))])
     chunk = load.chunk
     assert chunk is not None
@@ -211,9 +215,7 @@ def test_the_selection_share_is_planned_so_the_report_counts_it() -> None:
     p = planner(repair_ratio=0.5)
     serve(p, "t1", *prompt("abc"))
     ids2, params2 = prompt("cda", [8, 8, 8, 8, 8])
-    hit = p.matched_tokens("t2", ids2, len(ids2), 0, tenant=TENANT, params=params2)
-    hit += p.chunk_tokens("t2", ids2, hit)
-    p.on_alloc("t2", hit)
+    plan_step(p, "t2", ids2, params2)
     (load,), _ = p.plan([StepRequest("t2", ids2, 0, len(ids2), list(range(10, 20)))])
     chunk = load.chunk
     assert chunk is not None and chunk.selected == 7  # half of the 14 moved tokens
