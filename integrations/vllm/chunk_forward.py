@@ -136,15 +136,10 @@ class ServedLlama:
         cache = rope.cos_sin_cache
         half = cache.shape[-1] // 2
         self._cos, self._sin = cache[:, :half].float(), cache[:, half:].float()
-        self.max_position = cache.shape[0]
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
 
     def rotation(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[T, 1, D/2]`` of RoPE's rotation by ``delta`` (``[T]``, any

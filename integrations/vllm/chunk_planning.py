@@ -172,11 +172,12 @@ class ChunkPlanner:
                          selected=round(self.repair_ratio * reused))
 
     def register(self, tenant: str, token_ids: Sequence[int], spans: Sequence[WireSpan],
-                 keys: Sequence[bytes], stored_blocks: int, held: Callable[[bytes], bool],
-                 *, hops: int = 0) -> int:
+                 keys: Sequence[bytes], stored_blocks: int, held: Callable[[bytes], bool]
+                 ) -> int:
         """Register a request's spans held by its first ``stored_blocks`` blocks
         (``keys``: the keys they are stored under). ``held``: whether the store holds
-        a block key. Returns how many were registered."""
+        a block key. A span inherits the most hops its blocks were tainted with.
+        Returns how many were registered."""
         bs = self.block_size
         n = 0
         for span in spans:
@@ -184,7 +185,7 @@ class ChunkPlanner:
                 continue
             first, last = span.start // bs, (span.end - 1) // bs
             block_keys = tuple(BlockHash(k) for k in keys[first:last + 1])
-            span_hops = max(hops, self.index.hops_of(block_keys))
+            span_hops = self.index.hops_of(block_keys)
             ids = list(token_ids[span.start:span.end])
             key = self.index.key(tenant, span.source_layer, ids)
             old = self.index.get(key, tenant)

@@ -291,8 +291,8 @@ class ConnectorWorker:
                 keys.setdefault(key, len(keys))
         n_src = len(keys)
         t0 = time.perf_counter()
-        stored = self._loader.submit(self._decode_sources, list(keys), chunk.tenant).result()
-        if stored is None:
+        sources = self._loader.submit(self._decode_sources, list(keys), chunk.tenant).result()
+        if sources is None:
             logger.warning("request %s: a reused chunk's blocks are no longer stored; vLLM "
                            "recomputes tokens %d..%d", chunk.req_id, chunk.start, chunk.end)
             return None
@@ -312,13 +312,14 @@ class ConnectorWorker:
         ids = torch.tensor(chunk.block_ids[first:first + n], dtype=torch.int64)
         k_range = torch.empty(n * bs, heads, dim)
         v_range = torch.empty_like(k_range)
+        k_src, v_src = sources
         for layer, name in enumerate(self._names):
             # the stored rows are page memory: [n, N, H, D] -> token-major keys
-            k_mem = stored[layer, 0].permute(0, 2, 1, 3).contiguous()  # [n, H, N, D]
+            k_mem = k_src[layer].permute(0, 2, 1, 3).contiguous()  # [n, H, N, D]
             k_tok = keys_by_token(k_mem, self._key_order).permute(0, 2, 1, 3)
             k_range[where] = model.rotate_with(k_tok.reshape(n_src * bs, heads, dim)[at],
                                                cos, sin)
-            v_range[where] = stored[layer, 1].reshape(n_src * bs, heads, dim)[at]
+            v_range[where] = v_src[layer].reshape(n_src * bs, heads, dim)[at]
             pages = self._pages[name]
             page = self._layout.join(
                 keys_to_page(k_range.view(n, bs, heads, dim).transpose(1, 2),
@@ -358,27 +359,13 @@ class ConnectorWorker:
         chosen = torch.topk(deviation, picks).indices + start if picks else torch.empty(0)
         return sorted({*chunk.compute, *(int(p) for p in chosen)})
 
-    def _decode_sources(self, keys: list[bytes], tenant: str) -> torch.Tensor | None:
-        """The stored rows of these blocks, ``[L, 2 (K, V), n, N, H, D]`` float32
-        (loader thread; the fused decoder sets its thread's OpenMP count), or None when
-        the store no longer holds one of them for ``tenant``."""
-        parts = self.store.export_parts(keys, tenant)
-        if sum(len(positions) for _, positions, _ in parts) < len(keys):
-            return None
-        n, bs = len(keys), self.block_size
-        heads, dim = self.identity.num_kv_heads, self.identity.head_dim
-        out = torch.empty(self.identity.num_layers, 2, n, bs, heads, dim)
-        per_layer = 2 * n * bs * heads
-        for pool, positions, data in parts:
-            blocks = torch.tensor(positions, dtype=torch.int64)[:, None, None]
-            token = torch.arange(bs)[None, :, None]
-            head = torch.arange(heads)[None, None, :]
-            k_rows = ((blocks * bs + token) * heads + head).reshape(-1)
-            for layer in range(self.identity.num_layers):
-                rows = out[layer].view(-1, dim)
-                decode_pool_layer_into(pool, data, layer, rows, k_rows,
-                                       k_rows + per_layer // 2)
-        return out
+    def _decode_sources(self, keys: list[bytes], tenant: str
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stored K/V rows of these blocks, ``[L, n, N, H, D]`` float32 each (loader
+        thread; the fused decoder sets its thread's OpenMP count), or None when the
+        store no longer holds one of them for ``tenant``."""
+        got = self.store.read(keys, tenant)
+        return got if got is not None and got[0].shape[1] == len(keys) else None
 
     def take_load_errors(self) -> set[int]:
         """``get_block_ids_with_load_errors``: blocks vLLM must recompute."""
