@@ -71,7 +71,7 @@ from contextkit.bench._common import (
 )
 from contextkit.bench.agent_vllm import vllm_installed
 
-__all__ = ["CONFIGS", "HELP", "add_arguments", "add_workload_arguments", "connector_costs",
+__all__ = ["CONFIGS", "HELP", "add_arguments", "add_workload_arguments", "connector_costs", "drive",
            "percentile", "quality", "run", "run_driver", "speedups"]
 
 HELP = ("many LangChain agents on one vLLM server whose KV holds ~2 of them: vLLM APC, "
@@ -374,14 +374,10 @@ def run_driver(args: argparse.Namespace, configs: Sequence[str], bench: str,
     """Run the driver (:mod:`integrations.vllm.bench.agents_bench`) in a child process
     with ``args``' workload and sizes and ``configs``; its raw result. ``extra``: more
     driver arguments."""
-    if not vllm_installed() or importlib.util.find_spec("langchain_openai") is None:
+    if importlib.util.find_spec("langchain_openai") is None:
         raise SystemExit(f"contextkit bench {bench} runs inside the vLLM virtualenv: "
                          f"`make test-vllm` creates .venv-vllm, then `make bench-{bench}`")
-    work = Path(args.dir or tempfile.mkdtemp(prefix=f"ck-bench-{bench}-"))
-    work.mkdir(parents=True, exist_ok=True)
-    raw_path = work / "raw.json"
-    cmd = [sys.executable, "-m", "integrations.vllm.bench.agents_bench", "--out", str(raw_path),
-           "--dir", str(work), "--agents", str(args.agents), "--tenants", str(args.tenants),
+    cmd = ["--agents", str(args.agents), "--tenants", str(args.tenants),
            "--steps", str(args.steps), "--seed", str(args.seed), "--scale", str(args.scale),
            "--max-tokens", str(args.max_tokens), "--kv-agents", str(args.kv_agents),
            "--budget-agents", str(args.budget_agents),
@@ -391,6 +387,21 @@ def run_driver(args: argparse.Namespace, configs: Sequence[str], bench: str,
         cmd.append("--ceiling-last")
     if getattr(args, "sequential", False):
         cmd.append("--sequential")
+    return drive("integrations.vllm.bench.agents_bench", cmd, args, bench)
+
+
+def drive(module: str, argv: Sequence[str], args: argparse.Namespace, bench: str
+          ) -> dict[str, Any]:
+    """Run a bench's driver module in a child process of this interpreter (the vLLM
+    virtualenv) with ``argv`` (and ``--model`` from ``args``), in ``args.dir`` or a
+    temporary work directory; its raw result (``--out``)."""
+    if not vllm_installed():
+        raise SystemExit(f"contextkit bench {bench} runs inside the vLLM virtualenv: "
+                         f"`make test-vllm` creates .venv-vllm, then `make bench-{bench}`")
+    work = Path(args.dir or tempfile.mkdtemp(prefix=f"ck-bench-{bench}-"))
+    work.mkdir(parents=True, exist_ok=True)
+    raw_path = work / "raw.json"
+    cmd = [sys.executable, "-m", module, "--out", str(raw_path), "--dir", str(work), *argv]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.run(cmd, stdout=sys.stderr, check=False)

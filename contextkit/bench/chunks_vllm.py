@@ -16,15 +16,8 @@ prefill on the same turns. Ratios are medians of the TTFTs over those turns.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
-import math
 import statistics
-import subprocess
-import sys
-import tempfile
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from contextkit.bench._common import (
@@ -35,9 +28,9 @@ from contextkit.bench._common import (
     the_configs,
     unit_float,
 )
-from contextkit.bench.agent_vllm import vllm_installed
+from contextkit.bench.agents_vllm import drive, quality
 
-__all__ = ["CONFIGS", "HELP", "add_arguments", "quality", "result_of", "run"]
+__all__ = ["CONFIGS", "HELP", "add_arguments", "probed_quality", "result_of", "run"]
 
 HELP = ("reuse beyond the prefix on vLLM: a RAG agent whose documents change order and "
         "membership every turn; chunk reuse vs prefix reuse, APC, LMCache, full prefill")
@@ -96,31 +89,16 @@ def computed_tokens(row: Mapping[str, Any]) -> int:
     return prompt - cached + int(report.get("repaired_tokens") or 0)
 
 
-def quality(probes: Sequence[Mapping[str, Any]], name: str, reference: str = "full"
-            ) -> dict[str, Any] | None:
-    """Teacher-forced agreement (top-1 equals the forced token), perplexity ratio of the
-    forced tokens and mean KL(reference || name) over the reference's top-20 (the
-    other's missing entries at its lowest logprob) of ``name`` against ``reference``."""
-    agree = n = 0
-    nll = nll_ref = kl = 0.0
-    for probe in probes:
-        tops = probe["tops"]
-        if name not in tops or reference not in tops:
-            continue
-        for j, token in enumerate(probe["forced"]):
-            mine, ref = tops[name][j], tops[reference][j]
-            key = str(token)
-            agree += max(mine, key=lambda t: mine[t]) == key
-            floor = min(mine.values())
-            nll -= mine.get(key, floor)
-            nll_ref -= ref.get(key, min(ref.values()))
-            kl += sum(math.exp(lp) * (lp - mine.get(t, floor)) for t, lp in ref.items())
-            n += 1
-    if not n:
+def probed_quality(probes: Sequence[Mapping[str, Any]], name: str, reference: str = "full"
+                   ) -> dict[str, Any] | None:
+    """Teacher-forced agreement, perplexity ratio and mean KL of ``name`` against
+    ``reference`` over the probed turns (:func:`contextkit.bench.agents_vllm.quality`
+    over the driver's probes), or None when ``name`` was not probed."""
+    probed = [p for p in probes if name in p["tops"] and reference in p["tops"]]
+    if not probed:
         return None
-    return {"teacher_forced_agreement": round(agree / n, 4),
-            "ppl_ratio": round(math.exp((nll - nll_ref) / n), 4),
-            "mean_kl": round(kl / n, 5), "positions": n}
+    return quality([p["tops"][reference] for p in probed], [p["tops"][name] for p in probed],
+                   [p["forced"] for p in probed])
 
 
 def _p50(values: Sequence[float]) -> float | None:
@@ -149,8 +127,8 @@ def result_of(args: argparse.Namespace, raw: Mapping[str, Any]) -> dict[str, Any
     p50 = {n: _p50(t) for n, t in ttft.items()}
     chunks = p50.get("connector_chunks")
     probes = raw.get("probes", [])
-    q_chunks = quality(probes, "connector_chunks")
-    q_prefix = quality(probes, "connector")
+    q_chunks = probed_quality(probes, "connector_chunks")
+    q_prefix = probed_quality(probes, "connector")
     reused = sum(int((chunk_rows[i].get("report") or {}).get("chunk_reused_tokens") or 0)
                  for i in turns)
     result: dict[str, Any] = {
@@ -209,16 +187,7 @@ def result_of(args: argparse.Namespace, raw: Mapping[str, Any]) -> dict[str, Any
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     configs = the_configs(args.configs, CONFIGS)
-    if not vllm_installed():
-        raise SystemExit("contextkit bench chunks-vllm runs inside the vLLM virtualenv: "
-                         "`make test-vllm` creates .venv-vllm, then `make bench-chunks-vllm`")
-    if importlib.util.find_spec("memory_graph") is None:
-        raise SystemExit("bench chunks-vllm needs contextkit's memory_graph package")
-    work = Path(args.dir or tempfile.mkdtemp(prefix="ck-bench-chunks-vllm-"))
-    work.mkdir(parents=True, exist_ok=True)
-    raw_path = work / "raw.json"
-    cmd = [sys.executable, "-m", "integrations.vllm.bench.chunks_bench", "--out", str(raw_path),
-           "--dir", str(work), "--agents", str(args.agents), "--tenants", str(args.tenants),
+    cmd = ["--agents", str(args.agents), "--tenants", str(args.tenants),
            "--steps", str(args.steps), "--docs", str(args.docs), "--seed", str(args.seed),
            "--max-tokens", str(args.max_tokens), "--kv-agents", str(args.kv_agents),
            "--quality-turns", str(args.quality_turns),
@@ -226,10 +195,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.ingest:
         cmd.append("--ingest")
     cmd += ["--repair-first", str(args.repair_first), "--repair-ratio", str(args.repair_ratio)]
-    if args.model:
-        cmd += ["--model", args.model]
-    proc = subprocess.run(cmd, stdout=sys.stderr, check=False)
-    if proc.returncode:
-        raise SystemExit(f"bench chunks-vllm: the driver failed ({proc.returncode}); see "
-                         f"the output above and the server logs in {work}")
-    return result_of(args, json.loads(raw_path.read_text()))
+    return result_of(args, drive("integrations.vllm.bench.chunks_bench", cmd, args,
+                                 "chunks-vllm"))
