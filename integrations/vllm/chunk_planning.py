@@ -66,7 +66,7 @@ class ChunkLoad:
     compute: list[int]  # positions the connector computes, ascending
     range_ids: list[int]  # the request's token ids ``start .. end-1``
     block_ids: list[int] = field(default_factory=list)  # the request's first end/N blocks
-    hops: int = 0  # the most moves between a reused chunk's K/V and a full computation
+    hops: int = 0  # moves between the K/V this load materializes and a full computation
     #: moved tokens the worker also recomputes, picked where their K/V deviate most
     #: (CacheBlend's selection; 0: the seams only)
     selected: int = 0
@@ -168,7 +168,7 @@ class ChunkPlanner:
         if end <= prefix_end or reused < self.min_share * len(covered):
             return None
         return ChunkLoad(req_id, tenant, prefix_end, end, kept, compute,
-                         [int(t) for t in token_ids[prefix_end:end]], hops=hops,
+                         [int(t) for t in token_ids[prefix_end:end]], hops=hops + 1,
                          selected=round(self.repair_ratio * reused))
 
     def register(self, tenant: str, token_ids: Sequence[int], spans: Sequence[WireSpan],

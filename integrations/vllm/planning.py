@@ -349,7 +349,6 @@ class _RequestState:
     chunk: ChunkLoad | None = None  # the chunk load of its latest lookup
     chunk_planned: bool = False  # allocated: the next plan sends it
     moved: range = range(0)  # blocks holding moved K/V: saved under moved_key only
-    hops: int = 0  # moves between its chunks' K/V and a full computation
     chunks_off: str | None = None  # why an opted-in request reused no chunk
 
 
@@ -504,7 +503,8 @@ class RequestPlanner:
                                        held=self.index.__contains__)
         if state.chunk is None:
             return 0
-        state.chunk.hops = 1 + max(state.chunk.hops, self.chunks.hops_of(
+        # K/V computed over a prefix that holds moved K/V are a hop further too
+        state.chunk.hops = max(state.chunk.hops, 1 + self.chunks.hops_of(
             state.keys[:prefix_end // self.block_size]))
         return state.chunk.end - prefix_end
 
