@@ -43,6 +43,7 @@ from integrations.vllm.connector_metadata import (
     ContextKitConnectorMetadata,
 )
 from integrations.vllm.identity import vllm_cache_identity
+from integrations.vllm.ledger import ledger_path
 from integrations.vllm.logs import adopt_vllm_logging
 from integrations.vllm.metrics import ContextKitConnectorStats, ContextKitPromMetrics
 from integrations.vllm.scheduler import ConnectorScheduler
@@ -108,8 +109,9 @@ class ContextKitConnector(KVConnectorBase_V1):
             self.scheduler = ConnectorScheduler(config, self.identity, block_size,
                                                 self._manager_block_ids)
         else:
-            self.worker = ConnectorWorker(config, self.identity, block_size,
-                                          tokenizer_dir=model.tokenizer or model.model)
+            self.worker = ConnectorWorker(
+                config, self.identity, block_size, tokenizer_dir=model.tokenizer or model.model,
+                ledger_path=ledger_path(vllm_config.instance_id, parallel.data_parallel_rank))
 
     def _manager_block_ids(self, req_id: str) -> list[int] | None:
         if self._kv_cache_manager is None:

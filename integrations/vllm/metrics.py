@@ -7,7 +7,8 @@ and hands it to :meth:`ContextKitPromMetrics.observe` there. The metrics therefo
 in the API server's own registry and appear on its ``/metrics`` (no
 ``PROMETHEUS_MULTIPROC_DIR`` needed), with vLLM's ``model_name`` and ``engine``
 labels. Stats flow only while vLLM logs stats (the default; ``--disable-log-stats``
-turns them off) and only on engine steps.
+turns them off) and only on engine steps; what the shared tier's writer thread counts
+between steps comes through a file instead (:mod:`integrations.vllm.ledger`).
 
 Metrics (counters are exposed with a ``_total`` suffix):
 
@@ -42,7 +43,7 @@ that failed),
 ``shared_deduplicated`` (not uploaded: held already), ``shared_lookup_seconds`` (what
 requests waited for lookups), ``shared_dropped`` (write-behind
 queue full, or blocks evicted first), ``shared_errors``, and the gauge
-``shared_lag_seconds`` (longest save-to-upload time of the interval).
+``shared_lag_seconds`` (the latest upload's save-to-upload time).
 
 ``layer`` is the block's source layer, bounded to the known source layers (see
 :func:`layer_names`) plus ``"unlabelled"`` (unknown) and ``"other"`` (any other name).
@@ -59,7 +60,10 @@ import logging
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from integrations.vllm.ledger import LedgerReader
 
 __all__ = [
     "BY_LAYER",
@@ -164,8 +168,8 @@ _DOCS = {
                      "from them).",
     "shared_lookup_seconds": "Seconds requests waited for shared-tier lookups (vLLM "
                              "scheduled them once the answer was in).",
-    "shared_lag_seconds": "Longest time, in the interval, from storing a block to its "
-                          "chunk being findable in contextkit's shared tier.",
+    "shared_lag_seconds": "The latest upload's time from storing a block to its chunk "
+                          "being findable in contextkit's shared tier.",
     "shadow_lag_seconds": "Age of the oldest block in contextkit's cache not yet shadowed "
                           "(0 when none is pending or there is no shadow).",
 }
@@ -365,11 +369,21 @@ def _extra_config(vllm_config: Any) -> Mapping[str, Any]:
     return extra if isinstance(extra, Mapping) else {}
 
 
+#: How often the API server reads the workers' ledgers (:mod:`integrations.vllm.ledger`).
+LEDGER_POLL_S = 1.0
+
+
 class ContextKitPromMetrics(_PromBase):
-    """The connector's Prometheus metrics, created through vLLM's injected classes."""
+    """The connector's Prometheus metrics, created through vLLM's injected classes.
+
+    Besides each step's stats (:meth:`observe`), a thread reads the ledgers of this
+    server's workers every ``ledger_poll_s`` (0: only when :meth:`poll_ledgers` is
+    called): what their background threads counted between steps."""
 
     def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+                 per_engine_labelvalues: dict[int, list[object]], *,
+                 ledger_dir: Path | None = None,
+                 ledger_poll_s: float = LEDGER_POLL_S) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         default_layer = _extra_config(vllm_config).get("default_source_layer") or "user_turn"
         self.label = LayerLabels(layer_names(str(default_layer)))
@@ -390,6 +404,30 @@ class ContextKitPromMetrics(_PromBase):
             metric = self._gauge_cls(name=METRIC_NAMES[stat], documentation=_DOCS[stat],
                                      labelnames=names, multiprocess_mode="mostrecent")
             self.gauges[stat] = {i: metric.labels(*lv) for i, lv in engines.items()}
+        instance = getattr(vllm_config, "instance_id", "")
+        # with several API servers (their counters summed) the first one reads them
+        api_rank = getattr(getattr(vllm_config, "parallel_config", None),
+                           "_api_process_rank", 0)
+        self._ledgers = (LedgerReader(str(instance), ledger_dir)
+                         if instance and api_rank <= 0 else None)
+        if self._ledgers is not None and ledger_poll_s > 0:
+            threading.Thread(target=self._poll, args=(ledger_poll_s,),
+                             name="contextkit-ledgers", daemon=True).start()
+
+    def poll_ledgers(self) -> None:
+        """Record what the workers' ledgers gained since the last poll."""
+        if self._ledgers is None:
+            return
+        for engine, data in self._ledgers.changes().items():
+            self.observe(data, engine)
+
+    def _poll(self, every_s: float) -> None:
+        stop = threading.Event()
+        while not stop.wait(every_s):
+            try:
+                self.poll_ledgers()
+            except Exception:  # a metrics reader never takes the server down
+                logger.exception("reading contextkit's metrics ledgers failed")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Record one step's stats (deltas for counters, latest value for gauges)."""

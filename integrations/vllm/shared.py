@@ -16,6 +16,10 @@ Worker side, :class:`SharedWriter`:
   it (write-behind: a bounded queue, dropped uploads counted, the lag measured);
 - the same thread renews this writer's lease (the chunks whose blocks it holds, which
   collection keeps) and, with ``shared_gc_interval_s``, collects the tier.
+
+The writer's counters go to a :class:`~integrations.vllm.ledger.Ledger`, published as
+they change: its uploads finish after the step that saved them, and /metrics shows
+them without waiting for the server's next request.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from integrations.vllm.metrics import StatsRecorder
+from integrations.vllm.ledger import Ledger
+from integrations.vllm.metrics import COUNTERS, GAUGES, StatsRecorder
 from shadow.shared.retention import collect
 from shadow.shared.tier import SharedTier, default_writer_id
 
@@ -63,7 +68,7 @@ def open_shared_tier(config: ConnectorConfig, identity: CacheIdentity, role: str
                       writer=f"{config.session_id}-{role}-{default_writer_id()}")
 
 
-def record_counters(tier: SharedTier, stats: StatsRecorder) -> None:
+def record_counters(tier: SharedTier, stats: StatsRecorder | Ledger) -> None:
     """Move the tier's counters since the last call into the connector's stats."""
     for name, n in tier.take_counters().items():
         if name.startswith("refused_"):
@@ -152,13 +157,17 @@ class SharedWriter:
             lag) for benchmarks; empty: none.
         on_shared: called (writer thread) with the keys of each chunk the tier holds
             once its upload is done (or found there): the connector's KV events.
+        ledger_path: where its counters are published (:func:`~integrations.vllm.
+            ledger.ledger_path`); None: kept in memory (``ledger.totals()``).
     """
 
     def __init__(self, tier: SharedTier, store: ConnectorStore, *, max_pending: int | None = None,
                  gc_interval_s: float = 0.0, log_path: str = "",
-                 on_shared: Callable[[list[bytes]], None] | None = None) -> None:
+                 on_shared: Callable[[list[bytes]], None] | None = None,
+                 ledger_path: Path | None = None) -> None:
         self.tier = tier
         self.store = store
+        self.ledger = Ledger(ledger_path, COUNTERS, GAUGES)
         self.chunk_blocks = tier.config.chunk_blocks
         chunk_bytes = self.chunk_blocks * store.identity.bytes_per_block
         self.max_pending = (max(1, tier.config.max_pending_bytes // chunk_bytes)
@@ -171,7 +180,6 @@ class SharedWriter:
         self._closed = False
         self._busy = False
         self._warm: tuple[int, Imported] | None = None
-        self._lag = 0.0
         #: name -> (last key, tenant) of the chunks whose blocks this replica holds
         self._held_chunks: dict[str, tuple[bytes, str]] = {}
         self._held_lock = threading.Lock()  # the loader and the writer threads add to it
@@ -192,11 +200,11 @@ class SharedWriter:
         try:
             self._bring_in(spec, imported, removed)
         except Exception:
-            self.store.stats.count("shared_refused")
+            self.ledger.count("shared_refused")
             logger.exception("shared tier load of request %s failed; its blocks recompute",
                              spec.req_id)
         try:
-            record_counters(self.tier, self.store.stats)
+            self._record()
         except Exception:
             logger.exception("shared tier counters lost")
         return imported, removed
@@ -211,11 +219,12 @@ class SharedWriter:
         got = self.tier.fetch(spec.tenant, [chunk[-1] for chunk in todo])
         for chunk, expect in zip(got, todo, strict=False):
             if chunk.keys != list(expect):
-                self.store.stats.count("shared_refused")
+                self.ledger.count("shared_refused")
                 logger.error("shared tier object %s holds other blocks than its name says; "
                              "refused", chunk.path)
                 break
             held, gone = self.store.import_chunk(chunk, [k for k in expect if k in missing])
+            self.ledger.count("shared_imported_blocks", len(held))
             imported += held
             removed += gone
             self._hold(chunk.path, expect[-1], spec.tenant)
@@ -238,15 +247,16 @@ class SharedWriter:
                 try:
                     keys, removed = self.store.import_chunk(chunk, chunk.keys)
                 except Exception:  # one object's failure stops no warm-up
-                    self.store.stats.count("shared_refused")
+                    self.ledger.count("shared_refused")
                     logger.exception("shared tier object %s refused", chunk.path)
                     continue
+                self.ledger.count("shared_imported_blocks", len(keys))
                 if keys or removed:
                     on_imported(keys, removed)
                 if keys:
                     self._hold(path, last_key, tenant)
                     total += len(keys)
-        record_counters(self.tier, self.store.stats)
+        self._record()
         if total:
             logger.info("warmed the DDR tier with %d blocks from the shared tier", total)
         return total
@@ -277,7 +287,8 @@ class SharedWriter:
         with self._cond:
             room = self.max_pending - len(self._queue)
             if room < len(jobs):
-                self.store.stats.count("shared_dropped", len(jobs) - max(room, 0))
+                self.ledger.count("shared_dropped", len(jobs) - max(room, 0))
+                self.ledger.publish()
                 jobs = jobs[:max(room, 0)]
             self._queue.extend(jobs)
             self._cond.notify()
@@ -298,7 +309,7 @@ class SharedWriter:
                 if job is not None:
                     self._upload(job)
                 self._chores()
-                record_counters(self.tier, self.store.stats)
+                self._record()
             except Exception:
                 logger.exception("shared tier upload failed")
             finally:
@@ -314,14 +325,14 @@ class SharedWriter:
         name = self.tier.path(job.tenant, job.keys[-1])
         chunk = self.store.export_chunk(job.keys, job.tenant, name)
         if chunk is None:  # evicted between its save and now
-            self.store.stats.count("shared_dropped")
+            self.ledger.count("shared_dropped")
             return
         uploaded = self.tier.put(chunk)
         lag = time.monotonic() - job.saved_at
         if self.on_shared is not None and (uploaded or self.tier.holds(name)):
             self.on_shared(job.keys)
         self._hold(name, job.keys[-1], job.tenant)
-        self._lag = max(self._lag, lag)
+        self.ledger.set_gauge("shared_lag_seconds", lag)
         if self._log is not None:
             with self._log.open("a") as f:
                 f.write(json.dumps({"event": "shared_upload", "name": name,
@@ -347,10 +358,10 @@ class SharedWriter:
         with self._held_lock:
             self._held_chunks[name] = (last_key, tenant)
 
-    def take_lag(self) -> float | None:
-        """The longest save-to-upload lag since the last call (None: no upload)."""
-        lag, self._lag = self._lag, 0.0
-        return lag or None
+    def _record(self) -> None:
+        """Move the tier's counters into the ledger and publish it."""
+        record_counters(self.tier, self.ledger)
+        self.ledger.publish()
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued upload is done (tests, shutdown); False on timeout."""
@@ -366,3 +377,4 @@ class SharedWriter:
         self._thread.join(timeout=30)
         self.tier.release_lease()
         self.tier.close()
+        self.ledger.close()

@@ -137,7 +137,7 @@ class ConnectorStore:
         self.num_loaded = 0
         self.stats = StatsRecorder(layer_names(config.default_source_layer))
         self.shadows = PoolShadows(self, identity, config, self.stats, self._lock)
-        self.shared = SharedBlocks(self, identity, self.stats, self._lock)
+        self.shared = SharedBlocks(self, identity, self._lock)
         self.pool(identity, None)  # the key identity's pool: small saves, old sessions
 
     # ------------------------------------------------------------------ pools

@@ -28,7 +28,6 @@ from gpu_cache import (
     validate_tenant,
 )
 from gpu_cache.hashing import BlockHash
-from integrations.vllm.metrics import StatsRecorder
 from integrations.vllm.pools import Pool, fit_budget
 from shadow.shared.objects import BlockEntry, PoolPart, SharedChunk
 
@@ -79,15 +78,13 @@ class SharedBlocks:
     Args:
         index: the store owning the pools and the block index.
         identity: the key identity (a chunk records it).
-        stats: the worker side's metrics (imported blocks are counted there).
         lock: the store's lock, guarding the pools and the index.
     """
 
-    def __init__(self, index: BlockIndex, identity: CacheIdentity, stats: StatsRecorder,
+    def __init__(self, index: BlockIndex, identity: CacheIdentity,
                  lock: threading.RLock) -> None:
         self._index = index
         self.identity = identity
-        self.stats = stats
         self._lock = lock
 
     def export_chunk(self, keys: Sequence[bytes], tenant: str, path: str
@@ -128,7 +125,6 @@ class SharedBlocks:
         wanted = set(want)
         slug = tenant_slug(chunk.tenant)
         held: list[bytes] = []
-        imported = 0
         with self._lock:
             for part in chunk.parts:
                 pool = self._index.pool(part.identity, part.key_offsets)
@@ -168,8 +164,6 @@ class SharedBlocks:
                 if pinned:  # pinned where it was written: pinned here too, quota allowing
                     with contextlib.suppress(PinCapacityError, BlockStateError):
                         pool.pins.pin(pinned)
-                imported += len(ids)
-            self.stats.count("shared_imported_blocks", imported)
             removed, _ = self._index.forget_evicted()
         order = {b.key: i for i, b in enumerate(chunk.blocks)}
         return sorted(set(held) - set(removed), key=order.__getitem__), removed

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -70,7 +71,8 @@ class ConnectorWorker:
     """
 
     def __init__(self, config: ConnectorConfig, identity: CacheIdentity,
-                 block_size: int, tokenizer_dir: str | None = None) -> None:
+                 block_size: int, tokenizer_dir: str | None = None,
+                 ledger_path: Path | None = None) -> None:
         self.config = config
         self.identity = identity
         self.block_size = block_size
@@ -101,7 +103,8 @@ class ConnectorWorker:
             self.writer = SharedWriter(
                 open_shared_tier(config, identity, "writer"), self.store,
                 gc_interval_s=config.shared_gc_interval_s,
-                log_path=config.stats_path, on_shared=self._uploaded)
+                log_path=config.stats_path, on_shared=self._uploaded,
+                ledger_path=ledger_path)
             if config.shared_warm_share:
                 # the startup recovery, now from the live tier: what the fleet holds
                 budget = config.host_blocks * identity.bytes_per_block
@@ -469,11 +472,8 @@ class ConnectorWorker:
         return ContextKitWorkerMetadata(report) if report else None
 
     def take_stats(self) -> dict[str, Any] | None:
-        """Loads, saves, evictions and the shadow since the last call."""
-        if self.writer is not None:
-            lag = self.writer.take_lag()
-            if lag is not None:
-                self.store.stats.set_gauge("shared_lag_seconds", lag)
+        """Loads, saves, evictions and the shadow since the last call (the shared tier's
+        writer publishes its own: :mod:`integrations.vllm.ledger`)."""
         return self.store.take_stats()
 
     def flush(self) -> None:

@@ -11,8 +11,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client import CollectorRegistry
 
 from gpu_cache import hash_token_blocks
 from integrations.vllm.config import ConnectorConfig
@@ -31,6 +30,7 @@ from integrations.vllm.metrics import (
 from integrations.vllm.planning import RequestPlanner, StepRequest
 from integrations.vllm.precision import BlockLabel
 from integrations.vllm.store import ConnectorStore
+from tests.integrations.vllm.prometheus_registry import metric_types, samples
 
 BS, LAYERS, HEADS, DIM = 16, 2, 2, 64
 
@@ -119,27 +119,6 @@ def test_layer_labels_stay_bounded() -> None:
 
 
 # ---------------------------------------------------------------------- Prometheus
-def _metric_types(registry: CollectorRegistry) -> dict[Any, Any]:
-    """prometheus-client's classes bound to a test registry (vLLM injects its own)."""
-
-    def bound(cls: Any) -> Any:
-        class Bound(cls):
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                super().__init__(*args, registry=registry, **kwargs)
-
-        return Bound
-
-    return {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)}
-
-
-def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]],
-                                                   float]:
-    text = generate_latest(registry).decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples
-            if not s.name.endswith("_created")}
-
-
 class _TransferConfig:
     kv_connector_extra_config: ClassVar[dict[str, Any]] = {"default_source_layer": "chat"}
 
@@ -152,7 +131,7 @@ class _VllmConfig:
 
 def test_prometheus_metrics_from_two_steps() -> None:
     registry = CollectorRegistry()
-    prom = ContextKitPromMetrics(_VllmConfig(), _metric_types(registry),
+    prom = ContextKitPromMetrics(_VllmConfig(), metric_types(registry),
                                  ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
     step1 = _worker_step().aggregate(_scheduler_step()).to_dict()
     step1["by_layer"]["evicted_blocks"] = {"chat": 2, "from-a-request": 1}
@@ -165,7 +144,7 @@ def test_prometheus_metrics_from_two_steps() -> None:
     prom.observe(rec.take() or {}, engine_idx=0)
     prom.observe(_scheduler_step(7).to_dict(), engine_idx=1)
 
-    got = _samples(registry)
+    got = samples(registry)
     e0 = (("engine", "0"), ("model_name", "m"))
     assert got[("vllm:contextkit_lookups_total", e0)] == 3  # deltas add up
     assert got[("vllm:contextkit_lookups_total", (("engine", "1"), ("model_name", "m")))] == 7

@@ -14,15 +14,19 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from integrations.vllm.identity import vllm_cache_identity
+from integrations.vllm.ledger import ledger_path
+from integrations.vllm.metrics import ContextKitPromMetrics
 from integrations.vllm.planning import RequestPlanner, StepRequest, WorkerReport
 from integrations.vllm.shared import SharedLookups, SharedWriter
 from integrations.vllm.store import ConnectorStore
 from shadow.shared import SharedChunk, SharedTier
 from shadow.shared.objects import assemble_object, split_object
 from tests.integrations.vllm.conftest import TINY_DIM, TINY_HEADS, TINY_LAYERS
+from tests.integrations.vllm.prometheus_registry import metric_types, samples
 from tests.shadow.shared_mutations import signed, unsigned
 
 BS, C = 16, 4
@@ -42,7 +46,7 @@ class Replica:
 
 
 def _replica(model: Path, tmp: Path, name: str, stats: Path | None = None,
-             host_blocks: int = 64) -> Replica:
+             host_blocks: int = 64, ledger: Path | None = None) -> Replica:
     config = ConnectorConfig(block_size=BS, shadow_url="", shadow_on_save=False,
                              local_store=f"file://{tmp / name}", host_blocks=host_blocks,
                              shared_url=f"file://{tmp / 'shared'}", shared_chunk_blocks=C)
@@ -51,7 +55,7 @@ def _replica(model: Path, tmp: Path, name: str, stats: Path | None = None,
     planner = RequestPlanner(ident.digest(), BS, policy=config.policy, head_dim=TINY_DIM,
                              chunk_blocks=C)
     tier = SharedTier(ident, config.shared_tier(), mac_key=KEY, writer=f"{name}-w")
-    writer = SharedWriter(tier, store, log_path=str(stats or ""))
+    writer = SharedWriter(tier, store, log_path=str(stats or ""), ledger_path=ledger)
     lookups = SharedLookups(SharedTier(ident, config.shared_tier(), mac_key=KEY,
                                        writer=f"{name}-l"), C)
     return Replica(planner, store, writer, lookups)
@@ -155,7 +159,7 @@ def test_a_tampered_chunk_is_refused_and_its_blocks_recomputed(
     assert _lookup(b, "r2", TOKENS) == 8  # a HEAD cannot tell
     imported, loaded = _load(b, "r2", TOKENS, 8)
     assert len(imported) == 4 and loaded == 4  # blocks 4-7: load errors, vLLM recomputes
-    assert (b.store.take_stats() or {})["counters"]["shared_refused"] == 1
+    assert b.writer.ledger.totals()["counters"]["shared_refused"] == 1
 
 
 def _nan_importance(doc: dict[str, Any]) -> None:
@@ -194,7 +198,7 @@ def test_a_mac_valid_malformed_chunk_is_refused_on_the_load_path(
     assert _lookup(b, "r2", TOKENS) == 8
     imported, loaded = _load(b, "r2", TOKENS, 8)
     assert len(imported) == 4 and loaded == 4  # chunk 0; chunk 1's blocks recompute
-    assert (b.store.take_stats() or {})["counters"]["shared_refused"] == 1
+    assert b.writer.ledger.totals()["counters"]["shared_refused"] == 1
 
 
 def test_fuzzed_chunks_never_raise_out_of_the_load_path(replicas: tuple[Replica, Replica]
@@ -242,7 +246,7 @@ def test_an_import_that_fails_is_a_refusal_not_an_exception(
         assert _lookup(b, "r2", TOKENS) == 8
         imported, loaded = _load(b, "r2", TOKENS, 8)
         assert imported == [] and loaded == 0  # all of it recomputes
-        assert (b.store.take_stats() or {})["counters"]["shared_refused"] == 1
+        assert b.writer.ledger.totals()["counters"]["shared_refused"] == 1
     finally:
         b.writer.tier = real
         tier.close()
@@ -253,7 +257,7 @@ def test_a_replica_does_not_upload_what_the_tier_holds(replicas: tuple[Replica, 
     a, b = replicas
     _compute(a, "r1", TOKENS)
     _compute(b, "r2", TOKENS)  # B computed it too (its lookup missed the deadline)
-    counters = (b.store.take_stats() or {})["counters"]
+    counters = b.writer.ledger.totals()["counters"]
     # no chunk uploaded (its one PUT is its lease: the chunks it holds)
     assert counters["shared_deduplicated"] == 2 and "shared_bytes_up" not in counters
     assert counters["shared_puts"] == 1
@@ -273,9 +277,39 @@ def test_a_chunk_completed_across_two_saves_is_uploaded_once_whole(
             result = a.store.save(k, k.clone(), spec.keys, "acme", spec.labels)
             a.writer.saved(spec, set(result.stored))
     assert a.writer.flush()
-    counters = (a.store.take_stats() or {})["counters"]
+    counters = a.writer.ledger.totals()["counters"]
     assert counters["shared_puts"] == 2  # chunk 0, whole, and the lease
     assert _lookup(b, "x", [*tokens, 1]) == 4
+
+
+class _VllmConfig:
+    instance_id = "replica-a"
+    kv_transfer_config = None
+
+
+def test_uploads_reach_metrics_when_they_land_not_with_the_next_step(model: Path,
+                                                                      tmp_path: Path) -> None:
+    # vLLM carries step stats only with a step: an upload that lands after its turn
+    # would show at the server's next request. The writer publishes its ledger instead.
+    ledgers = tmp_path / "ledgers"
+    a = _replica(model, tmp_path, "a", ledger=ledger_path("replica-a", 0, ledgers))
+    registry = CollectorRegistry()
+    prom = ContextKitPromMetrics(_VllmConfig(), metric_types(registry),
+                                 ["model_name", "engine"], {0: ["m", "0"]},
+                                 ledger_dir=ledgers, ledger_poll_s=0)
+    try:
+        _compute(a, "r1", TOKENS)  # saves, then the writer thread uploads
+        step = (a.store.take_stats() or {}).get("counters", {})
+        assert not [name for name in step if name.startswith("shared_")]  # none rides a step
+        prom.poll_ledgers()
+        got = samples(registry)
+        e0 = (("engine", "0"), ("model_name", "m"))
+        assert got[("vllm:contextkit_shared_puts_total", e0)] == 3  # two chunks, the lease
+        assert got[("vllm:contextkit_shared_bytes_up_total", e0)] > 0
+        assert got[("vllm:contextkit_shared_lag_seconds", e0)] > 0
+    finally:
+        a.close()
+    assert list(ledgers.iterdir()) == []  # a clean stop leaves no ledger
 
 
 def test_shared_settings_are_checked_in_one_line() -> None:
