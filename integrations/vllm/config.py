@@ -329,10 +329,16 @@ class ConnectorConfig:
     @classmethod
     def from_json(cls, text: str) -> ConnectorConfig:
         """From the extra-config JSON object, or a whole ``--kv-transfer-config`` JSON."""
+        return cls.from_extra_config(cls.extra_from_json(text))
+
+    @staticmethod
+    def extra_from_json(text: str) -> dict[str, Any]:
+        """The extra-config object a JSON text holds: itself, or a whole
+        ``--kv-transfer-config``'s ``kv_connector_extra_config``."""
         doc = json_object(text, "connector config", error=ConnectorConfigError)
         if "kv_connector_extra_config" in doc or "kv_connector" in doc:
             doc = doc.get("kv_connector_extra_config") or {}
-        return cls.from_extra_config(doc)
+        return dict(doc)
 
     def to_extra_config(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -209,18 +209,35 @@ def load_connector_config(text: str | None) -> ConnectorConfig:
         ConnectorConfigError: an unknown key or variable, or a bad value (one line).
         FileNotFoundError, ValueError: an ``@FILE`` that cannot be read.
     """
+    return ConnectorConfig.from_json(_connector_text(text))
+
+
+def connector_sources(text: str | None) -> list[tuple[str, Any, str]]:
+    """``(key, value, source)`` of every connector setting ``load_connector_config(text)``
+    gives: ``default``, the file, a variable, or ``--connector-config`` (secrets masked).
+    Raises as :func:`load_connector_config` does."""
+    from contextkit.config import load_config
+
+    doc = ConnectorConfig.extra_from_json(_connector_text(text))
+    ConnectorConfig.from_extra_config(doc)  # its errors, as the connector gives them
+    rows = load_config(overrides={"connector": doc}).items()
+    return [(key, value, "--connector-config" if source == "code" else source)
+            for key, value, source in rows if key.startswith("connector.")]
+
+
+def _connector_text(text: str | None) -> str:
     text = text or "{}"
-    if text.startswith("@"):
-        path = Path(text[1:]).expanduser()
-        try:
-            text = read_bounded(path, "connector config file")
-        except FileNotFoundError:
-            raise FileNotFoundError(f"connector config file {path} does not exist; pass "
-                                    "--connector-config JSON or @FILE") from None
-        except OSError as exc:
-            raise ValueError(f"cannot read connector config file {path} ({exc}); pass "
-                             "--connector-config JSON or @FILE") from None
-    return ConnectorConfig.from_json(text)
+    if not text.startswith("@"):
+        return text
+    path = Path(text[1:]).expanduser()
+    try:
+        return read_bounded(path, "connector config file")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"connector config file {path} does not exist; pass "
+                                "--connector-config JSON or @FILE") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read connector config file {path} ({exc}); pass "
+                         "--connector-config JSON or @FILE") from None
 
 
 def run_recover_for_vllm(args: argparse.Namespace) -> dict[str, Any]:

@@ -146,6 +146,11 @@ def run_serve_vllm(args: argparse.Namespace) -> int:
         return 1
     plan = plan_serve(python, model_dir, config, list(args.vllm_args), has_cli=has_cli)
     if args.dry_run:
+        if config is not None:  # each setting and where it came from, then the command
+            from integrations.vllm.recovery import connector_sources
+
+            for key, value, source in connector_sources(args.connector_config):
+                sys.stdout.write(f"# {key} = {json.dumps(value, default=str)}  ({source})\n")
         sys.stdout.write(shlex.join(plan.command) + "\n")
         return 0
     _say("starting vLLM: " + shlex.join(plan.command[:4]) + " ...")

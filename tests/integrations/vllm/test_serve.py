@@ -109,6 +109,59 @@ def test_strict_is_a_connector_setting_read_from_its_variable() -> None:
         ConnectorConfig.from_extra_config({}, env={"CONTEXTKIT_RECOVER_STRICT": "1"})
 
 
+#: The connector's setting sources, earliest first: each later one wins (docs/vllm.md).
+SOURCES = ("file", "variable", "json variable", "flag")
+
+
+def _set(source: str, value: int, tmp_path: Path, env: dict[str, str]) -> str | None:
+    """Set host_blocks=value in ``source``; returns the --connector-config text, if any."""
+    if source == "file":
+        path = tmp_path / "contextkit.toml"
+        path.write_text(f"[connector]\nhost_blocks = {value}\n")
+        env["CONTEXTKIT_CONFIG"] = str(path)
+    elif source == "variable":
+        env["CONTEXTKIT_CONNECTOR_HOST_BLOCKS"] = str(value)
+    elif source == "json variable":
+        env["CONTEXTKIT_CONNECTOR_CONFIG"] = json.dumps({"host_blocks": value})
+    else:
+        return json.dumps({"host_blocks": value})
+    return None
+
+
+@pytest.mark.parametrize("earlier, later", [(a, b) for i, a in enumerate(SOURCES)
+                                            for b in SOURCES[i + 1:]])
+def test_every_pair_of_setting_sources_resolves_in_the_documented_order(
+        earlier: str, later: str, tmp_path: Path, model: Path, fake_python: Path,
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from integrations.vllm.recovery import connector_sources, load_connector_config
+
+    for name in list(os.environ):
+        if name.startswith("CONTEXTKIT_CONNECTOR_") or name == "CONTEXTKIT_CONFIG":
+            monkeypatch.delenv(name)
+    env: dict[str, str] = {"CONTEXTKIT_CONNECTOR_SHADOW_URL": f"file://{tmp_path / 's'}"}
+    _set(earlier, 11, tmp_path, env)  # never the flag: it is the last source
+    flag = _set(later, 22, tmp_path, env)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert load_connector_config(flag).host_blocks == 22
+    rows = {key: (value, source) for key, value, source in connector_sources(flag)}
+    value, source = rows["connector.host_blocks"]
+    assert value == 22
+    assert source == {"file": f"file {tmp_path / 'contextkit.toml'}",
+                      "variable": "env CONTEXTKIT_CONNECTOR_HOST_BLOCKS",
+                      "json variable": "env CONTEXTKIT_CONNECTOR_CONFIG",
+                      "flag": "--connector-config"}[later]
+    # serve-vllm --dry-run says the same, and passes the winner to vLLM
+    code = main(["serve-vllm", "--dry-run", *(["--connector-config", flag] if flag else []),
+                 "--python", str(fake_python), str(model)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"# connector.host_blocks = 22  ({source})" in out.splitlines()
+    cmd = shlex.split(out.strip().splitlines()[-1])
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector_extra_config"]["host_blocks"] == 22
+
+
 def test_dry_run_uses_vllms_current_entrypoint_and_a_shutdown_window(
         model: Path, fake_python: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
