@@ -155,7 +155,7 @@ class ConnectorConfig:
     session_id: str = "vllm"
     local_store: str = dataclasses.field(default_factory=_default_local_store)
     host_blocks: int = 4096
-    device_blocks: int = 128
+    device_blocks: int = 256
     pin_share: float = 0.5
     device: str | None = None
     shadow_on_save: bool = True

@@ -23,16 +23,19 @@ __all__ = ["demotion_candidates", "room_formats"]
 
 def room_formats(labels: Sequence[BlockLabel], new: Sequence[int], held: int, budget: int,
                  block_bytes: Callable[[str], int]) -> dict[int, str]:
-    """Blocks ``new`` (indexes into ``labels``) to store above their format: every one
-    whose label has a ``room_fmt`` when the save fits ``budget`` bytes that way on top
-    of ``held`` without evicting or transcoding anything; else none (``{}``).
+    """Blocks ``new`` (indexes into ``labels``) to store above their format: every
+    unpinned one whose label has a ``room_fmt`` when the save fits ``budget`` bytes that
+    way on top of ``held`` without evicting or transcoding anything; else none (``{}``).
+
+    Pinned blocks keep their format: a pin is never transcoded down, so the room format
+    would hold it for good, in a wider pool whose pin quota counts fewer blocks.
 
     ``block_bytes(fmt)`` is one block's bytes in ``fmt``.
     """
     ups: dict[int, str] = {}
     for i in new:
         room = labels[i].room_fmt
-        if room is not None and room != labels[i].fmt:
+        if room is not None and room != labels[i].fmt and not labels[i].pinned:
             ups[i] = room
     if not ups or held + sum(block_bytes(ups.get(i, labels[i].fmt)) for i in new) > budget:
         return {}

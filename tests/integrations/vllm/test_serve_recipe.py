@@ -24,6 +24,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -202,3 +203,26 @@ def test_a_bad_configuration_stops_the_recipe_before_vllm_loads(home: Path,
     assert len(lines) == 1, lines[:20]  # no model loading, no crash log
     assert lines[0].startswith("contextkit: error: ")
     assert "$CONTEXTKIT_CONNECTOR_BLOCK_SZE" in lines[0]
+
+
+def test_the_shipped_example_pins_its_stable_prefix_with_the_default_settings(
+        home: Path, tmp_path: Path, recipes: list[Recipe]) -> None:
+    """The docs' recipe, untouched settings, the docs' example agent: its stable layers
+    are pinned (no "stored unpinned" advice), as the shadow written at the stop shows."""
+    server = Recipe(_plain_env(home), tmp_path / "server.log")
+    recipes.append(server)
+    server.wait_ready()
+    agent = subprocess.run([sys.executable, "examples/langchain_vllm.py", "--base-url",
+                            BASE + "/v1", "--model", "smollm2", "--turns", "2", "--json"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+    assert agent.returncode == 0, agent.stderr[-4000:]
+    assert json.loads(agent.stdout.strip().splitlines()[-1])["turns"][1]["cached_tokens"] > 0
+    assert server.stop() == 0, server.output()[-6000:]
+    assert "stored unpinned" not in server.output(), server.output()[-6000:]
+    shadow = home / ".cache" / "contextkit" / "vllm-shadow"
+    status = subprocess.run([sys.executable, "-m", "contextkit.cli", "status", "--store",
+                             f"file://{shadow}", "--tenant", "acme", "--json"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    sessions = json.loads(status.stdout.strip().splitlines()[-1])["sessions"]
+    # the example's stable layers (axioms to capabilities): 63 blocks of 32 tokens
+    assert sum(s.get("pinned_blocks") or 0 for s in sessions) >= 60, sessions

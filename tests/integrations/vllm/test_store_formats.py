@@ -15,6 +15,7 @@ from gpu_cache import hash_token_blocks
 from gpu_cache.calibration import key_offset_digest, mean_key_offsets
 from integrations.vllm.config import ConnectorConfig
 from integrations.vllm.identity import same_model, vllm_cache_identity
+from integrations.vllm.pools import pool_identity
 from integrations.vllm.precision import BlockLabel
 from integrations.vllm.recovery import recover_for_vllm
 from integrations.vllm.store import (
@@ -524,6 +525,31 @@ def test_blocks_are_stored_above_their_format_while_the_budget_has_room(
     got = store.read(keys, "default")
     assert got is not None
     assert _rel(got[0], k) < 0.02 and _rel(got[1], v) < 0.02  # int8's error, not tq4's
+
+
+def test_a_pinned_prefix_stays_in_its_rules_format_while_there_is_room(
+        model: Path, tmp_path: Path) -> None:
+    # a pin is never transcoded down, so the room format would hold it for good, in a
+    # pool whose pin quota counts fewer blocks: a prefix that fits the k5v4 pool's
+    # quota would not fit int8's
+    store = _budget_store(model, tmp_path, 4096)
+    quota = {fmt: int(store.config.device_blocks * store.identity.bytes_per_block
+                      // pool_identity(store.identity, fmt).bytes_per_block) // 2
+             for fmt in ("k5v4", "int8")}
+    n = quota["k5v4"]
+    assert n > quota["int8"]
+    keys = _keys(store, n, tenant="acme")
+    labels = [BlockLabel("axioms", 1.0, pinned=True, fmt="k5v4", room_fmt="int8")] * n
+    result = store.save(*_kv(n, seed=21), keys, "acme", labels)
+    assert result.stored == keys and result.unpinned is None
+    assert _held(store) == {"k5v4": n}
+    pinned = {p.fmt: sum(p.pins.pinned_by_tenant().values()) for p in store.pools.values()
+              if len(p.cache.metadata)}
+    assert pinned == {"k5v4": n}
+    # unpinned blocks of the same save would still go up while there is room
+    more = _keys(store, 4, tenant="acme", offset=50_000)
+    store.save(*_kv(4, seed=22), more, "acme", _room("k5v4", "int8", 0.5, 4))
+    assert _held(store) == {"k5v4": n, "int8": 4}
 
 
 @pytest.mark.parametrize("fmt", ["tq4", "k5v4"])  # k5v4: the default policy's
