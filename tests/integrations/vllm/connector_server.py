@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,3 +48,15 @@ def counter(srv: Any, name: str) -> float:
     from integrations.vllm.bench.harness import metric_sum
 
     return metric_sum(srv.get("/metrics"), name)
+
+
+def counter_above(srv: Any, name: str, floor: float, wait_s: float = 30.0) -> float:
+    """The metric's total once it exceeds ``floor``, or its last value after
+    ``wait_s``: counters of the worker's background threads reach the API server at
+    its next ledger poll (about a second), not with the reply."""
+    deadline = time.monotonic() + wait_s
+    value = counter(srv, name)
+    while value <= floor and time.monotonic() < deadline:
+        time.sleep(0.2)
+        value = counter(srv, name)
+    return value
