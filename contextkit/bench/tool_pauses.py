@@ -2,12 +2,14 @@
 two of them: is a paused agent's KV still there when its tool returns?
 
 Runs inside the vLLM virtualenv, through the driver of ``bench agents-vllm``
-(:mod:`integrations.vllm.bench.agents_bench` with ``--tool-pauses``): 8 LangChain
-agents of 3 tenants on the seeded multi-agent schedule; every turn ends in a tool
-call, and the agent's next turn (its resume) waits for the tool: a pause drawn from
-1-60 s, seeded, times ``--time-scale`` (0.05 by default: 0.05-3 s; the servers'
-own turns in between add to it). The configurations run side by side, each step sent
-to each in turn, on one transcript:
+(:mod:`integrations.vllm.bench.agents_bench` with ``--tool-pauses`` and
+``--tool-rounds``): 8 LangChain agents of 3 tenants on the seeded multi-agent schedule.
+An agent's user turn ends in a tool call; its next step is the tool round that resumes
+it (the call and the tool's result appended to the same prompt, under the same system
+prompt), after the tool's pause: drawn from 1-60 s, seeded, times ``--time-scale``
+(0.05 by default: 0.05-3 s; the other agents' steps in between add to it). The step
+after that is the agent's next user turn. The configurations run side by side, each
+step sent to each in turn, on one transcript:
 
 - ``apc``: vLLM's prefix caching alone;
 - ``connector``: contextkit's connector, no hints;
@@ -16,7 +18,7 @@ to each in turn, on one transcript:
   next one), Dynamo's ``nvext.cache_control`` TTL and an SGLang ``priority``;
 - ``ceiling``: a server whose KV holds every agent.
 
-Figures over the resume turns (an agent's second and later turns):
+Figures over the resume turns (the tool rounds):
 ``resumed_hit_fraction`` (the prompt tokens of the agent's previous turn reused on its
 resume: cached tokens, at most that many, summed, over the previous prompts' sum),
 their TTFT median and sum, ``speedup_hints_vs_nohints_p50`` and
@@ -63,15 +65,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------------- pure figures
 def resume_figures(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """One configuration's resume turns: their indices, the reused share of each
-    agent's previous prompt, TTFTs and computed tokens."""
+    """One configuration's resume turns (the rows of tool rounds): their indices, the
+    reused share of each agent's previous prompt, TTFTs and computed tokens."""
     previous: dict[str, int] = {}
     resumes: list[int] = []
     reused = owed = computed = 0
     for i, row in enumerate(rows):
         agent, prompt = str(row["agent"]), int(row.get("prompt_tokens") or 0)
         cached = int(row.get("cached_tokens") or 0)
-        if agent in previous:
+        if row.get("tool_result") and agent in previous:
             resumes.append(i)
             owed += previous[agent]
             reused += min(cached, previous[agent])
@@ -133,9 +135,11 @@ def result_of(args: argparse.Namespace, raw: Mapping[str, Any]) -> dict[str, Any
         "machine": machine_info(),
         "model": "packaged SmolLM2-135M-Instruct (float32)" if not args.model else args.model,
         "method": "every server up, each step sent to each configuration in turn, one "
-                  "transcript; every turn ends in a tool call whose pause (1-60 s x "
-                  "time_scale, seeded) passes before the agent's next turn; figures over "
-                  "the resume turns; client-side TTFT",
+                  "transcript; a user turn ends in a tool call whose pause (1-60 s x "
+                  "time_scale, seeded) passes before the agent's next step, the tool "
+                  "round (the call and its result appended to the same prompt); figures "
+                  "over the tool rounds; client-side TTFT",
+        "tool_rounds": bool(raw.get("tool_rounds")),
     }
     table: list[tuple[str, Any]] = [
         (f"resumed_hit_fraction {n}", f["resumed_hit_fraction"]) for n, f in figures.items()]
@@ -152,5 +156,6 @@ def result_of(args: argparse.Namespace, raw: Mapping[str, Any]) -> dict[str, Any
 def run(args: argparse.Namespace) -> dict[str, Any]:
     configs = the_configs(args.configs, CONFIGS)
     args.quality_steps = 1  # the driver's probe: one prompt (this bench reports no quality)
-    raw = run_driver(args, configs, "tool-pauses", ["--tool-pauses", str(args.time_scale)])
+    raw = run_driver(args, configs, "tool-pauses",
+                     ["--tool-pauses", str(args.time_scale), "--tool-rounds"])
     return result_of(args, raw)

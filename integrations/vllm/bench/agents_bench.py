@@ -165,13 +165,27 @@ class WorkloadAgent:
             middleware = plain_prompt(_Marked(self.workload), self.box, lambda: tenant)
         self.agent = create_agent(model, tools=[], context_schema=dict, middleware=[middleware])
 
-    def turn(self, step: int, message: str) -> dict[str, Any]:
-        from langchain_core.messages import AIMessage
+    def turn(self, step: int, message: str, tool_result: bool = False) -> dict[str, Any]:
+        """One model call: a user turn (``message`` from the user), or, with
+        ``tool_result``, the tool round that resumes the agent's previous turn: its
+        reply becomes a tool call and ``message`` the tool's result. A tool round keeps
+        the turn's system prompt, so the previous prompt and reply are its prefix."""
+        from langchain_core.messages import AIMessage, ToolMessage
 
-        self.box["turn"] = step
+        if tool_result and self.history and isinstance(self.history[-1], AIMessage):
+            call = {"name": "lookup", "args": {"step": step}, "id": f"call-{step}",
+                    "type": "tool_call"}
+            said = self.history[-1]
+            messages = [*self.history[:-1],
+                        AIMessage(content=said.content, tool_calls=[call], id=said.id),
+                        ToolMessage(content=message, tool_call_id=call["id"])]
+        else:
+            tool_result = False
+            self.box["turn"] = step
+            messages = [*self.history, ("user", message)]
         self.timer.reset()
         t0 = time.perf_counter()
-        state = self.agent.invoke({"messages": [*self.history, ("user", message)]},
+        state = self.agent.invoke({"messages": messages},
                                   config={"callbacks": [self.timer]},
                                   context={"tenant": self.tenant})
         self.history = state["messages"]
@@ -180,6 +194,7 @@ class WorkloadAgent:
             raise RuntimeError(f"{self.name}: step {step} streamed no reply")
         usage: dict[str, Any] = dict(reply.usage_metadata or {})
         return {"step": step, "agent": self.name, "tenant": self.tenant,
+                "tool_result": tool_result,
                 "ttft_ms": round(1000 * (self.timer.first_chunk - t0), 1),
                 "total_ms": round(1000 * (time.perf_counter() - t0), 1),
                 "prompt_tokens": usage.get("input_tokens"),
@@ -368,7 +383,12 @@ def _quality_prompts(workload: Any, served: Any, count: int, seed: int) -> list[
 
 # ---------------------------------------------------------------------- measure
 def scrape_connector_metrics(srv: Any) -> dict[str, float]:
-    """The connector's counters (``vllm:contextkit_*``) and vLLM's prefix-cache ones."""
+    """The connector's counters (``vllm:contextkit_*``) and vLLM's prefix-cache ones,
+    once the API server has read its workers' ledgers (the shared tier's writer counts
+    between steps: :mod:`integrations.vllm.ledger`)."""
+    from integrations.vllm.metrics import LEDGER_POLL_S
+
+    time.sleep(1.5 * LEDGER_POLL_S)
     totals: dict[str, float] = {}
     try:
         text = srv.get("/metrics")
@@ -433,7 +453,8 @@ class Lane:
 
     def turn(self, step: Any) -> dict[str, Any]:
         t0 = time.perf_counter()
-        row = self.agents[step.agent].turn(step.step, step.user_message)
+        row = self.agents[step.agent].turn(step.step, step.user_message,
+                                           tool_result=is_tool_result(self.args, step))
         self.busy_s += time.perf_counter() - t0
         row["kind"], row["agent_turn"] = step.kind, step.agent_turn
         self.rows.append(row)
@@ -487,12 +508,21 @@ class Lane:
                 "loadavg_1min": round(os.getloadavg()[0], 2)}
 
 
+def is_tool_result(args: argparse.Namespace, step: Any) -> bool:
+    """With ``--tool-rounds``: an agent's odd turns are the result of the tool its
+    previous turn called (a tool round), its even turns new user turns."""
+    return bool(getattr(args, "tool_rounds", False)) and step.agent_turn % 2 == 1
+
+
 def tool_pause(args: argparse.Namespace, step: Any) -> float:
     """With ``--tool-pauses SCALE``: every turn ends in a tool call, and the agent's
     next turn waits for the tool, a pause drawn from 1-60 s (seeded per agent and
-    turn) times SCALE; 0 without."""
+    turn) times SCALE; 0 without. With ``--tool-rounds`` only tool rounds wait (a new
+    user turn follows the answer)."""
     scale = args.tool_pauses
     if not scale or step.agent_turn < 1:
+        return 0.0
+    if getattr(args, "tool_rounds", False) and not is_tool_result(args, step):
         return 0.0
     rng = random.Random(f"{args.seed}:{step.agent}:{step.agent_turn}")
     return round(rng.uniform(1.0, 60.0) * scale, 3)
@@ -603,6 +633,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                                  quality)
     return {"configs": results, "errors": errors, "sizes": sizes, "order": configs,
             "interleaved": not args.sequential, "tool_pauses_scale": args.tool_pauses,
+            "tool_rounds": args.tool_rounds,
             "workload": workload.describe(), "quality_prompt_tokens":
             [len(p.ids) for p in quality["prompts"]],
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
@@ -629,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ceiling-last", action="store_true")
     parser.add_argument("--sequential", action="store_true")
     parser.add_argument("--tool-pauses", type=float, default=0.0)
+    parser.add_argument("--tool-rounds", action="store_true")
     args = parser.parse_args(argv)
     if args.ceiling_last and not args.sequential:
         parser.error("--ceiling-last measures drift between back-to-back runs: add "

@@ -12,7 +12,7 @@ def _rows(cached: list[int], ttft: list[float]) -> list[dict[str, object]]:
     agents = ["a", "b", "a", "b", "a"]
     prompts = [1000, 800, 1200, 900, 1400]
     return [{"agent": a, "prompt_tokens": p, "cached_tokens": c, "ttft_ms": t,
-             "agent_turn": i // 2} for i, (a, p, c, t) in
+             "agent_turn": i // 2, "tool_result": True} for i, (a, p, c, t) in
             enumerate(zip(agents, prompts, cached, ttft, strict=True))]
 
 
@@ -23,6 +23,14 @@ def test_a_resume_reuses_at_most_the_agents_previous_prompt() -> None:
     assert got["resumed_hit_fraction"] == round((1000 + 400 + 1200) / (1000 + 800 + 1200), 4)
     assert got["resume_ttft_p50"] == 200 and got["resume_ttft_sum"] == 800
     assert got["resume_computed_tokens"] == 200 + 500 + 100
+
+
+def test_only_tool_rounds_are_resumes() -> None:
+    rows = _rows([0, 0, 1000, 400, 1300], [900, 800, 200, 500, 100])
+    rows[3]["tool_result"] = False  # b's second step: a new user turn, not a resume
+    got = resume_figures(rows)
+    assert got["resume_steps"] == [2, 4]
+    assert got["resumed_hit_fraction"] == round((1000 + 1200) / (1000 + 1200), 4)
 
 
 def test_speedups_over_the_resume_turns_and_same_tokens_is_noise() -> None:
