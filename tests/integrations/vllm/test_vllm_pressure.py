@@ -8,6 +8,9 @@ instead of recomputing; another tenant sending the same text loads nothing. Run 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +22,7 @@ from tests.integrations.vllm.connector_server import BLOCK, connector_server, co
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
+ROOT = Path(__file__).resolve().parents[3]
 SERVED = "contextkit-pressure"
 KV_BLOCKS = 100  # 3,200 tokens: about two of the ~1,400-token prompts below
 
@@ -119,10 +123,46 @@ def test_agent_hints_in_other_stacks_dialects_reach_the_connector(
     assert bad["choices"][0]["message"]["content"] is not None
 
 
+def test_llamaindex_usage_shows_the_connectors_hits(server: tuple[Any, Path]) -> None:
+    # the same through LlamaIndex: ContextKitOpenAILike's reply carries vLLM's usage,
+    # whose cached_tokens count the connector's loads, and the call's report reads them
+    # (LlamaIndex lives in the project's .venv, so the client runs there)
+    from integrations.vllm.bench.harness import read_stats
+
+    srv, stats = server
+    python = ROOT / ".venv" / "bin" / "python"
+    assert python.is_file(), "make setup makes .venv, where LlamaIndex is installed"
+
+    def client() -> dict[str, Any]:
+        done = subprocess.run([str(python), "-m", "tests.integrations.vllm.llamaindex_client",
+                               srv.base_url, SERVED, "org-llamaindex", "40"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=900, check=False,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert done.returncode == 0, done.stderr[-4000:]
+        got: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        return got
+
+    first = client()
+    assert first["report_prompt_tokens"] == first["prompt_tokens"]
+    for filler in (30, 31, 30):  # push it out of vLLM's KV
+        _chat(srv, stats, _prompt(filler), "org-filler")
+    _, start = read_stats(stats)
+    again = client()
+    rows: list[dict[str, Any]] = []
+    for _ in range(100):
+        rows, _ = read_stats(stats, start)
+        if rows:
+            break
+        time.sleep(0.1)
+    loaded = int(rows[-1].get("external_hit_tokens") or 0)
+    assert loaded >= 10 * BLOCK, (first, again, rows)
+    assert again["cached_tokens"] >= loaded, (again, loaded)
+    assert again["report_reused_tokens"] == again["cached_tokens"]
+
+
 def test_langchain_usage_shows_the_connectors_hits(server: tuple[Any, Path]) -> None:
     # a returning prompt loaded from the connector's DDR tier: LangChain's cache_read
-    # counts those tokens, as vLLM's cached_tokens does (LlamaIndex's OpenAILike hands
-    # on that same usage object as its raw response; .venv-vllm has no LlamaIndex)
+    # counts those tokens, as vLLM's cached_tokens does
     from langchain_openai import ChatOpenAI
     from pydantic import SecretStr
 
