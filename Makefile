@@ -25,7 +25,7 @@ help:
 	@echo "make bench-agents-vllm  6 agents on one vLLM server with KV for ~2, 5 configurations side by side (~25 min)"
 	@echo "make bench-chunks-vllm  a RAG agent on vLLM: chunk reuse after changed documents (~20 min)"
 	@echo "make bench-tool-pauses  8 agents whose every turn ends in a tool call, one vLLM server:"
-	@echo "                APC, the connector, with agent hints, the ceiling, side by side (~20 min)"
+	@echo "                APC, the connector, with agent hints, LMCache, the ceiling, side by side (~12 min)"
 	@echo "make bench-replicas  6 agents alternating between two vLLM replicas: local DDR vs the"
 	@echo "                shared S3 tier vs one replica, side by side (~25 min)"
 	@echo "make bench-vllm  vLLM answers and TTFT after a restart, 8 agent prompts, per connector"

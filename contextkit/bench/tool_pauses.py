@@ -16,6 +16,8 @@ step sent to each in turn, on one transcript:
 - ``connector_hints``: the same connector; the agents send the ``x-session-id``
   header (the connector learns each session's pause and keeps its blocks through the
   next one), Dynamo's ``nvext.cache_control`` TTL and an SGLang ``priority``;
+- ``lmcache``: LMCache's multi-process connector, its L1 in RAM of the connector's
+  DDR budget (see ``bench agents-vllm``);
 - ``ceiling``: a server whose KV holds every agent.
 
 Figures over the resume turns (the tool rounds):
@@ -42,11 +44,12 @@ from contextkit.bench.agents_vllm import add_workload_arguments, run_driver
 __all__ = ["CONFIGS", "HELP", "add_arguments", "result_of", "resume_figures", "run"]
 
 HELP = ("agents whose every turn ends in a tool call on one vLLM server: is the paused "
-        "agent's KV there on its resume? APC, the connector, with agent hints, ceiling")
+        "agent's KV there on its resume? APC, the connector, with agent hints, LMCache, "
+        "ceiling")
 #: ``--out`` names a JSON file; the CLI writes the result there with its provenance.
 OUT_IS_JSON = True
 
-CONFIGS = ("ceiling", "apc", "connector", "connector_hints")
+CONFIGS = ("ceiling", "apc", "connector", "connector_hints", "lmcache")
 #: The issue's targets, checked in the report (never in a test: a loaded machine).
 GOALS = {"resumed_hit_fraction_hints": 0.95, "speedup_hints_vs_nohints_p50": 1.5,
          "speedup_vs_apc_p50": 3.0}
@@ -116,6 +119,7 @@ def result_of(args: argparse.Namespace, raw: Mapping[str, Any]) -> dict[str, Any
         "resumed_hit_fraction_hints": hints.get("resumed_hit_fraction"),
         "speedup_hints_vs_nohints_p50": _ratio(figures, "connector", "connector_hints"),
         "speedup_vs_apc_p50": _ratio(figures, "apc", "connector_hints"),
+        "speedup_vs_lmcache_p50": _ratio(figures, "lmcache", "connector_hints"),
         "speedup_hints_vs_nohints_total": _ratio(figures, "connector", "connector_hints",
                                                  "resume_ttft_sum"),
         "ceiling_vs_apc_p50": _ratio(figures, "apc", "ceiling"),
@@ -145,7 +149,8 @@ def result_of(args: argparse.Namespace, raw: Mapping[str, Any]) -> dict[str, Any
         (f"resumed_hit_fraction {n}", f["resumed_hit_fraction"]) for n, f in figures.items()]
     table += [(f"resume ttft p50 {n} (ms)", f["resume_ttft_p50"]) for n, f in figures.items()]
     table += [(k, _met(result[k], GOALS[k])) for k in GOALS]
-    table += [("ceiling_fraction", result["ceiling_fraction"])]
+    table += [("ceiling_fraction", result["ceiling_fraction"]),
+              ("speedup_vs_lmcache_p50", result["speedup_vs_lmcache_p50"])]
     table += [(f"{n}: hint pinned / refused, pause kept / released",
                " / ".join(str(c[k]) for k in COUNTERS)) for n, c in counters.items()]
     print_table(f"{raw['workload']['num_agents']} agents, every turn a tool call "
