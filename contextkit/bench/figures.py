@@ -408,6 +408,9 @@ ROWS: tuple[Row, ...] = (
     Row("tool-pauses", "resume TTFT p50 APC / connector with hints; ceiling: APC / the "
         "server that holds every agent", TOOL_PAUSES, lambda d: d["speedup_vs_apc_p50"],
         goal=Goal(">=", 3.0), ceiling=lambda d: d["ceiling_vs_apc_p50"]),
+    Row("tool-pauses", "resume TTFT p50 LMCache / connector with hints (`resumed_hit_fraction` "
+        "of LMCache in the remark)", TOOL_PAUSES, lambda d: d["speedup_vs_lmcache_p50"],
+        remark=lambda d: f"LMCache reused {d['resumed_hit_fraction']['lmcache']:.3f}"),
     Row("tool-pauses", "resume TTFT p50 connector without hints / with hints; ceiling: "
         "without hints / the server that holds every agent", TOOL_PAUSES,
         lambda d: d["speedup_hints_vs_nohints_p50"], goal=Goal(">=", 1.5),
