@@ -38,7 +38,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from contextkit.bench._agents_report import SAME_TOKENS
-from contextkit.bench._common import machine_info, positive_float, print_table, the_configs
+from contextkit.bench._common import (
+    machine_info,
+    positive_float,
+    positive_int,
+    print_table,
+    the_configs,
+)
 from contextkit.bench.agents_vllm import add_workload_arguments, run_driver
 
 __all__ = ["CONFIGS", "HELP", "add_arguments", "result_of", "resume_figures", "run"]
@@ -61,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser, agents=8, steps=32)
     parser.add_argument("--time-scale", type=positive_float, default=0.05,
                         help="the tools' pauses (1-60 s) times this (default 0.05)")
+    parser.add_argument("--device-blocks", type=positive_int, default=None,
+                        help="the connectors' device_blocks, where pins live (default: "
+                             "the connector's default)")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated, from {', '.join(CONFIGS)} (default: all; "
                              "the ceiling always runs)")
@@ -144,6 +153,7 @@ def result_of(args: argparse.Namespace, raw: Mapping[str, Any]) -> dict[str, Any
                   "round (the call and its result appended to the same prompt); figures "
                   "over the tool rounds; client-side TTFT",
         "tool_rounds": bool(raw.get("tool_rounds")),
+        "device_blocks": raw.get("device_blocks"),
     }
     table: list[tuple[str, Any]] = [
         (f"resumed_hit_fraction {n}", f["resumed_hit_fraction"]) for n, f in figures.items()]
@@ -161,6 +171,8 @@ def result_of(args: argparse.Namespace, raw: Mapping[str, Any]) -> dict[str, Any
 def run(args: argparse.Namespace) -> dict[str, Any]:
     configs = the_configs(args.configs, CONFIGS)
     args.quality_steps = 1  # the driver's probe: one prompt (this bench reports no quality)
-    raw = run_driver(args, configs, "tool-pauses",
-                     ["--tool-pauses", str(args.time_scale), "--tool-rounds"])
+    extra = ["--tool-pauses", str(args.time_scale), "--tool-rounds"]
+    if args.device_blocks:
+        extra += ["--device-blocks", str(args.device_blocks)]
+    raw = run_driver(args, configs, "tool-pauses", extra)
     return result_of(args, raw)

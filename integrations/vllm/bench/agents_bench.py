@@ -267,7 +267,10 @@ def _server(setup: Setup, work: Path, sizes: dict[str, Any], args: argparse.Name
     from integrations.vllm.config import ConnectorConfig
 
     blocks = sizes["kv_blocks_ceiling"] if setup.ceiling else sizes["kv_blocks_pressure"]
-    config = (_connector_config(work, setup.name, sizes, setup.connector, setup.budget_factor)
+    overrides = dict(setup.connector or {})
+    if getattr(args, "device_blocks", 0):  # the connectors' pin space (device tier)
+        overrides["device_blocks"] = args.device_blocks
+    config = (_connector_config(work, setup.name, sizes, overrides, setup.budget_factor)
               if setup.connector is not None else ConnectorConfig(block_size=BLOCK))
     env = server_env()
     extra = ["--enable-prompt-tokens-details", "--num-gpu-blocks-override", str(blocks),
@@ -633,7 +636,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                                  quality)
     return {"configs": results, "errors": errors, "sizes": sizes, "order": configs,
             "interleaved": not args.sequential, "tool_pauses_scale": args.tool_pauses,
-            "tool_rounds": args.tool_rounds,
+            "tool_rounds": args.tool_rounds, "device_blocks": args.device_blocks or None,
             "workload": workload.describe(), "quality_prompt_tokens":
             [len(p.ids) for p in quality["prompts"]],
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
@@ -661,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequential", action="store_true")
     parser.add_argument("--tool-pauses", type=float, default=0.0)
     parser.add_argument("--tool-rounds", action="store_true")
+    parser.add_argument("--device-blocks", type=int, default=0)
     args = parser.parse_args(argv)
     if args.ceiling_last and not args.sequential:
         parser.error("--ceiling-last measures drift between back-to-back runs: add "
