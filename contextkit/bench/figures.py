@@ -199,6 +199,8 @@ REPLICAS = tuple(f"replicas-cpu-r{i}.json" for i in range(1, 5))
 TOOL_PAUSES = ("tool-pauses-amd-rounds.json",)
 #: the same with a DDR budget of 0.8 agent prompts in fp16 bytes (~2.5 stored agents)
 TOOL_PAUSES_SMALL_DDR = ("tool-pauses-amd-rounds-small-ddr.json",)
+#: the small DDR tier with device_blocks 512: room for the hints' pins
+TOOL_PAUSES_PIN_ROOM = ("tool-pauses-amd-rounds-small-ddr-dev512.json",)
 #: bench replicas with every configuration's servers up and the steps interleaved
 REPLICAS_INTERLEAVED = ("replicas-amd-interleaved.json",)
 #: bench agents-vllm with chunk reuse beside prefix reuse, interleaved
@@ -434,6 +436,19 @@ ROWS: tuple[Row, ...] = (
                                 / d["resume"]["ceiling"]["resume_ttft_p50"], 3)),
     Row("tool-pauses", "resume TTFT p50 APC / connector with hints, DDR for ~2.5 agents",
         TOOL_PAUSES_SMALL_DDR, lambda d: d["speedup_vs_apc_p50"], goal=Goal(">=", 3.0),
+        ceiling=lambda d: d["ceiling_vs_apc_p50"]),
+    Row("tool-pauses", "`resumed_hit_fraction`, connector with agent hints, DDR for ~2.5 "
+        "agents and `device_blocks` 512 (the pins' room)", TOOL_PAUSES_PIN_ROOM,
+        lambda d: d["resumed_hit_fraction"]["connector_hints"], fmt="{:.3f}",
+        goal=Goal(">=", 0.95), ceiling=lambda d: d["resumed_hit_fraction"]["ceiling"],
+        remark=_hint_pins),
+    Row("tool-pauses", "resume TTFT p50 connector without hints / with hints, the same",
+        TOOL_PAUSES_PIN_ROOM, lambda d: d["speedup_hints_vs_nohints_p50"],
+        goal=Goal(">=", 1.5),
+        ceiling=lambda d: round(d["resume"]["connector"]["resume_ttft_p50"]
+                                / d["resume"]["ceiling"]["resume_ttft_p50"], 3)),
+    Row("tool-pauses", "resume TTFT p50 APC / connector with hints, the same",
+        TOOL_PAUSES_PIN_ROOM, lambda d: d["speedup_vs_apc_p50"], goal=Goal(">=", 3.0),
         ceiling=lambda d: d["ceiling_vs_apc_p50"]),
     Row("tool-pauses", "prompt tokens computed on the resumes, DDR for ~2.5 agents: "
         "the connector with agent hints; ceiling: a server whose KV holds every agent",
