@@ -167,6 +167,29 @@ def _hints_same_tokens(d: dict) -> str:
     return ""
 
 
+def _hints_bound(d: dict) -> float:
+    """What hints could gain at most: the no-hint connector's resume TTFT over the
+    ceiling's (a server whose KV holds every agent)."""
+    resume = d["resume"]
+    return round(resume["connector"]["resume_ttft_p50"] / resume["ceiling"]["resume_ttft_p50"], 3)
+
+
+def _pause_rows(files: tuple[str, ...], where: str) -> list[Row]:
+    """bench tool-pauses' three goals in one regime (``where``: its sizes)."""
+    return [
+        Row("tool-pauses", f"`resumed_hit_fraction`, connector with agent hints, {where}",
+            files, lambda d: d["resumed_hit_fraction"]["connector_hints"], fmt="{:.3f}",
+            goal=Goal(">=", 0.95), ceiling=lambda d: d["resumed_hit_fraction"]["ceiling"],
+            remark=_hint_pins),
+        Row("tool-pauses", f"resume TTFT p50 connector without hints / with hints, {where}",
+            files, lambda d: d["speedup_hints_vs_nohints_p50"], goal=Goal(">=", 1.5),
+            ceiling=_hints_bound),
+        Row("tool-pauses", f"resume TTFT p50 APC / connector with hints, {where}", files,
+            lambda d: d["speedup_vs_apc_p50"], goal=Goal(">=", 3.0),
+            ceiling=lambda d: d["ceiling_vs_apc_p50"]),
+    ]
+
+
 def _hint_pins(d: dict) -> str:
     counters = d["counters"]["connector_hints"]
     return (f"hints pinned {counters['hint_pinned_blocks']:.0f} blocks; the tenants' pin "
@@ -416,40 +439,16 @@ ROWS: tuple[Row, ...] = (
     Row("tool-pauses", "resume TTFT p50 connector without hints / with hints; ceiling: "
         "without hints / the server that holds every agent", TOOL_PAUSES,
         lambda d: d["speedup_hints_vs_nohints_p50"], goal=Goal(">=", 1.5),
-        ceiling=lambda d: round(d["resume"]["connector"]["resume_ttft_p50"]
-                                / d["resume"]["ceiling"]["resume_ttft_p50"], 3),
+        ceiling=_hints_bound,
         remark=_hints_same_tokens),
     Row("tool-pauses", "blocks agent hints asked to pin that the tenants' pin quotas "
         "refused (of those asked)", TOOL_PAUSES,
         lambda d: d["counters"]["connector_hints"]["hint_pins_refused"], fmt="{:.0f}",
         remark=lambda d: (f"{d['counters']['connector_hints']['hint_pinned_blocks']:.0f} "
                           "pinned")),
-    Row("tool-pauses", "`resumed_hit_fraction`, connector with agent hints, DDR for ~2.5 "
-        "agents", TOOL_PAUSES_SMALL_DDR,
-        lambda d: d["resumed_hit_fraction"]["connector_hints"], fmt="{:.3f}",
-        goal=Goal(">=", 0.95), ceiling=lambda d: d["resumed_hit_fraction"]["ceiling"],
-        remark=_hint_pins),
-    Row("tool-pauses", "resume TTFT p50 connector without hints / with hints, DDR for ~2.5 "
-        "agents", TOOL_PAUSES_SMALL_DDR, lambda d: d["speedup_hints_vs_nohints_p50"],
-        goal=Goal(">=", 1.5),
-        ceiling=lambda d: round(d["resume"]["connector"]["resume_ttft_p50"]
-                                / d["resume"]["ceiling"]["resume_ttft_p50"], 3)),
-    Row("tool-pauses", "resume TTFT p50 APC / connector with hints, DDR for ~2.5 agents",
-        TOOL_PAUSES_SMALL_DDR, lambda d: d["speedup_vs_apc_p50"], goal=Goal(">=", 3.0),
-        ceiling=lambda d: d["ceiling_vs_apc_p50"]),
-    Row("tool-pauses", "`resumed_hit_fraction`, connector with agent hints, DDR for ~2.5 "
-        "agents and `device_blocks` 512 (the pins' room)", TOOL_PAUSES_PIN_ROOM,
-        lambda d: d["resumed_hit_fraction"]["connector_hints"], fmt="{:.3f}",
-        goal=Goal(">=", 0.95), ceiling=lambda d: d["resumed_hit_fraction"]["ceiling"],
-        remark=_hint_pins),
-    Row("tool-pauses", "resume TTFT p50 connector without hints / with hints, the same",
-        TOOL_PAUSES_PIN_ROOM, lambda d: d["speedup_hints_vs_nohints_p50"],
-        goal=Goal(">=", 1.5),
-        ceiling=lambda d: round(d["resume"]["connector"]["resume_ttft_p50"]
-                                / d["resume"]["ceiling"]["resume_ttft_p50"], 3)),
-    Row("tool-pauses", "resume TTFT p50 APC / connector with hints, the same",
-        TOOL_PAUSES_PIN_ROOM, lambda d: d["speedup_vs_apc_p50"], goal=Goal(">=", 3.0),
-        ceiling=lambda d: d["ceiling_vs_apc_p50"]),
+    *_pause_rows(TOOL_PAUSES_SMALL_DDR, "DDR for ~2.5 agents"),
+    *_pause_rows(TOOL_PAUSES_PIN_ROOM, "DDR for ~2.5 agents and `device_blocks` 512 (the "
+                 "pins' room)"),
     Row("tool-pauses", "prompt tokens computed on the resumes, DDR for ~2.5 agents: "
         "the connector with agent hints; ceiling: a server whose KV holds every agent",
         TOOL_PAUSES_SMALL_DDR,
