@@ -53,10 +53,14 @@ def _private_dir(directory: Path) -> bool:
     return True
 
 
+def _file_prefix(instance_id: str) -> str:
+    """The start of a server's ledger file names: its ``instance_id``, made safe."""
+    return (re.sub(r"[^A-Za-z0-9_.-]", "_", instance_id) or "default") + "-engine"
+
+
 def ledger_path(instance_id: str, engine: int, directory: Path | None = None) -> Path:
     """The ledger file of one engine of one vLLM server."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", instance_id) or "default"
-    return (directory or default_ledger_dir()) / f"{safe}-engine{int(engine)}.json"
+    return (directory or default_ledger_dir()) / f"{_file_prefix(instance_id)}{int(engine)}.json"
 
 
 def _empty() -> dict[str, Any]:
@@ -130,20 +134,19 @@ class LedgerReader:
     """The API server's side: what each engine's ledger gained since the last read."""
 
     def __init__(self, instance_id: str, directory: Path | None = None) -> None:
-        self.instance_id = instance_id
         self.directory = directory or default_ledger_dir()
+        self._prefix = _file_prefix(instance_id)
         self._seen: dict[int, Mapping[str, Any]] = {}
 
     def changes(self) -> dict[int, dict[str, Any]]:
         """Per engine: counter increments and changed gauges since the last call, in
         the stats-data format :meth:`ContextKitPromMetrics.observe` takes."""
-        prefix = ledger_path(self.instance_id, 0, self.directory).name.rsplit("-engine", 1)[0]
         out: dict[int, dict[str, Any]] = {}
-        for path in self.directory.glob(f"{prefix}-engine*.json"):
+        for path in self.directory.glob(f"{self._prefix}*.json"):
             try:
-                engine = int(path.stem.rsplit("-engine", 1)[1])
+                engine = int(path.stem[len(self._prefix):])
                 now = json.loads(path.read_text())
-            except (OSError, ValueError, IndexError):
+            except (OSError, ValueError):
                 continue  # replaced or removed while read: the next poll sees it
             if not isinstance(now, Mapping):
                 continue

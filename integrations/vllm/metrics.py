@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -422,8 +423,8 @@ class ContextKitPromMetrics(_PromBase):
             self.observe(data, engine)
 
     def _poll(self, every_s: float) -> None:
-        stop = threading.Event()
-        while not stop.wait(every_s):
+        while True:  # a daemon thread: it ends with the API server
+            time.sleep(every_s)
             try:
                 self.poll_ledgers()
             except Exception:  # a metrics reader never takes the server down

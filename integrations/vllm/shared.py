@@ -203,10 +203,12 @@ class SharedWriter:
             self.ledger.count("shared_refused")
             logger.exception("shared tier load of request %s failed; its blocks recompute",
                              spec.req_id)
-        try:
-            self._record()
+        try:  # counted here; the writer thread writes the ledger, off the forward's path
+            record_counters(self.tier, self.ledger)
         except Exception:
             logger.exception("shared tier counters lost")
+        with self._cond:
+            self._cond.notify()
         return imported, removed
 
     def _bring_in(self, spec: LoadSpec, imported: list[bytes], removed: list[bytes]) -> None:
@@ -286,9 +288,8 @@ class SharedWriter:
             return
         with self._cond:
             room = self.max_pending - len(self._queue)
-            if room < len(jobs):
+            if room < len(jobs):  # the busy writer thread publishes it after its job
                 self.ledger.count("shared_dropped", len(jobs) - max(room, 0))
-                self.ledger.publish()
                 jobs = jobs[:max(room, 0)]
             self._queue.extend(jobs)
             self._cond.notify()

@@ -268,7 +268,7 @@ def _server(setup: Setup, work: Path, sizes: dict[str, Any], args: argparse.Name
 
     blocks = sizes["kv_blocks_ceiling"] if setup.ceiling else sizes["kv_blocks_pressure"]
     overrides = dict(setup.connector or {})
-    if getattr(args, "device_blocks", 0):  # the connectors' pin space (device tier)
+    if args.device_blocks:  # the connectors' pin space (device tier)
         overrides["device_blocks"] = args.device_blocks
     config = (_connector_config(work, setup.name, sizes, overrides, setup.budget_factor)
               if setup.connector is not None else ConnectorConfig(block_size=BLOCK))
@@ -386,12 +386,7 @@ def _quality_prompts(workload: Any, served: Any, count: int, seed: int) -> list[
 
 # ---------------------------------------------------------------------- measure
 def scrape_connector_metrics(srv: Any) -> dict[str, float]:
-    """The connector's counters (``vllm:contextkit_*``) and vLLM's prefix-cache ones,
-    once the API server has read its workers' ledgers (the shared tier's writer counts
-    between steps: :mod:`integrations.vllm.ledger`)."""
-    from integrations.vllm.metrics import LEDGER_POLL_S
-
-    time.sleep(1.5 * LEDGER_POLL_S)
+    """The connector's counters (``vllm:contextkit_*``) and vLLM's prefix-cache ones."""
     totals: dict[str, float] = {}
     try:
         text = srv.get("/metrics")
@@ -514,7 +509,7 @@ class Lane:
 def is_tool_result(args: argparse.Namespace, step: Any) -> bool:
     """With ``--tool-rounds``: an agent's odd turns are the result of the tool its
     previous turn called (a tool round), its even turns new user turns."""
-    return bool(getattr(args, "tool_rounds", False)) and step.agent_turn % 2 == 1
+    return bool(args.tool_rounds) and step.agent_turn % 2 == 1
 
 
 def tool_pause(args: argparse.Namespace, step: Any) -> float:
@@ -523,9 +518,8 @@ def tool_pause(args: argparse.Namespace, step: Any) -> float:
     turn) times SCALE; 0 without. With ``--tool-rounds`` only tool rounds wait (a new
     user turn follows the answer)."""
     scale = args.tool_pauses
-    if not scale or step.agent_turn < 1:
-        return 0.0
-    if getattr(args, "tool_rounds", False) and not is_tool_result(args, step):
+    if not scale or step.agent_turn < 1 or (args.tool_rounds
+                                            and not is_tool_result(args, step)):
         return 0.0
     rng = random.Random(f"{args.seed}:{step.agent}:{step.agent_turn}")
     return round(rng.uniform(1.0, 60.0) * scale, 3)

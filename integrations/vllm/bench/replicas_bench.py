@@ -353,6 +353,10 @@ class Lane:
 
     def finish(self) -> None:
         """Each live replica's counters, then the shared tier's tenant probe."""
+        if self.setup.shared:  # the writers' counters reach /metrics at a ledger poll
+            from integrations.vllm.metrics import LEDGER_POLL_S
+
+            time.sleep(1.5 * LEDGER_POLL_S)
         self.metrics = [scrape_connector_metrics(s) for j, s in enumerate(self.servers)
                         if j in self.alive]
         if self.setup.shared and len(self.alive) > 1:
