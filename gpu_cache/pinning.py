@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from gpu_cache._errors import BlockStateError, PinCapacityError
@@ -101,10 +101,11 @@ class PrefixPinManager:
 
     # ------------------------------------------------------------------ pinning
     def pin(self, block_ids: Sequence[int], *, now: float | None = None,
-            any_layer: bool = False) -> list[int]:
+            any_layer: bool = False, demote_others: bool = True) -> list[int]:
         """Pin blocks, all or none; returns the ids newly pinned. ``any_layer``: blocks
         of any source layer (a time-bound pin the request asked for, e.g. through a
-        tool-call pause); the quotas hold all the same.
+        tool-call pause); the quotas hold all the same. ``demote_others`` False: take
+        free pin room only, never demoting another tenant's pins (an agent hint's pin).
 
         Raises:
             BlockStateError: a block's source layer is not pinnable.
@@ -113,18 +114,20 @@ class PrefixPinManager:
                 pins), or the device tier cannot make room for blocks still in the
                 host tier. None of the given blocks is pinned then.
         """
-        result = self.try_pin(block_ids, now=now, any_layer=any_layer)
+        result = self.try_pin(block_ids, now=now, any_layer=any_layer,
+                              demote_others=demote_others)
         if result.refused is not None:
             raise PinCapacityError(result.refused)
         return result.pinned
 
     def try_pin(self, block_ids: Sequence[int], *, now: float | None = None,
-                any_layer: bool = False) -> PinResult:
+                any_layer: bool = False, demote_others: bool = True) -> PinResult:
         """Pin blocks within their tenants' quotas, or leave them unpinned and say why.
 
         Idle pins (past the TTL) are demoted first. When the cap is reached, the
         excess of over-quota tenants is demoted; if that is not enough the blocks
-        stay unpinned (``refused``) and every other pin stays as it was.
+        stay unpinned (``refused``) and every other pin stays as it was. With
+        ``demote_others`` False only the pinning tenants' own pins are demoted.
 
         Raises:
             BlockStateError: a block's source layer is not pinnable.
@@ -142,7 +145,8 @@ class PrefixPinManager:
                         f"not pinnable (pinnable: {sorted(self.pinnable_sources)}); pin only "
                         "stable-prefix blocks")
             result = PinResult(held=[m.block_id for m in metas if m.pinned])
-            result.demoted = self.release_idle(now=stamp, protect=block_ids)
+            only = None if demote_others else {m.tenant_slug for m in metas}
+            result.demoted = self.release_idle(now=stamp, protect=block_ids, tenants=only)
             new = [m for m in metas if not m.pinned]
             if not new:
                 return result
@@ -150,7 +154,8 @@ class PrefixPinManager:
             cap = self.total_cap
             excess = len(cache.metadata.pinned()) + len(new) - cap
             if excess > 0:
-                result.demoted += self._demote_over_quota(excess, protect=set(block_ids))
+                result.demoted += self._demote_over_quota(excess, protect=set(block_ids),
+                                                          tenants=only)
                 excess = len(cache.metadata.pinned()) + len(new) - cap
             if excess > 0:
                 capacity = cache.capacity(Tier.DEVICE)
@@ -211,10 +216,11 @@ class PrefixPinManager:
         return stale
 
     # ------------------------------------------------------------------ demotion
-    def release_idle(self, *, now: float | None = None,
-                     protect: Iterable[int] = ()) -> list[int]:
+    def release_idle(self, *, now: float | None = None, protect: Iterable[int] = (),
+                     tenants: Collection[str] | None = None) -> list[int]:
         """Demote pins idle beyond ``idle_ttl_s`` (not attended or pinned since);
-        returns their ids. ``protect``: ids to leave alone (the caller's own)."""
+        returns their ids. ``protect``: ids to leave alone (the caller's own);
+        ``tenants``: only these tenants' pins (default: every tenant's)."""
         ttl = self.config.idle_ttl_s
         if ttl is None:
             return []
@@ -222,7 +228,8 @@ class PrefixPinManager:
         skip = set(protect)
         with self.cache.locked():
             idle = [m for m in self.cache.metadata.pinned()
-                    if m.block_id not in skip and stamp - m.last_active > ttl]
+                    if m.block_id not in skip and stamp - m.last_active > ttl
+                    and (tenants is None or m.tenant_slug in tenants)]
             return self._demote(idle, "idle")
 
     def reclaim(self, num_blocks: int, *, for_tenant: str | None = None,
@@ -256,11 +263,15 @@ class PrefixPinManager:
                     demoted += self._demote(by_tenant[tenant], f"reclaimed for {for_tenant!r}")
         return demoted
 
-    def _demote_over_quota(self, num_blocks: int, protect: set[int]) -> list[int]:
+    def _demote_over_quota(self, num_blocks: int, protect: set[int],
+                           tenants: Collection[str] | None = None) -> list[int]:
         """Demote up to ``num_blocks`` pins of tenants over their quota (their excess
-        only: least recently active first, then the blocks furthest into the prompt)."""
+        only: least recently active first, then the blocks furthest into the prompt);
+        ``tenants``: only these tenants' pins (default: any tenant's)."""
         demoted: list[int] = []
         for tenant, excess in sorted(self.over_quota().items()):
+            if tenants is not None and tenant not in tenants:
+                continue
             if len(demoted) >= num_blocks:
                 break
             metas = [m for m in self.cache.metadata.pinned(tenant) if m.block_id not in protect]

@@ -97,8 +97,8 @@ COUNTERS = ("lookups", "hit_tokens", "loaded_blocks", "load_errors", "shadow_byt
             "label_mismatches", "demoted_blocks", "skipped_blocks", "load_seconds",
             "save_seconds", "reuse_prefix_requests", "reuse_recomputed_requests",
             "reuse_none_requests", "hint_pinned_blocks", "hint_pins_refused",
-            "hints_ignored", "pause_kept_blocks", "pause_released_blocks",
-            "reuse_chunk_requests", "chunk_reused_tokens", "chunk_computed_tokens",
+            "hints_ignored", "hint_other_pins_lost", "pause_kept_blocks",
+            "pause_released_blocks", "pause_warmed_blocks", "reuse_chunk_requests", "chunk_reused_tokens", "chunk_computed_tokens",
             "chunk_seconds", *SHARED_COUNTERS)
 #: Counters broken down by the block's source layer.
 BY_LAYER = ("saved_blocks", "evicted_blocks")
@@ -128,10 +128,16 @@ _DOCS = {
     "hint_pinned_blocks": "Blocks an agent hint pinned for its TTL (then unpinned).",
     "hint_pins_refused": "Blocks an agent hint asked to pin that the tenant's pin quota "
                          "refused (stored unpinned).",
+    "hint_other_pins_lost": "Other tenants' pinned blocks unpinned or evicted while an "
+                            "agent hint or a session's keep pinned its own (0: a hint takes "
+                            "free pin room only).",
     "hints_ignored": "Requests whose agent hints were malformed (served without them).",
     "pause_kept_blocks": "Blocks pinned through a session's expected pause (a tool call), "
                          "learned from its history.",
     "pause_released_blocks": "Blocks released when their session came back.",
+    "pause_warmed_blocks": "Blocks of a paused session moved from the DDR tier to the "
+                           "device tier: at its pause, and again ahead of its expected "
+                           "return.",
     "hit_tokens": "Prompt tokens served from contextkit's cache instead of computed.",
     "loaded_blocks": "Blocks loaded from contextkit's cache into vLLM's paged KV cache.",
     "saved_blocks": "Blocks stored in contextkit's cache, by source layer.",

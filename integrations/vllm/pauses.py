@@ -6,8 +6,12 @@ saves would evict its blocks from the connector's DDR tier. The scheduler learns
 session's pause (from a request's end to the session's next request) and, when a
 session's request ends, asks the worker to keep that request's blocks pinned for the
 pause it expects (:class:`KeepSpec`): ``margin`` times the longest of the session's
-recent pauses, at most :data:`~integrations.vllm.hints.MAX_KEEP_S`. When the session
-comes back, after its loads, the pins are released. A session is named by the
+recent pauses, at most :data:`~integrations.vllm.hints.MAX_KEEP_S`: pinned on the
+device tier as far as the tenant's quota allows, the rest moved there unpinned. Ahead
+of its expected return (:attr:`SessionPauses.warm_at` of its shortest recent pause) a
+look-ahead brings back to the device tier what others' traffic spilled meanwhile
+(:meth:`SessionPauses.due`). When the session comes back, after its loads, the pins
+are released. A session is named by the
 request's hints (the ``x-session-id`` / ``x-dynamo-session-id`` headers or
 ``retention_scope``); requests without one are not kept. The pins count against the
 tenant's pin quota like any other: what does not fit is not kept.
@@ -28,12 +32,15 @@ __all__ = ["KeepSpec", "SessionPauses"]
 class KeepSpec:
     """Worker instruction: pin the stored blocks ``keys`` (a prefix chain, in order)
     of ``tenant`` for ``keep_s`` seconds, as many as the quota allows from the first;
-    ``keep_s`` 0 releases the pins an earlier keep of these keys made."""
+    ``keep_s`` 0 releases the pins an earlier keep of these keys made; ``warm`` moves
+    them back to the device tier instead (the session is due)."""
 
     tenant: str
     keys: list[bytes]
     keep_s: float
     session: str = ""
+    #: a look-ahead, not a keep: bring the held blocks back to the device tier
+    warm: bool = False
 
 
 @dataclass
@@ -49,10 +56,14 @@ class SessionPauses:
     """Per (tenant, session): when its last request ended, which blocks it held, and
     its recent pauses. Bounded: the least recently seen sessions are forgotten."""
 
-    def __init__(self, *, margin: float = 1.5, max_sessions: int = 4096) -> None:
+    def __init__(self, *, margin: float = 1.5, warm_at: float = 0.75,
+                 max_sessions: int = 4096) -> None:
         self.margin = margin
+        #: the look-ahead runs this share of the session's shortest recent pause in
+        self.warm_at = warm_at
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
+        self._due: dict[tuple[str, str], float] = {}  # kept sessions -> when to warm
 
     def _session(self, tenant: str, session: str) -> _Session:
         key = (tenant, session)
@@ -79,6 +90,7 @@ class SessionPauses:
         now = time.monotonic() if now is None else now
         found = self._session(tenant, session)
         release = None
+        self._due.pop((tenant, session), None)
         if found.finished_at is not None:
             found.pauses.append(max(0.0, now - found.finished_at))
             if found.kept:
@@ -97,4 +109,18 @@ class SessionPauses:
         found.kept = bool(keep and keys)
         if not found.kept or keep is None:
             return None
+        self._due[(tenant, session)] = now + self.warm_at * min(found.pauses)
         return KeepSpec(tenant, list(keys), keep, session)
+
+    def due(self, now: float | None = None) -> list[KeepSpec]:
+        """The look-ahead: kept sessions whose return is near, each once per pause, as
+        warm instructions for their blocks."""
+        now = time.monotonic() if now is None else now
+        ready = [key for key, at in self._due.items() if at <= now]
+        specs = []
+        for key in ready:
+            del self._due[key]
+            found = self._sessions.get(key)
+            if found is not None and found.kept:
+                specs.append(KeepSpec(key[0], list(found.keys), 0.0, key[1], warm=True))
+        return specs

@@ -155,7 +155,7 @@ class ConnectorScheduler:
                 # which vLLM blocks the keys are (KV events); moved K/V are no block's
                 self._events.planned(spec.keys, spec.first_block, request.block_hashes,
                                      request.all_token_ids, request.cache_salt)
-        keeps, self._keeps = self._keeps, []
+        keeps, self._keeps = [*self._keeps, *self.pauses.due()], []
         return ContextKitConnectorMetadata(loads, saves, keeps)
 
     def on_worker_output(self, connector_output: KVConnectorOutput) -> None:

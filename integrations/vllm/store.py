@@ -513,10 +513,14 @@ class ConnectorStore:
         fits = list(blocks[:max(0, room)])
         if not fits:
             return [], None
+        others = {m.block_id for m in pool.cache.metadata.pinned() if m.tenant_slug != slug}
         try:
-            pool.pins.pin([bid for _, bid in fits], any_layer=True)
+            pool.pins.pin([bid for _, bid in fits], any_layer=True, demote_others=False)
         except (PinCapacityError, BlockStateError) as exc:
             return [], exc
+        finally:  # counted, not assumed: another tenant's pins a hint unpinned or evicted
+            self.stats.count("hint_other_pins_lost", len(others - {
+                m.block_id for m in pool.cache.metadata.pinned() if m.tenant_slug != slug}))
         for key, _ in fits:
             self._pin_until[key] = until[key]
         return [key for key, _ in fits], None
@@ -567,7 +571,35 @@ class ConnectorStore:
                 self._kept.update(kept)
                 pinned += len(kept)
             self.stats.count("pause_kept_blocks", pinned)
+            self._warm_held(held)  # device first: what the quota left unpinned too
             return pinned
+
+    def warm(self, keys: Sequence[bytes], tenant: str) -> int:
+        """Bring the held blocks of ``keys`` (a prefix chain) of ``tenant`` back to the
+        device tier ahead of their session's return (the pause look-ahead), as room
+        allows, spilling the device tier's lowest-priority unpinned blocks; pins
+        stay as they are. Returns the blocks moved."""
+        slug = tenant_slug(tenant)
+        with self._lock:
+            held = []
+            for key in keys:
+                found = self._ids.get(key)
+                if found is None or found[0].cache.lookup([BlockHash(key)], slug) != [found[1]]:
+                    break
+                held.append((key, *found))
+            return self._warm_held(held)
+
+    def _warm_held(self, held: Sequence[tuple[bytes, Pool, int]]) -> int:
+        """Move the DDR-tier blocks of ``held`` ((key, pool, id)) to their pool's device
+        tier, per pool all or none (caller holds ``_lock``); counted, returns how many."""
+        moved = 0
+        for pool in {id(p): p for _, p, _ in held}.values():
+            on_host = [bid for _, p, bid in held if p is pool
+                       and pool.cache.metadata.get(bid).tier is Tier.HOST]
+            if on_host:
+                moved += len(pool.cache.warm_blocks(on_host) or [])
+        self.stats.count("pause_warmed_blocks", moved)
+        return moved
 
     def expire_pins(self) -> None:
         """Unpin the blocks whose hint's time ran out (a save does it too)."""

@@ -187,8 +187,8 @@ class ConnectorWorker:
     # ------------------------------------------------------------------ loads
     def start_load(self, meta: ContextKitConnectorMetadata | None) -> None:
         """``start_load_kv``: every load of the step, complete on return; then the
-        step's pause keeps and releases, on the save thread after the saves already
-        queued (a session's blocks are stored before they are kept)."""
+        step's pause keeps, releases and look-ahead warms, on the save thread after
+        the saves already queued (a session's blocks are stored before they are kept)."""
         if meta is None:
             return
         try:
@@ -199,7 +199,10 @@ class ConnectorWorker:
 
     def _keep(self, spec: KeepSpec) -> None:
         try:
-            self.store.keep(spec.keys, spec.tenant, spec.keep_s)
+            if spec.warm:
+                self.store.warm(spec.keys, spec.tenant)
+            else:
+                self.store.keep(spec.keys, spec.tenant, spec.keep_s)
         except Exception:  # a keep is an optimisation: never fail a step over it
             logger.exception("keeping %d blocks of session %r failed", len(spec.keys),
                              spec.session)

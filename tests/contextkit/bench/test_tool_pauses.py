@@ -42,7 +42,8 @@ def test_speedups_over_the_resume_turns_and_same_tokens_is_noise() -> None:
         "connector": {"rows": _rows([0, 0, 800, 400, 900], [900, 800, 150, 150, 150]),
                       "metrics": {"vllm:contextkit_pause_kept_blocks_total": 0.0}},
         "connector_hints": {"rows": hints, "metrics": {
-            "vllm:contextkit_pause_kept_blocks_total": 40.0}}},
+            "vllm:contextkit_pause_kept_blocks_total": 40.0,
+            "vllm:contextkit_hint_other_pins_lost_total": 0.0}}},
         "workload": {"num_agents": 2, "num_steps": 5}, "interleaved": True}
     args = argparse.Namespace(model=None)
     result = result_of(args, raw)
@@ -50,4 +51,5 @@ def test_speedups_over_the_resume_turns_and_same_tokens_is_noise() -> None:
     assert result["speedup_vs_apc_p50"] == 3.0
     assert result["ceiling_fraction"] == SAME_TOKENS  # the same tokens: noise, no ratio
     assert result["counters"]["connector_hints"]["pause_kept_blocks"] == 40.0
+    assert result["other_tenant_pins_lost_to_hints"] == 0.0
     assert result["resumed_hit_fraction_hints"] == result["resumed_hit_fraction"]["ceiling"]

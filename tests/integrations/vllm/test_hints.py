@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from gpu_cache import hash_token_blocks
+from gpu_cache import Tier, hash_token_blocks
 from integrations.vllm.config import ConnectorConfig
 from integrations.vllm.hints import HINTS_KEY, Hints, Retention, from_request, from_wire
 from integrations.vllm.hints_middleware import (
@@ -28,7 +28,7 @@ from integrations.vllm.planning import (
     hinted_labels,
 )
 from integrations.vllm.precision import BlockLabel
-from integrations.vllm.store import ConnectorStore
+from integrations.vllm.store import ConnectorStore, tenant_slug
 
 
 def _hints(body: dict[str, Any], headers: dict[str, str] | None = None,
@@ -240,6 +240,21 @@ def test_a_hint_cannot_pin_past_its_tenants_quota_or_touch_anothers_pins(
     assert counters["hint_pinned_blocks"] == 8 and counters["hint_pins_refused"] == 2
 
 
+def test_a_hint_takes_free_pin_room_only_never_another_tenants_idle_pins(
+        model: Path, tmp_path: Path) -> None:
+    store = _store(model, tmp_path)
+    _save(store, "globex", 4, keep=3600.0, seed=1)
+    globex = tenant_slug("globex")
+    for pool in store.pools.values():  # globex's pins went idle (past the pin TTL)
+        for meta in pool.cache.metadata.pinned(globex):
+            meta.pinned_at = meta.last_attended = time.time() - 3600.0
+    keys, _ = _save(store, "acme", 2, keep=600.0, seed=2)
+    assert _pinned(store, globex) == 4  # a rule's pin may demote them; a hint may not
+    assert all(store.pinned_until(k) is not None for k in keys)
+    counters = (store.stats.take() or {})["counters"]
+    assert counters.get("hint_other_pins_lost", 0) == 0 and counters["hint_pinned_blocks"] == 6
+
+
 # ---------------------------------------------------------------------- pauses
 def test_a_sessions_pause_is_learned_and_its_blocks_kept_then_released() -> None:
     from integrations.vllm.pauses import KeepSpec, SessionPauses
@@ -251,10 +266,22 @@ def test_a_sessions_pause_is_learned_and_its_blocks_kept_then_released() -> None
     assert pauses.arrived("acme", "s1", now=11.0) is None  # a 10 s pause, learned
     keep = pauses.finished("acme", "s1", keys, now=12.0)
     assert keep == KeepSpec("acme", keys, 15.0, "s1")  # 1.5 x the longest recent pause
-    assert pauses.arrived("acme", "s1", now=14.0) == KeepSpec("acme", keys, 0.0, "s1")
+    assert pauses.due(now=19.0) == []  # the look-ahead: at 0.75 of its shortest pause
+    assert pauses.due(now=19.5) == [KeepSpec("acme", keys, 0.0, "s1", warm=True)]
+    assert pauses.due(now=20.0) == []  # once per pause
+    assert pauses.arrived("acme", "s1", now=21.0) == KeepSpec("acme", keys, 0.0, "s1")
+    pauses.finished("acme", "s1", keys, now=22.0)
+    assert pauses.arrived("acme", "s1", now=23.0) is not None  # back early: no warm due
+    assert pauses.due(now=100.0) == []
     # sessions are per tenant: another tenant's session of the same name is its own
     assert pauses.expected("globex", "s1") is None
-    assert pauses.expected("acme", "s1") == 15.0
+    assert pauses.expected("acme", "s1") == 15.0  # 1.5 x 10 s, its longest recent pause
+
+
+def _tier(store: ConnectorStore, key: bytes) -> Tier:
+    pool, bid = store.entry(key) or (None, 0)
+    assert pool is not None
+    return pool.cache.metadata.get(bid).tier
 
 
 def test_kept_blocks_stay_pinned_through_the_pause_within_the_quota(
@@ -268,6 +295,14 @@ def test_kept_blocks_stay_pinned_through_the_pause_within_the_quota(
     assert _pinned(store) == 0
     assert store.keep(keys, "acme", 60.0) == 4  # the chain's first 4: the quota
     assert _pinned(store) == 4
+    # device first: the 2 the quota left unpinned are moved to the device tier too
+    assert [_tier(store, k) for k in keys] == [Tier.DEVICE] * 6
+    pool, _ = store.entry(keys[5]) or (None, 0)
+    assert pool is not None
+    pool.cache.spill_blocks([store.entry(k)[1] for k in keys[4:]])  # others' traffic
+    assert store.warm(keys, "globex") == 0  # another tenant's look-ahead moves nothing
+    assert store.warm(keys, "acme") == 2  # the look-ahead brings them back
+    assert [_tier(store, k) for k in keys] == [Tier.DEVICE] * 6
     assert store.keep(keys, "acme", 0.0) == 4  # the session came back: released
     assert _pinned(store) == 0 and not store.missing(keys)
     assert store.keep([b"not-held", *keys], "acme", 60.0) == 0  # a chain starts held
