@@ -98,8 +98,9 @@ COUNTERS = ("lookups", "hit_tokens", "loaded_blocks", "load_errors", "shadow_byt
             "save_seconds", "reuse_prefix_requests", "reuse_recomputed_requests",
             "reuse_none_requests", "hint_pinned_blocks", "hint_pins_refused",
             "hints_ignored", "hint_other_pins_lost", "pause_kept_blocks",
-            "pause_released_blocks", "pause_warmed_blocks", "reuse_chunk_requests", "chunk_reused_tokens", "chunk_computed_tokens",
-            "chunk_seconds", *SHARED_COUNTERS)
+            "pause_released_blocks", "pause_warmed_blocks", "reuse_chunk_requests",
+            "chunk_reused_tokens", "chunk_computed_tokens", "chunk_seconds",
+            *SHARED_COUNTERS)
 #: Counters broken down by the block's source layer.
 BY_LAYER = ("saved_blocks", "evicted_blocks")
 #: Gauges (latest value; merged observations keep the largest).
