@@ -591,13 +591,19 @@ class ConnectorStore:
 
     def _warm_held(self, held: Sequence[tuple[bytes, Pool, int]]) -> int:
         """Move the DDR-tier blocks of ``held`` ((key, pool, id)) to their pool's device
-        tier, per pool all or none (caller holds ``_lock``); counted, returns how many."""
+        tier, the chain's first first, as many as it makes room for (caller holds
+        ``_lock``); counted, returns how many."""
         moved = 0
         for pool in {id(p): p for _, p, _ in held}.values():
             on_host = [bid for _, p, bid in held if p is pool
                        and pool.cache.metadata.get(bid).tier is Tier.HOST]
-            if on_host:
-                moved += len(pool.cache.warm_blocks(on_host) or [])
+            n = len(on_host)
+            while n:  # the room of a tier full of pins: halve until it fits
+                got = pool.cache.warm_blocks(on_host[:n])
+                if got is not None:
+                    moved += len(got)
+                    break
+                n //= 2
         self.stats.count("pause_warmed_blocks", moved)
         return moved
 

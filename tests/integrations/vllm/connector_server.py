@@ -22,10 +22,12 @@ def words_text(seed: int, words: int) -> str:
 
 
 def connector_server(work: Path, served: str, *, kv_blocks: int, host_blocks: int,
-                     max_model_len: int) -> tuple[Any, Path]:
+                     max_model_len: int, device_blocks: int | None = None
+                     ) -> tuple[Any, Path]:
     """A server (not started) whose vLLM KV holds ``kv_blocks`` blocks and whose
-    connector's DDR budget is ``host_blocks`` (semantic eviction, no shadow), and the
-    path of the connector's per-request records."""
+    connector's DDR budget is ``host_blocks`` (semantic eviction, no shadow; its device
+    tier ``device_blocks``, default the connector's), and the path of the connector's
+    per-request records."""
     from integrations.vllm.bench.harness import OpenAIServer
     from integrations.vllm.config import ConnectorConfig
     from integrations.vllm.model import packaged_model_dir
@@ -33,7 +35,8 @@ def connector_server(work: Path, served: str, *, kv_blocks: int, host_blocks: in
     stats = work / "stats.jsonl"
     config = ConnectorConfig(block_size=BLOCK, shadow_url="",
                              local_store=f"file://{work / 'local'}", stats_path=str(stats),
-                             host_blocks=host_blocks, eviction="semantic")
+                             host_blocks=host_blocks, eviction="semantic",
+                             **({"device_blocks": device_blocks} if device_blocks else {}))
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
     srv = OpenAIServer(str(packaged_model_dir()), config, work / "server.log",
