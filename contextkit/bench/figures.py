@@ -187,6 +187,10 @@ def _pause_rows(files: tuple[str, ...], where: str) -> list[Row]:
         Row("tool-pauses", f"resume TTFT p50 APC / connector with hints, {where}", files,
             lambda d: d["speedup_vs_apc_p50"], goal=Goal(">=", 3.0),
             ceiling=lambda d: d["ceiling_vs_apc_p50"]),
+        Row("tool-pauses", "other tenants' pinned blocks unpinned or evicted while a hint or "
+            f"a session's keep pinned (counted by the connector), {where}", files,
+            lambda d: d["other_tenant_pins_lost_to_hints"], fmt="{:.0f}",
+            goal=Goal("<=", 0), remark=_pause_moves),
     ]
 
 
@@ -194,6 +198,12 @@ def _hint_pins(d: dict) -> str:
     counters = d["counters"]["connector_hints"]
     return (f"hints pinned {counters['hint_pinned_blocks']:.0f} blocks; the tenants' pin "
             f"quotas refused {counters['hint_pins_refused']:.0f}")
+
+
+def _pause_moves(d: dict) -> str:
+    counters = d["counters"]["connector_hints"]
+    return (f"paused sessions' blocks moved to the device tier: "
+            f"{counters['pause_warmed_blocks']:.0f}")
 
 
 def _replica_order(d: dict) -> str:
@@ -220,10 +230,14 @@ REPLICAS = tuple(f"replicas-cpu-r{i}.json" for i in range(1, 5))
 #: agents' prompts in fp16 bytes). The earlier files (tool-pauses-amd.json and
 #: -small-ddr.json) sent each resume as a new user turn (docs/measurement-history.md).
 TOOL_PAUSES = ("tool-pauses-amd-rounds.json",)
-#: the same with a DDR budget of 0.8 agent prompts in fp16 bytes (~2.5 stored agents)
-TOOL_PAUSES_SMALL_DDR = ("tool-pauses-amd-rounds-small-ddr.json",)
-#: the small DDR tier with device_blocks 512: room for the hints' pins
-TOOL_PAUSES_PIN_ROOM = ("tool-pauses-amd-rounds-small-ddr-dev512.json",)
+#: the same with a DDR budget of 0.8 agent prompts in fp16 bytes (~2.5 stored agents),
+#: with paused sessions on the device tier first (before: -rounds-small-ddr.json)
+TOOL_PAUSES_SMALL_DDR = ("tool-pauses-amd-lookahead-small-ddr.json",)
+#: the small DDR tier with device_blocks 512: room for the hints' pins; hints take free
+#: pin room only, paused sessions go to the device tier first, and the run counts other
+#: tenants' pins lost (the first such run, before those changes:
+#: tool-pauses-amd-rounds-small-ddr-dev512.json, docs/measurement-history.md)
+TOOL_PAUSES_PIN_ROOM = ("tool-pauses-amd-lookahead-small-ddr-dev512.json",)
 #: bench replicas with every configuration's servers up and the steps interleaved
 REPLICAS_INTERLEAVED = ("replicas-amd-interleaved.json",)
 #: bench agents-vllm with chunk reuse beside prefix reuse, interleaved
