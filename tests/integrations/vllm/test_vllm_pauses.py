@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 SERVED = "contextkit-pauses"
 KV_BLOCKS = 60  # 1,920 tokens: the agent's prompt, and one filler at a time
 HOST_BLOCKS = 48  # the DDR tier: ~1.5K tokens in fp16 slots
-DEVICE_BLOCKS = 12  # a pin quota (pin_share 0.5) of about half the session's blocks
+DEVICE_BLOCKS = 32  # room for the session's ~14 blocks, a pin quota (pin_share 0.5) under it
 PAUSE_S = 8.0
 
 
@@ -80,6 +80,6 @@ def test_a_paused_sessions_kv_comes_back_on_its_return(server: tuple[Any, Path],
     if session:  # before it came back: pinned up to the quota, the rest on the device tier
         assert kept >= 1 and warmed >= 1 and kept + warmed >= blocks - 1, (kept, warmed)
         assert back["external_hit_tokens"] >= (blocks - 1) * BLOCK, back
-        assert counter(srv, "vllm:contextkit_pause_released_blocks_total") >= blocks - 1
+        assert counter(srv, "vllm:contextkit_pause_released_blocks_total") >= kept  # its pins
     else:  # nothing learned, nothing kept: the fillers took its blocks
         assert back["external_hit_tokens"] < (blocks - 1) * BLOCK, back
