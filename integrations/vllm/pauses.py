@@ -1,20 +1,19 @@
-"""Tool-call pauses: an agent session's KV kept in the DDR tier while it waits.
+"""Tool-call pauses: an agent session's KV kept by the connector while it waits.
 
 An agent whose reply is a tool call comes back when the tool returns, seconds to a
 minute later, with the same prompt plus the tool's result. In between, other agents'
 saves would evict its blocks from the connector's DDR tier. The scheduler learns each
 session's pause (from a request's end to the session's next request) and, when a
-session's request ends, asks the worker to keep that request's blocks pinned for the
-pause it expects (:class:`KeepSpec`): ``margin`` times the longest of the session's
-recent pauses, at most :data:`~integrations.vllm.hints.MAX_KEEP_S`: pinned on the
+session's request ends, asks the worker to keep that request's blocks for the pause
+it expects (:class:`KeepSpec`): ``margin`` times the longest of the session's recent
+pauses, at most :data:`~integrations.vllm.hints.MAX_KEEP_S`. They are pinned on the
 device tier as far as the tenant's quota allows, the rest moved there unpinned. Ahead
 of its expected return (:attr:`SessionPauses.warm_at` of its shortest recent pause) a
 look-ahead brings back to the device tier what others' traffic spilled meanwhile
 (:meth:`SessionPauses.due`). When the session comes back, after its loads, the pins
-are released. A session is named by the
-request's hints (the ``x-session-id`` / ``x-dynamo-session-id`` headers or
-``retention_scope``); requests without one are not kept. The pins count against the
-tenant's pin quota like any other: what does not fit is not kept.
+are released. A session is named by the request's hints (the ``x-session-id`` /
+``x-dynamo-session-id`` headers or ``retention_scope``); requests without one are not
+kept. The pins count against the tenant's pin quota like any other.
 """
 
 from __future__ import annotations
