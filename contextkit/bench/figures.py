@@ -237,7 +237,8 @@ TOOL_PAUSES_SMALL_DDR = ("tool-pauses-amd-lookahead-small-ddr.json",)
 #: pin room only, paused sessions go to the device tier first, and the run counts other
 #: tenants' pins lost (the first such run, before those changes:
 #: tool-pauses-amd-rounds-small-ddr-dev512.json, docs/measurement-history.md)
-TOOL_PAUSES_PIN_ROOM = ("tool-pauses-amd-lookahead-small-ddr-dev512.json",)
+TOOL_PAUSES_PIN_ROOM = ("tool-pauses-amd-lookahead-small-ddr-dev512-lmcache.json",
+                        "tool-pauses-amd-lookahead-small-ddr-dev512.json")
 #: bench replicas with every configuration's servers up and the steps interleaved
 REPLICAS_INTERLEAVED = ("replicas-amd-interleaved.json",)
 #: bench agents-vllm with chunk reuse beside prefix reuse, interleaved
@@ -463,6 +464,10 @@ ROWS: tuple[Row, ...] = (
     *_pause_rows(TOOL_PAUSES_SMALL_DDR, "DDR for ~2.5 agents"),
     *_pause_rows(TOOL_PAUSES_PIN_ROOM, "DDR for ~2.5 agents and `device_blocks` 512 (the "
                  "pins' room)"),
+    Row("tool-pauses", "resume TTFT p50 LMCache / connector with hints, DDR for ~2.5 agents "
+        "and `device_blocks` 512 (LMCache's CPU cache the same bytes)",
+        TOOL_PAUSES_PIN_ROOM[:1], lambda d: d["speedup_vs_lmcache_p50"],
+        remark=lambda d: f"LMCache reused {d['resumed_hit_fraction']['lmcache']:.3f}"),
     Row("tool-pauses", "prompt tokens computed on the resumes, DDR for ~2.5 agents: "
         "the connector with agent hints; ceiling: a server whose KV holds every agent",
         TOOL_PAUSES_SMALL_DDR,
