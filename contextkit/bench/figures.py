@@ -200,6 +200,10 @@ def _hint_pins(d: dict) -> str:
             f"quotas refused {counters['hint_pins_refused']:.0f}")
 
 
+def _lmcache_reused(d: dict) -> str:
+    return f"LMCache reused {d['resumed_hit_fraction']['lmcache']:.3f}"
+
+
 def _pause_moves(d: dict) -> str:
     counters = d["counters"]["connector_hints"]
     return (f"paused sessions' blocks moved to the device tier: "
@@ -464,7 +468,7 @@ ROWS: tuple[Row, ...] = (
         goal=Goal(">=", 3.0), ceiling=lambda d: d["ceiling_vs_apc_p50"]),
     Row("tool-pauses", "resume TTFT p50 LMCache / connector with hints (`resumed_hit_fraction` "
         "of LMCache in the remark)", TOOL_PAUSES, lambda d: d["speedup_vs_lmcache_p50"],
-        remark=lambda d: f"LMCache reused {d['resumed_hit_fraction']['lmcache']:.3f}"),
+        remark=_lmcache_reused),
     Row("tool-pauses", "resume TTFT p50 connector without hints / with hints; ceiling: "
         "without hints / the server that holds every agent", TOOL_PAUSES,
         lambda d: d["speedup_hints_vs_nohints_p50"], goal=Goal(">=", 1.5),
@@ -481,7 +485,7 @@ ROWS: tuple[Row, ...] = (
     Row("tool-pauses", "resume TTFT p50 LMCache / connector with hints, DDR for ~2.5 agents "
         "and `device_blocks` 512 (LMCache's CPU cache the same bytes)",
         TOOL_PAUSES_PIN_ROOM[:1], lambda d: d["speedup_vs_lmcache_p50"],
-        remark=lambda d: f"LMCache reused {d['resumed_hit_fraction']['lmcache']:.3f}"),
+        remark=_lmcache_reused),
     Row("tool-pauses", "prompt tokens computed on the resumes, DDR for ~2.5 agents: "
         "the connector with agent hints; ceiling: a server whose KV holds every agent",
         TOOL_PAUSES_SMALL_DDR,

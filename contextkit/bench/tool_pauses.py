@@ -59,8 +59,10 @@ CONFIGS = ("ceiling", "apc", "connector", "connector_hints", "lmcache")
 #: The issue's targets, checked in the report (never in a test: a loaded machine).
 GOALS = {"resumed_hit_fraction_hints": 0.95, "speedup_hints_vs_nohints_p50": 1.5,
          "speedup_vs_apc_p50": 3.0}
-COUNTERS = ("hint_pinned_blocks", "hint_pins_refused", "pause_kept_blocks",
-            "pause_released_blocks", "pause_warmed_blocks", "hint_other_pins_lost")
+#: The connector's counters per configuration (the last one is a figure of its own).
+SHOWN = ("hint_pinned_blocks", "hint_pins_refused", "pause_kept_blocks",
+         "pause_released_blocks", "pause_warmed_blocks")
+COUNTERS = (*SHOWN, "hint_other_pins_lost")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -167,7 +169,7 @@ def result_of(args: argparse.Namespace, raw: Mapping[str, Any]) -> dict[str, Any
               ("other tenants' pins lost to hints (goal 0)",
                result["other_tenant_pins_lost_to_hints"])]
     table += [(f"{n}: hint pinned / refused, pause kept / released / warmed",
-               " / ".join(str(c[k]) for k in COUNTERS[:5])) for n, c in counters.items()]
+               " / ".join(str(c[k]) for k in SHOWN)) for n, c in counters.items()]
     print_table(f"{raw['workload']['num_agents']} agents, every turn a tool call "
                 f"({raw['workload']['num_steps']} steps)", table)
     return result

@@ -547,12 +547,7 @@ class ConnectorStore:
         slug = tenant_slug(tenant)
         with self._lock:
             self._expire_pins(time.monotonic())
-            held = []
-            for key in keys:
-                found = self._ids.get(key)
-                if found is None:
-                    break
-                held.append((key, *found))
+            held = self._held_prefix(keys, slug)
             if not keep_s:
                 mine = [key for key, _, _ in held if key in self._kept]
                 for key in mine:
@@ -579,15 +574,20 @@ class ConnectorStore:
         device tier ahead of their session's return (the pause look-ahead), as room
         allows, spilling the device tier's lowest-priority unpinned blocks; pins
         stay as they are. Returns the blocks moved."""
-        slug = tenant_slug(tenant)
         with self._lock:
-            held = []
-            for key in keys:
-                found = self._ids.get(key)
-                if found is None or found[0].cache.lookup([BlockHash(key)], slug) != [found[1]]:
-                    break
-                held.append((key, *found))
-            return self._warm_held(held)
+            return self._warm_held(self._held_prefix(keys, tenant_slug(tenant)))
+
+    def _held_prefix(self, keys: Sequence[bytes], slug: str
+                     ) -> list[tuple[bytes, Pool, int]]:
+        """(key, pool, id) of the longest prefix of ``keys`` held for tenant ``slug``
+        (caller holds ``_lock``): it ends at the first key not held, or another's."""
+        held = []
+        for key in keys:
+            found = self._ids.get(key)
+            if found is None or found[0].cache.lookup([BlockHash(key)], slug) != [found[1]]:
+                break
+            held.append((key, *found))
+        return held
 
     def _warm_held(self, held: Sequence[tuple[bytes, Pool, int]]) -> int:
         """Move the DDR-tier blocks of ``held`` ((key, pool, id)) to their pool's device
@@ -686,18 +686,12 @@ class ConnectorStore:
         parts: dict[str, tuple[Pool, list[int], list[int]]] = {}  # name -> pool, positions, ids
         exported: list[tuple[Pool, list[int], dict[str, torch.Tensor]]] = []
         with self._lock:
-            n = 0
-            for key in keys:
-                entry = self._ids.get(key)
-                if entry is None:
-                    break
-                pool, bid = entry
-                if pool.cache.lookup([BlockHash(key)], slug) != [bid]:  # another tenant's
-                    break
+            held = self._held_prefix(keys, slug)
+            for n, (_, pool, bid) in enumerate(held):
                 part = parts.setdefault(pool.name, (pool, [], []))
                 part[1].append(n)
                 part[2].append(bid)
-                n += 1
+            n = len(held)
             self.stats.count("loaded_blocks", n)
             self.stats.count("hit_tokens", n * self.identity.block_size)
             self.stats.count("load_errors", len(keys) - n)
