@@ -24,7 +24,7 @@ help:
 	@echo "make bench-agent-vllm  a LangChain agent on vLLM, 4 cache configurations (~15 min)"
 	@echo "make bench-agents-vllm  6 agents on one vLLM server with KV for ~2, 5 configurations side by side (~25 min)"
 	@echo "make bench-chunks-vllm  a RAG agent on vLLM: chunk reuse after changed documents (~20 min)"
-	@echo "make bench-tool-pauses  8 agents whose every turn ends in a tool call, one vLLM server:"
+	@echo "make bench-tool-pauses  8 agents whose user turns end in a tool call, one vLLM server:"
 	@echo "                APC, the connector, with agent hints, LMCache, the ceiling, side by side (~12 min)"
 	@echo "make bench-replicas  6 agents alternating between two vLLM replicas: local DDR vs the"
 	@echo "                shared S3 tier vs one replica, side by side (~25 min)"
@@ -95,9 +95,10 @@ bench-agents-vllm:
 		--out bench/results/agents-vllm-cpu.json --plot bench/results/agents-vllm-cpu.png \
 		2>&1 | tee bench/results/agents-vllm-cpu.log
 
-# Eight LangChain agents whose every turn ends in a tool call (a seeded 1-60 s pause,
-# compressed): is the paused agent's KV there when it resumes? APC, the connector without
-# and with agent hints (session header, Dynamo TTL, SGLang priority), the ceiling.
+# Eight LangChain agents whose user turns end in a tool call (a seeded 1-60 s pause,
+# compressed): is the paused agent's KV there when the tool round resumes it? APC, the
+# connector without and with agent hints (session header, Dynamo TTL, SGLang priority),
+# LMCache, the ceiling.
 bench-tool-pauses:
 	@bash scripts/vllm_venv.sh
 	@mkdir -p bench/results

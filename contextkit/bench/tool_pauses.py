@@ -1,4 +1,4 @@
-"""Agents whose every turn ends in a tool call, on one vLLM server whose KV holds about
+"""Agents whose user turns end in a tool call, on one vLLM server whose KV holds about
 two of them: is a paused agent's KV still there when its tool returns?
 
 Runs inside the vLLM virtualenv, through the driver of ``bench agents-vllm``
@@ -49,9 +49,9 @@ from contextkit.bench.agents_vllm import add_workload_arguments, run_driver
 
 __all__ = ["CONFIGS", "HELP", "add_arguments", "result_of", "resume_figures", "run"]
 
-HELP = ("agents whose every turn ends in a tool call on one vLLM server: is the paused "
-        "agent's KV there on its resume? APC, the connector, with agent hints, LMCache, "
-        "ceiling")
+HELP = ("agents whose user turns end in a tool call, on one vLLM server: is the paused "
+        "agent's KV there when the tool's result comes back? APC, the connector, with "
+        "agent hints, LMCache, ceiling")
 #: ``--out`` names a JSON file; the CLI writes the result there with its provenance.
 OUT_IS_JSON = True
 
@@ -170,7 +170,7 @@ def result_of(args: argparse.Namespace, raw: Mapping[str, Any]) -> dict[str, Any
                result["other_tenant_pins_lost_to_hints"])]
     table += [(f"{n}: hint pinned / refused, pause kept / released / warmed",
                " / ".join(str(c[k]) for k in SHOWN)) for n, c in counters.items()]
-    print_table(f"{raw['workload']['num_agents']} agents, every turn a tool call "
+    print_table(f"{raw['workload']['num_agents']} agents, each user turn a tool call "
                 f"({raw['workload']['num_steps']} steps)", table)
     return result
 
