@@ -20,19 +20,28 @@ as sources of their spans), and marks them and the K/V computed after them with 
 Only requests that opted in (a ``cache_salt`` ending in
 :data:`~contextkit.pipeline.served.wire.CHUNKS_SALT_SUFFIX`) reuse chunks: vLLM's own
 prefix cache then keys their blocks apart from every request that did not opt in.
+
+With a shared tier, each registered span is also published there as a span object
+(:class:`SpanShare`, named by its content key), and a span the local index lacks is
+looked up there (:meth:`ChunkPlanner.misses`, then the found headers passed to
+:meth:`ChunkPlanner.plan`): a replica reuses a chunk another replica computed, at
+another position; the worker brings its blocks in before placing it
+(:attr:`MovedChunk.shared`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from contextkit.pipeline.served.wire import WireSpan
 from gpu_cache.chunks import ChunkEntry, ChunkIndex
 from gpu_cache.hashing import BlockHash
+from shadow.shared.objects import MAX_SPAN_BLOCKS
+from shadow.shared.tier import FoundSpan
 
-__all__ = ["ChunkLoad", "ChunkPlanner", "MovedChunk", "moved_key"]
+__all__ = ["ChunkLoad", "ChunkPlanner", "MovedChunk", "SpanShare", "moved_key"]
 
 
 def moved_key(key: bytes) -> bytes:
@@ -51,6 +60,23 @@ class MovedChunk:
     position: int  # where it goes in this request
     length: int
     label: str
+    #: the content key of the span object its blocks come from (the shared tier; the
+    #: worker imports them first), or None: the DDR tier holds them
+    shared: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SpanShare:
+    """Worker instruction: publish a registered span to the shared tier (its blocks,
+    read from the DDR tier, as a span object named by its content key)."""
+
+    tenant: str
+    content: bytes
+    label: str
+    position: int
+    length: int
+    hops: int
+    block_keys: list[bytes]
 
 
 @dataclass(slots=True)
@@ -70,6 +96,8 @@ class ChunkLoad:
     #: moved tokens the worker also recomputes, picked where their K/V deviate most
     #: (CacheBlend's selection; 0: the seams only)
     selected: int = 0
+    #: the entries of its chunks found in the shared tier (:meth:`ChunkPlanner.adopt`)
+    found: list[tuple[bytes, ChunkEntry]] = field(default_factory=list)
 
     @property
     def compute_ids(self) -> list[int]:
@@ -119,35 +147,72 @@ class ChunkPlanner:
         return (span.end - span.start >= self.min_tokens
                 and (self.layers is None or span.source_layer in self.layers))
 
+    def _local(self, key: bytes, tenant: str, length: int,
+               held: Callable[[bytes], bool]) -> ChunkEntry | None:
+        """The index's usable entry under ``key`` (an entry naming a block the store no
+        longer holds is dropped)."""
+        entry = self.index.get(key, tenant)
+        if entry is None or entry.length != length or entry.hops >= self.max_hops:
+            return None
+        if not all(held(k) for k in entry.block_keys):
+            self.index.discard(key)
+            return None
+        return entry
+
+    def _candidates(self, tenant: str, token_ids: Sequence[int], num_prompt: int,
+                    spans: Sequence[WireSpan], prefix_end: int
+                    ) -> list[tuple[WireSpan, bytes, list[int]]]:
+        """The spans after the prefix hit a plan may reuse: each with its key and ids."""
+        limit = max(0, num_prompt - 1) // self.block_size * self.block_size
+        out = []
+        for span in sorted(spans, key=lambda s: s.start):
+            if span.start < prefix_end or span.start >= limit or not self.eligible(span):
+                continue
+            ids = list(token_ids[span.start:span.end])
+            out.append((span, self.index.key(tenant, span.source_layer, ids), ids))
+        return out
+
+    def misses(self, tenant: str, token_ids: Sequence[int], num_prompt: int,
+               spans: Sequence[WireSpan], prefix_end: int,
+               held: Callable[[bytes], bool]) -> list[bytes]:
+        """The content keys of the spans :meth:`plan` would reuse but the local index
+        has no usable entry for (to look up in the shared tier)."""
+        return [key for span, key, ids in self._candidates(tenant, token_ids, num_prompt,
+                                                           spans, prefix_end)
+                if self._local(key, tenant, len(ids), held) is None]
+
     def plan(self, req_id: str, tenant: str, token_ids: Sequence[int], num_prompt: int,
              spans: Sequence[WireSpan], prefix_end: int,
-             held: Callable[[bytes], bool]) -> ChunkLoad | None:
+             held: Callable[[bytes], bool],
+             found: Mapping[bytes, FoundSpan] | None = None) -> ChunkLoad | None:
         """The chunk load of a request whose first ``prefix_end`` tokens are found by
         prefix, or None when no chunk after it is worth reusing.
 
         Args:
             held: whether the store holds a block key (an entry naming a block it no
                 longer holds is dropped).
+            found: span objects the shared tier holds, by content key
+                (:meth:`misses`); used where the local index has no entry.
         """
         bs = self.block_size
         limit = max(0, num_prompt - 1) // bs * bs  # vLLM computes at least one token
         moved: list[MovedChunk] = []
+        found_entries: list[tuple[bytes, ChunkEntry]] = []
         hops = 0
-        for span in sorted(spans, key=lambda s: s.start):
-            if span.start < prefix_end or span.start >= limit or not self.eligible(span):
-                continue
-            ids = list(token_ids[span.start:span.end])
-            key = self.index.key(tenant, span.source_layer, ids)
-            entry = self.index.get(key, tenant)
-            if entry is None or entry.length != len(ids) or entry.hops >= self.max_hops:
-                continue
-            if not all(held(k) for k in entry.block_keys):
-                self.index.discard(key)
+        for span, key, ids in self._candidates(tenant, token_ids, num_prompt, spans,
+                                               prefix_end):
+            entry = self._local(key, tenant, len(ids), held)
+            shared = None
+            if entry is None and found and key in found:
+                entry, shared = self._remote(tenant, span, found[key], len(ids)), key
+            if entry is None:
                 continue
             hops = max(hops, entry.hops)
             moved.append(MovedChunk([bytes(k) for k in entry.block_keys], entry.offset,
                                     entry.position, span.start, len(ids),
-                                    span.source_layer))
+                                    span.source_layer, shared))
+            if shared is not None:
+                found_entries.append((key, entry))
         if not moved:
             return None
         end = min(limit, (moved[-1].position + moved[-1].length) // bs * bs)
@@ -169,17 +234,32 @@ class ChunkPlanner:
             return None
         return ChunkLoad(req_id, tenant, prefix_end, end, kept, compute,
                          [int(t) for t in token_ids[prefix_end:end]], hops=hops + 1,
-                         selected=round(self.repair_ratio * reused))
+                         selected=round(self.repair_ratio * reused), found=found_entries)
+
+    def _remote(self, tenant: str, span: WireSpan, found: FoundSpan, length: int
+                ) -> ChunkEntry | None:
+        """The entry of a span object the shared tier holds; None when it does not
+        describe this span (its name is its content key, so only a writer with the
+        deployment's key running other code could cause that) or is too many hops
+        away."""
+        rec, bs = found.span, self.block_size
+        if (rec.label != span.source_layer or rec.length != length
+                or rec.hops >= self.max_hops
+                or len(found.block_keys) != -(-(rec.position % bs + length) // bs)):
+            return None
+        return ChunkEntry(tenant, rec.label, tuple(BlockHash(k) for k in found.block_keys),
+                          rec.position % bs, rec.position, length, rec.hops)
 
     def register(self, tenant: str, token_ids: Sequence[int], spans: Sequence[WireSpan],
                  keys: Sequence[bytes], stored_blocks: int, held: Callable[[bytes], bool]
-                 ) -> int:
+                 ) -> list[SpanShare]:
         """Register a request's spans held by its first ``stored_blocks`` blocks
         (``keys``: the keys they are stored under). ``held``: whether the store holds
         a block key. A span inherits the most hops its blocks were tainted with.
-        Returns how many were registered."""
+        Returns the spans registered, as shared-tier publications (those short enough
+        for a span object)."""
         bs = self.block_size
-        n = 0
+        shares = []
         for span in spans:
             if not self.eligible(span) or span.end > stored_blocks * bs:
                 continue
@@ -194,8 +274,17 @@ class ChunkPlanner:
             # a still-stored entry fewer hops from a full computation is kept
             keep = (old if old is not None and old.hops < span_hops
                     and all(held(bytes(k)) for k in old.block_keys) else None)
-            n += self.index.put(key, entry, keep=keep)
-        return n
+            if self.index.put(key, entry, keep=keep) and len(block_keys) <= MAX_SPAN_BLOCKS:
+                shares.append(SpanShare(tenant, key, span.source_layer, span.start, len(ids),
+                                        span_hops, [bytes(k) for k in block_keys]))
+        return shares
+
+    def adopt(self, load: ChunkLoad) -> None:
+        """A planned load's chunks from the shared tier into the local index (found
+        locally once the worker has imported their blocks), their blocks' hops kept."""
+        for key, entry in load.found:
+            self.index.put(key, entry)
+            self.index.taint(entry.block_keys, entry.hops)
 
     def taint(self, keys: Sequence[bytes], hops: int) -> None:
         """These blocks hold K/V computed over moved chunks ``hops`` moves away."""

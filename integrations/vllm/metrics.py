@@ -41,7 +41,9 @@ The shared tier (:mod:`integrations.vllm.shared`) adds counters ``shared_hit_tok
 ``shared_refused`` (tampered, replayed, foreign, corrupt or oversize objects, and loads
 that failed),
 ``shared_deduplicated`` (not uploaded: held already), ``shared_lookup_seconds`` (what
-requests waited for lookups), ``shared_dropped`` (write-behind
+requests waited for lookups), ``shared_span_hits`` (chunks reused from span objects
+another replica published), ``shared_spans_published`` (span objects uploaded),
+``shared_dropped`` (write-behind
 queue full, or blocks evicted first), ``shared_errors``, and the gauge
 ``shared_lag_seconds`` (the latest upload's save-to-upload time).
 
@@ -91,7 +93,8 @@ logger = logging.getLogger(__name__)
 SHARED_COUNTERS = ("shared_hit_tokens", "shared_imported_blocks", "shared_heads",
                    "shared_gets", "shared_puts", "shared_bytes_down", "shared_bytes_up",
                    "shared_deadline_misses", "shared_refused", "shared_deduplicated",
-                   "shared_dropped", "shared_errors", "shared_lookup_seconds")
+                   "shared_dropped", "shared_errors", "shared_lookup_seconds",
+                   "shared_span_hits", "shared_spans_published")
 #: Plain counters (one value per interval).
 COUNTERS = ("lookups", "hit_tokens", "loaded_blocks", "load_errors", "shadow_bytes",
             "label_mismatches", "demoted_blocks", "skipped_blocks", "load_seconds",
@@ -176,6 +179,10 @@ _DOCS = {
                      "from them).",
     "shared_lookup_seconds": "Seconds requests waited for shared-tier lookups (vLLM "
                              "scheduled them once the answer was in).",
+    "shared_span_hits": "Chunks a request reused from span objects in contextkit's shared "
+                        "tier (published by another replica, at another position).",
+    "shared_spans_published": "Span objects (a labelled span's blocks, named by its "
+                              "content) uploaded to contextkit's shared tier.",
     "shared_lag_seconds": "The latest upload's time from storing a block to its chunk "
                           "being findable in contextkit's shared tier.",
     "shadow_lag_seconds": "Age of the oldest block in contextkit's cache not yet shadowed "

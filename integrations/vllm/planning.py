@@ -39,7 +39,7 @@ from contextkit.pipeline.served.wire import (
     prompt_fingerprint,
 )
 from gpu_cache import PINNABLE_SOURCES, hash_block_tokens
-from integrations.vllm.chunk_planning import ChunkLoad, ChunkPlanner, moved_key
+from integrations.vllm.chunk_planning import ChunkLoad, ChunkPlanner, SpanShare, moved_key
 from integrations.vllm.hints import Hints, from_wire
 from integrations.vllm.metrics import StatsRecorder, layer_names
 from integrations.vllm.precision import (
@@ -49,6 +49,7 @@ from integrations.vllm.precision import (
     PrecisionPolicy,
     vs_fp16,
 )
+from shadow.shared.tier import FoundSpan
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -394,6 +395,7 @@ class RequestPlanner:
             else "chunk reuse is not enabled on this server (chunk_reuse)")
         self._chunk_reused: dict[str, int] = {}
         self._chunk_computed: dict[str, int] = {}
+        self._shares: list[SpanShare] = []
 
     # ------------------------------------------------------------------ keys
     def _keys(self, state: _RequestState, token_ids: Sequence[int], num_blocks: int
@@ -480,27 +482,48 @@ class RequestPlanner:
         state = self._reqs[req_id]
         return state.tenant, state.keys[:max(0, state.num_prompt_tokens - 1) // self.block_size]
 
-    def chunk_tokens(self, req_id: str, token_ids: Sequence[int], prefix_end: int) -> int:
-        """Tokens past ``prefix_end`` (the prefix hit, block-aligned) that chunk reuse
-        materializes for a looked-up request (0: none; see
-        :meth:`ChunkPlanner.plan <integrations.vllm.chunk_planning.ChunkPlanner.plan>`).
-        Only requests whose tenant (``cache_salt``) opted in are considered."""
-        state = self._reqs[req_id]
-        state.chunk = None
+    def _chunk_spans(self, state: _RequestState) -> list[WireSpan] | None:
+        """The request's labelled spans when it may reuse chunks; else None, with why
+        not in ``state.chunks_off`` (a request that did not opt in needs no reason)."""
         if not opted_into_chunks(state.tenant):
-            return 0
+            return None
         if self.chunks is None or self.chunk_status is not None:
             state.chunks_off = f"chunk reuse is off: {self.chunk_status}"
-            return 0
+            return None
         ours = labels_entry(state.params)
         if not ours:
             state.chunks_off = "the request carries no contextkit spans to find chunks by"
-            return 0
-        _, spans = decode_spans(ours)
+            return None
         state.chunks_off = None
+        return list(decode_spans(ours)[1])
+
+    def chunk_misses(self, req_id: str, token_ids: Sequence[int], prefix_end: int
+                     ) -> list[bytes]:
+        """The content keys of a looked-up request's spans past ``prefix_end`` that
+        chunk reuse would use but the local chunk index lacks (the shared tier is asked
+        for them)."""
+        state = self._reqs[req_id]
+        spans = self._chunk_spans(state)
+        if spans is None or self.chunks is None:
+            return []
+        return self.chunks.misses(state.tenant, token_ids, state.num_prompt_tokens, spans,
+                                  prefix_end, self.index.__contains__)
+
+    def chunk_tokens(self, req_id: str, token_ids: Sequence[int], prefix_end: int,
+                     found: Mapping[bytes, FoundSpan] | None = None) -> int:
+        """Tokens past ``prefix_end`` (the prefix hit, block-aligned) that chunk reuse
+        materializes for a looked-up request (0: none; see
+        :meth:`ChunkPlanner.plan <integrations.vllm.chunk_planning.ChunkPlanner.plan>`).
+        Only requests whose tenant (``cache_salt``) opted in are considered.
+        ``found``: span objects the shared tier holds (:meth:`chunk_misses`)."""
+        state = self._reqs[req_id]
+        state.chunk = None
+        spans = self._chunk_spans(state)
+        if spans is None or self.chunks is None:
+            return 0
         state.chunk = self.chunks.plan(req_id, state.tenant, token_ids,
                                        state.num_prompt_tokens, spans, prefix_end,
-                                       held=self.index.__contains__)
+                                       held=self.index.__contains__, found=found)
         if state.chunk is None:
             return 0
         # K/V computed over a prefix that holds moved K/V are a hop further too
@@ -528,6 +551,9 @@ class RequestPlanner:
             state.load_num_blocks = (chunk.start - state.last_num_computed) // bs
             state.chunk, state.chunk_planned = chunk, True
             state.moved = range(chunk.start // bs, chunk.end // bs)
+            if chunk.found and self.chunks is not None:
+                self.chunks.adopt(chunk)
+                self.stats.count("shared_span_hits", len(chunk.found))
         state.load_planned = True
         state.load_reported = False
         state.planned_hit_tokens += num_external
@@ -754,8 +780,15 @@ class RequestPlanner:
         if not ours:
             return
         _, spans = decode_spans(ours)
-        self.chunks.register(state.tenant, token_ids, spans, keys, len(keys),
-                             lambda k: k in self.index or k in self.pending)
+        shares = self.chunks.register(state.tenant, token_ids, spans, keys, len(keys),
+                                      lambda k: k in self.index or k in self.pending)
+        if self.chunk_blocks:  # a shared tier: the worker publishes them
+            self._shares += shares
+
+    def take_shares(self) -> list[SpanShare]:
+        """The spans registered since the last call, for the shared tier."""
+        shares, self._shares = self._shares, []
+        return shares
 
     def _close(self, req_id: str) -> dict[str, Any]:
         state = self._reqs.pop(req_id)

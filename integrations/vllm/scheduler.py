@@ -116,8 +116,16 @@ class ConnectorScheduler:
             if end > local_end:
                 self.planner.note_shared(request.request_id, local_end, end)
                 hit = end * self.block_size - num_computed_tokens
+        found = None
+        if self.shared is not None:  # spans the chunk index lacks: the shared tier's?
+            misses = self.planner.chunk_misses(request.request_id, request.all_token_ids,
+                                               num_computed_tokens + hit)
+            tenant, _ = self.planner.session(request.request_id)
+            found = self.shared.spans(request.request_id, tenant, misses)
+            if found is None:
+                return None, False
         hit += self.planner.chunk_tokens(request.request_id, request.all_token_ids,
-                                         num_computed_tokens + hit)
+                                         num_computed_tokens + hit, found)
         return hit, False
 
     def on_alloc(self, request: Request, num_external_tokens: int) -> None:
@@ -156,7 +164,7 @@ class ConnectorScheduler:
                 self._events.planned(spec.keys, spec.first_block, request.block_hashes,
                                      request.all_token_ids, request.cache_salt)
         keeps, self._keeps = [*self._keeps, *self.pauses.due()], []
-        return ContextKitConnectorMetadata(loads, saves, keeps)
+        return ContextKitConnectorMetadata(loads, saves, keeps, self.planner.take_shares())
 
     def on_worker_output(self, connector_output: KVConnectorOutput) -> None:
         """``update_connector_output``: what the worker stored, evicted and loaded."""

@@ -37,11 +37,13 @@ from typing import TYPE_CHECKING
 
 from integrations.vllm.ledger import Ledger
 from integrations.vllm.metrics import COUNTERS, GAUGES, StatsRecorder
+from shadow.shared.objects import SpanRecord
 from shadow.shared.retention import collect
-from shadow.shared.tier import SharedTier, default_writer_id
+from shadow.shared.tier import FoundSpan, SharedTier, default_writer_id
 
 if TYPE_CHECKING:
     from gpu_cache import CacheIdentity
+    from integrations.vllm.chunk_planning import ChunkLoad, SpanShare
     from integrations.vllm.config import ConnectorConfig
     from integrations.vllm.planning import LoadSpec, SaveSpec
     from integrations.vllm.store import ConnectorStore
@@ -85,6 +87,12 @@ class _Probe:
     waited: float | None = None  # seconds until its answer was first seen
 
 
+@dataclass(slots=True)
+class _SpanProbe:
+    contents: tuple[bytes, ...]
+    future: cf.Future[dict[bytes, FoundSpan]]
+
+
 class SharedLookups:
     """Scheduler side: asynchronous lookups of a prompt's chunks past the DDR hit."""
 
@@ -94,6 +102,7 @@ class SharedLookups:
         self.chunk_blocks = chunk_blocks
         self.stats = stats
         self._probes: dict[str, _Probe] = {}
+        self._span_probes: dict[str, _SpanProbe] = {}
         self._exec = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="contextkit-probe")
 
     def lookup(self, req_id: str, tenant: str, keys: Sequence[bytes], local_end: int
@@ -128,9 +137,30 @@ class SharedLookups:
             found = 0
         return max(local_end, (first + found) * c)
 
+    def spans(self, req_id: str, tenant: str, contents: Sequence[bytes]
+              ) -> dict[bytes, FoundSpan] | None:
+        """The span objects the tier holds among ``contents`` (the content keys of the
+        request's spans the chunk index lacks), by content key; None while the
+        lookup (headers read in parallel, on a helper thread) is in flight."""
+        if not contents:
+            return {}
+        probe = self._span_probes.get(req_id)
+        if probe is None or probe.contents != tuple(contents):
+            probe = _SpanProbe(tuple(contents),
+                               self._exec.submit(self.tier.find_spans, tenant, contents))
+            self._span_probes[req_id] = probe
+        if not probe.future.done():
+            return None
+        try:
+            return probe.future.result()
+        except Exception:
+            logger.exception("shared tier span lookup of request %s failed", req_id)
+            return {}
+
     def forget(self, req_id: str) -> None:
         """The request was allocated or finished: its next lookup asks again."""
         self._probes.pop(req_id, None)
+        self._span_probes.pop(req_id, None)
 
     def close(self) -> None:
         self._exec.shutdown(wait=False, cancel_futures=True)
@@ -142,6 +172,7 @@ class _Upload:
     tenant: str
     keys: list[bytes]
     saved_at: float
+    span: SpanRecord | None = None  # a span object's (named by its content key)
 
 
 class SharedWriter:
@@ -203,12 +234,7 @@ class SharedWriter:
             self.ledger.count("shared_refused")
             logger.exception("shared tier load of request %s failed; its blocks recompute",
                              spec.req_id)
-        try:  # counted here; the writer thread writes the ledger, off the forward's path
-            record_counters(self.tier, self.ledger)
-        except Exception:
-            logger.exception("shared tier counters lost")
-        with self._cond:
-            self._cond.notify()
+        self._record_soon()
         return imported, removed
 
     def _bring_in(self, spec: LoadSpec, imported: list[bytes], removed: list[bytes]) -> None:
@@ -230,6 +256,53 @@ class SharedWriter:
             imported += held
             removed += gone
             self._hold(chunk.path, expect[-1], spec.tenant)
+
+    def bring_in_spans(self, load: ChunkLoad) -> tuple[list[bytes], list[bytes]]:
+        """Import the blocks of the load's chunks found in the shared tier
+        (:attr:`~integrations.vllm.chunk_planning.MovedChunk.shared`) that the DDR tier
+        lacks. Returns the keys imported and the keys evicted for them. Never raises: an
+        object missing, late or refused (or holding other blocks than the plan's) is
+        counted and its blocks stay missing, so the chunk load fails and vLLM recomputes
+        the range."""
+        imported: list[bytes] = []
+        removed: list[bytes] = []
+        for chunk in load.chunks:
+            if chunk.shared is None:
+                continue
+            try:
+                missing = self.store.missing(chunk.source_keys)
+                if not missing:
+                    continue
+                got = self.tier.fetch_span(load.tenant, chunk.shared)
+                if got is None:
+                    continue
+                rec = got.span
+                if (got.keys != chunk.source_keys or rec is None
+                        or rec.position != chunk.source_position):
+                    self.ledger.count("shared_refused")
+                    logger.error("shared tier span %s holds other blocks than its header "
+                                 "said; refused", got.path)
+                    continue
+                held, gone = self.store.import_chunk(got, [k for k in chunk.source_keys
+                                                           if k in missing])
+                self.ledger.count("shared_imported_blocks", len(held))
+                imported += held
+                removed += gone
+                self._hold(got.path, chunk.source_keys[-1], load.tenant)
+            except Exception:
+                self.ledger.count("shared_refused")
+                logger.exception("shared tier span of request %s refused; its range "
+                                 "recomputes", load.req_id)
+        self._record_soon()
+        return imported, removed
+
+    def _record_soon(self) -> None:
+        try:  # counted here; the writer thread writes the ledger, off the forward's path
+            record_counters(self.tier, self.ledger)
+        except Exception:
+            logger.exception("shared tier counters lost")
+        with self._cond:
+            self._cond.notify()
 
     # ------------------------------------------------------------------ start
     def warm(self, max_bytes: int, on_imported: Imported) -> int:
@@ -294,6 +367,20 @@ class SharedWriter:
             self._queue.extend(jobs)
             self._cond.notify()
 
+    def share(self, spec: SpanShare) -> None:
+        """Queue the upload of a registered span as a span object (its blocks read
+        from the DDR tier when the writer thread gets to it; dropped, counted, if they
+        are gone by then or the queue is full)."""
+        job = _Upload(spec.tenant, list(spec.block_keys), time.monotonic(),
+                      SpanRecord(spec.content, spec.label, spec.position, spec.length,
+                                 spec.hops))
+        with self._cond:
+            if len(self._queue) >= self.max_pending:
+                self.ledger.count("shared_dropped")
+                return
+            self._queue.append(job)
+            self._cond.notify()
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -323,14 +410,18 @@ class SharedWriter:
         return max(0.05, min(lease, self._next_gc, time.monotonic() + 60) - time.monotonic())
 
     def _upload(self, job: _Upload) -> None:
-        name = self.tier.path(job.tenant, job.keys[-1])
+        name = (self.tier.path(job.tenant, job.keys[-1]) if job.span is None
+                else self.tier.span_path(job.tenant, job.span.content))
         chunk = self.store.export_chunk(job.keys, job.tenant, name)
         if chunk is None:  # evicted between its save and now
             self.ledger.count("shared_dropped")
             return
+        chunk.span = job.span
         uploaded = self.tier.put(chunk)
         lag = time.monotonic() - job.saved_at
-        if self.on_shared is not None and (uploaded or self.tier.holds(name)):
+        if job.span is not None:
+            self.ledger.count("shared_spans_published", int(uploaded))
+        elif self.on_shared is not None and (uploaded or self.tier.holds(name)):
             self.on_shared(job.keys)
         self._hold(name, job.keys[-1], job.tenant)
         self.ledger.set_gauge("shared_lag_seconds", lag)

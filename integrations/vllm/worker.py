@@ -187,8 +187,9 @@ class ConnectorWorker:
     # ------------------------------------------------------------------ loads
     def start_load(self, meta: ContextKitConnectorMetadata | None) -> None:
         """``start_load_kv``: every load of the step, complete on return; then the
-        step's pause keeps, releases and look-ahead warms, on the save thread after
-        the saves already queued (a session's blocks are stored before they are kept)."""
+        step's pause keeps, releases and look-ahead warms and its span publications,
+        on the save thread after the saves already queued (a session's blocks are
+        stored before they are kept or published)."""
         if meta is None:
             return
         try:
@@ -196,6 +197,9 @@ class ConnectorWorker:
         finally:
             for keep in meta.keeps:
                 self._futures.append(self._saver.submit(self._keep, keep))
+            if self.writer is not None:  # after the saves queued: its blocks are stored
+                for share in meta.shares:
+                    self._futures.append(self._saver.submit(self.writer.share, share))
 
     def _keep(self, spec: KeepSpec) -> None:
         try:
@@ -225,6 +229,10 @@ class ConnectorWorker:
                 logger.warning("request %s: %d of %d blocks no longer stored; vLLM recomputes "
                                "them", spec.req_id, len(missing), len(spec.block_ids))
             if spec.chunk is not None:
+                if self.writer is not None and any(c.shared for c in spec.chunk.chunks):
+                    # chunks another replica computed: their blocks into the DDR tier
+                    self._imported(*self._loader.submit(self.writer.bring_in_spans,
+                                                        spec.chunk).result())
                 self._materialize(spec.chunk, failed=bool(missing))
             with self._lock:
                 self._load_errors.update(missing)

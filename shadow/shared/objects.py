@@ -7,6 +7,12 @@ whole prefix and are salted with the tenant and the identity
 the chunk and before it (one name, one content), and a reader that knows the prompt
 computes every name it needs and finds a prefix with a few requests, never a listing.
 
+A *span object* (:func:`span_path`) holds the blocks of one labelled span (a
+document, a memory, a turn) for chunk reuse on another replica: it is named by the
+span's content key (:func:`gpu_cache.chunks.chunk_key`: tenant, model, label and
+token ids, never its position), and its header's ``span`` field says where in those
+blocks the span lies and where it was computed (:class:`SpanRecord`).
+
 Layout (all integers little-endian)::
 
     b"CKSHARED2\\n" | u32 header length | header (canonical JSON) | header MAC | body
@@ -49,12 +55,12 @@ from gpu_cache.calibration import key_offset_digest
 from gpu_cache.format_specs import FORMATS, TENSOR_NAMES, tensor_specs
 from shadow._errors import ShadowError
 
-__all__ = ["MAC_BYTES", "MAGIC", "MAX_HEADER_BYTES", "MAX_LEASE_BYTES", "PREFIX_BYTES",
-           "VERSION", "BlockEntry", "Lease", "ObjectHeader", "PoolPart", "SharedChunk",
-           "SharedObjectError", "assemble_object", "chunk_path", "decode_chunk",
-           "decode_lease", "encode_chunk", "encode_lease", "header_bound", "header_length",
-           "max_object_bytes", "model_tag", "object_bytes", "parse_header", "read_header",
-           "split_object", "tenant_tag"]
+__all__ = ["MAC_BYTES", "MAGIC", "MAX_HEADER_BYTES", "MAX_LEASE_BYTES", "MAX_SPAN_BLOCKS",
+           "PREFIX_BYTES", "VERSION", "BlockEntry", "Lease", "ObjectHeader", "PoolPart",
+           "SharedChunk", "SharedObjectError", "SpanRecord", "assemble_object", "check_span_name",
+           "chunk_path", "decode_chunk", "decode_lease", "encode_chunk", "encode_lease",
+           "header_bound", "header_length", "max_object_bytes", "model_tag", "object_bytes",
+           "parse_header", "read_header", "span_path", "split_object", "tenant_tag"]
 
 MAGIC = b"CKSHARED2\n"
 #: The header ``version`` this code writes and reads.
@@ -69,12 +75,17 @@ PREFIX_BYTES = len(MAGIC) + 4
 MAX_HEADER_BYTES = 1 << 20
 #: Longest text field (the path, the writer, a layer's name).
 MAX_TEXT = 512
+#: Most blocks a span object holds (longer spans are not shared).
+MAX_SPAN_BLOCKS = 64
+#: Most hops a span object may record (readers stop reusing far sooner).
+_MAX_HOPS = 1024
 _DTYPES = {str(dt).removeprefix("torch."): dt for dt in
            (torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.float32)}
 _HEADER_FIELDS = {"version", "path", "identity", "tenant", "writer", "written_at", "blocks",
                   "parts"}
 _BLOCK_FIELDS = {"key", "layer", "importance", "pinned"}
 _PART_FIELDS = {"identity", "positions", "tensors", "key_offsets"}
+_SPAN_FIELDS = {"content", "label", "position", "length", "hops"}
 
 
 class SharedObjectError(ShadowError):
@@ -104,6 +115,24 @@ def chunk_path(model: str, tenant: str, last_key: bytes) -> str:
     """The object name of the chunk whose last block has key ``last_key``, for the
     :func:`model_tag` ``model`` and the :func:`tenant_tag` ``tenant``."""
     return f"{model}/t/{tenant}/{last_key.hex()}"
+
+
+def span_path(model: str, tenant: str, content: bytes) -> str:
+    """The object name of the span whose content key is ``content``."""
+    return f"{model}/t/{tenant}/span-{content.hex()}"
+
+
+@dataclass(frozen=True, slots=True)
+class SpanRecord:
+    """Where a span object's span lies: tokens ``position % block_size ..`` of its
+    blocks, ``length`` long, computed at ``position``, ``hops`` moves from a full
+    computation (:class:`gpu_cache.chunks.ChunkEntry`'s fields)."""
+
+    content: bytes  # its content key (the object's name)
+    label: str
+    position: int
+    length: int
+    hops: int = 0
 
 
 @dataclass(slots=True)
@@ -140,6 +169,7 @@ class SharedChunk:
     parts: list[PoolPart]
     writer: str = ""
     written_at: float = field(default_factory=time.time)
+    span: SpanRecord | None = None  # a span object's span (None: a prefix chunk)
 
     @property
     def keys(self) -> list[bytes]:
@@ -161,6 +191,7 @@ class ObjectHeader:
     blocks: list[BlockEntry]
     parts: list[tuple[CacheIdentity, list[int], dict[str, Any]]]
     body_bytes: int
+    span: SpanRecord | None = None
 
 
 def header_bound(chunk_blocks: int) -> int:
@@ -265,6 +296,10 @@ def encode_chunk(chunk: SharedChunk, mac_key: bytes) -> bytes:
         "blocks": [{"key": b.key.hex(), "layer": b.source_layer,
                     "importance": b.importance, "pinned": b.pinned} for b in chunk.blocks],
         "parts": parts}
+    if chunk.span is not None:
+        sp = chunk.span
+        header["span"] = {"content": sp.content.hex(), "label": sp.label,
+                          "position": sp.position, "length": sp.length, "hops": sp.hops}
     try:
         return assemble_object(header, b"".join(body), mac_key)
     except ValueError as exc:  # NaN or inf in the header: JSON has neither
@@ -365,7 +400,8 @@ def parse_header(doc: dict[str, Any]) -> ObjectHeader:
     Raises:
         SharedObjectError: ``corrupt``, naming the first field that is wrong.
     """
-    doc = _dict(doc, "the header", _HEADER_FIELDS)
+    spans = isinstance(doc, dict) and "span" in doc  # a span object's header
+    doc = _dict(doc, "the header", _HEADER_FIELDS | {"span"} if spans else _HEADER_FIELDS)
     version = _int(doc["version"], "version", 0, 1 << 31)
     if version != VERSION:
         raise _fail(f"version {version}: this contextkit reads version {VERSION}; upgrade "
@@ -446,7 +482,42 @@ def parse_header(doc: dict[str, Any]) -> ObjectHeader:
         parts.append((ident, list(positions), p))
     if len(seen) != len(blocks):
         raise _fail(f"the parts hold {len(seen)} of {len(blocks)} blocks")
-    return ObjectHeader(path, identity, tenant, writer, written_at, blocks, parts, body_end)
+    span = _span(doc["span"], len(blocks), identity.block_size) if "span" in doc else None
+    return ObjectHeader(path, identity, tenant, writer, written_at, blocks, parts, body_end,
+                        span)
+
+
+def check_span_name(path: str, span: SpanRecord | None) -> None:
+    """A span object lies at its content's name, and only a span object there.
+
+    Raises:
+        SharedObjectError: ``corrupt``.
+    """
+    named = path.rsplit("/", 1)[-1]
+    if named.startswith("span-") != (span is not None) or (
+            span is not None and named != f"span-{span.content.hex()}"):
+        raise SharedObjectError("corrupt", f"{path}: a span object must lie at its "
+                                "content's name, and only there")
+
+
+def _span(value: object, num_blocks: int, block_size: int) -> SpanRecord:
+    """A span object's ``span`` field, checked: its blocks hold the span exactly."""
+    d = _dict(value, "span", _SPAN_FIELDS)
+    content = d["content"]
+    if not isinstance(content, str) or len(content) != 64:
+        raise _fail("span content must be 64 hex digits")
+    try:
+        raw = bytes.fromhex(content)
+    except ValueError:
+        raise _fail("span content must be 64 hex digits") from None
+    position = _int(d["position"], "span position")
+    length = _int(d["length"], "span length", 1, MAX_SPAN_BLOCKS * block_size)
+    if num_blocks != -(-(position % block_size + length) // block_size):
+        raise _fail(f"a span of {length} tokens at {position} lies in "
+                    f"{-(-(position % block_size + length) // block_size)} blocks, "
+                    f"the object holds {num_blocks}")
+    return SpanRecord(raw, _text(d["label"], "span label", empty=False), position, length,
+                      _int(d["hops"], "span hops", 0, _MAX_HOPS))
 
 
 def _range(spec: dict[str, Any], what: str, nbytes: int) -> int:
@@ -490,6 +561,7 @@ def decode_chunk(data: bytes | bytearray | memoryview, mac_key: bytes, *, path: 
                                 f"{header.path!r}")
     if header.tenant != tenant_tag(mac_key, tenant):
         raise SharedObjectError("replayed", f"{path}: the object is another tenant's")
+    check_span_name(path, header.span)
     theirs = header.identity
     if theirs != identity:
         raise SharedObjectError("foreign", f"{path}: written for {theirs.model_id} "
@@ -509,7 +581,7 @@ def decode_chunk(data: bytes | bytearray | memoryview, mac_key: bytes, *, path: 
         if part.key_offsets is not None and not torch.isfinite(part.key_offsets).all():
             raise SharedObjectError("corrupt", f"{path}: key offsets that are not finite")
     return SharedChunk(path, theirs, tenant, header.blocks, parts, writer=header.writer,
-                       written_at=header.written_at)
+                       written_at=header.written_at, span=header.span)
 
 
 def _decode_part(ident: CacheIdentity, positions: list[int], doc: dict[str, Any],

@@ -38,13 +38,17 @@ from shadow.shared.objects import (
     MAC_BYTES,
     PREFIX_BYTES,
     SharedObjectError,
-    header_length,
+    check_span_name,
     model_tag,
     object_bytes,
-    parse_header,
-    read_header,
 )
-from shadow.shared.tier import SharedTier, SharedTierConfig, lease_runs, read_lease
+from shadow.shared.tier import (
+    SharedTier,
+    SharedTierConfig,
+    lease_runs,
+    read_lease,
+    read_signed_header,
+)
 
 __all__ = ["CLOCK_SKEW_S", "CollectReport", "collect", "collect_model", "collect_store"]
 
@@ -95,19 +99,11 @@ def _read(store: ShadowStore, path: str, size: int, mac_key: bytes, model: str,
     """The retention facts of one object, from its authenticated header only."""
     if size < PREFIX_BYTES + 2 * MAC_BYTES:
         raise SharedObjectError("corrupt", f"{size} bytes, too short")
-    buf = bytearray(min(size, _HEAD_READ))
-    head = memoryview(buf)[:store.read_into(path, 0, memoryview(buf))]
-    n = header_length(head)  # bounded: at most MAX_HEADER_BYTES
-    need = PREFIX_BYTES + n + MAC_BYTES
-    if need > size:
-        raise SharedObjectError("corrupt", "the header is cut short")
-    if need > len(head):
-        buf = bytearray(need)
-        head = memoryview(buf)[:store.read_into(path, 0, memoryview(buf))]
-    header = parse_header(read_header(head, mac_key))
+    n, header = read_signed_header(store, path, mac_key, min(size, _HEAD_READ))
     parts = path.split("/")
     if header.path != path or header.tenant != parts[2]:
         raise SharedObjectError("replayed", f"written as {header.path!r}")
+    check_span_name(path, header.span)
     if model_tag(header.identity) != model:
         raise SharedObjectError("foreign", f"written for {header.identity.model_id}")
     if object_bytes(n, header) != size:

@@ -36,23 +36,33 @@ from shadow._fields import check_seconds
 from shadow._store_base import ShadowStore, StoreConfig
 from shadow.auth import KEY_STEP, resolve_key
 from shadow.shared.objects import (
+    MAC_BYTES,
     MAX_LEASE_BYTES,
+    MAX_SPAN_BLOCKS,
+    PREFIX_BYTES,
     Lease,
+    ObjectHeader,
     SharedChunk,
     SharedObjectError,
+    SpanRecord,
+    check_span_name,
     chunk_path,
     decode_chunk,
     decode_lease,
     encode_chunk,
     encode_lease,
+    header_length,
     max_object_bytes,
     model_tag,
+    parse_header,
+    read_header,
+    span_path,
     tenant_tag,
 )
 from shadow.stores import open_store
 
-__all__ = ["SharedTier", "SharedTierConfig", "SharedTierError", "default_writer_id",
-           "lease_runs", "read_lease"]
+__all__ = ["FoundSpan", "SharedTier", "SharedTierConfig", "SharedTierError",
+           "default_writer_id", "lease_runs", "read_lease", "read_signed_header"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +164,37 @@ def read_lease(store: ShadowStore, path: str, mac_key: bytes) -> Lease:
     return decode_lease(data, mac_key, path)
 
 
+def read_signed_header(store: ShadowStore, path: str, mac_key: bytes,
+                       first_read: int = 16384) -> tuple[int, ObjectHeader]:
+    """The header of the object at ``path``, its MAC verified and every field checked,
+    read without its body (a ranged read, a second one for a long header). Returns
+    the header's length and the header.
+
+    Raises:
+        BlobNotFoundError: no object there.
+        SharedObjectError: ``corrupt`` or ``tampered``.
+        ShadowStoreError: the store failed.
+    """
+    buf = bytearray(first_read)
+    head = memoryview(buf)[:store.read_into(path, 0, memoryview(buf))]
+    n = header_length(head)  # bounded: at most MAX_HEADER_BYTES
+    need = PREFIX_BYTES + n + MAC_BYTES
+    if need > len(head):
+        buf = bytearray(need)
+        head = memoryview(buf)[:store.read_into(path, 0, memoryview(buf))]
+    return n, parse_header(read_header(head, mac_key))
+
+
+@dataclass(frozen=True, slots=True)
+class FoundSpan:
+    """A span object found in the tier (its header only): the span and the keys of
+    the blocks holding it, as its writer stored them."""
+
+    path: str
+    span: SpanRecord
+    block_keys: list[bytes]
+
+
 def lease_runs(lease: Lease, now: float, config: SharedTierConfig) -> bool:
     """Whether ``lease`` holds at ``now``: not past, and not further ahead than
     ``lease_s`` or ``max_age_s``, whichever is longer (no one write keeps a chunk for
@@ -192,6 +233,8 @@ class SharedTier:
         self._model = model_tag(identity)
         #: no object at a chunk's name is larger: bigger ones are refused unread
         self.max_object_bytes = max_object_bytes(identity, config.chunk_blocks)
+        #: the same for span objects
+        self.max_span_bytes = max_object_bytes(identity, MAX_SPAN_BLOCKS)
         self._tags: dict[str, str] = {}  # tenant -> its keyed tag
         try:
             self.store = store or open_store(
@@ -206,12 +249,19 @@ class SharedTier:
         self._known: OrderedDict[str, None] = OrderedDict()
 
     # ------------------------------------------------------------------ names
-    def path(self, tenant: str, last_key: bytes) -> str:
-        """The name of the chunk whose last block has key ``last_key``."""
+    def _tag(self, tenant: str) -> str:
         tag = self._tags.get(tenant)
         if tag is None:  # one HMAC per tenant, not per name
             tag = self._tags[tenant] = tenant_tag(self._key, tenant)
-        return chunk_path(self._model, tag, last_key)
+        return tag
+
+    def path(self, tenant: str, last_key: bytes) -> str:
+        """The name of the chunk whose last block has key ``last_key``."""
+        return chunk_path(self._model, self._tag(tenant), last_key)
+
+    def span_path(self, tenant: str, content: bytes) -> str:
+        """The name of the span object whose content key is ``content``."""
+        return span_path(self._model, self._tag(tenant), content)
 
     @property
     def lease_prefix(self) -> str:
@@ -288,27 +338,26 @@ class SharedTier:
             found += 1
         return found
 
-    def _get(self, path: str, tenant: str) -> SharedChunk | None:
+    def _get(self, path: str, tenant: str, limit: int | None = None) -> SharedChunk | None:
         try:
-            return self._load(path, tenant)
+            return self._load(path, tenant, limit or self.max_object_bytes)
         except Exception as exc:  # a bug or an object no check foresaw: never the forward's
             self._refuse("corrupt")
             logger.exception("shared tier object %s refused (%s); the request recomputes",
                              path, type(exc).__name__)
             return None
 
-    def _load(self, path: str, tenant: str) -> SharedChunk | None:
+    def _load(self, path: str, tenant: str, limit: int) -> SharedChunk | None:
         self._count(gets=1)
         try:
-            data = self.store.get_limited(path, self.max_object_bytes)
+            data = self.store.get_limited(path, limit)
         except BlobNotFoundError:
             self._forget(path)
             return None
         except BlobTooLargeError as exc:
             self._refuse("oversize")
             logger.error("shared tier object %s refused unread: %d bytes, at most %d for "
-                         "this model; the request recomputes", path, exc.size,
-                         self.max_object_bytes)
+                         "this model; the request recomputes", path, exc.size, limit)
             return None
         except ShadowStoreError as exc:
             self._count(errors=1)
@@ -345,6 +394,56 @@ class SharedTier:
                 break
             chunks.append(chunk)
         return chunks
+
+    # ------------------------------------------------------------------ spans
+    def find_spans(self, tenant: str, contents: Sequence[bytes],
+                   deadline_s: float | None = None) -> dict[bytes, FoundSpan]:
+        """The span objects of ``tenant`` among these content keys, from their headers
+        alone (read in parallel, the header MAC verified; the body is verified when a
+        load fetches it). Past the deadline, what was read by then counts."""
+        if not contents:
+            return {}
+        futures = {self._pool.submit(self._span_header, tenant, c): c for c in contents}
+        done, pending = cf.wait(futures, timeout=deadline_s or self.config.deadline_s)
+        if pending:
+            self._count(deadline_misses=1)
+        return {futures[f]: found for f in done if (found := f.result()) is not None}
+
+    def _span_header(self, tenant: str, content: bytes) -> FoundSpan | None:
+        path = self.span_path(tenant, content)
+        self._count(gets=1)
+        try:
+            _, header = read_signed_header(self.store, path, self._key)
+            if header.path != path or header.tenant != self._tag(tenant):
+                raise SharedObjectError("replayed", f"{path}: written as {header.path!r}")
+            if header.identity != self.identity:
+                raise SharedObjectError("foreign", f"{path}: written for "
+                                        f"{header.identity.model_id}")
+            check_span_name(path, header.span)
+        except BlobNotFoundError:
+            return None
+        except SharedObjectError as exc:
+            self._refuse(exc.reason)
+            logger.error("shared tier span refused (%s): %s", exc.reason, exc)
+            return None
+        except Exception as exc:  # a store error or a bug: a miss, never the scheduler's
+            self._count(errors=1)
+            logger.warning("shared tier span lookup of %s failed: %s", path, exc)
+            return None
+        assert header.span is not None  # check_span_name
+        return FoundSpan(path, header.span, [b.key for b in header.blocks])
+
+    def fetch_span(self, tenant: str, content: bytes, deadline_s: float | None = None
+                   ) -> SharedChunk | None:
+        """The verified span object of ``content`` (its blocks and span), or None:
+        missing, refused or late."""
+        future = self._pool.submit(self._get, self.span_path(tenant, content), tenant,
+                                   self.max_span_bytes)
+        try:
+            return future.result(timeout=deadline_s or self.config.deadline_s)
+        except cf.TimeoutError:
+            self._count(deadline_misses=1)
+            return None
 
     # ------------------------------------------------------------------ writes
     def put(self, chunk: SharedChunk) -> bool:
