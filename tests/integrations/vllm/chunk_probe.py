@@ -8,7 +8,9 @@ a fresh computation by the served model.
 Scenarios: ``kv`` (native codec: a moved chunk's K/V against a fresh prefill, opt-out
 and foreign requests, sources read for another tenant), ``gate`` (thresholds no model meets:
 the model check turns chunk reuse off), ``no-loader`` (vLLM's default loader: the
-connector has no model to repair seams with).
+connector has no model to repair seams with), ``replica-a`` then ``replica-b`` (two
+servers one after the other on one shared tier, ``$CK_PROBE_SHARED``: B's first turn
+reuses the documents A computed, in another order, from A's span objects).
 """
 
 from __future__ import annotations
@@ -73,6 +75,20 @@ def _foreign_sources(worker: Any) -> dict[str, bool]:
             "foreign": connector._decode_sources(keys, "globex#ck-chunks") is not None}
 
 
+def _wait_spans(shared: str, n: int, wait_s: float = 120.0) -> int:
+    """The span objects in the shared tier's directory once ``n`` are there (or the
+    wait ends): A's uploads are write-behind."""
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = len([p for p in Path(shared).rglob("span-*") if p.is_file()])
+        if found >= n or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
 def main(scenario: str, out_path: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(fn)
@@ -91,6 +107,9 @@ def main(scenario: str, out_path: str) -> None:
         overrides["codec"] = "native"
     if scenario == "gate":
         overrides.update(chunk_gate_min_agreement=1.0, chunk_gate_max_kl=0.0)
+    shared = os.environ.get("CK_PROBE_SHARED", "")
+    if scenario.startswith("replica-"):  # no warm-up: B starts with nothing of A's
+        overrides.update(shared_url=f"file://{shared}", shared_warm_share=0.0)
     config = ConnectorConfig(block_size=32, shadow_url="", local_store=f"file://{work}/local",
                              stats_path=f"{work}/stats.jsonl", **overrides)
     kwargs: dict[str, Any] = {}
@@ -127,9 +146,21 @@ def main(scenario: str, out_path: str) -> None:
     salt = chunk_salt(TENANT)
     ids1, spans1 = build("ABC", "what is the beta of A?")
     ids2, spans2 = build("CDA", "what is the gamma of C?")
-    result: dict[str, Any] = {"turn1": ask(ids1, spans1, salt)}
+    if scenario == "replica-b":
+        result: dict[str, Any] = {"turn2": ask(ids2, spans2, salt),
+                                  "full2": ask(ids2, spans2, "fresh"),
+                                  "other_tenant": ask(ids2, spans2, chunk_salt("globex"))}
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+        return
+    result = {"turn1": ask(ids1, spans1, salt)}
     llm.collective_rpc(lambda worker: __import__(
         "vllm.distributed.kv_transfer", fromlist=["_"]).get_kv_transfer_group().flush())
+    if scenario == "replica-a":  # the spans' uploads land behind the finish
+        result["spans"] = _wait_spans(shared, 3)
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+        return
     result["turn2"] = ask(ids2, spans2, salt)
     result["full2"] = ask(ids2, spans2, "fresh")
     if scenario == "kv":

@@ -29,7 +29,9 @@ FORWARD_TOLERANCE = 1e-3
 
 def _probe(tmp_path: Path, scenario: str) -> dict[str, Any]:
     out = tmp_path / f"{scenario}.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "CK_PROBE_SHARED": str(tmp_path / "shared"),
+           "CONTEXTKIT_SHADOW_KEY": "chunk-probe-deployment-key"}
     proc = subprocess.run([sys.executable, "-m", "tests.integrations.vllm.chunk_probe",
                            scenario, str(out)], env=env, capture_output=True, text=True,
                           check=False, timeout=900)
@@ -112,3 +114,19 @@ def test_without_the_model_loader_chunk_reuse_is_off_with_its_reason(tmp_path: P
     second = plain["turn2"]["report"]
     assert second["reuse"] != "chunk"
     assert "--load-format contextkit" in (second["fallback"] or ""), second
+
+
+def test_a_replica_reuses_the_documents_another_replica_computed(tmp_path: Path) -> None:
+    a = _probe(tmp_path, "replica-a")
+    assert a["turn1"]["report"]["reuse"] == "none"
+    # published as span objects: the rules, A and B (C's last block holds the question
+    # too, which this turn never stores whole, so C is no chunk yet)
+    assert a["spans"] == 3
+    b = _probe(tmp_path, "replica-b")  # a fresh server: its DDR tier and index are empty
+    second = b["turn2"]["report"]
+    assert second["reuse"] == "chunk", second
+    assert second["chunk_reused_tokens"] > 250, second  # A, from replica A's span object
+    assert second["contextkit_loaded_tokens"] == 0 and second["vllm_cached_tokens"] == 0
+    assert b["turn2"]["reply"][:1] == b["full2"]["reply"][:1]
+    other = b["other_tenant"]["report"]  # another tenant finds none of acme's spans
+    assert other["chunk_reused_tokens"] == 0 and b["other_tenant"]["cached"] == 0
