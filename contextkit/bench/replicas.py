@@ -14,7 +14,8 @@ lands on the other replica than its previous one. Configurations: ``single`` (on
 replica serves everything: what one replica reuses), ``apc`` (two replicas, vLLM's prefix
 cache alone), ``local`` (+ contextkit's connector, a DDR tier per replica), ``shared``
 (+ the shared tier on S3), ``routed`` (``shared`` behind vllm-router) and ``failover``
-(``shared`` with replica 1 stopped halfway through the schedule).
+(``shared`` with replica 1 stopped halfway through the schedule); ``single_chunks`` and
+``shared_chunks`` are ``single`` and ``shared`` with chunk reuse (requests opt in).
 
 Rows are matched across configurations by their index in the schedule (every
 configuration runs the same one); a lost turn (a row with ``error``) has no TTFT and is
@@ -50,6 +51,14 @@ middle values for an even count), a p95 the nearest-rank value. Figures:
   counters, bytes down / up, GETs, PUTs and HEADs of the shared tier per answered step;
   ``deadline_misses``, ``refused``, ``errors`` (store errors) and ``load_errors`` as
   totals (``failover``'s are the surviving replica's: a stopped server is not scraped).
+- with chunk reuse: ``speedup_shared_chunks_vs_local_p50`` and
+  ``speedup_shared_chunks_vs_shared_p50`` (the other's median TTFT on the cross-replica
+  steps over ``shared_chunks``'), ``ceiling_fraction_chunks`` (``single_chunks``' over
+  ``shared_chunks``'), ``bound_shared_chunks_vs_local_p50`` (``local``'s over
+  ``single_chunks``': the most a shared tier with chunks reaches against ``local``);
+  ``computed_tokens[c]`` over the schedule: prompt tokens not reused plus those the
+  connector computed for chunk reuse (seams, changed spans), and
+  ``shared_span_hits[c]``: chunks reused from span objects another replica published.
 - ``failover_errors``: the failover run's driver errors; ``failover_lost_turns``: its
   rows without an answer; ``failover_recomputed_tokens_after_stop``: prompt tokens not
   reused (prompt - cached) over its answered steps after replica 1 stopped;
@@ -88,7 +97,8 @@ HELP = ("agents alternating between two vLLM replicas: APC, a connector per repl
 OUT_IS_JSON = True
 
 #: The driver's configurations.
-CONFIGS = ("single", "apc", "local", "shared", "routed", "failover")
+CONFIGS = ("single", "apc", "local", "shared", "routed", "failover", "single_chunks",
+           "shared_chunks")
 #: The default run, side by side: what fits in 24 GB (about 3 GiB per vLLM server):
 #: one replica (the ceiling), two with local DDR tiers, two sharing the S3 tier.
 DEFAULT_CONFIGS = ("single", "local", "shared")
@@ -239,6 +249,37 @@ def shared_tier(run: Mapping[str, Any]) -> dict[str, Any] | None:
     return out
 
 
+def computed_tokens(run: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]
+                    ) -> int | None:
+    """Prompt tokens computed over the schedule: not reused (prompt - cached), plus
+    what the connector computed to materialize chunks (vLLM counts those as cached);
+    None when a turn was lost (the sums would not compare)."""
+    if not rows or not all(_answered(r) for r in rows):
+        return None
+    total = sum(int(r["prompt_tokens"]) - int(r["cached_tokens"]) for r in rows)
+    return total + sum(int(s.get("chunk_computed_tokens") or 0)
+                       for per in run.get("connector_stats") or [] for s in per
+                       if s.get("tenant") != "warmup")
+
+
+def chunk_figures(runs: Mapping[str, Any], rows: Mapping[str, Sequence[Mapping[str, Any]]],
+                  p50: Mapping[str, float | None]) -> dict[str, Any]:
+    """The chunk-reuse figures (see the module's docstring); empty without
+    ``shared_chunks``."""
+    if "shared_chunks" not in runs:
+        return {}
+    return {
+        "speedup_shared_chunks_vs_local_p50": _ratio(p50.get("local"), p50.get("shared_chunks")),
+        "speedup_shared_chunks_vs_shared_p50": _ratio(p50.get("shared"),
+                                                      p50.get("shared_chunks")),
+        "ceiling_fraction_chunks": _ratio(p50.get("single_chunks"), p50.get("shared_chunks")),
+        "bound_shared_chunks_vs_local_p50": _ratio(p50.get("local"), p50.get("single_chunks")),
+        "computed_tokens": {n: computed_tokens(runs[n], rows[n]) for n in rows},
+        "shared_span_hits": {n: _metric_sum(runs[n], "shared_span_hits") for n in rows
+                             if runs[n].get("metrics")},
+    }
+
+
 def failover(run: Mapping[str, Any] | None) -> dict[str, Any]:
     """Lost turns and what was recomputed after replica 1 stopped."""
     if not run:
@@ -298,8 +339,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          f"from {', '.join(CONFIGS)}")
     if args.plot and not str(args.plot).endswith(".png"):
         raise SystemExit(f"--plot writes a PNG: give a path ending in .png, got {args.plot}")
-    needs = ["langchain_openai"] + (["moto"] if {"shared", "routed", "failover"} & set(configs)
-                                    else [])
+    needs = ["langchain_openai"] + (["moto"] if {"shared", "routed", "failover",
+                                                 "shared_chunks"} & set(configs) else [])
     if not vllm_installed() or any(importlib.util.find_spec(m) is None for m in needs):
         raise SystemExit("contextkit bench replicas runs inside the vLLM virtualenv: "
                          "`make test-vllm` creates .venv-vllm, then `make bench-replicas`")
@@ -378,6 +419,7 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         # replica 1 must share 0 tokens (probe-a's own on replica 1 shows the tier works)
         "tenant_probe": shared_run.get("tenant_probe"),
         **failover(runs.get("failover")),
+        **chunk_figures(runs, rows, p50),
         "shared_tier": {n: c for n in names if (c := shared_tier(runs[n])) is not None},
         "lost_turns": {n: sum(not _answered(r) for r in rows[n]) for n in names},
         "errors": raw.get("errors", {}),
@@ -408,7 +450,10 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         "ceiling_fraction_total", "first_configuration",
         "bound_shared_vs_local_p50", "routed_vs_shared_p50", "routed_replica_unknown_steps",
         "shared_lag_p50_s", "shared_lag_p95_s", "failover_errors", "failover_lost_turns",
-        "failover_recomputed_tokens_after_stop", "failover_hit_rate_after_stop")]
+        "failover_recomputed_tokens_after_stop", "failover_hit_rate_after_stop",
+        "speedup_shared_chunks_vs_local_p50", "speedup_shared_chunks_vs_shared_p50",
+        "ceiling_fraction_chunks", "bound_shared_chunks_vs_local_p50", "computed_tokens",
+        "shared_span_hits") if k in result]
     table += [(f"{n}: down/up bytes, gets/puts/heads per step; misses, refused", (
         f"{c['bytes_down_per_step']}/{c['bytes_up_per_step']}, {c['gets_per_step']}/"
         f"{c['puts_per_step']}/{c['heads_per_step']}; {c['deadline_misses']}, {c['refused']}"))

@@ -19,7 +19,10 @@ vllm-router, by default its ``consistent_hash`` policy on the agent's session: O
 ``user`` field; ``--router-policy kv_aware`` feeds it the replicas' KV events, but
 vllm-router 0.1.17 gives no cache credit to requests with a ``cache_salt``, which every
 tenant's request has) and ``failover``
-(``shared``, replica 1 stopped halfway: its agents go on on replica 0).
+(``shared``, replica 1 stopped halfway: its agents go on on replica 0);
+``single_chunks`` and ``shared_chunks``: ``single`` and ``shared`` with chunk reuse
+(the agents' requests opt in; a layer that changed mid-prompt no longer costs what
+follows it; ``shared_chunks``' replicas find each other's spans in the shared tier).
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ from integrations.vllm.bench.interleave import check_memory, rotation, settle, s
 
 __all__ = ["CONFIGS", "main", "measure"]
 
-CONFIGS = ("single", "apc", "local", "shared", "routed", "failover")
+CONFIGS = ("single", "apc", "local", "shared", "routed", "failover", "single_chunks",
+           "shared_chunks")
 #: The MAC key every replica of the bench shares (a deployment sets its own).
 BENCH_KEY = "contextkit-bench-replicas"
 BUCKET = "ck-replicas"
@@ -63,6 +67,7 @@ class Setup:
     shared: bool = False
     router: bool = False
     stop_at: float | None = None  # stop replica 1 after this share of the steps
+    chunks: bool = False  # chunk reuse on; the agents' requests opt in
 
 
 SETUPS = {
@@ -72,6 +77,8 @@ SETUPS = {
     "shared": Setup("shared", shared=True),
     "routed": Setup("routed", shared=True, router=True),
     "failover": Setup("failover", shared=True, stop_at=0.5),
+    "single_chunks": Setup("single_chunks", replicas=1, chunks=True),
+    "shared_chunks": Setup("shared_chunks", shared=True, chunks=True),
 }
 
 
@@ -133,6 +140,8 @@ def _start_replica(setup: Setup, idx: int, work: Path, sizes: dict[str, Any],
         overrides = {"shared_url": f"s3://{BUCKET}/{setup.name}", "shared_endpoint_url": s3.url,
                      "shared_chunk_blocks": args.chunk_blocks,
                      "shared_deadline_s": args.deadline_s}
+    if setup.chunks:
+        overrides["chunk_reuse"] = True
     config = (ConnectorConfig(block_size=BLOCK, shadow_url="",
                               local_store=f"file://{work / f'local-{name}'}",
                               stats_path=str(stats), host_blocks=sizes["host_blocks"],
@@ -141,6 +150,10 @@ def _start_replica(setup: Setup, idx: int, work: Path, sizes: dict[str, Any],
     env = {**server_env(), **AWS_ENV, "CONTEXTKIT_SHADOW_KEY": BENCH_KEY}
     extra = ["--enable-prompt-tokens-details", "--num-gpu-blocks-override",
              str(sizes["kv_blocks_pressure"])]
+    if setup.chunks:  # the connector repairs seams with the served model's weights
+        from integrations.vllm.served_model import LOAD_FORMAT
+
+        extra += ["--load-format", LOAD_FORMAT]
     events_port = None
     if setup.router:
         events_port = free_port()
@@ -294,7 +307,8 @@ class Lane:
         self.alive = list(range(setup.replicas))
         for spec in self.workload.agents:
             pipeline = CacheAwareContextPipeline(served=self.served, tenant=spec.tenant,
-                                                 agent=spec.name, pin_stable=True)
+                                                 agent=spec.name, pin_stable=True,
+                                                 reuse_chunks=setup.chunks)
             agent = WorkloadAgent(spec.name, spec.tenant, self.workload,
                                   self.servers[0].base_url, self.args.max_tokens, pipeline)
             agent.user = spec.name  # the router's session key

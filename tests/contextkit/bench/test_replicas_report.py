@@ -135,6 +135,33 @@ def test_figures_equal_hand_computed_values(tmp_path: Path) -> None:
     assert result["shared_tier"]["shared"]["errors"] is None  # no such counter scraped
 
 
+def test_chunk_figures_against_local_shared_and_their_ceiling() -> None:
+    data = raw()
+    data["configs"]["single_chunks"] = _run(
+        _rows([1000, 1000, 80, 90, 100, 110], [*[0, 0], 1900, 1900, 1950, 1950],
+              replica=[0] * 6, prev=[None, None, 0, 0, 0, 0]), replicas=1,
+        metrics=[{"vllm:contextkit_shared_span_hits_total": 0.0}])
+    data["configs"]["shared_chunks"] = _run(
+        _rows([1000, 1000, 150, 200, 150, 250], [*[0, 0], 1800, 1900, 1900, 1900]),
+        metrics=[{"vllm:contextkit_shared_span_hits_total": 3.0},
+                 {"vllm:contextkit_shared_span_hits_total": 4.0}],
+        connector_stats=[[{"tenant": "t0", "chunk_computed_tokens": 40},
+                          {"tenant": "warmup", "chunk_computed_tokens": 1000}],
+                         [{"tenant": "t1", "chunk_computed_tokens": 60}]])
+    result = result_of(_args(), data)
+    # medians on steps 2-5: shared_chunks 175, local 650, shared 275, single_chunks 95
+    assert result["speedup_shared_chunks_vs_local_p50"] == round(650 / 175, 3)
+    assert result["speedup_shared_chunks_vs_shared_p50"] == round(275 / 175, 3)
+    assert result["ceiling_fraction_chunks"] == round(95 / 175, 3)
+    assert result["bound_shared_chunks_vs_local_p50"] == round(650 / 95, 3)
+    # 12000 prompt tokens, 7500 cached, plus the seams the connector computed (warm-up out)
+    assert result["computed_tokens"]["shared_chunks"] == 12000 - 7500 + 100
+    assert result["computed_tokens"]["local"] == 12000 - 1200
+    assert result["computed_tokens"]["apc"] is None  # a lost turn: no comparable sum
+    assert result["shared_span_hits"]["shared_chunks"] == 7.0
+    assert "speedup_shared_chunks_vs_local_p50" not in result_of(_args(), raw())
+
+
 def test_store_errors_are_reported_and_same_reuse_is_noise() -> None:
     data = raw()
     for m in data["configs"]["shared"]["metrics"]:
