@@ -256,8 +256,8 @@ class ChunkPlanner:
         """Register a request's spans held by its first ``stored_blocks`` blocks
         (``keys``: the keys they are stored under). ``held``: whether the store holds
         a block key. A span inherits the most hops its blocks were tainted with.
-        Returns the spans registered, as shared-tier publications (those short enough
-        for a span object)."""
+        Returns the spans newly registered (or now held elsewhere), as shared-tier
+        publications (those short enough for a span object)."""
         bs = self.block_size
         shares = []
         for span in spans:
@@ -274,7 +274,8 @@ class ChunkPlanner:
             # a still-stored entry fewer hops from a full computation is kept
             keep = (old if old is not None and old.hops < span_hops
                     and all(held(bytes(k)) for k in old.block_keys) else None)
-            if self.index.put(key, entry, keep=keep) and len(block_keys) <= MAX_SPAN_BLOCKS:
+            if (self.index.put(key, entry, keep=keep) and entry != old
+                    and len(block_keys) <= MAX_SPAN_BLOCKS):
                 shares.append(SpanShare(tenant, key, span.source_layer, span.start, len(ids),
                                         span_hops, [bytes(k) for k in block_keys]))
         return shares

@@ -412,6 +412,10 @@ class SharedWriter:
     def _upload(self, job: _Upload) -> None:
         name = (self.tier.path(job.tenant, job.keys[-1]) if job.span is None
                 else self.tier.span_path(job.tenant, job.span.content))
+        if job.span is not None and self.tier.holds(name):  # no export for a known span
+            self.ledger.count("shared_deduplicated")
+            self._hold(name, job.keys[-1], job.tenant)
+            return
         chunk = self.store.export_chunk(job.keys, job.tenant, name)
         if chunk is None:  # evicted between its save and now
             self.ledger.count("shared_dropped")

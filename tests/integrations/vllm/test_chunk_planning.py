@@ -223,3 +223,23 @@ def test_the_selection_share_is_planned_so_the_report_counts_it() -> None:
     report = p.report("t2")  # the worker has not reported: the planned figures
     assert report is not None and not report["complete"]
     assert (report["chunk_reused_tokens"], report["repaired_tokens"]) == (7, 17)
+
+
+def test_with_a_shared_tier_new_spans_are_published_once() -> None:
+    chunks = ChunkPlanner(IDENTITY.digest(), BS, min_tokens=4, repair_first=1)
+    p = RequestPlanner(IDENTITY.digest(), BS, chunks=chunks, chunk_blocks=4)
+    p.apply(WorkerReport(chunk_status=""))
+    ids, params = prompt("ab")
+    serve(p, "t1", ids, params)
+    shares = p.take_shares()
+    # the rules and both documents, where they were computed, with the blocks holding
+    # them (the question shares its last block with the prompt's last token: not stored)
+    assert [(s.label, s.position, s.length, s.hops, len(s.block_keys)) for s in shares] == [
+        ("rules", 0, 4, 0, 1), ("documents", 4, 8, 0, 2), ("documents", 12, 8, 0, 2)]
+    assert all(s.tenant == TENANT for s in shares)
+    serve(p, "t2", ids, params)  # the same spans again: nothing new to publish
+    assert p.take_shares() == []
+    # without a shared tier nothing is queued
+    q = planner()
+    serve(q, "t1", ids, params)
+    assert q.take_shares() == []
