@@ -24,9 +24,10 @@ middle values for an even count), a p95 the nearest-rank value. Figures:
 
 - ``{c}_ttft_p50`` / ``{c}_ttft_p95``: TTFT over the steps configuration ``c`` answered;
   ``{c}_ttft_ms``: its TTFT per step, ``None`` where the turn was lost.
-- cross-replica steps (``cross_replica_steps``): the indices where ``shared`` served an
-  agent's second or later turn on a known replica other than the known one of its
-  previous turn; every other configuration is read at the same indices.
+- cross-replica steps (``cross_replica_steps``): the indices where ``shared`` (else
+  ``shared_chunks``, else ``local``) served an agent's second or later turn on a known
+  replica other than the known one of its previous turn; every other configuration is
+  read at the same indices.
 - ``cross_replica_hit_rate``: on those steps answered by both, the prompt tokens
   ``shared`` reused (vLLM's ``cached_tokens``, which counts what the connector loaded)
   over those ``single`` reused; ``cross_replica_hit_rate_local``: the same for ``local``
@@ -378,7 +379,8 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         result[f"{n}_ttft_p95"] = _p(values, 0.95)
         result[f"{n}_ttft_ms"] = ttft[n]
     shared, single, local = rows.get("shared", []), rows.get("single", []), rows.get("local", [])
-    cross = cross_replica_steps(shared)
+    # the schedule decides the replicas: any two-replica lane that is not routed tells
+    cross = cross_replica_steps(shared or rows.get("shared_chunks") or local)
     warm = warm_steps({n: runs[n] for n in names})
     warm_idx = [i for i, w in enumerate(warm) if w]
     p50 = {n: _median_ttft(rows[n], cross) for n in names}

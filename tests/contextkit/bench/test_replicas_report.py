@@ -160,6 +160,11 @@ def test_chunk_figures_against_local_shared_and_their_ceiling() -> None:
     assert result["computed_tokens"]["apc"] is None  # a lost turn: no comparable sum
     assert result["shared_span_hits"]["shared_chunks"] == 7.0
     assert "speedup_shared_chunks_vs_local_p50" not in result_of(_args(), raw())
+    # a run without the prefix-only shared tier reads the same cross-replica steps
+    del data["configs"]["shared"]
+    alone = result_of(_args(), data)
+    assert alone["cross_replica_steps"] == [2, 3, 4, 5]
+    assert alone["speedup_shared_chunks_vs_local_p50"] == round(650 / 175, 3)
 
 
 def test_store_errors_are_reported_and_same_reuse_is_noise() -> None:
