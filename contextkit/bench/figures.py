@@ -245,6 +245,9 @@ TOOL_PAUSES_PIN_ROOM = ("tool-pauses-amd-lookahead-small-ddr-dev512-lmcache.json
                         "tool-pauses-amd-lookahead-small-ddr-dev512.json")
 #: bench replicas with every configuration's servers up and the steps interleaved
 REPLICAS_INTERLEAVED = ("replicas-amd-interleaved.json",)
+#: bench replicas with chunk reuse: local DDR tiers against the shared tier serving
+#: prefix chunks and span objects, and its ceiling (one replica with chunk reuse)
+REPLICAS_CHUNKS = ("replicas-amd-chunks.json",)
 #: bench agents-vllm with chunk reuse beside prefix reuse, interleaved
 AGENTS_VLLM_CHUNKS = ("agents-vllm-amd-chunks.json",)
 #: bench chunks-vllm: the RAG agent, documents reordered and changed every turn
@@ -449,6 +452,29 @@ ROWS: tuple[Row, ...] = (
         lambda d: d["chunks"]["warm_speedup_vs_apc_p50"], goal=Goal(">=", 3.0)),
     Row("agents-vllm", "warm-step TTFT p50 prefix-only connector / chunk reuse",
         AGENTS_VLLM_CHUNKS, lambda d: d["chunks"]["warm_speedup_vs_connector_p50"]),
+    Row("replicas", "chunk reuse across replicas: TTFT sum local DDR / shared tier with "
+        "chunk reuse over the cross-replica turns (steps interleaved); ceiling: local / one "
+        "replica with chunk reuse that saw every turn", REPLICAS_CHUNKS,
+        lambda d: _cross_sum(d, "local") / _cross_sum(d, "shared_chunks"),
+        goal=Goal(">=", 2.0),
+        ceiling=lambda d: _cross_sum(d, "local") / _cross_sum(d, "single_chunks"),
+        beyond_ceiling="one replica that saw every turn still pays the connector's "
+        "placement and seams on every chunk turn (docs/chunks.md)"),
+    Row("replicas", "chunk reuse across replicas: TTFT p50 local / shared tier with chunk "
+        "reuse, cross-replica turns; ceiling: local / one replica with chunk reuse",
+        REPLICAS_CHUNKS, lambda d: d["speedup_shared_chunks_vs_local_p50"],
+        goal=Goal(">=", 2.0), ceiling=lambda d: d["bound_shared_chunks_vs_local_p50"],
+        beyond_ceiling="one replica that saw every turn still pays the connector's "
+        "placement and seams on every chunk turn (docs/chunks.md)"),
+    Row("replicas", "chunk reuse across replicas: prompt tokens computed over the schedule "
+        "by the shared tier with chunk reuse", REPLICAS_CHUNKS,
+        lambda d: d["computed_tokens"]["shared_chunks"], fmt="{:,.0f}",
+        remark=lambda d: (f"one replica with chunk reuse computed "
+                          f"{d['computed_tokens']['single_chunks']:,}; local DDR tiers "
+                          f"{d['computed_tokens']['local']:,}")),
+    Row("replicas", "chunk reuse across replicas: chunks reused from span objects the other "
+        "replica published", REPLICAS_CHUNKS,
+        lambda d: d["shared_span_hits"]["shared_chunks"], fmt="{:.0f}"),
     Row("replicas", "turns lost at failover", REPLICAS,
         lambda d: d["failover_lost_turns"], fmt="{:.0f}", goal=Goal("<=", 0)),
     Row("replicas", "another tenant's tokens found in the shared tier", REPLICAS,

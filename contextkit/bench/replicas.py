@@ -441,7 +441,7 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
                    "one configuration after another, each on its own servers; ")
                   + "client-side TTFT (agent.invoke -> first streamed chunk); turn k of agent "
                   "i on replica (i + k) % 2; rows matched by schedule index; medians over "
-                  "the cross-replica steps of shared (routing: over the warm steps)",
+                  "the cross-replica steps (routing: over the warm steps)",
     })
     table: list[tuple[str, Any]] = [(f"ttft p50 / p95 {n} (ms)",
                                      f"{result[f'{n}_ttft_p50']} / {result[f'{n}_ttft_p95']}")
