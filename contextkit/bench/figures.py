@@ -248,6 +248,8 @@ REPLICAS_INTERLEAVED = ("replicas-amd-interleaved.json",)
 #: bench replicas with chunk reuse: local DDR tiers against the shared tier serving
 #: prefix chunks and span objects, and its ceiling (one replica with chunk reuse)
 REPLICAS_CHUNKS = ("replicas-amd-chunks.json",)
+#: the same schedule against one replica with prefix reuse only (prefix reuse's bound)
+REPLICAS_CHUNKS_PREFIX = ("replicas-amd-chunks-prefix-ceiling.json",)
 #: bench agents-vllm with chunk reuse beside prefix reuse, interleaved
 AGENTS_VLLM_CHUNKS = ("agents-vllm-amd-chunks.json",)
 #: bench chunks-vllm: the RAG agent, documents reordered and changed every turn
@@ -472,9 +474,20 @@ ROWS: tuple[Row, ...] = (
         remark=lambda d: (f"one replica with chunk reuse computed "
                           f"{d['computed_tokens']['single_chunks']:,}; local DDR tiers "
                           f"{d['computed_tokens']['local']:,}")),
+    Row("replicas", "chunk reuse across replicas: prompt tokens computed by the shared tier "
+        "with chunk reuse, against prefix reuse's bound (one replica that saw every turn, "
+        "prefix reuse only)", REPLICAS_CHUNKS_PREFIX,
+        lambda d: d["computed_tokens"]["shared_chunks"], fmt="{:,.0f}",
+        remark=lambda d: (f"the bound computed {d['computed_tokens']['single']:,}; one "
+                          f"replica with chunk reuse "
+                          f"{d['computed_tokens']['single_chunks']:,}")),
     Row("replicas", "chunk reuse across replicas: chunks reused from span objects the other "
         "replica published", REPLICAS_CHUNKS,
         lambda d: d["shared_span_hits"]["shared_chunks"], fmt="{:.0f}"),
+    Row("replicas", "chunk reuse across replicas: TTFT p50 one replica with chunk reuse / "
+        "the shared tier with chunk reuse, cross-replica turns (the share of the ceiling "
+        "reached)", REPLICAS_CHUNKS + REPLICAS_CHUNKS_PREFIX,
+        lambda d: d["ceiling_fraction_chunks"]),
     Row("replicas", "turns lost at failover", REPLICAS,
         lambda d: d["failover_lost_turns"], fmt="{:.0f}", goal=Goal("<=", 0)),
     Row("replicas", "another tenant's tokens found in the shared tier", REPLICAS,
