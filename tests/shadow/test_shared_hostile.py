@@ -27,7 +27,7 @@ from shadow.shared import (
     collect,
     encode_chunk,
 )
-from shadow.shared.objects import MAGIC, assemble_object, split_object
+from shadow.shared.objects import MAGIC, SpanRecord, assemble_object, split_object
 
 C = 2  # blocks per chunk
 #: The largest legal object of SMALL at C = 2 is a few tens of KiB (its header bound
@@ -313,3 +313,64 @@ def test_contextkit_shared_gc_survives_a_header_bomb_and_needs_the_key(
     (report,) = json.loads(capsys.readouterr().out.splitlines()[-1])["models"].values()
     assert report["unreadable"] == 1 and report["refused"] == {"corrupt": 1}
     assert tier.store.list(tier.tenants_prefix) == [fresh.path]
+
+
+# ---------------------------------------------------------------------- span objects
+CONTENT = hashlib.sha256(b"acme/documents/the text").digest()
+
+
+def _span_object(tier: SharedTier, keys: list[bytes]) -> SharedChunk:
+    chunk = _chunk(tier, "acme", keys)
+    chunk.path = tier.span_path("acme", CONTENT)
+    bs = SMALL.block_size
+    chunk.span = SpanRecord(CONTENT, "documents", 3 * bs + 1, 2 * bs - 1)  # 2 blocks
+    return chunk
+
+
+def _span_length(doc: dict[str, Any]) -> None:
+    doc["span"]["length"] += SMALL.block_size  # would need a third block
+
+
+def _span_content(doc: dict[str, Any]) -> None:
+    doc["span"]["content"] = "zz" * 32
+
+
+def _span_extra_field(doc: dict[str, Any]) -> None:
+    doc["span"]["offset"] = 0
+
+
+def _span_hops(doc: dict[str, Any]) -> None:
+    doc["span"]["hops"] = -1
+
+
+def _span_dropped(doc: dict[str, Any]) -> None:
+    del doc["span"]  # a prefix chunk's header at a span's name
+
+
+@pytest.mark.parametrize("mutate", [_span_length, _span_content, _span_extra_field, _span_hops,
+                                    _span_dropped])
+def test_a_mac_valid_malformed_span_object_is_refused_by_lookup_and_load(
+        url: str, request: pytest.FixtureRequest, mutate: Any) -> None:
+    tier = _tier(url, request)
+    good = _span_object(tier, _keys("acme", 2))
+    tier.store.put(good.path, encode_chunk(good, KEY))
+    found = tier.find_spans("acme", [CONTENT])
+    assert found[CONTENT].span == good.span and found[CONTENT].block_keys == good.keys
+    assert tier.fetch_span("acme", CONTENT) is not None
+    tier.take_counters()
+    tier.store.put(good.path, resign(encode_chunk(good, KEY), mutate))
+    assert tier.find_spans("acme", [CONTENT]) == {}
+    assert tier.fetch_span("acme", CONTENT) is None
+    assert tier.take_counters()["refused_corrupt"] == 2
+
+
+def test_a_span_object_is_another_tenants_to_no_one(url: str,
+                                                    request: pytest.FixtureRequest) -> None:
+    tier = _tier(url, request)
+    good = _span_object(tier, _keys("acme", 2))
+    tier.put(good)
+    assert tier.find_spans("globex", [CONTENT]) == {}  # globex's name: nothing there
+    tier.store.put(tier.span_path("globex", CONTENT), tier.store.get(good.path))
+    assert tier.find_spans("globex", [CONTENT]) == {}  # acme's object at globex's name
+    assert tier.fetch_span("globex", CONTENT) is None
+    assert tier.take_counters()["refused_replayed"] == 2
