@@ -266,29 +266,33 @@ class SharedWriter:
         the range."""
         imported: list[bytes] = []
         removed: list[bytes] = []
-        for chunk in load.chunks:
-            if chunk.shared is None:
+        try:
+            todo = [c for c in load.chunks if c.shared is not None
+                    and self.store.missing(c.source_keys)]
+            got = self.tier.fetch_spans(load.tenant, [c.shared for c in todo if c.shared])
+        except Exception:
+            self.ledger.count("shared_refused")
+            logger.exception("shared tier spans of request %s refused; its range "
+                             "recomputes", load.req_id)
+            todo, got = [], {}
+        for chunk in todo:
+            obj = got.get(chunk.shared) if chunk.shared is not None else None
+            if obj is None:
                 continue
             try:
-                missing = self.store.missing(chunk.source_keys)
-                if not missing:
-                    continue
-                got = self.tier.fetch_span(load.tenant, chunk.shared)
-                if got is None:
-                    continue
-                rec = got.span
-                if (got.keys != chunk.source_keys or rec is None
-                        or rec.position != chunk.source_position):
+                if (obj.keys != chunk.source_keys or obj.span is None
+                        or obj.span.position != chunk.source_position):
                     self.ledger.count("shared_refused")
-                    logger.error("shared tier span %s holds other blocks than its header "
-                                 "said; refused", got.path)
+                    logger.error("shared tier span %s holds other blocks than its lookup "
+                                 "found (rewritten since); refused", obj.path)
                     continue
-                held, gone = self.store.import_chunk(got, [k for k in chunk.source_keys
+                missing = self.store.missing(chunk.source_keys)
+                held, gone = self.store.import_chunk(obj, [k for k in chunk.source_keys
                                                            if k in missing])
                 self.ledger.count("shared_imported_blocks", len(held))
                 imported += held
                 removed += gone
-                self._hold(got.path, chunk.source_keys[-1], load.tenant)
+                self._hold(obj.path, chunk.source_keys[-1], load.tenant)
             except Exception:
                 self.ledger.count("shared_refused")
                 logger.exception("shared tier span of request %s refused; its range "

@@ -433,17 +433,24 @@ class SharedTier:
         assert header.span is not None  # check_span_name
         return FoundSpan(path, header.span, [b.key for b in header.blocks])
 
+    def fetch_spans(self, tenant: str, contents: Sequence[bytes],
+                    deadline_s: float | None = None) -> dict[bytes, SharedChunk]:
+        """The verified span objects of these content keys (their blocks and spans),
+        read in parallel within one deadline; what is missing, refused or late is
+        left out."""
+        if not contents:
+            return {}
+        futures = {self._pool.submit(self._get, self.span_path(tenant, c), tenant,
+                                     self.max_span_bytes): c for c in contents}
+        done, pending = cf.wait(futures, timeout=deadline_s or self.config.deadline_s)
+        if pending:
+            self._count(deadline_misses=1)
+        return {futures[f]: chunk for f in done if (chunk := f.result()) is not None}
+
     def fetch_span(self, tenant: str, content: bytes, deadline_s: float | None = None
                    ) -> SharedChunk | None:
-        """The verified span object of ``content`` (its blocks and span), or None:
-        missing, refused or late."""
-        future = self._pool.submit(self._get, self.span_path(tenant, content), tenant,
-                                   self.max_span_bytes)
-        try:
-            return future.result(timeout=deadline_s or self.config.deadline_s)
-        except cf.TimeoutError:
-            self._count(deadline_misses=1)
-            return None
+        """The verified span object of ``content``, or None: missing, refused or late."""
+        return self.fetch_spans(tenant, [content], deadline_s).get(content)
 
     # ------------------------------------------------------------------ writes
     def put(self, chunk: SharedChunk) -> bool:

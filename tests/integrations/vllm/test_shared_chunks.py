@@ -5,6 +5,7 @@ Tenants, forged objects and spans at the wrong name are refused on the way."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from integrations.vllm.identity import vllm_cache_identity
 from integrations.vllm.planning import RequestPlanner, StepRequest, WorkerReport, semantic_params
 from integrations.vllm.shared import SharedLookups, SharedWriter
 from integrations.vllm.store import ConnectorStore
-from shadow.shared import SharedObjectError, SharedTier, decode_chunk
+from shadow.shared import SharedObjectError, SharedTier, decode_chunk, encode_chunk
 from shadow.shared.retention import collect
 from tests.integrations.vllm.conftest import TINY_DIM, TINY_HEADS, TINY_LAYERS
 
@@ -184,6 +185,27 @@ def test_a_tampered_span_object_is_refused_and_its_range_recomputed(
     moved_b = next(m for m in chunk.chunks if m.source_position == 48)
     assert b.store.missing(moved_b.source_keys)  # not placed: the worker's load fails
     assert not set(moved_b.source_keys) & set(imported)
+    assert b.writer.ledger.totals()["counters"]["shared_refused"] == 1
+
+
+def test_a_span_rewritten_between_lookup_and_load_is_refused(
+        replicas: tuple[Replica, Replica]) -> None:
+    a, b = replicas
+    ids, params = prompt("ab", 7)
+    compute(a, "r1", ids, params)
+    ids_b, params_b = prompt("ba", 8)
+    hit, found = find(b, "r2", ids_b, params_b)
+    doc_b = next(f for f in found.values() if f.span.position == 48)
+    tier = a.writer.tier
+    obj = tier.fetch_span(TENANT, doc_b.span.content)
+    assert obj is not None
+    for block in obj.blocks:  # a valid object of the same name, other blocks
+        block.key = hashlib.sha256(b"other" + block.key).digest()
+    tier.store.put(obj.path, encode_chunk(obj, tier.mac_key))
+    chunk = allocate(b, "r2", ids_b, hit)
+    imported, _ = b.writer.bring_in_spans(chunk)
+    moved_b = next(m for m in chunk.chunks if m.source_position == 48)
+    assert b.store.missing(moved_b.source_keys) and not set(moved_b.source_keys) & set(imported)
     assert b.writer.ledger.totals()["counters"]["shared_refused"] == 1
 
 
