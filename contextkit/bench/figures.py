@@ -248,6 +248,9 @@ REPLICAS_INTERLEAVED = ("replicas-amd-interleaved.json",)
 #: bench replicas with chunk reuse: local DDR tiers against the shared tier serving
 #: prefix chunks and span objects, and its ceiling (one replica with chunk reuse)
 REPLICAS_CHUNKS = ("replicas-amd-chunks.json",)
+#: why chunk reuse across replicas stops at its ceiling
+CHUNK_TURNS_COST = ("one replica that saw every turn still pays the connector's placement "
+                    "and seams on every chunk turn (docs/chunks.md)")
 #: the same schedule against one replica with prefix reuse only (prefix reuse's bound)
 REPLICAS_CHUNKS_PREFIX = ("replicas-amd-chunks-prefix-ceiling.json",)
 #: bench agents-vllm with chunk reuse beside prefix reuse, interleaved
@@ -460,14 +463,12 @@ ROWS: tuple[Row, ...] = (
         lambda d: _cross_sum(d, "local") / _cross_sum(d, "shared_chunks"),
         goal=Goal(">=", 2.0),
         ceiling=lambda d: _cross_sum(d, "local") / _cross_sum(d, "single_chunks"),
-        beyond_ceiling="one replica that saw every turn still pays the connector's "
-        "placement and seams on every chunk turn (docs/chunks.md)"),
+        beyond_ceiling=CHUNK_TURNS_COST),
     Row("replicas", "chunk reuse across replicas: TTFT p50 local / shared tier with chunk "
         "reuse, cross-replica turns; ceiling: local / one replica with chunk reuse",
         REPLICAS_CHUNKS, lambda d: d["speedup_shared_chunks_vs_local_p50"],
         goal=Goal(">=", 2.0), ceiling=lambda d: d["bound_shared_chunks_vs_local_p50"],
-        beyond_ceiling="one replica that saw every turn still pays the connector's "
-        "placement and seams on every chunk turn (docs/chunks.md)"),
+        beyond_ceiling=CHUNK_TURNS_COST),
     Row("replicas", "chunk reuse across replicas: prompt tokens computed over the schedule "
         "by the shared tier with chunk reuse", REPLICAS_CHUNKS,
         lambda d: d["computed_tokens"]["shared_chunks"], fmt="{:,.0f}",

@@ -8,7 +8,6 @@ import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +26,11 @@ from shadow.shared import SharedChunk, SharedTier
 from shadow.shared.objects import assemble_object, split_object
 from tests.integrations.vllm.conftest import TINY_DIM, TINY_HEADS, TINY_LAYERS
 from tests.integrations.vllm.prometheus_registry import metric_types, samples
+from tests.integrations.vllm.replica_kit import Replica
 from tests.shadow.shared_mutations import signed, unsigned
 
 BS, C = 16, 4
 KEY = "shared-test-key"
-
-
-@dataclass
-class Replica:
-    planner: RequestPlanner
-    store: ConnectorStore
-    writer: SharedWriter
-    lookups: SharedLookups
-
-    def close(self) -> None:
-        self.writer.close()
-        self.lookups.close()
 
 
 def _replica(model: Path, tmp: Path, name: str, stats: Path | None = None,

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from integrations.vllm.store import ConnectorStore
 from shadow.shared import SharedObjectError, SharedTier, decode_chunk, encode_chunk
 from shadow.shared.retention import collect
 from tests.integrations.vllm.conftest import TINY_DIM, TINY_HEADS, TINY_LAYERS
+from tests.integrations.vllm.replica_kit import Replica
 
 BS, C = 16, 4
 KEY = "shared-chunks-test-key"
@@ -41,18 +41,6 @@ def prompt(order: str, question: int) -> tuple[list[int], dict]:
     spans.append((len(ids), len(ids) + len(turn), "user_turn"))
     ids += turn
     return ids, semantic_params(spans, prompt_token_ids=ids)
-
-
-@dataclass
-class Replica:
-    planner: RequestPlanner
-    store: ConnectorStore
-    writer: SharedWriter
-    lookups: SharedLookups
-
-    def close(self) -> None:
-        self.writer.close()
-        self.lookups.close()
 
 
 def replica(model: Path, tmp: Path, name: str) -> Replica:
@@ -124,6 +112,14 @@ def allocate(rep: Replica, req: str, ids: list[int], hit: int) -> ChunkLoad:
     return load.chunk
 
 
+def a_computed_ab(a: Replica) -> tuple[list[int], dict]:
+    """Replica A computes documents a, b (and publishes their spans); returns the
+    prompt B gets next: b, a and another question."""
+    ids, params = prompt("ab", 7)
+    compute(a, "r1", ids, params)
+    return prompt("ba", 8)
+
+
 def test_a_span_one_replica_computed_is_placed_by_another_at_another_position(
         replicas: tuple[Replica, Replica]) -> None:
     a, b = replicas
@@ -161,25 +157,35 @@ def test_a_span_one_replica_computed_is_placed_by_another_at_another_position(
 def test_another_tenant_finds_no_span_of_the_same_text(
         replicas: tuple[Replica, Replica]) -> None:
     a, b = replicas
-    ids, params = prompt("ab", 7)
-    compute(a, "r1", ids, params)
-    ids_b, params_b = prompt("ba", 8)
+    ids_b, params_b = a_computed_ab(a)
     hit, found = find(b, "r2", ids_b, params_b, tenant=chunk_salt("globex"))
     assert found == {} and hit == 0
     assert b.lookups.tier.take_counters()["gets"] == 3  # asked, by globex's names
 
 
-def test_a_tampered_span_object_is_refused_and_its_range_recomputed(
-        replicas: tuple[Replica, Replica]) -> None:
+def flip_a_body_byte(tier: SharedTier, path: str) -> None:
+    """A changed byte in the body: the header (and so the lookup) cannot tell."""
+    data = bytearray(tier.store.get(path))
+    data[-100] ^= 0xFF
+    tier.store.put(path, bytes(data))
+
+
+def other_blocks(tier: SharedTier, path: str) -> None:
+    """A valid object at the same name holding other blocks (rewritten since the lookup)."""
+    obj = tier.fetch_span(TENANT, bytes.fromhex(path.rsplit("span-", 1)[1]))
+    assert obj is not None
+    for block in obj.blocks:
+        block.key = hashlib.sha256(b"other" + block.key).digest()
+    tier.store.put(path, encode_chunk(obj, tier.mac_key))
+
+
+@pytest.mark.parametrize("spoil", [flip_a_body_byte, other_blocks])
+def test_a_span_spoiled_after_its_lookup_is_refused_and_its_range_recomputed(
+        replicas: tuple[Replica, Replica], spoil: Callable[[SharedTier, str], None]) -> None:
     a, b = replicas
-    ids, params = prompt("ab", 7)
-    compute(a, "r1", ids, params)
-    ids_b, params_b = prompt("ba", 8)
+    ids_b, params_b = a_computed_ab(a)
     hit, found = find(b, "r2", ids_b, params_b)
-    doc_b = next(f for f in found.values() if f.span.position == 48)
-    data = bytearray(a.writer.tier.store.get(doc_b.path))
-    data[-100] ^= 0xFF  # in the body: the header (and the lookup) cannot tell
-    a.writer.tier.store.put(doc_b.path, bytes(data))
+    spoil(a.writer.tier, next(f for f in found.values() if f.span.position == 48).path)
     chunk = allocate(b, "r2", ids_b, hit)
     imported, _ = b.writer.bring_in_spans(chunk)
     moved_b = next(m for m in chunk.chunks if m.source_position == 48)
@@ -188,33 +194,10 @@ def test_a_tampered_span_object_is_refused_and_its_range_recomputed(
     assert b.writer.ledger.totals()["counters"]["shared_refused"] == 1
 
 
-def test_a_span_rewritten_between_lookup_and_load_is_refused(
-        replicas: tuple[Replica, Replica]) -> None:
-    a, b = replicas
-    ids, params = prompt("ab", 7)
-    compute(a, "r1", ids, params)
-    ids_b, params_b = prompt("ba", 8)
-    hit, found = find(b, "r2", ids_b, params_b)
-    doc_b = next(f for f in found.values() if f.span.position == 48)
-    tier = a.writer.tier
-    obj = tier.fetch_span(TENANT, doc_b.span.content)
-    assert obj is not None
-    for block in obj.blocks:  # a valid object of the same name, other blocks
-        block.key = hashlib.sha256(b"other" + block.key).digest()
-    tier.store.put(obj.path, encode_chunk(obj, tier.mac_key))
-    chunk = allocate(b, "r2", ids_b, hit)
-    imported, _ = b.writer.bring_in_spans(chunk)
-    moved_b = next(m for m in chunk.chunks if m.source_position == 48)
-    assert b.store.missing(moved_b.source_keys) and not set(moved_b.source_keys) & set(imported)
-    assert b.writer.ledger.totals()["counters"]["shared_refused"] == 1
-
-
 def test_a_span_object_copied_to_another_spans_name_is_refused(
         replicas: tuple[Replica, Replica]) -> None:
     a, b = replicas
-    ids, params = prompt("ab", 7)
-    compute(a, "r1", ids, params)
-    ids_b, params_b = prompt("ba", 8)
+    ids_b, params_b = a_computed_ab(a)
     _, found = find(b, "r2", ids_b, params_b)
     doc_a, doc_b = sorted((f for f in found.values() if f.span.label == "documents"),
                           key=lambda f: f.span.position)
