@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from contextkit.pipeline.served.wire import WireSpan
 from gpu_cache.chunks import ChunkEntry, ChunkIndex
 from gpu_cache.hashing import BlockHash
-from shadow.shared.objects import MAX_SPAN_BLOCKS
+from shadow.shared.objects import MAX_SPAN_BLOCKS, SpanRecord
 from shadow.shared.tier import FoundSpan
 
 __all__ = ["ChunkLoad", "ChunkPlanner", "MovedChunk", "SpanShare", "moved_key"]
@@ -71,11 +71,7 @@ class SpanShare:
     read from the DDR tier, as a span object named by its content key)."""
 
     tenant: str
-    content: bytes
-    label: str
-    position: int
-    length: int
-    hops: int
+    span: SpanRecord  # its content key (the object's name), label, position, length, hops
     block_keys: list[bytes]
 
 
@@ -238,17 +234,15 @@ class ChunkPlanner:
 
     def _remote(self, tenant: str, span: WireSpan, found: FoundSpan, length: int
                 ) -> ChunkEntry | None:
-        """The entry of a span object the shared tier holds; None when it does not
-        describe this span (its name is its content key, so only a writer with the
-        deployment's key running other code could cause that) or is too many hops
-        away."""
-        rec, bs = found.span, self.block_size
-        if (rec.label != span.source_layer or rec.length != length
-                or rec.hops >= self.max_hops
-                or len(found.block_keys) != -(-(rec.position % bs + length) // bs)):
+        """The entry of a span object the shared tier holds (its reader checked that its
+        blocks cover the span); None when it is of another label or length (its name is
+        its content key, so only a writer with the deployment's key running other code
+        could cause that) or too many hops away."""
+        rec = found.span
+        if rec.label != span.source_layer or rec.length != length or rec.hops >= self.max_hops:
             return None
         return ChunkEntry(tenant, rec.label, tuple(BlockHash(k) for k in found.block_keys),
-                          rec.position % bs, rec.position, length, rec.hops)
+                          rec.position % self.block_size, rec.position, length, rec.hops)
 
     def register(self, tenant: str, token_ids: Sequence[int], spans: Sequence[WireSpan],
                  keys: Sequence[bytes], stored_blocks: int, held: Callable[[bytes], bool]
@@ -276,8 +270,9 @@ class ChunkPlanner:
                     and all(held(bytes(k)) for k in old.block_keys) else None)
             if (self.index.put(key, entry, keep=keep) and entry != old
                     and len(block_keys) <= MAX_SPAN_BLOCKS):
-                shares.append(SpanShare(tenant, key, span.source_layer, span.start, len(ids),
-                                        span_hops, [bytes(k) for k in block_keys]))
+                shares.append(SpanShare(tenant, SpanRecord(key, span.source_layer, span.start,
+                                                           len(ids), span_hops),
+                                        [bytes(k) for k in block_keys]))
         return shares
 
     def adopt(self, load: ChunkLoad) -> None:

@@ -267,16 +267,16 @@ class SharedWriter:
         imported: list[bytes] = []
         removed: list[bytes] = []
         try:
-            todo = [c for c in load.chunks if c.shared is not None
-                    and self.store.missing(c.source_keys)]
-            got = self.tier.fetch_spans(load.tenant, [c.shared for c in todo if c.shared])
+            todo = [(c, c.shared, missing) for c in load.chunks if c.shared is not None
+                    and (missing := self.store.missing(c.source_keys))]
+            got = self.tier.fetch_spans(load.tenant, [content for _, content, _ in todo])
         except Exception:
             self.ledger.count("shared_refused")
             logger.exception("shared tier spans of request %s refused; its range "
                              "recomputes", load.req_id)
             todo, got = [], {}
-        for chunk in todo:
-            obj = got.get(chunk.shared) if chunk.shared is not None else None
+        for chunk, content, missing in todo:
+            obj = got.get(content)
             if obj is None:
                 continue
             try:
@@ -286,7 +286,7 @@ class SharedWriter:
                     logger.error("shared tier span %s holds other blocks than its lookup "
                                  "found (rewritten since); refused", obj.path)
                     continue
-                missing = self.store.missing(chunk.source_keys)
+                # import_chunk skips what an earlier chunk of this load brought in
                 held, gone = self.store.import_chunk(obj, [k for k in chunk.source_keys
                                                            if k in missing])
                 self.ledger.count("shared_imported_blocks", len(held))
@@ -375,9 +375,7 @@ class SharedWriter:
         """Queue the upload of a registered span as a span object (its blocks read
         from the DDR tier when the writer thread gets to it; dropped, counted, if they
         are gone by then or the queue is full)."""
-        job = _Upload(spec.tenant, list(spec.block_keys), time.monotonic(),
-                      SpanRecord(spec.content, spec.label, spec.position, spec.length,
-                                 spec.hops))
+        job = _Upload(spec.tenant, list(spec.block_keys), time.monotonic(), spec.span)
         with self._cond:
             if len(self._queue) >= self.max_pending:
                 self.ledger.count("shared_dropped")

@@ -57,10 +57,11 @@ from shadow._errors import ShadowError
 
 __all__ = ["MAC_BYTES", "MAGIC", "MAX_HEADER_BYTES", "MAX_LEASE_BYTES", "MAX_SPAN_BLOCKS",
            "PREFIX_BYTES", "VERSION", "BlockEntry", "Lease", "ObjectHeader", "PoolPart",
-           "SharedChunk", "SharedObjectError", "SpanRecord", "assemble_object", "check_span_name",
-           "chunk_path", "decode_chunk", "decode_lease", "encode_chunk", "encode_lease",
-           "header_bound", "header_length", "max_object_bytes", "model_tag", "object_bytes",
-           "parse_header", "read_header", "span_path", "split_object", "tenant_tag"]
+           "SharedChunk", "SharedObjectError", "SpanRecord", "assemble_object", "check_reader",
+           "check_span_name", "chunk_path", "decode_chunk", "decode_lease", "encode_chunk",
+           "encode_lease", "header_bound", "header_length", "max_object_bytes", "model_tag",
+           "object_bytes", "parse_header", "read_header", "span_path", "split_object",
+           "tenant_tag"]
 
 MAGIC = b"CKSHARED2\n"
 #: The header ``version`` this code writes and reads.
@@ -487,6 +488,29 @@ def parse_header(doc: dict[str, Any]) -> ObjectHeader:
                         span)
 
 
+def check_reader(header: ObjectHeader, path: str, tag: str, identity: CacheIdentity) -> None:
+    """An authenticated header is what a reader of ``path`` for the tenant whose keyed
+    tag is ``tag`` and for ``identity`` may serve.
+
+    Raises:
+        SharedObjectError: ``replayed`` (written for another name or tenant),
+            ``corrupt`` (a span object away from its content's name) or ``foreign``
+            (another model, block size or key codec).
+    """
+    if header.path != path:
+        raise SharedObjectError("replayed", f"{path}: the object was written as "
+                                f"{header.path!r}")
+    if header.tenant != tag:
+        raise SharedObjectError("replayed", f"{path}: the object is another tenant's")
+    check_span_name(path, header.span)
+    theirs = header.identity
+    if theirs != identity:
+        raise SharedObjectError("foreign", f"{path}: written for {theirs.model_id} "
+                                f"(block {theirs.block_size}, {theirs.codec}), this server "
+                                f"is {identity.model_id} (block {identity.block_size}, "
+                                f"{identity.codec})")
+
+
 def check_span_name(path: str, span: SpanRecord | None) -> None:
     """A span object lies at its content's name, and only a span object there.
 
@@ -512,9 +536,9 @@ def _span(value: object, num_blocks: int, block_size: int) -> SpanRecord:
         raise _fail("span content must be 64 hex digits") from None
     position = _int(d["position"], "span position")
     length = _int(d["length"], "span length", 1, MAX_SPAN_BLOCKS * block_size)
-    if num_blocks != -(-(position % block_size + length) // block_size):
-        raise _fail(f"a span of {length} tokens at {position} lies in "
-                    f"{-(-(position % block_size + length) // block_size)} blocks, "
+    touched = -(-(position % block_size + length) // block_size)
+    if num_blocks != touched:
+        raise _fail(f"a span of {length} tokens at {position} lies in {touched} blocks, "
                     f"the object holds {num_blocks}")
     return SpanRecord(raw, _text(d["label"], "span label", empty=False), position, length,
                       _int(d["hops"], "span hops", 0, _MAX_HOPS))
@@ -556,18 +580,8 @@ def decode_chunk(data: bytes | bytearray | memoryview, mac_key: bytes, *, path: 
         header = parse_header(read_header(signed, mac_key))
     except SharedObjectError as exc:
         raise SharedObjectError(exc.reason, f"{path}: {exc}") from None
-    if header.path != path:
-        raise SharedObjectError("replayed", f"{path}: the object was written as "
-                                f"{header.path!r}")
-    if header.tenant != tenant_tag(mac_key, tenant):
-        raise SharedObjectError("replayed", f"{path}: the object is another tenant's")
-    check_span_name(path, header.span)
+    check_reader(header, path, tenant_tag(mac_key, tenant), identity)
     theirs = header.identity
-    if theirs != identity:
-        raise SharedObjectError("foreign", f"{path}: written for {theirs.model_id} "
-                                f"(block {theirs.block_size}, {theirs.codec}), this server "
-                                f"is {identity.model_id} (block {identity.block_size}, "
-                                f"{identity.codec})")
     body = signed[PREFIX_BYTES + header_length(signed) + MAC_BYTES:]
     if len(body) != header.body_bytes:
         raise SharedObjectError("corrupt", f"{path}: a body of {len(body)} bytes, its header "

@@ -26,9 +26,9 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from gpu_cache import CacheIdentity
 from shadow._errors import BlobNotFoundError, BlobTooLargeError, ShadowError, ShadowStoreError
@@ -45,7 +45,7 @@ from shadow.shared.objects import (
     SharedChunk,
     SharedObjectError,
     SpanRecord,
-    check_span_name,
+    check_reader,
     chunk_path,
     decode_chunk,
     decode_lease,
@@ -65,6 +65,7 @@ __all__ = ["FoundSpan", "SharedTier", "SharedTierConfig", "SharedTierError",
            "default_writer_id", "lease_runs", "read_lease", "read_signed_header"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class SharedTierError(ShadowError, ValueError):
@@ -401,25 +402,35 @@ class SharedTier:
         """The span objects of ``tenant`` among these content keys, from their headers
         alone (read in parallel, the header MAC verified; the body is verified when a
         load fetches it). Past the deadline, what was read by then counts."""
+        return self._gather(lambda c: self._span_header(tenant, c), contents, deadline_s)
+
+    def fetch_spans(self, tenant: str, contents: Sequence[bytes],
+                    deadline_s: float | None = None) -> dict[bytes, SharedChunk]:
+        """The verified span objects of these content keys (their blocks and spans),
+        read in parallel within one deadline; what is missing, refused or late is
+        left out."""
+        return self._gather(
+            lambda c: self._get(self.span_path(tenant, c), tenant, self.max_span_bytes),
+            contents, deadline_s)
+
+    def _gather(self, read: Callable[[bytes], T | None], contents: Sequence[bytes],
+                deadline_s: float | None) -> dict[bytes, T]:
+        """``read`` of each content key in parallel, within the deadline (a miss past
+        it counted once); what it found, by content key."""
         if not contents:
             return {}
-        futures = {self._pool.submit(self._span_header, tenant, c): c for c in contents}
+        futures = {self._pool.submit(read, c): c for c in contents}
         done, pending = cf.wait(futures, timeout=deadline_s or self.config.deadline_s)
         if pending:
             self._count(deadline_misses=1)
-        return {futures[f]: found for f in done if (found := f.result()) is not None}
+        return {futures[f]: got for f in done if (got := f.result()) is not None}
 
     def _span_header(self, tenant: str, content: bytes) -> FoundSpan | None:
         path = self.span_path(tenant, content)
         self._count(gets=1)
         try:
             _, header = read_signed_header(self.store, path, self._key)
-            if header.path != path or header.tenant != self._tag(tenant):
-                raise SharedObjectError("replayed", f"{path}: written as {header.path!r}")
-            if header.identity != self.identity:
-                raise SharedObjectError("foreign", f"{path}: written for "
-                                        f"{header.identity.model_id}")
-            check_span_name(path, header.span)
+            check_reader(header, path, self._tag(tenant), self.identity)
         except BlobNotFoundError:
             return None
         except SharedObjectError as exc:
@@ -430,27 +441,8 @@ class SharedTier:
             self._count(errors=1)
             logger.warning("shared tier span lookup of %s failed: %s", path, exc)
             return None
-        assert header.span is not None  # check_span_name
+        assert header.span is not None  # check_reader: a span object at a span's name
         return FoundSpan(path, header.span, [b.key for b in header.blocks])
-
-    def fetch_spans(self, tenant: str, contents: Sequence[bytes],
-                    deadline_s: float | None = None) -> dict[bytes, SharedChunk]:
-        """The verified span objects of these content keys (their blocks and spans),
-        read in parallel within one deadline; what is missing, refused or late is
-        left out."""
-        if not contents:
-            return {}
-        futures = {self._pool.submit(self._get, self.span_path(tenant, c), tenant,
-                                     self.max_span_bytes): c for c in contents}
-        done, pending = cf.wait(futures, timeout=deadline_s or self.config.deadline_s)
-        if pending:
-            self._count(deadline_misses=1)
-        return {futures[f]: chunk for f in done if (chunk := f.result()) is not None}
-
-    def fetch_span(self, tenant: str, content: bytes, deadline_s: float | None = None
-                   ) -> SharedChunk | None:
-        """The verified span object of ``content``, or None: missing, refused or late."""
-        return self.fetch_spans(tenant, [content], deadline_s).get(content)
 
     # ------------------------------------------------------------------ writes
     def put(self, chunk: SharedChunk) -> bool:

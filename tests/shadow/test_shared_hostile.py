@@ -356,11 +356,11 @@ def test_a_mac_valid_malformed_span_object_is_refused_by_lookup_and_load(
     tier.store.put(good.path, encode_chunk(good, KEY))
     found = tier.find_spans("acme", [CONTENT])
     assert found[CONTENT].span == good.span and found[CONTENT].block_keys == good.keys
-    assert tier.fetch_span("acme", CONTENT) is not None
+    assert tier.fetch_spans("acme", [CONTENT]).get(CONTENT) is not None
     tier.take_counters()
     tier.store.put(good.path, resign(encode_chunk(good, KEY), mutate))
     assert tier.find_spans("acme", [CONTENT]) == {}
-    assert tier.fetch_span("acme", CONTENT) is None
+    assert tier.fetch_spans("acme", [CONTENT]).get(CONTENT) is None
     assert tier.take_counters()["refused_corrupt"] == 2
 
 
@@ -372,5 +372,5 @@ def test_a_span_object_is_another_tenants_to_no_one(url: str,
     assert tier.find_spans("globex", [CONTENT]) == {}  # globex's name: nothing there
     tier.store.put(tier.span_path("globex", CONTENT), tier.store.get(good.path))
     assert tier.find_spans("globex", [CONTENT]) == {}  # acme's object at globex's name
-    assert tier.fetch_span("globex", CONTENT) is None
+    assert tier.fetch_spans("globex", [CONTENT]).get(CONTENT) is None
     assert tier.take_counters()["refused_replayed"] == 2

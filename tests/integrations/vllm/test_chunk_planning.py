@@ -234,7 +234,8 @@ def test_with_a_shared_tier_new_spans_are_published_once() -> None:
     shares = p.take_shares()
     # the rules and both documents, where they were computed, with the blocks holding
     # them (the question shares its last block with the prompt's last token: not stored)
-    assert [(s.label, s.position, s.length, s.hops, len(s.block_keys)) for s in shares] == [
+    assert [(s.span.label, s.span.position, s.span.length, s.span.hops, len(s.block_keys))
+            for s in shares] == [
         ("rules", 0, 4, 0, 1), ("documents", 4, 8, 0, 2), ("documents", 12, 8, 0, 2)]
     assert all(s.tenant == TENANT for s in shares)
     serve(p, "t2", ids, params)  # the same spans again: nothing new to publish

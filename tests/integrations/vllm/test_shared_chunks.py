@@ -172,7 +172,8 @@ def flip_a_body_byte(tier: SharedTier, path: str) -> None:
 
 def other_blocks(tier: SharedTier, path: str) -> None:
     """A valid object at the same name holding other blocks (rewritten since the lookup)."""
-    obj = tier.fetch_span(TENANT, bytes.fromhex(path.rsplit("span-", 1)[1]))
+    content = bytes.fromhex(path.rsplit("span-", 1)[1])
+    obj = tier.fetch_spans(TENANT, [content]).get(content)
     assert obj is not None
     for block in obj.blocks:
         block.key = hashlib.sha256(b"other" + block.key).digest()
@@ -217,7 +218,8 @@ def test_a_span_object_at_a_prefix_chunks_name_is_corrupt(
     compute(a, "r1", ids, params)
     tier = a.writer.tier
     span_name = next(p for p in tier.store.list(tier.tenants_prefix) if "/span-" in p)
-    chunk = tier.fetch_span(TENANT, bytes.fromhex(span_name.rsplit("span-", 1)[1]))
+    content = bytes.fromhex(span_name.rsplit("span-", 1)[1])
+    chunk = tier.fetch_spans(TENANT, [content]).get(content)
     assert chunk is not None and chunk.span is not None
     chunk.path = tier.path(TENANT, chunk.keys[-1])  # signed for a prefix chunk's name
     tier.put(chunk)
