@@ -10,6 +10,7 @@ from contextkit.pipeline.served.wire import (
     CHUNKS_SALT_SUFFIX,
     PARAMS_KEY,
     chunk_salt,
+    decode_spans,
     opted_into_chunks,
 )
 from gpu_cache import CacheIdentity, hash_token_blocks
@@ -21,6 +22,8 @@ from integrations.vllm.planning import (
     WorkerReport,
     semantic_params,
 )
+from shadow.shared.objects import SpanRecord
+from shadow.shared.tier import FoundSpan
 
 BS = 4
 IDENTITY = CacheIdentity(model_id="m", num_layers=2, num_kv_heads=2, head_dim=8, block_size=BS)
@@ -244,3 +247,23 @@ def test_with_a_shared_tier_new_spans_are_published_once() -> None:
     q = planner()
     serve(q, "t1", ids, params)
     assert q.take_shares() == []
+
+
+def test_a_span_found_in_the_shared_tier_is_planned_unless_it_is_not_this_span() -> None:
+    ids, params = prompt("ab")
+    spans = decode_spans(params[PARAMS_KEY])[1]
+    doc_b = next(s for s in spans if s.start == 12)
+    chunks = ChunkPlanner(IDENTITY.digest(), BS, min_tokens=4, repair_first=1, max_hops=2)
+    key = chunks.index.key(TENANT, "documents", ids[12:20])
+    blocks = [bytes([i]) * 32 for i in range(3)]  # the span at 33 lies in 3 blocks
+
+    def plan(record: SpanRecord) -> object:
+        found = {key: FoundSpan("p", record, blocks)}
+        return chunks.plan("r", TENANT, ids, len(ids), [doc_b], 4, lambda k: False, found)
+
+    load = plan(SpanRecord(key, "documents", 33, 8, 1))
+    assert load is not None and load.chunks[0].shared == key  # type: ignore[attr-defined]
+    assert load.chunks[0].source_position == 33  # type: ignore[attr-defined]
+    assert plan(SpanRecord(key, "memories", 33, 8, 1)) is None  # another label
+    assert plan(SpanRecord(key, "documents", 33, 7, 1)) is None  # another length
+    assert plan(SpanRecord(key, "documents", 33, 8, 2)) is None  # max_hops away
