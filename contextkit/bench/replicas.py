@@ -93,7 +93,8 @@ from contextkit.bench.agents_vllm import percentile as _p
 __all__ = ["CONFIGS", "HELP", "add_arguments", "result_of", "run"]
 
 HELP = ("agents alternating between two vLLM replicas: APC, a connector per replica, the "
-        "shared S3 tier, vllm-router, failover, against one replica")
+        "shared S3 tier, vllm-router, failover, chunk reuse across replicas, against one "
+        "replica")
 #: ``--out`` names a JSON file; the CLI writes the result there with its provenance.
 OUT_IS_JSON = True
 
