@@ -10,7 +10,11 @@ set of tokens, so the connector does it here, with the server's own model module
 (the weights vLLM loaded, reached through :mod:`integrations.vllm.served_model`):
 each decoder layer runs over the chosen tokens only, writes their K/V into the paged
 cache and attends over the request's pages. That is CacheBlend's selective recompute
-with the tokens picked ahead (EPIC's rule: each chunk's first tokens).
+with the tokens picked ahead (EPIC's rule: each chunk's first tokens). On vLLM's CPU
+build the writes and the attention go through vLLM's own cache and attention kernels,
+straight over the pages (each run of consecutive tokens is one request of a chunked
+prefill to them); elsewhere, and for the model check's plain tensors, torch's SDPA
+attends over a copy of the context.
 
 Only Llama-family decoders (vLLM's ``LlamaForCausalLM`` module layout, neox RoPE
 over the whole head) are supported; :func:`served_llama` names why another model
@@ -20,14 +24,15 @@ cannot be, and the connector then serves prefix reuse only.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from integrations.vllm.layout import keys_by_token
 
-__all__ = ["ContiguousKV", "KVAccess", "PagedKV", "ServedLlama", "served_llama"]
+__all__ = ["ContiguousKV", "KVAccess", "PagedKV", "Runs", "ServedLlama", "attend_sdpa",
+           "served_llama"]
 
 #: Runs of consecutive tokens at least this long attend on their own (SDPA's causal
 #: kernel); shorter ones (seams) together under one dense mask.
@@ -47,6 +52,68 @@ class KVAccess(Protocol):
     def context(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V ``[H_kv, upto, D]`` of positions ``0 .. upto-1``."""
 
+    def attend(self, layer: int, q: torch.Tensor, runs: Runs, scale: float) -> torch.Tensor:
+        """Causal attention of queries ``[T, H, D]`` (the tokens of ``runs``, their K/V
+        already written) over the context; ``[T, H, D]`` float32."""
+
+
+@dataclass(frozen=True)
+class Runs:
+    """The chosen tokens as runs of consecutive positions.
+
+    Attributes:
+        spans: ``(first row, end row, end position)`` of each run.
+        positions: the tokens' positions ``[T]`` (ascending).
+    """
+
+    spans: tuple[tuple[int, int, int], ...]
+    positions: torch.Tensor
+
+    @classmethod
+    def of(cls, positions: Sequence[int], device: torch.device | str = "cpu") -> Runs:
+        spans: list[tuple[int, int, int]] = []
+        start = 0
+        for i in range(1, len(positions) + 1):
+            if i == len(positions) or positions[i] != positions[i - 1] + 1:
+                spans.append((start, i, positions[i - 1] + 1))
+                start = i
+        return cls(tuple(spans), torch.as_tensor(list(positions), dtype=torch.int64,
+                                                 device=device))
+
+    @property
+    def upto(self) -> int:
+        """One past the last position."""
+        return max(end for _, _, end in self.spans)
+
+
+def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Runs,
+                scale: float) -> torch.Tensor:
+    """:meth:`KVAccess.attend` with torch's SDPA over the context ``k``/``v``
+    ``[H_kv, S, D]``: runs of :data:`LONG_RUN` tokens or more each on their own (causal,
+    aligned bottom-right: a run's last query sees every key before it), shorter ones
+    (seams) together under one dense mask."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    qh = q.transpose(0, 1).float()  # [H, T, D]
+    out = qh.new_empty(qh.shape)
+    short = []
+    for a, b, end in runs.spans:
+        if b - a >= LONG_RUN:
+            out[:, a:b] = torch.nn.functional.scaled_dot_product_attention(
+                qh[None, :, a:b], k[None, :, :end].float(), v[None, :, :end].float(),
+                attn_mask=causal_lower_right(b - a, end), scale=scale, enable_gqa=True)[0]
+        else:
+            short.append((a, b, end))
+    if short:
+        pos = runs.positions.to(q.device)
+        rows = torch.cat([torch.arange(a, b) for a, b, _ in short]).to(q.device)
+        end = max(e for _, _, e in short)
+        mask = torch.arange(end, device=q.device)[None, :] <= pos[rows][:, None]
+        out[:, rows] = torch.nn.functional.scaled_dot_product_attention(
+            qh[None, :, rows], k[None, :, :end].float(), v[None, :, :end].float(),
+            attn_mask=mask, scale=scale, enable_gqa=True)[0]
+    return out.transpose(0, 1)
+
 
 @dataclass
 class PagedKV:
@@ -60,6 +127,10 @@ class PagedKV:
             (:data:`~integrations.vllm.layout.KEY_ORDERS`).
         block_ids: the request's vLLM block ids, in order.
         block_size: tokens per block (``N``).
+        isa: vLLM's CPU attention kernel of these pages (``"vec"``, ``"amx"``, ...):
+            writes and attention then run through vLLM's own cache and attention
+            kernels, straight over the pages; None: torch ops over a copy of the
+            context.
     """
 
     pages: Sequence[torch.Tensor]
@@ -67,6 +138,9 @@ class PagedKV:
     key_order: str
     block_ids: Sequence[int]
     block_size: int
+    isa: str | None = None
+    _plan: tuple[Runs, tuple[torch.Tensor, ...]] | None = field(default=None, init=False,
+                                                                 repr=False)
 
     def _slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.as_tensor(list(self.block_ids), dtype=torch.int64)
@@ -75,6 +149,14 @@ class PagedKV:
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         kp, vp = self.split(self.pages[layer])
+        if self.isa is not None:
+            from vllm import _custom_ops as ops
+
+            blocks, slots = self._slots(positions.to(torch.int64).cpu())
+            ops.cpu_attn_reshape_and_cache(
+                k.to(kp.dtype).contiguous(), v.to(vp.dtype).contiguous(), kp, vp,
+                blocks * self.block_size + slots, self.isa)
+            return
         kp = keys_by_token(kp, self.key_order)
         blocks, slots = self._slots(positions.to(torch.int64).cpu())
         blocks, slots = blocks.to(kp.device), slots.to(kp.device)
@@ -93,6 +175,48 @@ class PagedKV:
             out.append(part.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :upto])
         return out[0], out[1]
 
+    def attend(self, layer: int, q: torch.Tensor, runs: Runs, scale: float) -> torch.Tensor:
+        if self.isa is None:
+            return attend_sdpa(q, *self.context(layer, runs.upto), runs, scale)
+        from vllm import _custom_ops as ops
+
+        kp, vp = self.split(self.pages[layer])
+        starts, ends, table, schedule = self._kernel_plan(runs, q, kp.dtype)
+        out = torch.empty(q.shape, dtype=kp.dtype, device=kp.device)
+        ops.cpu_attention_with_kv_cache(
+            query=q.to(kp.dtype).contiguous(), key_cache=kp, value_cache=vp, output=out,
+            query_start_loc=starts, seq_lens=ends, scale=scale, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
+            scheduler_metadata=schedule, s_aux=None)
+        return out.float()
+
+    def _kernel_plan(self, runs: Runs, q: torch.Tensor, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, ...]:
+        """vLLM's CPU attention sees each run as one request of a chunked prefill: its
+        queries are the last tokens of a sequence of ``end`` tokens over this request's
+        blocks (causal, aligned bottom-right). The same for every layer of a forward."""
+        if self._plan is not None and self._plan[0] is runs:
+            return self._plan[1]
+        from vllm import _custom_ops as ops
+        from vllm import envs
+
+        starts = torch.tensor([0] + [b for _, b, _ in runs.spans], dtype=torch.int32)
+        ends = torch.tensor([end for _, _, end in runs.spans], dtype=torch.int32)
+        n = -(-runs.upto // self.block_size)
+        table = torch.tensor(list(self.block_ids[:n]), dtype=torch.int32)
+        table = table[None, :].expand(len(runs.spans), n).contiguous()
+        schedule = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(runs.spans), num_heads=q.shape[1], num_kv_heads=self.num_kv_heads,
+            head_dim=q.shape[2], seq_lens=ends, dtype=dtype, query_start_loc=starts,
+            causal=True, sliding_window_size=-1, isa=self.isa,
+            enable_kv_split=bool(envs.VLLM_CPU_ATTN_SPLIT_KV))
+        self._plan = (runs, (starts, ends, table, schedule))
+        return self._plan[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.pages[0].shape[1])
+
 
 class ContiguousKV:
     """K/V in plain tensors ``[L, H_kv, S, D]`` (the gate's full and reused passes)."""
@@ -110,6 +234,9 @@ class ContiguousKV:
 
     def context(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer][:, :upto], self.v[layer][:, :upto]
+
+    def attend(self, layer: int, q: torch.Tensor, runs: Runs, scale: float) -> torch.Tensor:
+        return attend_sdpa(q, *self.context(layer, runs.upto), runs, scale)
 
 
 class ServedLlama:
@@ -164,31 +291,6 @@ class ServedLlama:
         cos, sin = cos.to(x.device), sin.to(x.device)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(k.dtype)
 
-    @staticmethod
-    def _short_rows(runs: list[tuple[int, int, int]], pos: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """The rows of the short runs (seams), attended together in one call with a
-        dense causal mask: their rows, the mask and the keys it spans."""
-        short = [(a, b, end) for a, b, end in runs if b - a < LONG_RUN]
-        if not short:
-            return None
-        rows = torch.cat([torch.arange(a, b) for a, b, _ in short]).to(pos.device)
-        end = max(e for _, _, e in short)
-        mask = torch.arange(end, device=pos.device)[None, :] <= pos[rows][:, None]
-        return rows, mask, end
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int
-                ) -> torch.Tensor:
-        """Attention of a run of consecutive positions ending at ``end`` (queries
-        ``[H, n, D]``) over keys ``0 .. end-1``: causal, aligned bottom-right (the
-        run's last query sees every key), which SDPA runs without a dense mask."""
-        from torch.nn.attention.bias import causal_lower_right
-
-        n = q.shape[1]
-        return torch.nn.functional.scaled_dot_product_attention(
-            q[None], k[None, :, :end].float(), v[None, :, :end].float(),
-            attn_mask=causal_lower_right(n, end), scale=self.scaling, enable_gqa=True)[0]
-
     @torch.inference_mode()
     def forward(self, token_ids: Sequence[int], positions: Sequence[int], kv: KVAccess,
                 *, logits: bool = False) -> torch.Tensor | None:
@@ -233,10 +335,8 @@ class ServedLlama:
         and residual after them."""
         device = next(self.model.parameters()).device
         ids = torch.as_tensor(list(token_ids), dtype=torch.int64, device=device)
-        pos = torch.as_tensor(list(positions), dtype=torch.int64, device=device)
-        upto = int(pos.max()) + 1
-        runs = _runs(list(positions))
-        short = self._short_rows(runs, pos)
+        runs = Runs.of(positions, device)
+        pos = runs.positions
         t = ids.shape[0]
         hidden = self.embed(ids)
         residual: torch.Tensor | None = None
@@ -249,33 +349,11 @@ class ServedLlama:
             attn = layer.self_attn
             q, k, v = self._kv(attn, x, pos)
             kv.write(i, pos, k, v)
-            ck, cv = kv.context(i, upto)
-            q = q.reshape(t, self.num_heads, self.head_dim).transpose(0, 1).float()
-            out = q.new_empty(q.shape)
-            for a, b, end in runs:
-                if b - a >= LONG_RUN:
-                    out[:, a:b] = self._attend(q[:, a:b], ck, cv, end)
-            if short is not None:
-                rows, mask, end = short
-                out[:, rows] = torch.nn.functional.scaled_dot_product_attention(
-                    q[None, :, rows], ck[None, :, :end].float(), cv[None, :, :end].float(),
-                    attn_mask=mask, scale=self.scaling, enable_gqa=True)[0]
-            out = out.transpose(0, 1).reshape(t, self.q_size).to(x.dtype)
-            hidden, _ = attn.o_proj(out)
+            out = kv.attend(i, q.reshape(t, self.num_heads, self.head_dim), runs, self.scaling)
+            hidden, _ = attn.o_proj(out.reshape(t, self.q_size).to(x.dtype))
             x, residual = layer.post_attention_layernorm(hidden, residual)
             hidden = layer.mlp(x)
         return hidden, residual
-
-
-def _runs(positions: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Runs of consecutive positions: ``(first row, end row, end position)`` each."""
-    runs: list[tuple[int, int, int]] = []
-    start = 0
-    for i in range(1, len(positions) + 1):
-        if i == len(positions) or positions[i] != positions[i - 1] + 1:
-            runs.append((start, i, positions[i - 1] + 1))
-            start = i
-    return runs
 
 
 def served_llama(model: Any) -> tuple[ServedLlama | None, str | None]:

@@ -35,7 +35,7 @@ from integrations.vllm.connector_metadata import (
     ContextKitConnectorMetadata,
     ContextKitWorkerMetadata,
 )
-from integrations.vllm.layout import LAYOUTS, keys_by_token, keys_to_page, probe_cpu_key_order
+from integrations.vllm.layout import LAYOUTS, keys_by_token, probe_cpu_key_order
 from integrations.vllm.pauses import KeepSpec
 from integrations.vllm.planning import LoadSpec, SaveSpec, WorkerReport
 from integrations.vllm.pools import decode_pool_blocks, decode_pool_layer_into
@@ -114,6 +114,7 @@ class ConnectorWorker:
         self._tokenizer_dir = tokenizer_dir
         self._served: ServedLlama | None = None  # chunk reuse's model, once checked
         self._key_order = "token"  # how a page's key half orders its values
+        self._isa: str | None = None  # vLLM's CPU attention kernel, which chunk reuse uses
         #: the latest chunk loads materialized (diagnostics: which blocks, what moved)
         self.recent_chunks: deque[ChunkLoad] = deque(maxlen=16)
 
@@ -160,7 +161,7 @@ class ConnectorWorker:
             if order is None:
                 why = f"vLLM's CPU attention ({isa}) lays keys out in pages in an unknown order"
             else:
-                self._key_order = order
+                self._key_order, self._isa = order, isa
         if served is not None and why is None:
             try:
                 from transformers import AutoTokenizer
@@ -318,31 +319,22 @@ class ConnectorWorker:
             rows.append(at[moved.offset:moved.offset + moved.length])
             delta.append(torch.full((moved.length,), moved.position - moved.source_position))
             positions.append(torch.arange(moved.position, moved.position + moved.length))
-        at, where = torch.cat(rows), torch.cat(positions) - chunk.start
+        at, where = torch.cat(rows), torch.cat(positions)
         cos, sin = model.rotation(torch.cat(delta))
-        # whole pages of the range, layer by layer: the tokens to compute hold stale
-        # values until the forward writes them, before anything reads them
-        first, n = chunk.start // bs, (chunk.end - chunk.start) // bs
-        ids = torch.tensor(chunk.block_ids[first:first + n], dtype=torch.int64)
-        k_range = torch.empty(n * bs, heads, dim)
-        v_range = torch.empty_like(k_range)
+        # every layer at once: the stored rows are page memory [L, n, N, H, D]; the
+        # moved tokens' keys token-major, re-rotated to their new positions
         k_src, v_src = sources
-        for layer, name in enumerate(self._names):
-            # the stored rows are page memory: [n, N, H, D] -> token-major keys
-            k_mem = k_src[layer].permute(0, 2, 1, 3).contiguous()  # [n, H, N, D]
-            k_tok = keys_by_token(k_mem, self._key_order).permute(0, 2, 1, 3)
-            k_range[where] = model.rotate_with(k_tok.reshape(n_src * bs, heads, dim)[at],
-                                               cos, sin)
-            v_range[where] = v_src[layer].reshape(n_src * bs, heads, dim)[at]
-            pages = self._pages[name]
-            page = self._layout.join(
-                keys_to_page(k_range.view(n, bs, heads, dim).transpose(1, 2),
-                             self._key_order),
-                v_range.view(n, bs, heads, dim).transpose(1, 2))
-            pages.index_copy_(0, ids.to(pages.device), page.to(pages.device, pages.dtype))
-        t2 = time.perf_counter()
+        layers = len(self._names)
+        k_mem = k_src.permute(0, 1, 3, 2, 4).contiguous()  # [L, n, H, N, D]
+        k_tok = keys_by_token(k_mem, self._key_order).permute(0, 1, 3, 2, 4)
+        k_moved = model.rotate_with(k_tok.reshape(layers, n_src * bs, heads, dim)[:, at],
+                                    cos, sin)
+        v_moved = v_src.reshape(layers, n_src * bs, heads, dim)[:, at]
         paged = PagedKV([self._pages[name] for name in self._names], self._layout.split,
-                        self._key_order, chunk.block_ids, bs)
+                        self._key_order, chunk.block_ids, bs, isa=self._isa)
+        for layer in range(layers):
+            paged.write(layer, where, k_moved[layer], v_moved[layer])
+        t2 = time.perf_counter()
         compute = chunk.compute
         if chunk.selected:
             compute = self._select(chunk, model, paged)

@@ -1,0 +1,98 @@
+"""Chunk reuse's attention over chosen tokens: torch's SDPA over the context, and vLLM's
+own CPU cache and attention kernels straight over the pages (the last test needs
+vLLM's CPU build: ``make test-vllm``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from integrations.vllm.chunk_forward import ContiguousKV, PagedKV, Runs, attend_sdpa
+from integrations.vllm.layout import CPU_LAYOUT
+
+H, H_KV, D, N = 6, 2, 32, 32
+#: a long run (a changed document), seams of 3 and 1 tokens, a run ending the range
+POSITIONS = [*range(5, 9), *range(40, 43), 70, *range(90, 120)]
+
+
+def _qkv(t: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(t, H, D, generator=gen), torch.randn(t, H_KV, D, generator=gen),
+            torch.randn(t, H_KV, D, generator=gen))
+
+
+def _context(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V ``[length, H_kv, D]`` of every position (the reused context)."""
+    _, k, v = _qkv(length, seed=1)
+    return k, v
+
+
+def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int]
+           ) -> torch.Tensor:
+    """Each query at position p over keys 0..p, one softmax at a time."""
+    out = torch.empty_like(q)
+    group = H // H_KV
+    for row, p in enumerate(positions):
+        for h in range(H):
+            scores = k[:p + 1, h // group] @ q[row, h] / math.sqrt(D)
+            out[row, h] = torch.softmax(scores, 0) @ v[:p + 1, h // group]
+    return out
+
+
+def _paged(order: str, isa: str | None) -> PagedKV:
+    blocks = 12
+    pages = [CPU_LAYOUT.pages(torch.zeros(blocks, H_KV, N, 2 * D))]
+    ids = [int(i) for i in torch.randperm(blocks, generator=torch.Generator().manual_seed(2))]
+    return PagedKV(pages, CPU_LAYOUT.split, order, ids, N, isa=isa)
+
+
+def _attend(kv: ContiguousKV | PagedKV, positions: list[int]) -> torch.Tensor:
+    """Write the context, then the chosen tokens' K/V over it, and attend."""
+    length = max(positions) + 1
+    k, v = _context(length)
+    kv.write(0, torch.arange(length), k, v)
+    q, k_new, v_new = _qkv(len(positions), seed=3)
+    runs = Runs.of(positions)
+    kv.write(0, runs.positions, k_new, v_new)
+    return kv.attend(0, q, runs, 1 / math.sqrt(D))
+
+
+def test_runs_group_consecutive_positions() -> None:
+    runs = Runs.of(POSITIONS)
+    assert runs.spans == ((0, 4, 9), (4, 7, 43), (7, 8, 71), (8, 38, 120))
+    assert runs.upto == 120
+
+
+def test_sdpa_over_the_context_is_causal_attention_at_each_position() -> None:
+    length = max(POSITIONS) + 1
+    k, v = _context(length)
+    q, k_new, v_new = _qkv(len(POSITIONS), seed=3)
+    at = torch.tensor(POSITIONS)
+    k[at], v[at] = k_new, v_new
+    got = attend_sdpa(q, k.transpose(0, 1), v.transpose(0, 1), Runs.of(POSITIONS),
+                      1 / math.sqrt(D))
+    torch.testing.assert_close(got, _naive(q, k, v, POSITIONS), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("order", ["token", "dim"])
+def test_paged_attention_is_the_contiguous_attention(order: str) -> None:
+    want = _attend(ContiguousKV(1, H_KV, max(POSITIONS) + 1, D), POSITIONS)
+    torch.testing.assert_close(_attend(_paged(order, None), POSITIONS), want)
+
+
+@pytest.mark.vllm
+def test_vllms_kernels_write_and_attend_as_the_torch_path_does() -> None:
+    from integrations.vllm.layout import probe_cpu_key_order
+
+    isa = "vec"  # vLLM's CPU kernel for float32 pages of 32 tokens on x86
+    order = probe_cpu_key_order(isa, N, D)
+    assert order is not None
+    torch_path, kernels = _paged(order, None), _paged(order, isa)
+    want = _attend(torch_path, POSITIONS)
+    got = _attend(kernels, POSITIONS)
+    # the kernel wrote every token where the torch path did, in the same key order
+    for a, b in zip(torch_path.context(0, 120), kernels.context(0, 120), strict=True):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
