@@ -17,7 +17,13 @@ server but ``full``, as an application does when a document enters its store:
 - ``apc``: vLLM's prefix cache under pressure (about ``--kv-agents`` prompts);
 - ``connector``: contextkit's connector, prefix reuse only;
 - ``connector_chunks``: the same connector with chunk reuse (requests opt in);
-- ``lmcache``: LMCache's connector (prefix chunks), the same DDR budget.
+- ``lmcache``: LMCache's connector (prefix chunks), the same DDR budget;
+- ``oracle``: chunk reuse's bound: vLLM computing only the tokens no earlier prompt
+  of the tenant held (new documents, the last reply, the question), exactly, at the
+  prompt's length. Its prompt puts the spans the tenant sent before first, warmed
+  untimed into vLLM's prefix cache (rounded up to whole blocks), and the new tokens
+  after them: what a cache holding every chunk at every position would leave to
+  compute, with no seams and no placement.
 
 Per step it records each configuration's TTFT (a one-token request), prompt, cached
 and computed tokens and the connector's cache report; on the turns where
@@ -51,7 +57,7 @@ __all__ = ["CONFIGS", "main"]
 
 BLOCK = 32
 SERVED = "contextkit-chunks"
-CONFIGS = ("full", "ceiling", "apc", "connector", "connector_chunks", "lmcache")
+CONFIGS = ("full", "ceiling", "apc", "connector", "connector_chunks", "lmcache", "oracle")
 #: Configurations teacher-forced on chunk turns (the first is the reference).
 PROBED = ("full", "connector", "connector_chunks")
 SYSTEM = ("You are the on-call assistant of a payments platform. Answer the user's "
@@ -67,6 +73,7 @@ class Setup:
     ceiling: bool = False  # KV room for every agent
     fresh: bool = False  # a new cache_salt every turn: nothing reused across turns
     lmcache: bool = False
+    oracle: bool = False  # the tenant's known spans first, the new tokens after
 
 
 SETUPS = {
@@ -77,6 +84,7 @@ SETUPS = {
     "connector_chunks": Setup("connector_chunks", {"eviction": "semantic",
                                                    "chunk_reuse": True}, chunks=True),
     "lmcache": Setup("lmcache", lmcache=True),
+    "oracle": Setup("oracle", ceiling=True, oracle=True),
 }
 
 
@@ -198,6 +206,39 @@ class RagWorkload:
         return ids, spans
 
 
+class KnownSpans:
+    """The spans each tenant has sent (label and tokens): what the oracle's cache holds."""
+
+    def __init__(self) -> None:
+        self.known: dict[str, set[tuple[str, tuple[int, ...]]]] = {}
+
+    def add(self, tenant: str, ids: list[int], spans: list[tuple[int, int, str]]) -> None:
+        known = self.known.setdefault(tenant, set())
+        known.update((label, tuple(ids[a:b])) for a, b, label in spans)
+
+    def split(self, tenant: str, ids: list[int], spans: list[tuple[int, int, str]]
+              ) -> tuple[list[int], list[int]]:
+        """The prompt's tokens a cache of every known span holds (in order), and the
+        rest: the unknown spans and any unlabelled text after the first of them."""
+        known = self.known.get(tenant, set())
+        label_of = {a: (b, label) for a, b, label in spans}
+        held: list[int] = []
+        new: list[int] = []
+        at, first_new = 0, None
+        while at < len(ids):
+            if at in label_of:
+                end, label = label_of[at]
+                fresh = (label, tuple(ids[at:end])) not in known
+            else:
+                end = min([a for a in label_of if a > at] or [len(ids)])
+                fresh = first_new is not None
+            if fresh and first_new is None:
+                first_new = at
+            (new if fresh else held).extend(ids[at:end])
+            at = end
+        return held, new
+
+
 # ---------------------------------------------------------------------- servers
 class Lane:
     """One configuration: its server (and LMCache's), its rows."""
@@ -273,7 +314,12 @@ class Lane:
         return body
 
     def turn(self, step: int, agent: Agent, ids: list[int],
-             spans: list[tuple[int, int, str]]) -> dict[str, Any]:
+             spans: list[tuple[int, int, str]], warm: list[int] | None = None
+             ) -> dict[str, Any]:
+        """One timed one-token request; ``warm`` is sent first, untimed."""
+        if warm:
+            self.srv.post("/v1/completions", self.body(warm, [], self.salt(agent, step),
+                                                       max_tokens=1))
         t0 = time.perf_counter()
         reply = self.srv.post("/v1/completions",
                               self.body(ids, spans, self.salt(agent, step), max_tokens=1))
@@ -372,6 +418,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     lanes: dict[str, Lane] = start_lanes(
         names, lambda n: Lane(SETUPS[n], args, work, sizes), errors, required="full")
     probes: list[dict[str, Any]] = []
+    known = KnownSpans()
     ingested = 0
     try:
         if args.ingest:  # every tenant's documents prefilled once, not timed
@@ -383,14 +430,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     for ids, spans in workload.ingest_prompts():
                         lane.srv.post("/v1/completions", lane.body(
                             ids, spans, lane.salt(agent, -1), max_tokens=1))
+                        known.add(tenant, ids, spans)
                         ingested += 1
         for step in range(args.steps):
             agent = workload.agent_of(step)
             ids, spans = workload.prompt(agent, len(agent.history))
+            held, new = known.split(agent.tenant, ids, spans)
+            pad = -len(held) % BLOCK  # the oracle's cache holds whole blocks: round up
             rows = {}
             for name in rotation(list(lanes), step):
                 settle()
-                rows[name] = lanes[name].turn(step, agent, ids, spans)
+                if SETUPS[name].oracle:
+                    rows[name] = lanes[name].turn(step, agent, held + new, [],
+                                                  warm=held + new[:pad])
+                else:
+                    rows[name] = lanes[name].turn(step, agent, ids, spans)
+            known.add(agent.tenant, ids, spans)
             reply_ids = lanes["full"].generate(step, agent, ids, spans, args.max_tokens)
             chunk_row = rows.get("connector_chunks")
             if chunk_row and (chunk_row["report"] or {}).get("reuse") == "chunk" \
@@ -408,7 +463,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                             "setup": {"connector": SETUPS[n].connector,
                                       "chunks": SETUPS[n].chunks,
                                       "ceiling": SETUPS[n].ceiling,
-                                      "fresh": SETUPS[n].fresh}}
+                                      "fresh": SETUPS[n].fresh,
+                                      "oracle": SETUPS[n].oracle}}
                         for n, lane in lanes.items()},
             "probes": probes, "errors": errors, "sizes": sizes, "interleaved": True,
             "ingested_prompts": ingested,
