@@ -15,8 +15,11 @@ vLLM recomputes it.
 
 Blocks holding moved K/V are approximations: the planner saves them under
 :func:`moved_key` (a key no prefix lookup computes, so only chunk lookups find them,
-as sources of their spans), and marks them and the K/V computed after them with their
-``hops`` (:meth:`ChunkIndex.taint`) so that drift stays bounded (``max_hops``).
+as sources of their spans), and marks them with their ``hops``: the moves between their
+K/V and a full computation, the source entry's plus one (:meth:`ChunkIndex.taint`), so
+that drift stays bounded (``max_hops``). K/V computed here, over moved chunks, are a
+computation, not a move (as in the embedded engine): a conversation's new turns do not
+drift one hop further every turn.
 Only requests that opted in (a ``cache_salt`` ending in
 :data:`~contextkit.pipeline.served.wire.CHUNKS_SALT_SUFFIX`) reuse chunks: vLLM's own
 prefix cache then keys their blocks apart from every request that did not opt in.
@@ -63,6 +66,7 @@ class MovedChunk:
     #: the content key of the span object its blocks come from (the shared tier; the
     #: worker imports them first), or None: the DDR tier holds them
     shared: bytes | None = None
+    hops: int = 0  # its entry's moves from a full computation (one more once moved here)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,12 +92,17 @@ class ChunkLoad:
     compute: list[int]  # positions the connector computes, ascending
     range_ids: list[int]  # the request's token ids ``start .. end-1``
     block_ids: list[int] = field(default_factory=list)  # the request's first end/N blocks
-    hops: int = 0  # moves between the K/V this load materializes and a full computation
     #: moved tokens the worker also recomputes, picked where their K/V deviate most
     #: (CacheBlend's selection; 0: the seams only)
     selected: int = 0
     #: the entries of its chunks found in the shared tier (:meth:`ChunkPlanner.adopt`)
     found: list[tuple[bytes, ChunkEntry]] = field(default_factory=list)
+
+    def taints(self, block_size: int) -> list[tuple[int, int, int]]:
+        """``(first block, end block, hops)`` of the blocks each moved chunk lands in:
+        its entry's hops plus this move."""
+        return [(c.position // block_size, (c.position + c.length - 1) // block_size + 1,
+                 c.hops + 1) for c in self.chunks]
 
     @property
     def compute_ids(self) -> list[int]:
@@ -194,7 +203,6 @@ class ChunkPlanner:
         limit = max(0, num_prompt - 1) // bs * bs  # vLLM computes at least one token
         moved: list[MovedChunk] = []
         found_entries: list[tuple[bytes, ChunkEntry]] = []
-        hops = 0
         for span, key, ids in self._candidates(tenant, token_ids, num_prompt, spans,
                                                prefix_end):
             entry = self._local(key, tenant, len(ids), held)
@@ -203,10 +211,9 @@ class ChunkPlanner:
                 entry, shared = self._remote(tenant, span, found[key], len(ids)), key
             if entry is None:
                 continue
-            hops = max(hops, entry.hops)
             moved.append(MovedChunk([bytes(k) for k in entry.block_keys], entry.offset,
                                     entry.position, span.start, len(ids),
-                                    span.source_layer, shared))
+                                    span.source_layer, shared, entry.hops))
             if shared is not None:
                 found_entries.append((key, entry))
         if not moved:
@@ -229,7 +236,7 @@ class ChunkPlanner:
         if end <= prefix_end or reused < self.min_share * len(covered):
             return None
         return ChunkLoad(req_id, tenant, prefix_end, end, kept, compute,
-                         [int(t) for t in token_ids[prefix_end:end]], hops=hops + 1,
+                         [int(t) for t in token_ids[prefix_end:end]],
                          selected=round(self.repair_ratio * reused), found=found_entries)
 
     def _remote(self, tenant: str, span: WireSpan, found: FoundSpan, length: int
@@ -283,7 +290,7 @@ class ChunkPlanner:
             self.index.taint(entry.block_keys, entry.hops)
 
     def taint(self, keys: Sequence[bytes], hops: int) -> None:
-        """These blocks hold K/V computed over moved chunks ``hops`` moves away."""
+        """These blocks hold moved K/V ``hops`` moves from a full computation."""
         if hops > 0 and keys:
             self.index.taint([BlockHash(k) for k in keys], hops)
 

@@ -350,6 +350,8 @@ class _RequestState:
     chunk: ChunkLoad | None = None  # the chunk load of its latest lookup
     chunk_planned: bool = False  # allocated: the next plan sends it
     moved: range = range(0)  # blocks holding moved K/V: saved under moved_key only
+    #: ``(first block, end block, hops)`` of the blocks the moved chunks landed in
+    moved_hops: list[tuple[int, int, int]] = field(default_factory=list)
     chunks_off: str | None = None  # why an opted-in request reused no chunk
 
 
@@ -526,9 +528,6 @@ class RequestPlanner:
                                        held=self.index.__contains__, found=found)
         if state.chunk is None:
             return 0
-        # K/V computed over a prefix that holds moved K/V are a hop further too
-        state.chunk.hops = max(state.chunk.hops, 1 + self.chunks.hops_of(
-            state.keys[:prefix_end // self.block_size]))
         return state.chunk.end - prefix_end
 
     def note_shared(self, req_id: str, first: int, end: int) -> None:
@@ -551,6 +550,7 @@ class RequestPlanner:
             state.load_num_blocks = (chunk.start - state.last_num_computed) // bs
             state.chunk, state.chunk_planned = chunk, True
             state.moved = range(chunk.start // bs, chunk.end // bs)
+            state.moved_hops = chunk.taints(bs)
             if chunk.found and self.chunks is not None:
                 self.chunks.adopt(chunk)
                 self.stats.count("shared_span_hits", len(chunk.found))
@@ -766,16 +766,12 @@ class RequestPlanner:
         return [self._close(req_id)] if state.load_reported else []
 
     def _register_chunks(self, state: _RequestState, token_ids: Sequence[int]) -> None:
-        """The request's spans into the chunk index; the blocks computed over moved K/V
-        marked with their hops first (their spans inherit them)."""
+        """The request's spans into the chunk index; the blocks holding moved K/V
+        marked with their hops first (the spans in them inherit them)."""
         assert self.chunks is not None
         keys = self._save_keys(state, state.keys[:state.considered_blocks])
-        if state.moved:
-            self.chunks.taint(keys[state.moved.start:], state.chunk.hops if state.chunk
-                              else 1)
-        else:
-            hops = self.chunks.hops_of(keys[:state.load_first_block + state.load_num_blocks])
-            self.chunks.taint(keys, hops)
+        for first, end, hops in state.moved_hops:
+            self.chunks.taint(keys[first:end], hops)
         ours = labels_entry(state.params)
         if not ours:
             return

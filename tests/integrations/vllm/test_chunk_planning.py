@@ -61,13 +61,13 @@ def plan_step(p: RequestPlanner, req: str, ids: list[int], params: dict) -> int:
 
 
 def serve(p: RequestPlanner, req: str, ids: list[int], params: dict, tenant: str = TENANT,
-          stored: bool = True) -> tuple[int, list]:
-    """One request through lookup, allocation, one step computing the rest, its saves
-    stored and its finish; returns its hit and its loads."""
+          stored: bool = True, blocks: int = 10) -> tuple[int, list]:
+    """One request (of at most ``blocks`` blocks) through lookup, allocation, one step
+    computing the rest, its saves stored and its finish; returns its hit and its loads."""
     hit = p.matched_tokens(req, ids, len(ids), 0, tenant=tenant, params=params)
     hit += p.chunk_tokens(req, ids, hit)
     p.on_alloc(req, hit)
-    loads, saves = p.plan([StepRequest(req, ids, 0, len(ids), list(range(10, 20)))])
+    loads, saves = p.plan([StepRequest(req, ids, 0, len(ids), list(range(10, 10 + blocks)))])
     if stored:
         p.apply(WorkerReport(stored={k for s in saves for k in s.keys}))
     p.finish(req, ids)
@@ -128,9 +128,10 @@ def test_blocks_holding_moved_kv_are_stored_where_no_prefix_lookup_finds_them() 
     # the same prompt again, through vLLM's and the connector's prefix path: the chain
     # stops at the first moved block
     assert p.matched_tokens("again", ids2, len(ids2), 0, tenant=TENANT, params=params2) == 4
-    # d, computed by the connector in t2, is a chunk now (one hop from a full prefill)
+    # d, computed by the connector in t2 (over moved K/V: a computation, not a move), is
+    # a chunk now, held under its moved key
     entries = {e.position: e for e in p.chunks.index.of_tenant(TENANT)}  # type: ignore[union-attr]
-    assert entries[12].hops == 1 and entries[12].block_keys[0] == moved_key(exact[3])
+    assert entries[12].hops == 0 and entries[12].block_keys[0] == moved_key(exact[3])
 
 
 def test_the_report_says_chunk_and_counts_reused_and_repaired_tokens() -> None:
@@ -198,20 +199,49 @@ def test_a_label_can_turn_chunk_reuse_off() -> None:
 
 
 def test_moved_kv_is_reused_at_most_max_hops_times() -> None:
-    for max_hops, expected in ((1, ["documents"]), (2, ["documents", "user_turn"])):
+    for max_hops, expected in ((1, []), (2, ["documents"])):
         p = planner(max_hops=max_hops)
-        serve(p, "t1", *prompt("ab"))
-        # t2 moves a and b: what it computes after them is one hop from a full prefill
-        question = [8] * 8
-        ids2, params2 = prompt("ba", question)
-        assert serve(p, "t2", ids2, params2)[0] > 0
+        ids1, params1 = prompt("ab")
+        serve(p, "t1", ids1, params1)
+        # t2 moves b and a; t1's blocks are evicted before t2 finishes, so t2's copies
+        # (one move from a full computation) become the entries
+        ids2, params2 = prompt("ba", [8] * 8)
+        plan_step(p, "t2", ids2, params2)
+        _, saves = p.plan([StepRequest("t2", ids2, 0, len(ids2), list(range(10, 20)))])
+        p.apply(WorkerReport(stored={k for s in saves for k in s.keys},
+                             removed=set(hash_token_blocks(IDENTITY.digest(), TENANT, ids1,
+                                                           BS))))
+        p.finish("t2", ids2)
         entries = {e.position: e.hops for e in p.chunks.index.of_tenant(TENANT)}  # type: ignore[union-attr]
-        assert entries[20] == 1 and entries[4] == 0  # t2's question; t1's a
-        # t3 has b, then t2's question: the question is reused only below max_hops
-        ids3, params3 = prompt("db", question)
+        assert entries[4] == entries[12] == 1  # b and a, each moved once
+        # t3: a new document, then b: reused only below max_hops
+        ids3, params3 = prompt("db", [9] * 8)
         _, loads = serve(p, "t3", ids3, params3)
         moved = [m.label for load in loads if load.chunk for m in load.chunk.chunks]
         assert moved == expected, max_hops
+
+
+def test_a_conversation_does_not_drift_a_hop_further_every_turn() -> None:
+    """Each turn's new message is computed over the moved ones before it: a
+    computation, so its entry stays 0 hops however long the conversation."""
+    p = planner(max_hops=1)
+    messages: list[list[int]] = []
+    for turn in range(5):
+        messages.append([500 + 10 * turn + i for i in range(8)])
+        # the documents change every turn, so the conversation moves every turn
+        ids, spans = list(HEAD), [(0, len(HEAD), "rules")]
+        for part, label in [(DOCS[d], "documents") for d in ("abc" if turn % 2 else "ba")] + [
+                (m, "user_turn") for m in messages]:
+            spans.append((len(ids), len(ids) + len(part), label))
+            ids += part
+        ids += QUESTION  # the prompt's unlabelled end
+        _, loads = serve(p, f"t{turn}", ids, semantic_params(spans, prompt_token_ids=ids),
+                         blocks=20)
+        moved = [m.label for load in loads if load.chunk for m in load.chunk.chunks]
+        if turn >= 2:  # earlier messages moved in, however many turns ago
+            assert "user_turn" in moved, (turn, moved)
+    hops = [e.hops for e in p.chunks.index.of_tenant(TENANT) if e.label == "user_turn"]
+    assert len(hops) == 5 and max(hops) == 0
 
 
 def test_the_selection_share_is_planned_so_the_report_counts_it() -> None:
