@@ -23,7 +23,7 @@ help:
 	@echo "                semantic+ooda, and a device-size sweep (~12 min on 2 cores)"
 	@echo "make bench-agent-vllm  a LangChain agent on vLLM, 4 cache configurations (~15 min)"
 	@echo "make bench-agents-vllm  6 agents on one vLLM server with KV for ~2, 5 configurations side by side (~25 min)"
-	@echo "make bench-chunks-vllm  a RAG agent on vLLM: chunk reuse after changed documents (~20 min)"
+	@echo "make bench-chunks-vllm  a RAG agent on vLLM: chunk reuse after changed documents (~10 min)"
 	@echo "make bench-tool-pauses  8 agents whose user turns end in a tool call, one vLLM server:"
 	@echo "                APC, the connector, with agent hints, LMCache, the ceiling, side by side (~12 min)"
 	@echo "make bench-replicas  6 agents alternating between two vLLM replicas: local DDR vs the"

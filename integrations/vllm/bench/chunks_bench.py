@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-agents", type=float, default=1.5)
     parser.add_argument("--quality-turns", type=int, default=8)
     parser.add_argument("--quality-tokens", type=int, default=16)
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--configs", default=",".join(c for c in CONFIGS if c != "apc"))
     parser.add_argument("--ingest", action="store_true",
                         help="prefill each document once before the schedule")
     parser.add_argument("--repair-first", type=int, default=4)
