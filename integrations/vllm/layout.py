@@ -121,12 +121,3 @@ def keys_by_token(k: torch.Tensor, order: str) -> torch.Tensor:
     except RuntimeError:
         flat = k.contiguous().view(*k.shape[:-2], d, n)
     return flat.transpose(-1, -2)
-
-
-def keys_to_page(k: torch.Tensor, order: str) -> torch.Tensor:
-    """Token-major keys ``[..., N, D]`` as a page's key half holds them (the inverse
-    of :func:`keys_by_token`), contiguous in their trailing ``N * D`` values."""
-    if order == "token":
-        return k
-    n, d = k.shape[-2], k.shape[-1]
-    return k.transpose(-1, -2).contiguous().view(*k.shape[:-2], n, d)
