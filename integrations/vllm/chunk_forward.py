@@ -71,6 +71,7 @@ class Runs:
 
     @classmethod
     def of(cls, positions: Sequence[int], device: torch.device | str = "cpu") -> Runs:
+        """The runs of ``positions`` (ascending, at least one)."""
         spans: list[tuple[int, int, int]] = []
         start = 0
         for i in range(1, len(positions) + 1):
