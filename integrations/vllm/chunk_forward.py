@@ -150,16 +150,15 @@ class PagedKV:
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         kp, vp = self.split(self.pages[layer])
+        blocks, slots = self._slots(positions.to(torch.int64).cpu())
         if self.isa is not None:
             from vllm import _custom_ops as ops
 
-            blocks, slots = self._slots(positions.to(torch.int64).cpu())
             ops.cpu_attn_reshape_and_cache(
                 k.to(kp.dtype).contiguous(), v.to(vp.dtype).contiguous(), kp, vp,
                 blocks * self.block_size + slots, self.isa)
             return
         kp = keys_by_token(kp, self.key_order)
-        blocks, slots = self._slots(positions.to(torch.int64).cpu())
         blocks, slots = blocks.to(kp.device), slots.to(kp.device)
         kp[blocks, :, slots] = k.to(kp.device, kp.dtype)
         vp[blocks, :, slots] = v.to(vp.device, vp.dtype)

@@ -293,6 +293,3 @@ class ChunkPlanner:
         """These blocks hold moved K/V ``hops`` moves from a full computation."""
         if hops > 0 and keys:
             self.index.taint([BlockHash(k) for k in keys], hops)
-
-    def hops_of(self, keys: Sequence[bytes]) -> int:
-        return self.index.hops_of([BlockHash(k) for k in keys]) if keys else 0

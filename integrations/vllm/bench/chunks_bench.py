@@ -1,7 +1,7 @@
 """The driver of ``contextkit bench chunks-vllm`` (run by module name, in .venv-vllm).
 
-``python -m integrations.vllm.bench.chunks_bench --out FILE [--dir DIR] [--agents N]
-[--steps N] [--docs K] [--configs a,b] ...`` serves a RAG workload: agents whose
+``python -m integrations.vllm.bench.chunks_bench --out FILE --configs a,b [--dir DIR]
+[--agents N] [--steps N] [--docs K] ...`` serves a RAG workload: agents whose
 prompt is a system text, the documents a memory graph retrieves for the turn (their
 order and membership change every turn, placed before the conversation), the
 conversation so far and the new question. The prompt is sent as token ids with
@@ -422,15 +422,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     ingested = 0
     try:
         if args.ingest:  # every tenant's documents prefilled once, not timed
+            prompts = workload.ingest_prompts()
+            tenants = sorted({a.tenant for a in workload.agents})
+            for tenant in tenants:
+                for ids, spans in prompts:
+                    known.add(tenant, ids, spans)
             for name, lane in lanes.items():
                 if SETUPS[name].fresh:
                     continue
-                for tenant in sorted({a.tenant for a in workload.agents}):
+                for tenant in tenants:
                     agent = next(a for a in workload.agents if a.tenant == tenant)
-                    for ids, spans in workload.ingest_prompts():
+                    for ids, spans in prompts:
                         lane.srv.post("/v1/completions", lane.body(
                             ids, spans, lane.salt(agent, -1), max_tokens=1))
-                        known.add(tenant, ids, spans)
                         ingested += 1
         for step in range(args.steps):
             agent = workload.agent_of(step)
@@ -491,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-agents", type=float, default=1.5)
     parser.add_argument("--quality-turns", type=int, default=8)
     parser.add_argument("--quality-tokens", type=int, default=16)
-    parser.add_argument("--configs", default=",".join(c for c in CONFIGS if c != "apc"))
+    parser.add_argument("--configs", required=True)
     parser.add_argument("--ingest", action="store_true",
                         help="prefill each document once before the schedule")
     parser.add_argument("--repair-first", type=int, default=4)
