@@ -10,8 +10,11 @@ connector then reports as matched every token up to the end of the last reused c
 (block-aligned): vLLM skips them, and the worker materializes them before the forward
 (:class:`ChunkLoad`): it moves the chunks into place and computes the rest of that
 range (the changed spans, the template between spans, each chunk's first
-``repair_first`` tokens). What cannot be materialized is reported as a load error and
-vLLM recomputes it.
+``repair_first`` tokens: its seam, unless it sat right after the chunk before it where
+both were computed). A span the prefix hit ends inside continues the hit exactly when
+it was computed at the same position after the same first block: its rest is reused
+with no seam. What cannot be materialized is reported as a load error and vLLM
+recomputes it.
 
 Blocks holding moved K/V are approximations: the planner saves them under
 :func:`moved_key` (a key no prefix lookup computes, so only chunk lookups find them,
@@ -44,7 +47,7 @@ from gpu_cache.hashing import BlockHash
 from shadow.shared.objects import MAX_SPAN_BLOCKS, SpanRecord
 from shadow.shared.tier import FoundSpan
 
-__all__ = ["ChunkLoad", "ChunkPlanner", "MovedChunk", "SpanShare", "moved_key"]
+__all__ = ["ChunkLoad", "ChunkPlanner", "MovedChunk", "SpanShare", "continues", "moved_key"]
 
 
 def moved_key(key: bytes) -> bytes:
@@ -67,6 +70,22 @@ class MovedChunk:
     #: worker imports them first), or None: the DDR tier holds them
     shared: bytes | None = None
     hops: int = 0  # its entry's moves from a full computation (one more once moved here)
+    #: its first tokens the worker recomputes (its seam; 0 where what precedes it here
+    #: is what preceded it where it was computed)
+    repair: int = 0
+    #: it continues this request's own prefix hit at the position it was computed at:
+    #: its K/V are what a full computation gives here (no seam, no hop)
+    exact: bool = False
+
+
+def continues(prev: MovedChunk, chunk: MovedChunk) -> bool:
+    """Whether ``chunk`` was computed right after ``prev``'s tokens, as it sits after
+    them here: adjacent here and where computed, and one stored block holds ``prev``'s
+    end and ``chunk``'s start (a chained key: the same prompt up to there). Its first
+    tokens then saw what they see here, so it needs no seam of its own."""
+    return (prev.position + prev.length == chunk.position
+            and prev.source_position + prev.length == chunk.source_position
+            and prev.source_keys[-1] == chunk.source_keys[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +119,9 @@ class ChunkLoad:
 
     def taints(self, block_size: int) -> list[tuple[int, int, int]]:
         """``(first block, end block, hops)`` of the blocks each moved chunk lands in:
-        its entry's hops plus this move."""
+        its entry's hops plus this move (none for an exact one)."""
         return [(c.position // block_size, (c.position + c.length - 1) // block_size + 1,
-                 c.hops + 1) for c in self.chunks]
+                 c.hops + (0 if c.exact else 1)) for c in self.chunks]
 
     @property
     def compute_ids(self) -> list[int]:
@@ -127,7 +146,8 @@ class ChunkPlanner:
         identity_digest: the cache identity's digest (salts every chunk key).
         block_size: tokens per block.
         min_tokens: spans shorter than this are computed, not looked up.
-        repair_first: each moved chunk's first tokens are recomputed (its seam).
+        repair_first: each moved chunk's first tokens are recomputed (its seam), unless
+            it continues the chunk before it as computed (:func:`continues`).
         max_hops: chunks this many moves from a full computation are not reused.
         min_share: a request reuses chunks only when they cover at least this share
             of the range the connector would materialize.
@@ -167,11 +187,12 @@ class ChunkPlanner:
     def _candidates(self, tenant: str, token_ids: Sequence[int], num_prompt: int,
                     spans: Sequence[WireSpan], prefix_end: int
                     ) -> list[tuple[WireSpan, bytes, list[int]]]:
-        """The spans after the prefix hit a plan may reuse: each with its key and ids."""
+        """The spans a plan may reuse, each with its key and ids: those after the prefix
+        hit, and one the hit ends inside (its rest)."""
         limit = max(0, num_prompt - 1) // self.block_size * self.block_size
         out = []
         for span in sorted(spans, key=lambda s: s.start):
-            if span.start < prefix_end or span.start >= limit or not self.eligible(span):
+            if span.end <= prefix_end or span.start >= limit or not self.eligible(span):
                 continue
             ids = list(token_ids[span.start:span.end])
             out.append((span, self.index.key(tenant, span.source_layer, ids), ids))
@@ -180,16 +201,18 @@ class ChunkPlanner:
     def misses(self, tenant: str, token_ids: Sequence[int], num_prompt: int,
                spans: Sequence[WireSpan], prefix_end: int,
                held: Callable[[bytes], bool]) -> list[bytes]:
-        """The content keys of the spans :meth:`plan` would reuse but the local index
+        """The content keys of the spans :meth:`plan` would move in but the local index
         has no usable entry for (to look up in the shared tier)."""
         return [key for span, key, ids in self._candidates(tenant, token_ids, num_prompt,
                                                            spans, prefix_end)
-                if self._local(key, tenant, len(ids), held) is None]
+                if span.start >= prefix_end
+                and self._local(key, tenant, len(ids), held) is None]
 
     def plan(self, req_id: str, tenant: str, token_ids: Sequence[int], num_prompt: int,
              spans: Sequence[WireSpan], prefix_end: int,
              held: Callable[[bytes], bool],
-             found: Mapping[bytes, FoundSpan] | None = None) -> ChunkLoad | None:
+             found: Mapping[bytes, FoundSpan] | None = None,
+             prefix_keys: Sequence[bytes] = ()) -> ChunkLoad | None:
         """The chunk load of a request whose first ``prefix_end`` tokens are found by
         prefix, or None when no chunk after it is worth reusing.
 
@@ -198,6 +221,9 @@ class ChunkPlanner:
                 longer holds is dropped).
             found: span objects the shared tier holds, by content key
                 (:meth:`misses`); used where the local index has no entry.
+            prefix_keys: the request's own keys of its prefix-hit blocks (a span the
+                hit ends inside continues it exactly where its entry starts with one
+                of them).
         """
         bs = self.block_size
         limit = max(0, num_prompt - 1) // bs * bs  # vLLM computes at least one token
@@ -206,14 +232,22 @@ class ChunkPlanner:
         for span, key, ids in self._candidates(tenant, token_ids, num_prompt, spans,
                                                prefix_end):
             entry = self._local(key, tenant, len(ids), held)
+            if span.start < prefix_end:
+                rest = self._continuation(span, entry, prefix_end, prefix_keys)
+                if rest is not None:
+                    moved.append(rest)
+                continue
             shared = None
             if entry is None and found and key in found:
                 entry, shared = self._remote(tenant, span, found[key], len(ids)), key
             if entry is None:
                 continue
-            moved.append(MovedChunk([bytes(k) for k in entry.block_keys], entry.offset,
-                                    entry.position, span.start, len(ids),
-                                    span.source_layer, shared, entry.hops))
+            chunk = MovedChunk([bytes(k) for k in entry.block_keys], entry.offset,
+                               entry.position, span.start, len(ids), span.source_layer,
+                               shared, entry.hops, repair=self.repair_first)
+            if moved and continues(moved[-1], chunk):
+                chunk.repair = 0
+            moved.append(chunk)
             if shared is not None:
                 found_entries.append((key, entry))
         if not moved:
@@ -221,7 +255,7 @@ class ChunkPlanner:
         end = min(limit, (moved[-1].position + moved[-1].length) // bs * bs)
         kept = []
         for chunk in moved:  # the last ones may end past the block-aligned end
-            if chunk.position + self.repair_first >= end:
+            if chunk.position + chunk.repair >= end:
                 continue
             chunk.length = min(chunk.length, end - chunk.position)
             kept.append(chunk)
@@ -229,7 +263,7 @@ class ChunkPlanner:
             return None
         covered = [False] * (end - prefix_end)
         for chunk in kept:
-            for p in range(chunk.position + self.repair_first, chunk.position + chunk.length):
+            for p in range(chunk.position + chunk.repair, chunk.position + chunk.length):
                 covered[p - prefix_end] = True
         compute = [prefix_end + i for i, c in enumerate(covered) if not c]
         reused = len(covered) - len(compute)
@@ -238,6 +272,21 @@ class ChunkPlanner:
         return ChunkLoad(req_id, tenant, prefix_end, end, kept, compute,
                          [int(t) for t in token_ids[prefix_end:end]],
                          selected=round(self.repair_ratio * reused), found=found_entries)
+
+    def _continuation(self, span: WireSpan, entry: ChunkEntry | None, prefix_end: int,
+                      prefix_keys: Sequence[bytes]) -> MovedChunk | None:
+        """The rest of a span the prefix hit ends inside, when its entry was computed at
+        this very position after this request's own blocks (its first block is one of
+        the hit's): K/V a full computation gives, reused with no seam and no hop."""
+        bs = self.block_size
+        first = span.start // bs
+        if (entry is None or entry.position != span.start or first >= len(prefix_keys)
+                or bytes(entry.block_keys[0]) != bytes(prefix_keys[first])):
+            return None
+        skip = prefix_end // bs - first
+        return MovedChunk([bytes(k) for k in entry.block_keys[skip:]], 0, prefix_end,
+                          prefix_end, span.end - prefix_end, span.source_layer,
+                          hops=entry.hops, exact=True)
 
     def _remote(self, tenant: str, span: WireSpan, found: FoundSpan, length: int
                 ) -> ChunkEntry | None:

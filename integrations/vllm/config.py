@@ -129,7 +129,8 @@ class ConnectorConfig:
             moved K/V, seams recomputed with the served model; see docs/chunks.md "On
             vLLM"). Needs ``--load-format contextkit`` and applies to requests that opt
             in (a ``cache_salt`` ending in ``#ck-chunks``). Default off.
-        chunk_repair_first: each moved chunk's first tokens recomputed (its seam).
+        chunk_repair_first: each moved chunk's first tokens recomputed (its seam; none
+            where it sat right after the chunk before it where both were computed).
         chunk_repair_ratio: besides those, this share of the moved tokens is recomputed:
             the ones whose K/V at ``chunk_select_layer`` deviate most from the moved
             K/V (CacheBlend's selection; the layers up to it run over every token of

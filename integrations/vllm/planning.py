@@ -523,9 +523,10 @@ class RequestPlanner:
         spans = self._chunk_spans(state)
         if spans is None or self.chunks is None:
             return 0
-        state.chunk = self.chunks.plan(req_id, state.tenant, token_ids,
-                                       state.num_prompt_tokens, spans, prefix_end,
-                                       held=self.index.__contains__, found=found)
+        state.chunk = self.chunks.plan(
+            req_id, state.tenant, token_ids, state.num_prompt_tokens, spans, prefix_end,
+            held=self.index.__contains__, found=found,
+            prefix_keys=self._keys(state, token_ids, prefix_end // self.block_size))
         if state.chunk is None:
             return 0
         return state.chunk.end - prefix_end
