@@ -6,8 +6,8 @@ turn; ``kv_transfer_params`` spans, see :mod:`contextkit.pipeline.served.wire`) 
 registered in a :class:`gpu_cache.chunks.ChunkIndex` under its content key (tenant,
 model identity, label, token ids), naming the stored blocks that hold it. A later
 request of the same tenant finds its spans there wherever they were computed. The
-connector then reports as matched every token up to the end of the last reused chunk
-(block-aligned): vLLM skips them, and the worker materializes them before the forward
+connector then reports as matched every token up to the block boundary after the last
+reused chunk: vLLM skips them, and the worker materializes them before the forward
 (:class:`ChunkLoad`): it moves the chunks into place and computes the rest of that
 range (the changed spans, the template between spans, each chunk's first
 ``repair_first`` tokens: its seam, unless it sat right after the chunk before it where
@@ -252,9 +252,11 @@ class ChunkPlanner:
                 found_entries.append((key, entry))
         if not moved:
             return None
-        end = min(limit, (moved[-1].position + moved[-1].length) // bs * bs)
+        # to the block boundary after the last chunk: it is reused to its end, and the
+        # connector computes the few tokens after it that share its last block
+        end = min(limit, -(-(moved[-1].position + moved[-1].length) // bs) * bs)
         kept = []
-        for chunk in moved:  # the last ones may end past the block-aligned end
+        for chunk in moved:  # the last ones may end past the end (the prompt's last block)
             if chunk.position + chunk.repair >= end:
                 continue
             chunk.length = min(chunk.length, end - chunk.position)

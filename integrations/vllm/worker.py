@@ -306,12 +306,11 @@ class ConnectorWorker:
                 keys.setdefault(key, len(keys))
         n_src = len(keys)
         t0 = time.perf_counter()
-        sources = self._loader.submit(self._decode_sources, list(keys), chunk.tenant).result()
-        if sources is None:
+        parts = self._loader.submit(self.store.export_parts, list(keys), chunk.tenant).result()
+        if sum(len(positions) for _, positions, _ in parts) != n_src:
             logger.warning("request %s: a reused chunk's blocks are no longer stored; vLLM "
                            "recomputes tokens %d..%d", chunk.req_id, chunk.start, chunk.end)
             return None
-        t1 = time.perf_counter()
         bs, heads, dim = self.block_size, self.identity.num_kv_heads, self.identity.head_dim
         rows, delta, positions = [], [], []
         for moved in chunk.chunks:
@@ -321,28 +320,40 @@ class ConnectorWorker:
             positions.append(torch.arange(moved.position, moved.position + moved.length))
         at, where = torch.cat(rows), torch.cat(positions)
         cos, sin = model.rotation(torch.cat(delta))
-        # every layer at once: the stored rows are page memory [L, n, N, H, D]; the
-        # moved tokens' keys token-major, re-rotated to their new positions
-        k_src, v_src = sources
-        layers = len(self._names)
-        k_mem = k_src.permute(0, 1, 3, 2, 4).contiguous()  # [L, n, H, N, D]
-        k_tok = keys_by_token(k_mem, self._key_order).permute(0, 1, 3, 2, 4)
-        k_moved = model.rotate_with(k_tok.reshape(layers, n_src * bs, heads, dim)[:, at],
-                                    cos, sin)
-        v_moved = v_src.reshape(layers, n_src * bs, heads, dim)[:, at]
         paged = PagedKV([self._pages[name] for name in self._names], self._layout.split,
                         self._key_order, chunk.block_ids, bs, isa=self._isa)
-        for layer in range(layers):
-            paged.write(layer, where, k_moved[layer], v_moved[layer])
-        t2 = time.perf_counter()
+        # Layer by layer, so that each layer's source K/V stay in cache from decoding to
+        # the pages: the source blocks' rows (block, token, head) of one layer, keys
+        # then values, decoded on the loader thread (the fused decoder sets its thread's
+        # OpenMP count); the moved tokens' keys re-rotated to their new positions.
+        n_rows = n_src * bs * heads
+        buf = torch.empty(2 * n_rows, dim, dtype=torch.float32)
+        per_block = torch.arange(bs * heads)
+        plan = []
+        for pool, held_at, data in parts:
+            rows_k = (torch.tensor(held_at)[:, None] * bs * heads + per_block).reshape(-1)
+            plan.append((pool, data, rows_k, rows_k + n_rows))
+
+        def decode(layer: int) -> None:
+            with torch.inference_mode():  # as the step that made buf
+                for pool, data, rows_k, rows_v in plan:
+                    decode_pool_layer_into(pool, data, layer, buf, rows_k, rows_v)
+
+        for layer in range(len(self._names)):
+            self._loader.submit(decode, layer).result()
+            k_mem = buf[:n_rows].view(n_src, bs, heads, dim).permute(0, 2, 1, 3)
+            k_tok = keys_by_token(k_mem, self._key_order).permute(0, 2, 1, 3)
+            k_moved = model.rotate_with(k_tok.reshape(n_src * bs, heads, dim)[at], cos, sin)
+            paged.write(layer, where, k_moved, buf[n_rows:].view(n_src * bs, heads, dim)[at])
+        t1 = time.perf_counter()
         compute = chunk.compute
         if chunk.selected:
             compute = self._select(chunk, model, paged)
         if compute:
             model.forward([chunk.range_ids[p - chunk.start] for p in compute], compute, paged)
-        logger.debug("request %s: chunk reuse decoded %d blocks in %.3f s, placed %d tokens "
-                     "in %.3f s, computed %d in %.3f s", chunk.req_id, n_src, t1 - t0,
-                     len(at), t2 - t1, len(compute), time.perf_counter() - t2)
+        logger.debug("request %s: chunk reuse moved %d tokens from %d blocks in %.3f s, "
+                     "computed %d in %.3f s", chunk.req_id, len(at), n_src, t1 - t0,
+                     len(compute), time.perf_counter() - t1)
         return len(compute)
 
     def _select(self, chunk: ChunkLoad, model: ServedLlama, paged: PagedKV) -> list[int]:
@@ -364,14 +375,6 @@ class ConnectorWorker:
         paged.write(layer, torch.arange(start, end), k, v)
         chosen = torch.topk(deviation, picks).indices + start if picks else torch.empty(0)
         return sorted({*chunk.compute, *(int(p) for p in chosen)})
-
-    def _decode_sources(self, keys: list[bytes], tenant: str
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The stored K/V rows of these blocks, ``[L, n, N, H, D]`` float32 each (loader
-        thread; the fused decoder sets its thread's OpenMP count), or None when the
-        store no longer holds one of them for ``tenant``."""
-        got = self.store.read(keys, tenant)
-        return got if got is not None and got[0].shape[1] == len(keys) else None
 
     def take_load_errors(self) -> set[int]:
         """``get_block_ids_with_load_errors``: blocks vLLM must recompute."""

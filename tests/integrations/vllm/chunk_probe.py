@@ -71,8 +71,12 @@ def _foreign_sources(worker: Any) -> dict[str, bool]:
     connector = get_kv_transfer_group().worker
     chunk = connector.recent_chunks[-1]
     keys = list(dict.fromkeys(k for moved in chunk.chunks for k in moved.source_keys))
-    return {"own": connector._decode_sources(keys, chunk.tenant) is not None,
-            "foreign": connector._decode_sources(keys, "globex#ck-chunks") is not None}
+
+    def handed_out(tenant: str) -> bool:  # what the worker reads a chunk's sources with
+        parts = connector.store.export_parts(keys, tenant)
+        return sum(len(positions) for _, positions, _ in parts) == len(keys)
+
+    return {"own": handed_out(chunk.tenant), "foreign": handed_out("globex#ck-chunks")}
 
 
 def _wait_spans(shared: str, n: int, wait_s: float = 120.0) -> int:
