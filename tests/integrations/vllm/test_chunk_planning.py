@@ -362,7 +362,7 @@ def test_a_span_the_prefix_hit_ends_inside_continues_it_exactly() -> None:
     state_chunk = p.plan([StepRequest("t2", ids2, 0, len(ids2), list(range(10, 20)))])[0]
     (load,) = state_chunk
     chunk = load.chunk
-    assert hit == 24 and chunk is not None and chunk.start == 4  # block 0 by prefix
+    assert hit == 28 and chunk is not None and chunk.start == 4  # block 0 by prefix
     rest = chunk.chunks[0]
     # the rules' last 2 tokens, from t1's block 1 (computed after the same block 0 at
     # the same position): no seam, no hop
