@@ -250,7 +250,9 @@ REPLICAS_INTERLEAVED = ("replicas-amd-interleaved.json",)
 REPLICAS_CHUNKS = ("replicas-amd-chunks.json",)
 #: the same configurations since the connector attends through vLLM's kernels and counts
 #: hops as the embedded engine does (session 34)
-REPLICAS_CHUNKS_NOW = ("replicas-amd-chunks-kernels.json",)
+REPLICAS_CHUNKS_KERNELS = ("replicas-amd-chunks-kernels.json",)
+#: the connector now (session 35: runs of chunks repaired once, placement by layer)
+REPLICAS_CHUNKS_NOW = ("replicas-amd-chunks-layers.json",)
 #: why chunk reuse across replicas stops at its ceiling
 CHUNK_TURNS_COST = ("one replica that saw every turn still pays the connector's placement "
                     "and seams on every chunk turn (docs/chunks.md)")
@@ -260,17 +262,25 @@ REPLICAS_CHUNKS_PREFIX = ("replicas-amd-chunks-prefix-ceiling.json",)
 AGENTS_VLLM_CHUNKS = ("agents-vllm-amd-chunks.json",)
 #: the same since the connector attends through vLLM's kernels and counts hops as the
 #: embedded engine does (session 34), two runs
-AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-amd-chunks-kernels.json",
-                          "agents-vllm-amd-chunks-kernels-2.json")
+AGENTS_VLLM_CHUNKS_KERNELS = ("agents-vllm-amd-chunks-kernels.json",
+                              "agents-vllm-amd-chunks-kernels-2.json")
+#: the connector now (session 35: runs of chunks repaired once, placement by layer), with
+#: session 34's two runs beside it (the same schedule and configurations)
+AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-amd-chunks-layers.json",)
 #: bench chunks-vllm: the RAG agent, documents reordered and changed every turn
 CHUNKS_VLLM = ("chunks-vllm-amd.json",)
 #: the same since the connector attends through vLLM's CPU kernels, with the oracle
 #: (chunk reuse's bound) in the run and without APC (seven servers do not fit), session 34
 CHUNKS_VLLM_KERNELS = ("chunks-vllm-amd-oracle.json", "chunks-vllm-amd-oracle-2.json")
-#: the same code with hops counted as the embedded engine does (the connector now): two
-#: runs with LMCache, one without it and with 20 quality turns of 32 positions
-CHUNKS_VLLM_NOW = ("chunks-vllm-amd-hops.json", "chunks-vllm-amd-hops-2.json")
-CHUNKS_VLLM_NOW_QUALITY = ("chunks-vllm-amd-hops-quality640.json",)
+#: the same code with hops counted as the embedded engine does: two runs with LMCache,
+#: one without it and with 20 quality turns of 32 positions
+CHUNKS_VLLM_HOPS = ("chunks-vllm-amd-hops.json", "chunks-vllm-amd-hops-2.json")
+CHUNKS_VLLM_HOPS_QUALITY = ("chunks-vllm-amd-hops-quality640.json",)
+#: the connector now (session 35): runs of chunks that sat together repaired once, the
+#: rules' rest continuing the prefix hit, the range to the block boundary after the
+#: last chunk, and moved chunks placed layer by layer
+CHUNKS_VLLM_NOW = ("chunks-vllm-amd-layers.json", "chunks-vllm-amd-layers-2.json")
+CHUNKS_VLLM_NOW_QUALITY = ("chunks-vllm-amd-layers-quality640.json",)
 #: the same workload without APC and LMCache, 20 quality turns of 32 forced positions
 #: (480 positions judged: the turns after the first chunk turns), session 32
 CHUNKS_VLLM_QUALITY = ("chunks-vllm-amd-quality640.json",)
@@ -441,6 +451,18 @@ ROWS: tuple[Row, ...] = (
     Row("chunks-vllm", "the same 480 positions through the prefix-only connector: agreement",
         CHUNKS_VLLM_NOW_QUALITY,
         lambda d: d["quality_prefix_only"]["teacher_forced_agreement"], fmt="{:.4f}"),
+    Row("chunks-vllm", "session 34's connector (a seam per moved chunk, the range to the "
+        "last chunk's block-aligned end, every layer placed at once): TTFT p50 prefix-only "
+        "connector / chunk reuse (the oracle's: ceiling)",
+        CHUNKS_VLLM_HOPS + CHUNKS_VLLM_HOPS_QUALITY,
+        lambda d: d["speedup_chunks_vs_prefix_p50"],
+        ceiling=lambda d: d["bound_chunks_vs_prefix_p50"], goal=Goal(">=", 2.5)),
+    Row("chunks-vllm", "session 34's connector: tokens computed, chunk reuse (the oracle's: "
+        "ceiling)", CHUNKS_VLLM_HOPS + CHUNKS_VLLM_HOPS_QUALITY,
+        lambda d: d["computed_tokens"]["connector_chunks"], fmt="{:,.0f}",
+        ceiling=lambda d: d["computed_tokens"]["oracle"]),
+    Row("chunks-vllm", "session 34's connector: TTFT p50 LMCache / chunk reuse",
+        CHUNKS_VLLM_HOPS, lambda d: d["speedup_vs_lmcache_p50"], goal=Goal(">=", 2.0)),
     Row("chunks-vllm", "before the hop rule (every block after a moved chunk counted a hop "
         "further), vLLM's kernels: TTFT p50 prefix-only connector / chunk reuse (the oracle's: "
         "ceiling)", CHUNKS_VLLM_KERNELS, lambda d: d["speedup_chunks_vs_prefix_p50"],
@@ -498,6 +520,11 @@ ROWS: tuple[Row, ...] = (
         lambda d: d["chunks"]["warm_speedup_vs_ceiling_p50"]),
     Row("agents-vllm", "warm-step TTFT p50 prefix-only connector / chunk reuse",
         AGENTS_VLLM_CHUNKS_NOW, lambda d: d["chunks"]["warm_speedup_vs_connector_p50"]),
+    Row("agents-vllm", "session 34's connector (a seam per moved chunk, every layer placed "
+        "at once): tokens computed with chunk reuse", AGENTS_VLLM_CHUNKS_KERNELS,
+        lambda d: d["chunks"]["computed_tokens"]["connector_chunks"], fmt="{:,.0f}"),
+    Row("agents-vllm", "session 34's connector: warm-step TTFT p50 APC / chunk reuse",
+        AGENTS_VLLM_CHUNKS_KERNELS, lambda d: d["chunks"]["warm_speedup_vs_apc_p50"]),
     Row("agents-vllm", "session 32's connector (torch SDPA, the old hop rule): tokens "
         "computed with chunk reuse", AGENTS_VLLM_CHUNKS,
         lambda d: d["chunks"]["computed_tokens"]["connector_chunks"], fmt="{:,.0f}"),
@@ -515,6 +542,11 @@ ROWS: tuple[Row, ...] = (
         REPLICAS_CHUNKS_NOW, lambda d: d["speedup_shared_chunks_vs_local_p50"],
         goal=Goal(">=", 2.0), ceiling=lambda d: d["bound_shared_chunks_vs_local_p50"],
         beyond_ceiling=CHUNK_TURNS_COST),
+    Row("replicas", "session 34's connector (a seam per moved chunk, every layer placed at "
+        "once): TTFT p50 local / shared tier with chunk reuse; ceiling: local / one replica "
+        "with chunk reuse", REPLICAS_CHUNKS_KERNELS,
+        lambda d: d["speedup_shared_chunks_vs_local_p50"],
+        ceiling=lambda d: d["bound_shared_chunks_vs_local_p50"]),
     Row("replicas", "session 33's connector (torch SDPA, the old hop rule): TTFT p50 local / "
         "shared tier with chunk reuse; ceiling: local / one replica with chunk reuse",
         REPLICAS_CHUNKS, lambda d: d["speedup_shared_chunks_vs_local_p50"],
