@@ -316,14 +316,20 @@ DOC7 = {name: [base + i for i in range(7)] for name, base in
         (("a", 100), ("b", 200), ("c", 300), ("d", 400))}
 
 
+def rag(order: str, question: list[int], *, rules: list[int] = RULES6,
+        head: list[int] | None = None) -> tuple[list[int], dict]:
+    """Rules, the documents ``order`` names and a question (after an unlabelled
+    ``head``), and its params."""
+    return layered(*([(head, None)] if head else []), (rules, "rules"),
+                   *((DOC7[d], "documents") for d in order), (question, "user_turn"))
+
+
 def test_chunks_that_sat_together_where_computed_need_one_seam() -> None:
     p = planner()  # repair_first=1
-    serve(p, "t1", *layered((RULES6, "rules"), *((DOC7[d], "documents") for d in "abc"),
-                            ([7] * 5, "user_turn")))
+    serve(p, "t1", *rag("abc", [7] * 5))
     # rules [0,6) d [6,13) a [13,20) b [20,27): a and b sat together in t1 too (a's
     # last block there, [12,16), holds b's first token); d is new
-    ids2, params2 = layered((RULES6, "rules"), *((DOC7[d], "documents") for d in "dab"),
-                            ([8] * 9, "user_turn"))
+    ids2, params2 = rag("dab", [8] * 9)
     _, loads = serve(p, "t2", ids2, params2)
     (load,) = loads
     chunk = load.chunk
@@ -339,11 +345,9 @@ def test_chunks_that_sat_together_where_computed_need_one_seam() -> None:
 
 def test_a_chunk_that_moved_without_its_neighbour_keeps_its_seam() -> None:
     p = planner()
-    serve(p, "t1", *layered((RULES6, "rules"), *((DOC7[d], "documents") for d in "abc"),
-                            ([7] * 5, "user_turn")))
+    serve(p, "t1", *rag("abc", [7] * 5))
     # b and a adjacent here, but b came after a in t1, not before: both need seams
-    ids2, params2 = layered((RULES6, "rules"), *((DOC7[d], "documents") for d in "dba"),
-                            ([8] * 9, "user_turn"))
+    ids2, params2 = rag("dba", [8] * 9)
     _, loads = serve(p, "t2", ids2, params2)
     (load,) = loads
     assert load.chunk is not None
@@ -354,28 +358,22 @@ def test_a_chunk_that_moved_without_its_neighbour_keeps_its_seam() -> None:
 
 def test_a_span_the_prefix_hit_ends_inside_continues_it_exactly() -> None:
     p = planner()
-    serve(p, "t1", *layered((RULES6, "rules"), *((DOC7[d], "documents") for d in "abc"),
-                            ([7] * 5, "user_turn")))
-    ids2, params2 = layered((RULES6, "rules"), *((DOC7[d], "documents") for d in "dab"),
-                            ([8] * 9, "user_turn"))
+    serve(p, "t1", *rag("abc", [7] * 5))
+    ids2, params2 = rag("dab", [8] * 9)
     hit = plan_step(p, "t2", ids2, params2)
-    state_chunk = p.plan([StepRequest("t2", ids2, 0, len(ids2), list(range(10, 20)))])[0]
-    (load,) = state_chunk
+    (load,), _ = p.plan([StepRequest("t2", ids2, 0, len(ids2), list(range(10, 20)))])
     chunk = load.chunk
     assert hit == 28 and chunk is not None and chunk.start == 4  # block 0 by prefix
     rest = chunk.chunks[0]
     # the rules' last 2 tokens, from t1's block 1 (computed after the same block 0 at
     # the same position): no seam, no hop
-    t1_keys = hash_token_blocks(IDENTITY.digest(), TENANT, layered(
-        (RULES6, "rules"), *((DOC7[d], "documents") for d in "abc"), ([7] * 5, "user_turn"))[0],
-        BS)
+    t1_keys = hash_token_blocks(IDENTITY.digest(), TENANT, rag("abc", [7] * 5)[0], BS)
     assert (rest.position, rest.length, rest.repair, rest.exact) == (4, 2, 0, True)
     assert rest.source_keys == [t1_keys[1]] and rest.offset == 0
     assert 4 not in chunk.compute and 5 not in chunk.compute
     assert chunk.taints(BS)[0] == (1, 2, 0)
     # another rules text of the same length after the same first block is not this span
-    ids3, params3 = layered(([1, 2, 3, 4, 9, 9], "rules"),
-                            *((DOC7[d], "documents") for d in "dab"), ([8] * 9, "user_turn"))
+    ids3, params3 = rag("dab", [8] * 9, rules=[1, 2, 3, 4, 9, 9])
     _, loads3 = serve(p, "t3", ids3, params3)
     assert all(not m.exact for load in loads3 if load.chunk for m in load.chunk.chunks)
 
@@ -384,19 +382,14 @@ def test_a_span_the_hit_ends_inside_computed_after_other_tokens_is_not_exact() -
     """The same rules at the same position, but last computed after another first
     block: their K/V saw other tokens, so they do not continue this prefix exactly."""
     p = planner()
-
-    def rag(head: list[int], order: str, question: int) -> tuple[list[int], dict]:
-        return layered((head, None), (RULES6, "rules"),
-                       *((DOC7[d], "documents") for d in order), ([question] * 9, "user_turn"))
-
-    ids1, params1 = rag([9], "ab", 7)
+    ids1, params1 = rag("ab", [7] * 9, head=[9])
     serve(p, "t1", ids1, params1)  # block 0 [9, 1, 2, 3] is stored
     # t1's block 1 is evicted: its rules' entry goes, block 0 stays
     p.apply(WorkerReport(removed={hash_token_blocks(IDENTITY.digest(), TENANT, ids1, BS)[1]}))
-    serve(p, "t2", *rag([8], "ab", 7))  # the rules' entry now starts in [8, 1, 2, 3]
+    serve(p, "t2", *rag("ab", [7] * 9, head=[8]))  # the rules' entry now starts in [8, 1, 2, 3]
     (rules,) = [e for e in p.chunks.index.of_tenant(TENANT) if e.label == "rules"]  # type: ignore[union-attr]
     assert rules.position == 1 and rules.hops == 0
-    _, loads = serve(p, "t3", *rag([9], "ba", 8))
+    _, loads = serve(p, "t3", *rag("ba", [8] * 9, head=[9]))
     (load,) = loads
     assert load.chunk is not None and load.chunk.start == 4  # block 0: a prefix hit
     assert all(not m.exact for m in load.chunk.chunks)
@@ -407,14 +400,9 @@ def test_a_chunk_next_to_one_from_another_prompt_keeps_its_seam() -> None:
     """Adjacent here and at the same distance where computed, but in two prompts: b
     followed d there, not a, so b's first token is recomputed."""
     p = planner()
-
-    def rag(order: str, question: int) -> tuple[list[int], dict]:
-        return layered((RULES6, "rules"), *((DOC7[d], "documents") for d in order),
-                       ([question] * 9, "user_turn"))
-
-    serve(p, "t1", *rag("ac", 7))  # a at [6, 13)
-    serve(p, "t2", *rag("db", 7))  # b at [13, 20), after d
-    _, loads = serve(p, "t3", *rag("ab", 8))  # a at [6, 13), b at [13, 20)
+    serve(p, "t1", *rag("ac", [7] * 9))  # a at [6, 13)
+    serve(p, "t2", *rag("db", [7] * 9))  # b at [13, 20), after d
+    _, loads = serve(p, "t3", *rag("ab", [8] * 9))  # a at [6, 13), b at [13, 20)
     (load,) = loads
     assert load.chunk is not None
     b = [m for m in load.chunk.chunks if m.position == 13]
