@@ -675,6 +675,13 @@ class ConnectorStore:
         return [(positions, *decode_pool_blocks(pool, data))
                 for pool, positions, data in self.export_parts(keys, tenant)]
 
+    def export_all(self, keys: Sequence[bytes], tenant: str
+                   ) -> list[tuple[Pool, list[int], dict[str, torch.Tensor]]] | None:
+        """:meth:`export_parts` of every key, or None when the store does not hold all
+        of them for ``tenant`` (a moved chunk needs every one of its source blocks)."""
+        parts = self.export_parts(keys, tenant)
+        return parts if sum(len(positions) for _, positions, _ in parts) == len(keys) else None
+
     def export_parts(self, keys: Sequence[bytes], tenant: str
                      ) -> list[tuple[Pool, list[int], dict[str, torch.Tensor]]]:
         """The stored bytes of the longest held prefix of ``keys``, not decoded: per pool

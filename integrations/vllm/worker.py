@@ -306,8 +306,8 @@ class ConnectorWorker:
                 keys.setdefault(key, len(keys))
         n_src = len(keys)
         t0 = time.perf_counter()
-        parts = self._loader.submit(self.store.export_parts, list(keys), chunk.tenant).result()
-        if sum(len(positions) for _, positions, _ in parts) != n_src:
+        parts = self._loader.submit(self.store.export_all, list(keys), chunk.tenant).result()
+        if parts is None:
             logger.warning("request %s: a reused chunk's blocks are no longer stored; vLLM "
                            "recomputes tokens %d..%d", chunk.req_id, chunk.start, chunk.end)
             return None

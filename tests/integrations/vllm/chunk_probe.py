@@ -71,12 +71,9 @@ def _foreign_sources(worker: Any) -> dict[str, bool]:
     connector = get_kv_transfer_group().worker
     chunk = connector.recent_chunks[-1]
     keys = list(dict.fromkeys(k for moved in chunk.chunks for k in moved.source_keys))
-
-    def handed_out(tenant: str) -> bool:  # what the worker reads a chunk's sources with
-        parts = connector.store.export_parts(keys, tenant)
-        return sum(len(positions) for _, positions, _ in parts) == len(keys)
-
-    return {"own": handed_out(chunk.tenant), "foreign": handed_out("globex#ck-chunks")}
+    # what the worker reads a chunk's sources with
+    return {"own": connector.store.export_all(keys, chunk.tenant) is not None,
+            "foreign": connector.store.export_all(keys, "globex#ck-chunks") is not None}
 
 
 def _wait_spans(shared: str, n: int, wait_s: float = 120.0) -> int:

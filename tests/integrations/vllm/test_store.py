@@ -67,6 +67,20 @@ def test_identity_follows_model_weights_and_block_size(model: Path, tmp_path: Pa
     assert vllm_cache_identity(str(other), BS).model_id != ident.model_id
 
 
+def test_export_all_hands_out_every_block_or_none(model: Path, tmp_path: Path) -> None:
+    """What a moved chunk's sources are read with: all of them for their tenant, or
+    nothing (a missing block, another tenant)."""
+    k, v = _kv(3)
+    ident = vllm_cache_identity(str(model), BS, "native")
+    store = ConnectorStore(ident, _config(tmp_path, codec="native"))
+    keys = _keys(ident.digest(), 3)
+    store.save(k, v, keys, "default", [BlockLabel("axioms", fmt="native")] * 3)
+    parts = store.export_all(keys, "default")
+    assert parts is not None and sorted(p for _, at, _ in parts for p in at) == [0, 1, 2]
+    assert store.export_all(keys, "other-tenant") is None
+    assert store.export_all([*keys[:2], b"\0" * 32], "default") is None
+
+
 def test_save_then_read_roundtrip_tq4_and_native(model: Path, tmp_path: Path) -> None:
     k, v = _kv(3)
     for codec in ("tq4", "native"):
