@@ -70,6 +70,9 @@ class ChunkEntry:
         hops: 0 when its K/V were computed in full context; ``n + 1`` when they were
             reused from an ``n``-hop entry (re-rotated, the seams repaired) and not
             recomputed since.
+        lead: a digest of the tokens right before it where it was computed, or None: a
+            caller that places it after the same tokens may skip its seam (the vLLM
+            connector's planner sets and reads it).
     """
 
     tenant: str
@@ -79,6 +82,7 @@ class ChunkEntry:
     position: int
     length: int
     hops: int = 0
+    lead: bytes | None = None
 
 
 class ChunkIndex:

@@ -25,6 +25,7 @@ from typing import Any
 
 from contextkit.bench._common import (
     machine_info,
+    non_negative_int,
     positive_float,
     positive_int,
     print_table,
@@ -76,6 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repair-first", type=int, default=4,
                         help="connector_chunks' chunk_repair_first: each moved chunk's "
                              "first tokens recomputed (default 4, the connector's)")
+    parser.add_argument("--seam-lead", type=non_negative_int, default=16,
+                        help="connector_chunks' chunk_seam_lead: a moved chunk after the "
+                             "same this-many tokens as where it was computed keeps no seam "
+                             "(default 16, the connector's; 0: only a chunk continuing the "
+                             "one before it)")
     parser.add_argument("--repair-ratio", type=unit_float, default=0.0,
                         help="connector_chunks' chunk_repair_ratio: the share of moved "
                              "tokens recomputed where their K/V deviate most (default 0)")
@@ -212,6 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "--quality-tokens", str(args.quality_tokens), "--configs", ",".join(configs)]
     if args.ingest:
         cmd.append("--ingest")
-    cmd += ["--repair-first", str(args.repair_first), "--repair-ratio", str(args.repair_ratio)]
+    cmd += ["--repair-first", str(args.repair_first), "--repair-ratio", str(args.repair_ratio),
+            "--seam-lead", str(args.seam_lead)]
     return result_of(args, drive("integrations.vllm.bench.chunks_bench", cmd, args,
                                  "chunks-vllm"))

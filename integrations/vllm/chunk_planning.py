@@ -10,8 +10,9 @@ connector then reports as matched every token up to the block boundary after the
 reused chunk: vLLM skips them, and the worker materializes them before the forward
 (:class:`ChunkLoad`): it moves the chunks into place and computes the rest of that
 range (the changed spans, the template between spans, each chunk's first
-``repair_first`` tokens: its seam, unless it sat right after the chunk before it where
-both were computed). A span the prefix hit ends inside continues the hit exactly when
+``repair_first`` tokens: its seam, unless what precedes it here preceded it where it
+was computed: the chunk before it in the same stored run, or the same ``seam_lead``
+tokens). A span the prefix hit ends inside continues the hit exactly when
 it was computed at the same position after the same first block: its rest is reused
 with no seam. What cannot be materialized is reported as a load error and vLLM
 recomputes it.
@@ -38,6 +39,7 @@ another position; the worker brings its blocks in before placing it
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -47,13 +49,25 @@ from gpu_cache.hashing import BlockHash
 from shadow.shared.objects import MAX_SPAN_BLOCKS, SpanRecord
 from shadow.shared.tier import FoundSpan
 
-__all__ = ["ChunkLoad", "ChunkPlanner", "MovedChunk", "SpanShare", "continues", "moved_key"]
+__all__ = ["ChunkLoad", "ChunkPlanner", "MovedChunk", "SpanShare", "continues", "lead_digest",
+           "moved_key"]
 
 
 def moved_key(key: bytes) -> bytes:
     """The store key of a block whose K/V were moved in (chunk reuse), from its exact
     chained key: a prefix lookup never computes it."""
     return hashlib.sha256(b"contextkit-moved-v1" + key).digest()
+
+
+def lead_digest(token_ids: Sequence[int], start: int, window: int) -> bytes | None:
+    """A digest of the ``window`` tokens before ``start`` (fewer at a prompt's start),
+    or None when ``window`` is 0: a chunk placed after the tokens it was computed after
+    needs no seam (its first tokens see the text they saw there; what lies further
+    back differs for them as for every later token of the chunk)."""
+    if window <= 0:
+        return None
+    lead = [int(t) for t in token_ids[max(0, start - window):start]]
+    return hashlib.sha256(struct.pack(f"<I{len(lead)}i", len(lead), *lead)).digest()
 
 
 @dataclass(slots=True)
@@ -147,7 +161,10 @@ class ChunkPlanner:
         block_size: tokens per block.
         min_tokens: spans shorter than this are computed, not looked up.
         repair_first: each moved chunk's first tokens are recomputed (its seam), unless
-            it continues the chunk before it as computed (:func:`continues`).
+            it continues the chunk before it as computed (:func:`continues`) or sits
+            after the ``seam_lead`` tokens it was computed after (:func:`lead_digest`).
+        seam_lead: tokens before a chunk that, unchanged, spare it its seam (0: only
+            a chunk continuing the one before it is spared).
         max_hops: chunks this many moves from a full computation are not reused.
         min_share: a request reuses chunks only when they cover at least this share
             of the range the connector would materialize.
@@ -158,11 +175,13 @@ class ChunkPlanner:
 
     def __init__(self, identity_digest: bytes, block_size: int, *, min_tokens: int = 16,
                  repair_first: int = 4, max_hops: int = 4, min_share: float = 0.2,
-                 repair_ratio: float = 0.0, layers: frozenset[str] | None = None) -> None:
+                 repair_ratio: float = 0.0, layers: frozenset[str] | None = None,
+                 seam_lead: int = 16) -> None:
         self.index = ChunkIndex(identity_digest)
         self.block_size = block_size
         self.min_tokens = min_tokens
         self.repair_first = repair_first
+        self.seam_lead = seam_lead
         self.max_hops = max_hops
         self.min_share = min_share
         self.repair_ratio = repair_ratio
@@ -245,7 +264,9 @@ class ChunkPlanner:
             chunk = MovedChunk([bytes(k) for k in entry.block_keys], entry.offset,
                                entry.position, span.start, len(ids), span.source_layer,
                                shared, entry.hops, repair=self.repair_first)
-            if moved and continues(moved[-1], chunk):
+            if (moved and continues(moved[-1], chunk)) or (
+                    entry.lead is not None
+                    and entry.lead == lead_digest(token_ids, span.start, self.seam_lead)):
                 chunk.repair = 0
             moved.append(chunk)
             if shared is not None:
@@ -322,7 +343,8 @@ class ChunkPlanner:
             key = self.index.key(tenant, span.source_layer, ids)
             old = self.index.get(key, tenant)
             entry = ChunkEntry(tenant, span.source_layer, block_keys, span.start % bs,
-                               span.start, len(ids), span_hops)
+                               span.start, len(ids), span_hops,
+                               lead_digest(token_ids, span.start, self.seam_lead))
             # a still-stored entry fewer hops from a full computation is kept
             keep = (old if old is not None and old.hops < span_hops
                     and all(held(bytes(k)) for k in old.block_keys) else None)

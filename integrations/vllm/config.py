@@ -130,7 +130,10 @@ class ConnectorConfig:
             vLLM"). Needs ``--load-format contextkit`` and applies to requests that opt
             in (a ``cache_salt`` ending in ``#ck-chunks``). Default off.
         chunk_repair_first: each moved chunk's first tokens recomputed (its seam; none
-            where it sat right after the chunk before it where both were computed).
+            where it sat right after the chunk before it where both were computed, or
+            after the same ``chunk_seam_lead`` tokens as where it was computed).
+        chunk_seam_lead: that many tokens before a moved chunk, the same here as where
+            it was computed, spare it its seam (0: only the first case does).
         chunk_repair_ratio: besides those, this share of the moved tokens is recomputed:
             the ones whose K/V at ``chunk_select_layer`` deviate most from the moved
             K/V (CacheBlend's selection; the layers up to it run over every token of
@@ -183,6 +186,7 @@ class ConnectorConfig:
     shared_warm_share: float = 0.5
     chunk_reuse: bool = False
     chunk_repair_first: int = 4
+    chunk_seam_lead: int = 16
     chunk_repair_ratio: float = 0.0
     chunk_select_layer: int = 1
     chunk_min_tokens: int = 16
@@ -240,6 +244,7 @@ class ConnectorConfig:
                      "chunk_max_hops"):
             size(getattr(self, name), name, minimum=1, error=err)
         size(self.chunk_repair_first, "chunk_repair_first", minimum=0, error=err)
+        size(self.chunk_seam_lead, "chunk_seam_lead", minimum=0, error=err)
         size(self.chunk_select_layer, "chunk_select_layer", minimum=0, error=err)
 
     def shared_tier(self) -> SharedTierConfig:

@@ -52,6 +52,7 @@ def _chunk_planner(config: ConnectorConfig, identity: CacheIdentity, block_size:
         return None
     return ChunkPlanner(identity.digest(), block_size, min_tokens=config.chunk_min_tokens,
                         repair_first=config.chunk_repair_first,
+                        seam_lead=config.chunk_seam_lead,
                         max_hops=config.chunk_max_hops, repair_ratio=config.chunk_repair_ratio,
                         layers=config.chunk_labels)
 

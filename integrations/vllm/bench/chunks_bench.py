@@ -264,6 +264,7 @@ class Lane:
             overrides = dict(setup.connector)
             if setup.chunks:
                 overrides["chunk_repair_first"] = self.args.repair_first
+                overrides["chunk_seam_lead"] = self.args.seam_lead
                 overrides["chunk_repair_ratio"] = self.args.repair_ratio
             config = ConnectorConfig(
                 block_size=BLOCK, shadow_url="",
@@ -475,7 +476,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "workload": {"agents": args.agents, "tenants": args.tenants,
                          "steps": args.steps, "docs": args.docs, "seed": args.seed,
                          "documents": len(workload.docs), "ingest": args.ingest,
-                         "repair_first": args.repair_first,
+                         "repair_first": args.repair_first, "seam_lead": args.seam_lead,
                          "repair_ratio": args.repair_ratio,
                          "max_tokens": args.max_tokens},
             "loadavg_1min": round(os.getloadavg()[0], 2)}
@@ -499,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ingest", action="store_true",
                         help="prefill each document once before the schedule")
     parser.add_argument("--repair-first", type=int, default=4)
+    parser.add_argument("--seam-lead", type=int, default=16)
     parser.add_argument("--repair-ratio", type=float, default=0.0)
     parser.add_argument("--model", default=None)
     args = parser.parse_args(argv)

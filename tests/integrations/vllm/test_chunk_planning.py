@@ -407,3 +407,28 @@ def test_a_chunk_next_to_one_from_another_prompt_keeps_its_seam() -> None:
     assert load.chunk is not None
     b = [m for m in load.chunk.chunks if m.position == 13]
     assert b and b[0].repair == 1 and 13 in load.chunk.compute
+
+
+def test_a_chunk_placed_after_the_text_it_was_computed_after_needs_no_seam() -> None:
+    """b was computed right after a (in t2), a comes from another prompt (t1): not one
+    stored run, but b's first tokens see here the text they saw there."""
+    p = planner(seam_lead=4)
+    serve(p, "t1", *rag("da", [7] * 9))  # a at [13, 20), after d
+    serve(p, "t2", *rag("ab", [7] * 9))  # a moved in; b new at [13, 20), after a
+    _, loads = serve(p, "t3", *rag("cab", [8] * 9))  # c new, a at [13, 20), b at [20, 27)
+    (load,) = loads
+    assert load.chunk is not None
+    by_position = {m.position: m for m in load.chunk.chunks}
+    assert by_position[13].source_position == 13 and by_position[13].repair == 1
+    assert by_position[20].source_position == 13 and by_position[20].repair == 0
+    assert 13 in load.chunk.compute and 20 not in load.chunk.compute
+
+
+def test_without_a_lead_window_a_chunk_from_another_prompt_keeps_its_seam() -> None:
+    p = planner(seam_lead=0)
+    serve(p, "t1", *rag("da", [7] * 9))
+    serve(p, "t2", *rag("ab", [7] * 9))
+    _, loads = serve(p, "t3", *rag("cab", [8] * 9))
+    (load,) = loads
+    assert load.chunk is not None
+    assert {m.position: m.repair for m in load.chunk.chunks}[20] == 1
