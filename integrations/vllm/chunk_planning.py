@@ -137,6 +137,13 @@ class ChunkLoad:
         return [(c.position // block_size, (c.position + c.length - 1) // block_size + 1,
                  c.hops + (0 if c.exact else 1)) for c in self.chunks]
 
+    def token_taints(self) -> list[tuple[int, int, int]]:
+        """``(position, end, hops)`` of each moved chunk's tokens here, as
+        :meth:`taints` counts them: a span computed here beside one (in a block it
+        ends in) is not counted as moved."""
+        return [(c.position, c.position + c.length, c.hops + (0 if c.exact else 1))
+                for c in self.chunks]
+
     @property
     def compute_ids(self) -> list[int]:
         """The token ids at :attr:`compute`."""
@@ -324,11 +331,16 @@ class ChunkPlanner:
                           rec.position % self.block_size, rec.position, length, rec.hops)
 
     def register(self, tenant: str, token_ids: Sequence[int], spans: Sequence[WireSpan],
-                 keys: Sequence[bytes], stored_blocks: int, held: Callable[[bytes], bool]
-                 ) -> list[SpanShare]:
+                 keys: Sequence[bytes], stored_blocks: int, held: Callable[[bytes], bool],
+                 *, materialized: int | None = None,
+                 moved: Sequence[tuple[int, int, int]] = ()) -> list[SpanShare]:
         """Register a request's spans held by its first ``stored_blocks`` blocks
         (``keys``: the keys they are stored under). ``held``: whether the store holds
-        a block key. A span inherits the most hops its blocks were tainted with.
+        a block key. A span inherits the most hops of the moved K/V it holds: in
+        blocks before ``materialized`` (the first token of the request's chunk load,
+        if any; block-aligned), the hops its blocks were tainted with; from there on,
+        those of the ``moved`` token ranges (:meth:`ChunkLoad.token_taints`) it
+        overlaps (tokens computed here, beside a moved chunk in one block, are 0).
         Returns the spans newly registered (or now held elsewhere), as shared-tier
         publications (those short enough for a span object)."""
         bs = self.block_size
@@ -338,7 +350,12 @@ class ChunkPlanner:
                 continue
             first, last = span.start // bs, (span.end - 1) // bs
             block_keys = tuple(BlockHash(k) for k in keys[first:last + 1])
-            span_hops = self.index.hops_of(block_keys)
+            if materialized is None:
+                span_hops = self.index.hops_of(block_keys)
+            else:
+                before = block_keys[:max(0, materialized // bs - first)]
+                span_hops = max([self.index.hops_of(before)] + [
+                    hops for a, b, hops in moved if a < span.end and span.start < b])
             ids = list(token_ids[span.start:span.end])
             key = self.index.key(tenant, span.source_layer, ids)
             old = self.index.get(key, tenant)

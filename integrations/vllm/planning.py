@@ -352,6 +352,9 @@ class _RequestState:
     moved: range = range(0)  # blocks holding moved K/V: saved under moved_key only
     #: ``(first block, end block, hops)`` of the blocks the moved chunks landed in
     moved_hops: list[tuple[int, int, int]] = field(default_factory=list)
+    #: the chunk load's first token and ``(position, end, hops)`` of its moved chunks
+    materialized: int | None = None
+    moved_tokens: list[tuple[int, int, int]] = field(default_factory=list)
     chunks_off: str | None = None  # why an opted-in request reused no chunk
 
 
@@ -552,6 +555,7 @@ class RequestPlanner:
             state.chunk, state.chunk_planned = chunk, True
             state.moved = range(chunk.start // bs, chunk.end // bs)
             state.moved_hops = chunk.taints(bs)
+            state.materialized, state.moved_tokens = chunk.start, chunk.token_taints()
             if chunk.found and self.chunks is not None:
                 self.chunks.adopt(chunk)
                 self.stats.count("shared_span_hits", len(chunk.found))
@@ -778,7 +782,9 @@ class RequestPlanner:
             return
         _, spans = decode_spans(ours)
         shares = self.chunks.register(state.tenant, token_ids, spans, keys, len(keys),
-                                      lambda k: k in self.index or k in self.pending)
+                                      lambda k: k in self.index or k in self.pending,
+                                      materialized=state.materialized,
+                                      moved=state.moved_tokens)
         if self.chunk_blocks:  # a shared tier: the worker publishes them
             self._shares += shares
 

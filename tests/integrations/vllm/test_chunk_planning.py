@@ -432,3 +432,21 @@ def test_without_a_lead_window_a_chunk_from_another_prompt_keeps_its_seam() -> N
     (load,) = loads
     assert load.chunk is not None
     assert {m.position: m.repair for m in load.chunk.chunks}[20] == 1
+
+
+def test_a_message_computed_in_the_block_a_moved_one_ends_in_stays_0_hops() -> None:
+    """Messages of 7 tokens in blocks of 4: each new one starts in the block where the
+    moved one before it ends. Its own K/V there were computed, not moved."""
+    p = planner(max_hops=1)
+    messages: list[list[int]] = []
+    for turn in range(5):
+        messages.append([500 + 10 * turn + i for i in range(7)])
+        ids, params = layered((RULES6, "rules"),
+                              *((DOC7[d], "documents") for d in ("abc" if turn % 2 else "ba")),
+                              *((m, "user_turn") for m in messages), ([7] * 5, None))
+        _, loads = serve(p, f"t{turn}", ids, params, blocks=20)
+        moved = [m.label for load in loads if load.chunk for m in load.chunk.chunks]
+        if turn >= 2:
+            assert moved.count("user_turn") == turn, (turn, moved)
+    hops = [e.hops for e in p.chunks.index.of_tenant(TENANT) if e.label == "user_turn"]
+    assert len(hops) == 5 and max(hops) == 0
