@@ -16,7 +16,9 @@ bit per coordinate (coordinate ``j`` in bit ``j % 8`` of byte ``d/2 + j // 8``);
 ``decode8_into`` for the rotated int8 vectors of the ``int8`` format. Every decoder can
 write each row to a row of its choice and add a per-head offset on the way (``dest``,
 ``offsets``): the vLLM connector decodes stored blocks straight into the rows of
-vLLM's pages, key offsets added back, in one pass.
+vLLM's pages, key offsets added back, in one pass. ``rope_move_into`` copies decoded
+token-head vectors into pages at other positions, the keys rotated by RoPE on the way
+(the connector's chunk placement).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["available", "decode5_into", "decode8_into", "decode_into", "encode5_into",
-           "encode_into", "limit_threads"]
+           "encode_into", "limit_threads", "rope_move_into"]
 
 _nb: Any
 try:  # numba is an optional accelerator; the torch path is always there.
@@ -191,6 +193,26 @@ if _nb is not None:
                 norms[row] = nrm / math.sqrt(recon_sq) if nrm > 0 else 0.0
 
     @_jit
+    def _rope_move(src, dst, k_src, k_dst, k_step, v_src, v_dst, cos, sin,
+                   heads):  # pragma: no cover - jitted
+        half = cos.shape[1]
+        for i in _prange(k_src.shape[0]):
+            t = i // heads
+            a = k_src[i]
+            b = k_dst[i]
+            for j in range(half):
+                x1 = src[a + j * k_step]
+                x2 = src[a + (j + half) * k_step]
+                c = cos[t, j]
+                s = sin[t, j]
+                dst[b + j * k_step] = x1 * c - x2 * s
+                dst[b + (j + half) * k_step] = x2 * c + x1 * s
+            a = v_src[i]
+            b = v_dst[i]
+            for j in range(2 * half):
+                dst[b + j] = src[a + j]
+
+    @_jit
     def _decode5(packed, norms, signs, cent, offsets, dest, out):  # pragma: no cover
         n = packed.shape[0]
         d = out.shape[1]
@@ -209,6 +231,19 @@ if _nb is not None:
                     v[j, lane] = cent[(byte & 15) | (b_lo << 4)]
                     v[jh, lane] = cent[(byte >> 4) | (b_hi << 4)]
             _unrotate_rows(v, norms, base, m, signs, offsets, dest, out)
+
+
+def rope_move_into(src: np.ndarray, dst: np.ndarray, k_src: np.ndarray, k_dst: np.ndarray,
+                   k_step: int, v_src: np.ndarray, v_dst: np.ndarray, cos: np.ndarray,
+                   sin: np.ndarray, heads: int) -> None:
+    """Copy token-head vectors from ``src`` to ``dst`` (flat float32 arrays), the keys
+    rotated on the way: vector ``i`` (token ``i // heads``) has its key's coordinate
+    ``j`` at ``k_src[i] + j * k_step`` (written at ``k_dst[i] + j * k_step``) and its
+    value's at ``v_src[i] + j`` (written at ``v_dst[i] + j``). The key is rotated by
+    ``cos``/``sin`` ``[T, d/2]`` in RoPE's neox layout (coordinate ``j`` pairs with
+    ``j + d/2``): how the vLLM connector moves a chunk's K/V into the pages at new
+    positions, the strides naming the pages' layout."""
+    _rope_move(src, dst, k_src, k_dst, k_step, v_src, v_dst, cos, sin, heads)
 
 
 def encode_into(

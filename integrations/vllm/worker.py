@@ -29,13 +29,14 @@ from vllm.platforms import current_platform
 from gpu_cache.kernels import cpu_fused
 from integrations.vllm.chunk_forward import PagedKV, ServedLlama, served_llama
 from integrations.vllm.chunk_gate import run_gate
+from integrations.vllm.chunk_placement import ChunkPlacement
 from integrations.vllm.chunk_planning import ChunkLoad
 from integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from integrations.vllm.connector_metadata import (
     ContextKitConnectorMetadata,
     ContextKitWorkerMetadata,
 )
-from integrations.vllm.layout import LAYOUTS, keys_by_token, probe_cpu_key_order
+from integrations.vllm.layout import LAYOUTS, probe_cpu_key_order
 from integrations.vllm.pauses import KeepSpec
 from integrations.vllm.planning import LoadSpec, SaveSpec, WorkerReport
 from integrations.vllm.pools import decode_pool_blocks, decode_pool_layer_into
@@ -311,40 +312,10 @@ class ConnectorWorker:
             logger.warning("request %s: a reused chunk's blocks are no longer stored; vLLM "
                            "recomputes tokens %d..%d", chunk.req_id, chunk.start, chunk.end)
             return None
-        bs, heads, dim = self.block_size, self.identity.num_kv_heads, self.identity.head_dim
-        rows, delta, positions = [], [], []
-        for moved in chunk.chunks:
-            at = torch.cat([torch.arange(bs) + keys[key] * bs for key in moved.source_keys])
-            rows.append(at[moved.offset:moved.offset + moved.length])
-            delta.append(torch.full((moved.length,), moved.position - moved.source_position))
-            positions.append(torch.arange(moved.position, moved.position + moved.length))
-        at, where = torch.cat(rows), torch.cat(positions)
-        cos, sin = model.rotation(torch.cat(delta))
+        placement = ChunkPlacement.of(chunk.chunks, keys, self.block_size, model.rotation)
         paged = PagedKV([self._pages[name] for name in self._names], self._layout.split,
-                        self._key_order, chunk.block_ids, bs, isa=self._isa)
-        # Layer by layer, so that each layer's source K/V stay in cache from decoding to
-        # the pages: the source blocks' rows (block, token, head) of one layer, keys
-        # then values, decoded on the loader thread (the fused decoder sets its thread's
-        # OpenMP count); the moved tokens' keys re-rotated to their new positions.
-        n_rows = n_src * bs * heads
-        buf = torch.empty(2 * n_rows, dim, dtype=torch.float32)
-        per_block = torch.arange(bs * heads)
-        plan = []
-        for pool, held_at, data in parts:
-            rows_k = (torch.tensor(held_at)[:, None] * bs * heads + per_block).reshape(-1)
-            plan.append((pool, data, rows_k, rows_k + n_rows))
-
-        def decode(layer: int) -> None:
-            with torch.inference_mode():  # as the step that made buf
-                for pool, data, rows_k, rows_v in plan:
-                    decode_pool_layer_into(pool, data, layer, buf, rows_k, rows_v)
-
-        for layer in range(len(self._names)):
-            self._loader.submit(decode, layer).result()
-            k_mem = buf[:n_rows].view(n_src, bs, heads, dim).permute(0, 2, 1, 3)
-            k_tok = keys_by_token(k_mem, self._key_order).permute(0, 2, 1, 3)
-            k_moved = model.rotate_with(k_tok.reshape(n_src * bs, heads, dim)[at], cos, sin)
-            paged.write(layer, where, k_moved, buf[n_rows:].view(n_src * bs, heads, dim)[at])
+                        self._key_order, chunk.block_ids, self.block_size, isa=self._isa)
+        self._loader.submit(placement.run, parts, paged, self._rows).result()
         t1 = time.perf_counter()
         compute = chunk.compute
         if chunk.selected:
@@ -352,7 +323,7 @@ class ConnectorWorker:
         if compute:
             model.forward([chunk.range_ids[p - chunk.start] for p in compute], compute, paged)
         logger.debug("request %s: chunk reuse moved %d tokens from %d blocks in %.3f s, "
-                     "computed %d in %.3f s", chunk.req_id, len(at), n_src, t1 - t0,
+                     "computed %d in %.3f s", chunk.req_id, placement.tokens, n_src, t1 - t0,
                      len(compute), time.perf_counter() - t1)
         return len(compute)
 
