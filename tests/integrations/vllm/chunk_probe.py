@@ -46,13 +46,15 @@ def _worker_check(worker: Any, ids: list[int]) -> dict[str, Any]:
                     connector.block_size)
     computed = set(chunk.compute)
     moved = [p for p in range(chunk.start, chunk.end) if p not in computed]
-    seam = []  # computed tokens right after the prefix: their context is exact
-    for p in chunk.compute:
-        if p != chunk.start + len(seam):
-            break
-        seam.append(p)
+    # the first run of computed tokens (the first moved document's seam): what precedes
+    # it is the rules text, reused where it was computed (the same position, nothing
+    # before it), so their context is exact
+    seam = [p for i, p in enumerate(chunk.compute) if p == chunk.compute[0] + i]
+    unmoved = all(c.position == c.source_position for c in chunk.chunks
+                  if c.position < seam[0])
     out: dict[str, Any] = {"start": chunk.start, "end": chunk.end, "moved": len(moved),
-                           "seam": len(seam), "layers": {}}
+                           "seam": len(seam), "before_seam_unmoved": unmoved,
+                           "layers": {}}
     for layer in range(model.num_layers):
         k, v = paged.context(layer, chunk.end)
         dk, dv = (k - full.k[layer]).abs(), (v - full.v[layer]).abs()
