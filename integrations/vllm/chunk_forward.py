@@ -132,9 +132,6 @@ class PagedKV:
             writes and attention then run through vLLM's own cache and attention
             kernels, straight over the pages; None: torch ops over a copy of the
             context.
-        ready: called with a layer before its pages are read or written (the
-            connector's forward waits there for the layer's moved chunks to be
-            placed), or None.
     """
 
     pages: Sequence[torch.Tensor]
@@ -143,7 +140,6 @@ class PagedKV:
     block_ids: Sequence[int]
     block_size: int
     isa: str | None = None
-    ready: Callable[[int], None] | None = None
     _plan: tuple[Runs, tuple[torch.Tensor, ...]] | None = field(default=None, init=False,
                                                                  repr=False)
 
@@ -153,8 +149,6 @@ class PagedKV:
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
-        if self.ready is not None:
-            self.ready(layer)
         kp, vp = self.split(self.pages[layer])
         blocks, slots = self._slots(positions.to(torch.int64).cpu())
         if self.isa is not None:
@@ -170,8 +164,6 @@ class PagedKV:
         vp[blocks, :, slots] = v.to(vp.device, vp.dtype)
 
     def context(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.ready is not None:
-            self.ready(layer)
         n = -(-upto // self.block_size)
         pages = self.pages[layer]
         idx = torch.as_tensor(list(self.block_ids[:n]), dtype=torch.int64, device=pages.device)
@@ -184,8 +176,6 @@ class PagedKV:
         return out[0], out[1]
 
     def attend(self, layer: int, q: torch.Tensor, runs: Runs, scale: float) -> torch.Tensor:
-        if self.ready is not None:
-            self.ready(layer)
         if self.isa is None:
             return attend_sdpa(q, *self.context(layer, runs.upto), runs, scale)
         from vllm import _custom_ops as ops

@@ -16,7 +16,6 @@ the probed key order. Elsewhere torch gathers, rotates and writes through
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +28,7 @@ from integrations.vllm.chunk_planning import MovedChunk
 from integrations.vllm.layout import keys_by_token
 from integrations.vllm.pools import decode_pool_layer_into
 
-__all__ = ["ChunkPlacement", "PlacedLayers"]
+__all__ = ["ChunkPlacement"]
 
 #: ``(pool, the blocks' indexes among the sources, the blocks exported)`` per pool
 #: holding them (:meth:`~integrations.vllm.store.ConnectorStore.export_all`).
@@ -37,35 +36,6 @@ Parts = Sequence[tuple[Any, Sequence[int], Mapping[str, torch.Tensor]]]
 #: ``(block ids, heads, block size)`` -> the key and value rows of each (block, token,
 #: head) in a contiguous layer viewed as rows of ``D`` values.
 RowsOf = Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]
-
-
-class PlacedLayers:
-    """The layers a placement has written so far: the connector's forward over the
-    range waits on each layer here (:attr:`PagedKV.ready`) while the loader thread
-    places the next ones."""
-
-    def __init__(self) -> None:
-        self._written = 0
-        self._failed = False
-        self._cond = threading.Condition()
-
-    def done(self, layer: int) -> None:
-        with self._cond:
-            self._written = layer + 1
-            self._cond.notify_all()
-
-    def fail(self) -> None:
-        with self._cond:
-            self._failed = True
-            self._cond.notify_all()
-
-    def wait(self, layer: int) -> None:
-        """Return once ``layer`` is written; raise if the placement failed."""
-        with self._cond:
-            while self._written <= layer and not self._failed:
-                self._cond.wait()
-            if self._written <= layer:
-                raise RuntimeError(f"placing the moved chunks failed before layer {layer}")
 
 
 @dataclass
@@ -108,22 +78,11 @@ class ChunkPlacement:
     def tokens(self) -> int:
         return int(self.at.shape[0])
 
-    def run(self, parts: Parts, paged: PagedKV, rows_of: RowsOf | None = None,
-            placed: PlacedLayers | None = None) -> None:
+    def run(self, parts: Parts, paged: PagedKV, rows_of: RowsOf | None = None) -> None:
         """Decode and write every layer (on the calling thread: the fused decoder sets
         its thread's OpenMP count, so the connector calls this on its loader thread).
         ``rows_of``: the layout's rows where every layer is a contiguous float32 CPU
-        tensor that vLLM's CPU attention reads (``paged.isa``): the fused path.
-        ``placed`` hears of each layer written (and of a failure)."""
-        try:
-            self._run(parts, paged, rows_of, placed)
-        except BaseException:
-            if placed is not None:
-                placed.fail()
-            raise
-
-    def _run(self, parts: Parts, paged: PagedKV, rows_of: RowsOf | None,
-             placed: PlacedLayers | None) -> None:
+        tensor that vLLM's CPU attention reads (``paged.isa``): the fused path."""
         heads, bs = paged.num_kv_heads, paged.block_size
         dim = int(paged.pages[0].shape[-1])
         n_rows = self.num_sources * heads * bs
@@ -143,8 +102,6 @@ class ChunkPlacement:
                 for pool, data, rows_k, rows_v in plan:
                     decode_pool_layer_into(pool, data, layer, buf, rows_k, rows_v)
                 write(layer)
-                if placed is not None:
-                    placed.done(layer)
 
     @staticmethod
     def _fusable(paged: PagedKV) -> bool:

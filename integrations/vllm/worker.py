@@ -12,7 +12,6 @@ builds one in each worker process, as vLLM's own connectors split their roles.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -30,7 +29,7 @@ from vllm.platforms import current_platform
 from gpu_cache.kernels import cpu_fused
 from integrations.vllm.chunk_forward import PagedKV, ServedLlama, served_llama
 from integrations.vllm.chunk_gate import run_gate
-from integrations.vllm.chunk_placement import ChunkPlacement, PlacedLayers
+from integrations.vllm.chunk_placement import ChunkPlacement
 from integrations.vllm.chunk_planning import ChunkLoad
 from integrations.vllm.config import ConnectorConfig, ConnectorConfigError
 from integrations.vllm.connector_metadata import (
@@ -316,23 +315,16 @@ class ConnectorWorker:
         placement = ChunkPlacement.of(chunk.chunks, keys, self.block_size, model.rotation)
         paged = PagedKV([self._pages[name] for name in self._names], self._layout.split,
                         self._key_order, chunk.block_ids, self.block_size, isa=self._isa)
-        # the forward over the range runs beside the placement, layer by layer behind it
-        placed = PlacedLayers()
-        placing = self._loader.submit(placement.run, parts, paged, self._rows, placed)
+        self._loader.submit(placement.run, parts, paged, self._rows).result()
+        t1 = time.perf_counter()
         compute = chunk.compute
-        try:
-            forward = dataclasses.replace(paged, ready=placed.wait)
-            if chunk.selected:
-                compute = self._select(chunk, model, forward)
-            if compute:
-                model.forward([chunk.range_ids[p - chunk.start] for p in compute], compute,
-                              forward)
-        finally:
-            placing.exception()  # done with the pages either way before vLLM takes them
-        placing.result()
-        logger.debug("request %s: chunk reuse moved %d tokens from %d blocks and computed "
-                     "%d in %.3f s", chunk.req_id, placement.tokens, n_src, len(compute),
-                     time.perf_counter() - t0)
+        if chunk.selected:
+            compute = self._select(chunk, model, paged)
+        if compute:
+            model.forward([chunk.range_ids[p - chunk.start] for p in compute], compute, paged)
+        logger.debug("request %s: chunk reuse moved %d tokens from %d blocks in %.3f s, "
+                     "computed %d in %.3f s", chunk.req_id, placement.tokens, n_src, t1 - t0,
+                     len(compute), time.perf_counter() - t1)
         return len(compute)
 
     def _select(self, chunk: ChunkLoad, model: ServedLlama, paged: PagedKV) -> list[int]:

@@ -3,17 +3,13 @@ path write the same K/V, each moved key rotated by its position delta."""
 
 from __future__ import annotations
 
-import dataclasses
-import threading
-import time
-
 import pytest
 import torch
 
 from gpu_cache import hash_token_blocks
 from gpu_cache.kernels import cpu_fused
 from integrations.vllm.chunk_forward import PagedKV, ServedLlama
-from integrations.vllm.chunk_placement import ChunkPlacement, PlacedLayers
+from integrations.vllm.chunk_placement import ChunkPlacement
 from integrations.vllm.chunk_planning import MovedChunk
 from integrations.vllm.config import ConnectorConfig
 from integrations.vllm.identity import vllm_cache_identity
@@ -106,43 +102,3 @@ def test_the_fused_kernel_writes_what_vllms_cache_kernel_writes(
     fused, vllm_written = place(stored, order, True), place(stored, order, False, isa)
     for a, b in zip(fused, vllm_written, strict=True):
         assert (b != 0).any() and torch.allclose(a, b, atol=1e-5)
-
-
-def test_the_forward_waits_for_each_layer_and_hears_of_a_failed_placement() -> None:
-    placed = PlacedLayers()
-    seen: list[int] = []
-    reader = threading.Thread(target=lambda: (placed.wait(1), seen.append(1)))
-    reader.start()
-    placed.done(0)
-    time.sleep(0.05)
-    assert not seen  # layer 1 is not written yet
-    placed.done(1)
-    reader.join(10)
-    assert seen == [1]
-    failed = PlacedLayers()
-    failed.done(0)
-    failed.fail()
-    failed.wait(0)  # written before the failure: readable
-    with pytest.raises(RuntimeError, match="before layer 1"):
-        failed.wait(1)
-
-
-def test_a_placement_reports_every_layer_it_wrote(
-        stored: tuple[ConnectorStore, list[bytes]]) -> None:
-    store, keys = stored
-    placed = PlacedLayers()
-    layers = [torch.zeros(BLOCKS, HEADS, BS, 2 * DIM) for _ in range(LAYERS)]
-    paged = PagedKV([CPU_LAYOUT.pages(t) for t in layers], CPU_LAYOUT.split, "token",
-                    list(range(BLOCKS)), BS)
-    parts = store.export_all(keys, "t")
-    assert parts is not None
-    ChunkPlacement.of([MovedChunk([keys[0]], 0, 0, 16, 16, "documents")],
-                      {key: i for i, key in enumerate(keys)}, BS, rotation).run(
-        parts, paged, None, placed)
-    placed.wait(LAYERS - 1)
-    with pytest.raises(IndexError):  # a placement that cannot finish says so to readers
-        ChunkPlacement.of([MovedChunk([keys[0]], 0, 0, 16, 16, "documents")],
-                          {key: i for i, key in enumerate(keys)}, BS, rotation).run(
-            parts, dataclasses.replace(paged, block_ids=[0]), None, failing := PlacedLayers())
-    with pytest.raises(RuntimeError):
-        failing.wait(0)
