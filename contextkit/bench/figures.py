@@ -276,11 +276,18 @@ CHUNKS_VLLM_KERNELS = ("chunks-vllm-amd-oracle.json", "chunks-vllm-amd-oracle-2.
 #: one without it and with 20 quality turns of 32 positions
 CHUNKS_VLLM_HOPS = ("chunks-vllm-amd-hops.json", "chunks-vllm-amd-hops-2.json")
 CHUNKS_VLLM_HOPS_QUALITY = ("chunks-vllm-amd-hops-quality640.json",)
-#: the connector now (session 35): runs of chunks that sat together repaired once, the
-#: rules' rest continuing the prefix hit, the range to the block boundary after the
-#: last chunk, and moved chunks placed layer by layer
-CHUNKS_VLLM_NOW = ("chunks-vllm-amd-layers.json", "chunks-vllm-amd-layers-2.json")
-CHUNKS_VLLM_NOW_QUALITY = ("chunks-vllm-amd-layers-quality640.json",)
+#: session 35's connector (on the AMD EPYC VM): runs of chunks that sat together
+#: repaired once, the rules' rest continuing the prefix hit, the range to the block
+#: boundary after the last chunk, and moved chunks placed layer by layer
+CHUNKS_VLLM_LAYERS = ("chunks-vllm-amd-layers.json", "chunks-vllm-amd-layers-2.json")
+CHUNKS_VLLM_LAYERS_QUALITY = ("chunks-vllm-amd-layers-quality640.json",)
+#: session 35's code (53c933a) on the Intel Xeon VM, the quality run's configuration:
+#: the same-machine baseline of the runs below
+CHUNKS_VLLM_LAYERS_INTEL = ("chunks-vllm-intel-session35-quality640.json",)
+#: the connector now (session 36, on an Intel Xeon VM): seams only where the 16 tokens
+#: before a chunk changed, hops by token, one fused kernel placing each layer
+CHUNKS_VLLM_NOW = ("chunks-vllm-intel-fused.json", "chunks-vllm-intel-fused-2.json")
+CHUNKS_VLLM_NOW_QUALITY = ("chunks-vllm-intel-fused-quality640.json",)
 #: the same workload without APC and LMCache, 20 quality turns of 32 forced positions
 #: (480 positions judged: the turns after the first chunk turns), session 32
 CHUNKS_VLLM_QUALITY = ("chunks-vllm-amd-quality640.json",)
@@ -451,6 +458,29 @@ ROWS: tuple[Row, ...] = (
     Row("chunks-vllm", "the same 480 positions through the prefix-only connector: agreement",
         CHUNKS_VLLM_NOW_QUALITY,
         lambda d: d["quality_prefix_only"]["teacher_forced_agreement"], fmt="{:.4f}"),
+    Row("chunks-vllm", "session 35's connector, on the AMD EPYC VM (a seam per moved chunk "
+        "unless it continues the one before it in the same stored run, hops by block, "
+        "placement in torch passes): TTFT p50 prefix-only connector / chunk reuse (the "
+        "oracle's: ceiling)", CHUNKS_VLLM_LAYERS + CHUNKS_VLLM_LAYERS_QUALITY,
+        lambda d: d["speedup_chunks_vs_prefix_p50"],
+        ceiling=lambda d: d["bound_chunks_vs_prefix_p50"], goal=Goal(">=", 2.5)),
+    Row("chunks-vllm", "session 35's connector on the Intel Xeon VM (the quality run's "
+        "configuration, 53c933a): TTFT p50 prefix-only connector / chunk reuse (the oracle's: "
+        "ceiling)", CHUNKS_VLLM_LAYERS_INTEL, lambda d: d["speedup_chunks_vs_prefix_p50"],
+        ceiling=lambda d: d["bound_chunks_vs_prefix_p50"], goal=Goal(">=", 2.5)),
+    Row("chunks-vllm", "session 35's connector on the Intel Xeon VM: tokens computed, chunk "
+        "reuse (the oracle's: ceiling)", CHUNKS_VLLM_LAYERS_INTEL,
+        lambda d: d["computed_tokens"]["connector_chunks"], fmt="{:,.0f}",
+        ceiling=lambda d: d["computed_tokens"]["oracle"]),
+    Row("chunks-vllm", "session 35's connector: share of the oracle's TTFT p50 reached",
+        CHUNKS_VLLM_LAYERS + CHUNKS_VLLM_LAYERS_QUALITY, lambda d: d["ceiling_fraction"],
+        fmt="{:.3f}"),
+    Row("chunks-vllm", "session 35's connector: tokens computed, chunk reuse (the oracle's: "
+        "ceiling)", CHUNKS_VLLM_LAYERS + CHUNKS_VLLM_LAYERS_QUALITY,
+        lambda d: d["computed_tokens"]["connector_chunks"], fmt="{:,.0f}",
+        ceiling=lambda d: d["computed_tokens"]["oracle"]),
+    Row("chunks-vllm", "session 35's connector: TTFT p50 LMCache / chunk reuse",
+        CHUNKS_VLLM_LAYERS, lambda d: d["speedup_vs_lmcache_p50"], goal=Goal(">=", 2.0)),
     Row("chunks-vllm", "session 34's connector (a seam per moved chunk, the range to the "
         "last chunk's block-aligned end, every layer placed at once): TTFT p50 prefix-only "
         "connector / chunk reuse (the oracle's: ceiling)",
