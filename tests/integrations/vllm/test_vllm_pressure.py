@@ -109,9 +109,9 @@ def test_agent_hints_in_other_stacks_dialects_reach_the_connector(
         "model": SERVED, "max_tokens": 1, "cache_salt": "org-other",
         "messages": [{"role": "user", "content": "tick"}]})
     pinned = 0.0
-    for _ in range(50):
+    for _ in range(50):  # the keeps land on the save thread, a report at a time
         pinned = counter(srv, "vllm:contextkit_hint_pinned_blocks_total") - before
-        if pinned:
+        if pinned >= 10:
             break
         time.sleep(0.2)
     assert pinned >= 10, pinned  # the ~500-token prompt's full blocks
