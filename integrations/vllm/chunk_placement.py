@@ -94,8 +94,8 @@ class ChunkPlacement:
         for pool, held_at, data in parts:
             rows_k = (torch.as_tensor(list(held_at))[:, None] * heads * bs + order).reshape(-1)
             plan.append((pool, data, rows_k, rows_k + n_rows))
-        fused = rows_of is not None and self._fusable(paged)
-        write = (self._fused(paged, rows_of, buf, n_rows) if fused and rows_of is not None
+        write = (self._fused(paged, rows_of, buf, n_rows)
+                 if rows_of is not None and self._fusable(paged)
                  else self._torch(paged, buf, n_rows))
         with torch.inference_mode():
             for layer in range(len(paged.pages)):

@@ -134,8 +134,8 @@ class ChunkLoad:
     def taints(self, block_size: int) -> list[tuple[int, int, int]]:
         """``(first block, end block, hops)`` of the blocks each moved chunk lands in:
         its entry's hops plus this move (none for an exact one)."""
-        return [(c.position // block_size, (c.position + c.length - 1) // block_size + 1,
-                 c.hops + (0 if c.exact else 1)) for c in self.chunks]
+        return [(start // block_size, (end - 1) // block_size + 1, hops)
+                for start, end, hops in self.token_taints()]
 
     def token_taints(self) -> list[tuple[int, int, int]]:
         """``(position, end, hops)`` of each moved chunk's tokens here, as

@@ -350,8 +350,6 @@ class _RequestState:
     chunk: ChunkLoad | None = None  # the chunk load of its latest lookup
     chunk_planned: bool = False  # allocated: the next plan sends it
     moved: range = range(0)  # blocks holding moved K/V: saved under moved_key only
-    #: ``(first block, end block, hops)`` of the blocks the moved chunks landed in
-    moved_hops: list[tuple[int, int, int]] = field(default_factory=list)
     #: the chunk load's first token and ``(position, end, hops)`` of its moved chunks
     materialized: int | None = None
     moved_tokens: list[tuple[int, int, int]] = field(default_factory=list)
@@ -554,7 +552,6 @@ class RequestPlanner:
             state.load_num_blocks = (chunk.start - state.last_num_computed) // bs
             state.chunk, state.chunk_planned = chunk, True
             state.moved = range(chunk.start // bs, chunk.end // bs)
-            state.moved_hops = chunk.taints(bs)
             state.materialized, state.moved_tokens = chunk.start, chunk.token_taints()
             if chunk.found and self.chunks is not None:
                 self.chunks.adopt(chunk)
@@ -775,8 +772,9 @@ class RequestPlanner:
         marked with their hops first (the spans in them inherit them)."""
         assert self.chunks is not None
         keys = self._save_keys(state, state.keys[:state.considered_blocks])
-        for first, end, hops in state.moved_hops:
-            self.chunks.taint(keys[first:end], hops)
+        bs = self.block_size
+        for start, end, hops in state.moved_tokens:  # the blocks they landed in
+            self.chunks.taint(keys[start // bs:(end - 1) // bs + 1], hops)
         ours = labels_entry(state.params)
         if not ours:
             return
