@@ -10,6 +10,7 @@ the keys of every format: encode ``k - mu[layer]``, decode ``+ mu[layer]``.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -203,7 +204,7 @@ _SIDE_ENCODERS = {"tq4": _tq4_encode, "tq5": _tq5_encode, "int8": _int8_encode}
 
 
 # ---------------------------------------------------------------------- decode
-def _exported_side(fmt: str, exported: dict[str, torch.Tensor], side_name: str, side: str,
+def _exported_side(fmt: str, exported: Mapping[str, torch.Tensor], side_name: str, side: str,
                    head_dim: int) -> torch.Tensor:
     """The ``*_packed`` tensor of one side, checked against the format."""
     name = f"{side_name}_packed"
@@ -267,7 +268,7 @@ def decode_blocks(fmt: str, exported: dict[str, torch.Tensor], codec: TQ4Codec,
     return k, v
 
 
-def decode_layer_into(fmt: str, exported: dict[str, torch.Tensor], layer: int,
+def decode_layer_into(fmt: str, exported: Mapping[str, torch.Tensor], layer: int,
                       codec: TQ4Codec, out: torch.Tensor, k_rows: torch.Tensor,
                       v_rows: torch.Tensor, key_offsets: torch.Tensor | None = None) -> None:
     """Decode one layer of exported blocks straight into rows of ``out``, in place.

@@ -23,6 +23,15 @@ configuration fits in memory; a slow minute can decide a ratio). The configurati
 - ``connector_all``: the connector with a DDR budget of 8 B, which holds every block
   the schedule saves: what any eviction policy at B reaches at most (the ceiling of
   ``speedup_vs_lru_p50``);
+- ``connector_chunks``: the connector with chunk reuse (the pipelines opt in): a
+  layer that changed mid-prompt no longer ends the reuse, the sections after it are
+  moved in from wherever they were computed and their seams recomputed;
+- ``oracle``: chunk reuse's bound: vLLM (room for every agent, no connector) computing
+  only the spans the tenant never sent before, placed after the ones it did (those
+  warmed untimed into its prefix cache); the model call answered by the oracle
+  (:mod:`integrations.vllm.bench.oracle`) from the request contextkit's middleware
+  labelled, its TTFT the agent's time up to the call plus the oracle's one-token
+  request;
 - ``lmcache``: LMCache's multi-process connector (``lmcache server``, L1 in RAM of the
   same B, 32-token chunks = vLLM's block), the plain prompts;
 - ``ceiling``: contextkit's order with a KV space that holds every agent.
@@ -83,7 +92,7 @@ OUT_IS_JSON = True
 CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru", "connector_fp16",
            "connector_int8", "connector_tq4", "connector_saves_all_cores",
            "connector_store_volatile", "connector_all", "connector_chunks", "lmcache",
-           "lmcache_ordering")
+           "lmcache_ordering", "oracle")
 #: The default run: what fits side by side in 24 GB (about 3 GiB per vLLM server): the
 #: ceiling, vLLM's prefix cache, the connector, recency eviction and the eviction
 #: policies' ceiling. Other comparisons are runs of their own, each with its ceiling.
@@ -273,7 +282,10 @@ def _chunk_figures(ttft: Mapping[str, Sequence[float]], warm: Sequence[bool],
                    computed: Mapping[str, int], runs: Mapping[str, Any]) -> dict[str, Any]:
     """``connector_chunks`` against the others: warm-step TTFT medians' ratios (the
     other's over chunk reuse's), over all warm steps and over those where chunks were
-    moved in, and the tokens each computed."""
+    moved in, and the tokens each computed. With the ``oracle`` in the run,
+    ``<steps>_bound_vs_<x>_p50`` is ``x``'s median over the oracle's (the most chunk
+    reuse reaches against ``x``) and ``<steps>_speedup_vs_oracle_p50`` the share of it
+    reached (the oracle's median over chunk reuse's)."""
     stats = _step_stats(runs["connector_chunks"])
     moved = [bool(s.get("chunk_reused_tokens")) for s in stats]
     out: dict[str, Any] = {"computed_tokens": dict(computed),
@@ -286,11 +298,15 @@ def _chunk_figures(ttft: Mapping[str, Sequence[float]], warm: Sequence[bool],
             values = [t for t, w in zip(ttft.get(name, ()), mask, strict=False) if w]
             return statistics.median(values) if values else None
 
-        mine = p50("connector_chunks")
-        for other in ("apc", "connector", "ceiling", "lmcache"):
+        mine, bound = p50("connector_chunks"), p50("oracle")
+        for other in ("apc", "connector", "ceiling", "lmcache", "oracle"):
             theirs = p50(other)
             out[f"{label}_speedup_vs_{other}_p50"] = (round(theirs / mine, 3)
                                                       if theirs and mine else None)
+        for other in ("apc", "connector"):
+            theirs = p50(other)
+            out[f"{label}_bound_vs_{other}_p50"] = (round(theirs / bound, 3)
+                                                    if theirs and bound else None)
     return out
 
 
@@ -502,6 +518,11 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
                                       "ceiling_fraction_total", "ceiling_drift",
                                       "eviction_ceiling_fraction", "teacher_forced_agreement",
                                       "ppl_ratio", "mean_kl")]
+    chunks = result.get("chunks") or {}
+    table += [(f"chunk reuse, {steps}: speedup_vs_{x}_p50 (oracle's bound)",
+               f"{chunks.get(f'{steps}_speedup_vs_{x}_p50')} "
+               f"({chunks.get(f'{steps}_bound_vs_{x}_p50')})")
+              for steps in ("warm", "chunk_steps") for x in ("apc", "connector") if chunks]
     table += [(f"{n}: load ms/step, ms/block; save ms/step; saved, skipped blocks",
                f"{c['load_ms_per_step']}, {c['load_ms_per_block']}; {c['save_ms_per_step']}; "
                f"{c.get('saved_blocks')}, {c.get('skipped_blocks')}")

@@ -251,7 +251,7 @@ def decode_pool_blocks(pool: Pool, exported: dict[str, torch.Tensor]
                                  pool.cache.key_offsets)
 
 
-def decode_pool_layer_into(pool: Pool, exported: dict[str, torch.Tensor], layer: int,
+def decode_pool_layer_into(pool: Pool, exported: Mapping[str, torch.Tensor], layer: int,
                            out: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor
                            ) -> None:
     """One layer of a pool's exported blocks decoded straight into rows of ``out`` (a

@@ -39,6 +39,7 @@ from integrations.vllm.bench.agent_bench import (
 )
 from integrations.vllm.bench.harness import params_for, read_stats
 from integrations.vllm.bench.interleave import check_memory, rotation, settle, start_lanes
+from integrations.vllm.bench.oracle import KnownSpans, oracle_middleware
 
 __all__ = ["CONFIGS", "main", "measure"]
 
@@ -52,8 +53,7 @@ WARMUP_WORDS = (60, 1500, 1500)
 CONFIGS = ("ceiling", "apc", "ordering", "connector", "connector_lru", "connector_fp16",
            "connector_int8", "connector_tq4", "connector_saves_all_cores",
            "connector_store_volatile", "connector_all", "connector_hints", "connector_chunks",
-           "lmcache",
-           "lmcache_ordering")
+           "lmcache", "lmcache_ordering", "oracle")
 #: The body fields of ``connector_hints``' agents: Dynamo's cache_control (a TTL, which
 #: Dynamo clamps to at least 300 s) and an SGLang-style priority (higher is kept longer).
 HINT_FIELDS: dict[str, Any] = {"nvext": {"cache_control": {"type": "ephemeral",
@@ -89,6 +89,7 @@ class Setup:
     budget_factor: float = 1.0  # the connector's DDR budget in B
     hints: bool = False  # agents send their session header and HINT_FIELDS
     chunks: bool = False  # chunk reuse: the pipelines opt in, the server loads the model
+    oracle: bool = False  # chunk reuse's bound (integrations.vllm.bench.oracle)
 
 
 SETUPS = {
@@ -119,6 +120,9 @@ SETUPS = {
                                                          "chunk_reuse": True}, chunks=True),
     "lmcache": Setup("lmcache", False, None, lmcache=True),
     "lmcache_ordering": Setup("lmcache_ordering", True, None, lmcache=True),
+    # chunk reuse's bound: vLLM computing only the spans the tenant never sent before,
+    # after the known ones (held in a KV space with room for every agent)
+    "oracle": Setup("oracle", True, None, ceiling=True, probe=False, oracle=True),
 }
 
 
@@ -139,9 +143,10 @@ class WorkloadAgent:
     """One agent of the workload in one configuration: its LangChain agent and history."""
 
     def __init__(self, name: str, tenant: str, workload: Any, base_url: str,
-                 max_tokens: int, pipeline: Any = None) -> None:
+                 max_tokens: int, pipeline: Any = None, oracle: Any = None) -> None:
         self.name, self.tenant, self.workload = name, tenant, workload
         self.pipeline, self.max_tokens = pipeline, max_tokens
+        self.oracle = oracle  # answers the model calls instead (oracle_middleware)
         self.box: dict[str, Any] = {"turn": 0}
         self.history: list[Any] = []
         self.timer = ttft_timer()
@@ -163,7 +168,8 @@ class WorkloadAgent:
         else:
             tenant = self.tenant  # vLLM's cache_salt keeps tenants apart
             middleware = plain_prompt(_Marked(self.workload), self.box, lambda: tenant)
-        self.agent = create_agent(model, tools=[], context_schema=dict, middleware=[middleware])
+        chain = [middleware] if self.oracle is None else [middleware, self.oracle]
+        self.agent = create_agent(model, tools=[], context_schema=dict, middleware=chain)
 
     def turn(self, step: int, message: str, tool_result: bool = False) -> dict[str, Any]:
         """One model call: a user turn (``message`` from the user), or, with
@@ -190,12 +196,16 @@ class WorkloadAgent:
                                   context={"tenant": self.tenant})
         self.history = state["messages"]
         reply = self.history[-1]
-        if not isinstance(reply, AIMessage) or self.timer.first_chunk is None:
+        if self.oracle is not None and self.oracle.last is not None:
+            call = self.oracle.last  # the oracle's own request, its setup left out
+            ttft = 1000 * (call.entered - t0) + call.server_ms
+        elif isinstance(reply, AIMessage) and self.timer.first_chunk is not None:
+            ttft = 1000 * (self.timer.first_chunk - t0)
+        else:
             raise RuntimeError(f"{self.name}: step {step} streamed no reply")
-        usage: dict[str, Any] = dict(reply.usage_metadata or {})
+        usage: dict[str, Any] = dict(getattr(reply, "usage_metadata", None) or {})
         return {"step": step, "agent": self.name, "tenant": self.tenant,
-                "tool_result": tool_result,
-                "ttft_ms": round(1000 * (self.timer.first_chunk - t0), 1),
+                "tool_result": tool_result, "ttft_ms": round(ttft, 1),
                 "total_ms": round(1000 * (time.perf_counter() - t0), 1),
                 "prompt_tokens": usage.get("input_tokens"),
                 "cached_tokens": (usage.get("input_token_details") or {}).get("cache_read")}
@@ -435,13 +445,16 @@ class Lane:
                                          budget_bytes=self.sizes["budget_bytes"])
             self.lmcache.start()
         self.srv, self.config = _server(setup, self.work, self.sizes, self.args, self.lmcache)
+        known = KnownSpans()  # the oracle's: one cache for the server's agents
         for spec in self.workload.agents:
             pipeline = (CacheAwareContextPipeline(served=self.served, tenant=spec.tenant,
                                                   agent=spec.name, pin_stable=setup.pin,
                                                   reuse_chunks=setup.chunks)
                         if setup.contextkit else None)
+            oracle = (oracle_middleware(self.served, self.srv, known, SERVED)
+                      if setup.oracle else None)
             agent = WorkloadAgent(spec.name, spec.tenant, self.workload,
-                                  self.srv.base_url, self.args.max_tokens, pipeline)
+                                  self.srv.base_url, self.args.max_tokens, pipeline, oracle)
             if setup.hints:
                 agent.user, agent.extra = spec.name, dict(HINT_FIELDS)
                 agent.connect(self.srv.base_url)
@@ -575,7 +588,9 @@ def run_interleaved(names: list[str], workload: Any, served: Any, sizes: dict[st
             for lane in lanes.values():
                 lane.rows[-1]["tool_pause_s"] = pause
                 if lane is not reference:
-                    lane.rows[-1]["reply_matches_transcript"] = lane.reply(step.agent) == said
+                    if not lane.setup.oracle:  # the oracle answers one token
+                        lane.rows[-1]["reply_matches_transcript"] = (lane.reply(step.agent)
+                                                                     == said)
                     lane.adopt(step.agent, reference)
         for lane in lanes.values():  # the ceiling first: its replies are the reference
             settle()

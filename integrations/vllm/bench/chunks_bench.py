@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from integrations.vllm.bench.interleave import check_memory, rotation, settle, start_lanes
+from integrations.vllm.bench.oracle import KnownSpans
 
 __all__ = ["CONFIGS", "main"]
 
@@ -204,39 +205,6 @@ class RagWorkload:
         add(f"\nUser: {self.question(agent, turn)}", "user_turn")
         add("\nAssistant:", None)
         return ids, spans
-
-
-class KnownSpans:
-    """The spans each tenant has sent (label and tokens): what the oracle's cache holds."""
-
-    def __init__(self) -> None:
-        self.known: dict[str, set[tuple[str, tuple[int, ...]]]] = {}
-
-    def add(self, tenant: str, ids: list[int], spans: list[tuple[int, int, str]]) -> None:
-        known = self.known.setdefault(tenant, set())
-        known.update((label, tuple(ids[a:b])) for a, b, label in spans)
-
-    def split(self, tenant: str, ids: list[int], spans: list[tuple[int, int, str]]
-              ) -> tuple[list[int], list[int]]:
-        """The prompt's tokens a cache of every known span holds (in order), and the
-        rest: the unknown spans and any unlabelled text after the first of them."""
-        known = self.known.get(tenant, set())
-        label_of = {a: (b, label) for a, b, label in spans}
-        held: list[int] = []
-        new: list[int] = []
-        at, first_new = 0, None
-        while at < len(ids):
-            if at in label_of:
-                end, label = label_of[at]
-                fresh = (label, tuple(ids[at:end])) not in known
-            else:
-                end = min([a for a in label_of if a > at] or [len(ids)])
-                fresh = first_new is not None
-            if fresh and first_new is None:
-                first_new = at
-            (new if fresh else held).extend(ids[at:end])
-            at = end
-        return held, new
 
 
 # ---------------------------------------------------------------------- servers
@@ -440,14 +408,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for step in range(args.steps):
             agent = workload.agent_of(step)
             ids, spans = workload.prompt(agent, len(agent.history))
-            held, new = known.split(agent.tenant, ids, spans)
-            pad = -len(held) % BLOCK  # the oracle's cache holds whole blocks: round up
+            oracle, warm, _ = known.oracle_prompt(agent.tenant, ids, spans)
             rows = {}
             for name in rotation(list(lanes), step):
                 settle()
                 if SETUPS[name].oracle:
-                    rows[name] = lanes[name].turn(step, agent, held + new, [],
-                                                  warm=held + new[:pad])
+                    rows[name] = lanes[name].turn(step, agent, oracle, [], warm=warm)
                 else:
                     rows[name] = lanes[name].turn(step, agent, ids, spans)
             known.add(agent.tenant, ids, spans)

@@ -235,3 +235,32 @@ def test_chunk_reuse_is_compared_over_warm_steps_and_over_those_that_moved_chunk
     # the tokens the connector computed itself count as computed
     assert result_of(args, raw)["hit_tokens"]["connector_chunks"]["computed"] == 5000 + 50
     assert chunks["warm_speedup_vs_lmcache_p50"] is None
+    assert chunks["warm_bound_vs_apc_p50"] is None  # no oracle in this run
+
+
+def test_the_oracle_bounds_chunk_reuse_in_the_same_run() -> None:
+    def lane(ttft: list[float], **more: object) -> dict[str, object]:
+        return {"rows": _rows(ttft), "seconds": 1.0, "metrics": {}, "loadavg_1min": 1.0,
+                **more}
+
+    raw = {
+        "configs": {
+            "apc": lane([900, 800, 700, 700]),
+            "connector": lane([900, 800, 200, 200],
+                              connector_stats=[{"external_hit_tokens": 0}] * 4),
+            "connector_chunks": lane([900, 800, 400, 100], connector_stats=[
+                {"external_hit_tokens": 0}] * 3 + [{"chunk_reused_tokens": 600}]),
+            "oracle": lane([900, 800, 125, 50]),
+        },
+        "sizes": {"kv_blocks_pressure": 140, "kv_blocks_ceiling": 700,
+                  "prompt_tokens_mean": 2200, "budget_bytes": 10 ** 8, "host_blocks": 480},
+        "workload": {"num_agents": 2, "num_steps": 4},
+    }
+    args = argparse.Namespace(kv_agents=2.0, budget_agents=3.0, model=None, plot=None)
+    chunks = result_of(args, raw)["chunks"]
+    # warm steps 2 and 3: apc 700, oracle median(125, 50), chunk reuse median(400, 100)
+    assert chunks["warm_bound_vs_apc_p50"] == 8.0
+    assert chunks["warm_speedup_vs_oracle_p50"] == 0.35  # the share of the bound reached
+    # the step that moved chunks (3): connector 200, oracle 50, chunk reuse 100
+    assert chunks["chunk_steps_bound_vs_connector_p50"] == 4.0
+    assert chunks["chunk_steps_speedup_vs_oracle_p50"] == 0.5

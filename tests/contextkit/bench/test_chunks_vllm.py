@@ -6,7 +6,7 @@ import argparse
 import math
 
 from contextkit.bench.chunks_vllm import computed_tokens, probed_quality, result_of
-from integrations.vllm.bench.chunks_bench import KnownSpans
+from integrations.vllm.bench.oracle import KnownSpans
 
 
 def _top(best: int) -> dict[str, float]:
