@@ -15,7 +15,11 @@ replica serves everything: what one replica reuses), ``apc`` (two replicas, vLLM
 cache alone), ``local`` (+ contextkit's connector, a DDR tier per replica), ``shared``
 (+ the shared tier on S3), ``routed`` (``shared`` behind vllm-router) and ``failover``
 (``shared`` with replica 1 stopped halfway through the schedule); ``single_chunks`` and
-``shared_chunks`` are ``single`` and ``shared`` with chunk reuse (requests opt in).
+``shared_chunks`` are ``single`` and ``shared`` with chunk reuse (requests opt in);
+``oracle`` is chunk reuse's bound: one replica with room for every agent computing only
+what the tenant never sent, past its longest known prefix
+(:mod:`integrations.vllm.bench.oracle`; its replies are one token, so it never gives
+the transcript).
 
 Rows are matched across configurations by their index in the schedule (every
 configuration runs the same one); a lost turn (a row with ``error``) has no TTFT and is
@@ -57,6 +61,9 @@ middle values for an even count), a p95 the nearest-rank value. Figures:
   steps over ``shared_chunks``'), ``ceiling_fraction_chunks`` (``single_chunks``' over
   ``shared_chunks``'), ``bound_shared_chunks_vs_local_p50`` (``local``'s over
   ``single_chunks``': the most a shared tier with chunks reaches against ``local``);
+  with the ``oracle``: ``chunk_bound_vs_local_p50`` (``local``'s over the oracle's: the
+  most chunk reuse reaches against ``local``) and ``oracle_fraction_chunks`` (the
+  oracle's over ``shared_chunks``': the share of it reached);
   ``computed_tokens[c]`` over the schedule: prompt tokens not reused plus those the
   connector computed for chunk reuse (seams, changed spans), and
   ``shared_span_hits[c]``: chunks reused from span objects another replica published.
@@ -100,7 +107,7 @@ OUT_IS_JSON = True
 
 #: The driver's configurations.
 CONFIGS = ("single", "apc", "local", "shared", "routed", "failover", "single_chunks",
-           "shared_chunks")
+           "shared_chunks", "oracle")
 #: The default run, side by side: what fits in 24 GB (about 3 GiB per vLLM server):
 #: one replica (the ceiling), two with local DDR tiers, two sharing the S3 tier.
 DEFAULT_CONFIGS = ("single", "local", "shared")
@@ -276,6 +283,8 @@ def chunk_figures(runs: Mapping[str, Any], rows: Mapping[str, Sequence[Mapping[s
                                                       p50.get("shared_chunks")),
         "ceiling_fraction_chunks": _ratio(p50.get("single_chunks"), p50.get("shared_chunks")),
         "bound_shared_chunks_vs_local_p50": _ratio(p50.get("local"), p50.get("single_chunks")),
+        "chunk_bound_vs_local_p50": _ratio(p50.get("local"), p50.get("oracle")),
+        "oracle_fraction_chunks": _ratio(p50.get("oracle"), p50.get("shared_chunks")),
         "computed_tokens": {n: computed_tokens(runs[n], rows[n]) for n in rows},
         "shared_span_hits": {n: _metric_sum(runs[n], "shared_span_hits") for n in rows
                              if runs[n].get("metrics")},
@@ -455,7 +464,8 @@ def result_of(args: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
         "shared_lag_p50_s", "shared_lag_p95_s", "failover_errors", "failover_lost_turns",
         "failover_recomputed_tokens_after_stop", "failover_hit_rate_after_stop",
         "speedup_shared_chunks_vs_local_p50", "speedup_shared_chunks_vs_shared_p50",
-        "ceiling_fraction_chunks", "bound_shared_chunks_vs_local_p50", "computed_tokens",
+        "ceiling_fraction_chunks", "bound_shared_chunks_vs_local_p50",
+        "chunk_bound_vs_local_p50", "oracle_fraction_chunks", "computed_tokens",
         "shared_span_hits") if k in result]
     table += [(f"{n}: down/up bytes, gets/puts/heads per step; misses, refused", (
         f"{c['bytes_down_per_step']}/{c['bytes_up_per_step']}, {c['gets_per_step']}/"

@@ -22,7 +22,9 @@ tenant's request has) and ``failover``
 (``shared``, replica 1 stopped halfway: its agents go on on replica 0);
 ``single_chunks`` and ``shared_chunks``: ``single`` and ``shared`` with chunk reuse
 (the agents' requests opt in; a layer that changed mid-prompt no longer costs what
-follows it; ``shared_chunks``' replicas find each other's spans in the shared tier).
+follows it; ``shared_chunks``' replicas find each other's spans in the shared tier);
+``oracle``: chunk reuse's bound, one replica with room for every agent computing only
+what the tenant never sent (:mod:`integrations.vllm.bench.oracle`).
 """
 
 from __future__ import annotations
@@ -49,11 +51,12 @@ from integrations.vllm.bench.agents_bench import (
 )
 from integrations.vllm.bench.harness import free_port, read_events, read_stats
 from integrations.vllm.bench.interleave import check_memory, rotation, settle, start_lanes
+from integrations.vllm.bench.oracle import KnownSpans, oracle_middleware
 
 __all__ = ["CONFIGS", "main", "measure"]
 
 CONFIGS = ("single", "apc", "local", "shared", "routed", "failover", "single_chunks",
-           "shared_chunks")
+           "shared_chunks", "oracle")
 #: The MAC key every replica of the bench shares (a deployment sets its own).
 BENCH_KEY = "contextkit-bench-replicas"
 BUCKET = "ck-replicas"
@@ -68,6 +71,7 @@ class Setup:
     router: bool = False
     stop_at: float | None = None  # stop replica 1 after this share of the steps
     chunks: bool = False  # chunk reuse on; the agents' requests opt in
+    oracle: bool = False  # chunk reuse's bound: KV room for every agent, the oracle answers
 
 
 SETUPS = {
@@ -79,6 +83,7 @@ SETUPS = {
     "failover": Setup("failover", shared=True, stop_at=0.5),
     "single_chunks": Setup("single_chunks", replicas=1, chunks=True),
     "shared_chunks": Setup("shared_chunks", shared=True, chunks=True),
+    "oracle": Setup("oracle", replicas=1, connector=False, oracle=True),
 }
 
 
@@ -149,7 +154,7 @@ def _start_replica(setup: Setup, idx: int, work: Path, sizes: dict[str, Any],
               if setup.connector else ConnectorConfig(block_size=BLOCK))
     env = {**server_env(), **AWS_ENV, "CONTEXTKIT_SHADOW_KEY": BENCH_KEY}
     extra = ["--enable-prompt-tokens-details", "--num-gpu-blocks-override",
-             str(sizes["kv_blocks_pressure"])]
+             str(sizes["kv_blocks_ceiling" if setup.oracle else "kv_blocks_pressure"])]
     if setup.chunks:  # the connector repairs seams with the served model's weights
         from integrations.vllm.served_model import LOAD_FORMAT
 
@@ -305,12 +310,16 @@ class Lane:
                                  self.work / f"router-{setup.name}.log",
                                  self.args.router_policy).start()
         self.alive = list(range(setup.replicas))
+        known = KnownSpans()  # the oracle's: one cache for every agent
         for spec in self.workload.agents:
             pipeline = CacheAwareContextPipeline(served=self.served, tenant=spec.tenant,
                                                  agent=spec.name, pin_stable=True,
                                                  reuse_chunks=setup.chunks)
+            oracle = (oracle_middleware(self.served, self.servers[0], known, SERVED)
+                      if setup.oracle else None)
             agent = WorkloadAgent(spec.name, spec.tenant, self.workload,
-                                  self.servers[0].base_url, self.args.max_tokens, pipeline)
+                                  self.servers[0].base_url, self.args.max_tokens, pipeline,
+                                  oracle)
             agent.user = spec.name  # the router's session key
             self.agents[spec.name] = agent
         self.started_s = round(time.perf_counter() - t0, 1)
@@ -422,7 +431,8 @@ def run_interleaved(names: list[str], workload: Any, served: Any, sizes: dict[st
     configuration's replies become every agent's history, so all send the same prompts
     (``reply_matches_transcript``)."""
     fp16 = sizes["bytes_per_block_fp16"]
-    per_replica = {n: sizes["kv_blocks_pressure"] * 2 * fp16
+    per_replica = {n: sizes["kv_blocks_ceiling" if SETUPS[n].oracle else "kv_blocks_pressure"]
+                   * 2 * fp16
                    + (sizes["host_blocks"] * fp16 if SETUPS[n].connector else 0)
                    for n in names}
     check_memory(sum(SETUPS[n].replicas for n in names),
@@ -432,14 +442,18 @@ def run_interleaved(names: list[str], workload: Any, served: Any, sizes: dict[st
     try:
         if not lanes:
             return {}
-        reference = next(iter(lanes.values()))
+        # the transcript's replies: the first lane that generates them (the oracle
+        # answers one token)
+        reference = next((lane for lane in lanes.values() if not lane.setup.oracle),
+                         next(iter(lanes.values())))
         for i, step in enumerate(workload.steps()):
             for name in rotation(list(lanes), i):
                 waited = settle()
                 lanes[name].turn(i, step)["settle_s"] = waited
             said = reference.reply(step.agent)
             for lane in lanes.values():
-                if lane is not reference and "error" not in lane.rows[-1]:
+                if (lane is not reference and "error" not in lane.rows[-1]
+                        and not lane.setup.oracle):
                     lane.rows[-1]["reply_matches_transcript"] = lane.reply(step.agent) == said
                 if lane is not reference:
                     lane.adopt(step.agent, reference)

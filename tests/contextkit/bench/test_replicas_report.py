@@ -160,6 +160,17 @@ def test_chunk_figures_against_local_shared_and_their_ceiling() -> None:
     assert result["computed_tokens"]["apc"] is None  # a lost turn: no comparable sum
     assert result["shared_span_hits"]["shared_chunks"] == 7.0
     assert "speedup_shared_chunks_vs_local_p50" not in result_of(_args(), raw())
+    assert result["chunk_bound_vs_local_p50"] is None  # no oracle in this run
+    # the oracle (one replica computing only what the tenant never sent) bounds chunk
+    # reuse: its median on steps 2-5 is 65
+    data["configs"]["oracle"] = _run(
+        _rows([1000, 1000, 60, 70, 60, 70], [*[0, 0], 1950, 1950, 1950, 1950],
+              replica=[0] * 6, prev=[None, None, 0, 0, 0, 0]), replicas=1)
+    bounded = result_of(_args(), data)
+    assert bounded["chunk_bound_vs_local_p50"] == round(650 / 65, 3)
+    assert bounded["oracle_fraction_chunks"] == round(65 / 175, 3)
+    assert bounded["cross_replica_steps"] == [2, 3, 4, 5]
+    del data["configs"]["oracle"]
     # a run without the prefix-only shared tier reads the same cross-replica steps
     del data["configs"]["shared"]
     alone = result_of(_args(), data)
