@@ -274,7 +274,8 @@ AGENTS_VLLM_CHUNKS_KERNELS = ("agents-vllm-amd-chunks-kernels.json",
 AGENTS_VLLM_CHUNKS_LAYERS = ("agents-vllm-amd-chunks-layers.json",)
 #: the connector now (session 36: seams by what precedes them, hops by token, one kernel
 #: to place), with the oracle (chunk reuse's bound) in the run, Intel Xeon (session 37)
-AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-intel-oracle.json", "agents-vllm-intel-oracle-2.json")
+AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-intel-oracle.json", "agents-vllm-intel-oracle-2.json",
+                          "agents-vllm-intel-oracle-3.json")
 #: bench chunks-vllm: the RAG agent, documents reordered and changed every turn
 CHUNKS_VLLM = ("chunks-vllm-amd.json",)
 #: the same since the connector attends through vLLM's CPU kernels, with the oracle
