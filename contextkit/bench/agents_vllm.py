@@ -84,8 +84,8 @@ __all__ = ["CONFIGS", "HELP", "add_arguments", "add_workload_arguments", "connec
            "percentile", "quality", "run", "run_driver", "speedups"]
 
 HELP = ("many LangChain agents on one vLLM server whose KV holds ~2 of them: vLLM APC, "
-        "contextkit order, + connector (semantic, LRU, fp16, one that holds everything), "
-        "LMCache, ceiling")
+        "contextkit order, + connector (semantic, LRU, fp16, one that holds everything, "
+        "chunk reuse), LMCache, ceiling, chunk reuse's oracle")
 #: ``--out`` names a JSON file; the CLI writes the result there with its provenance.
 OUT_IS_JSON = True
 

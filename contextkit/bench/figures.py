@@ -553,7 +553,8 @@ ROWS: tuple[Row, ...] = (
         ceiling=lambda d: d["chunks"]["computed_tokens"]["oracle"],
         remark=lambda d: (f"prefix reuse's bound (a server whose KV holds every agent) "
                           f"computed {d['chunks']['computed_tokens']['ceiling']:,}; the "
-                          f"prefix-only connector {d['chunks']['computed_tokens']['connector']:,}")),
+                          "prefix-only connector "
+                          f"{d['chunks']['computed_tokens']['connector']:,}")),
     Row("agents-vllm", "warm-step TTFT p50 APC / chunk reuse; ceiling: APC / the oracle",
         AGENTS_VLLM_CHUNKS_NOW, lambda d: d["chunks"]["warm_speedup_vs_apc_p50"],
         goal=Goal(">=", 3.0), ceiling=lambda d: d["chunks"]["warm_bound_vs_apc_p50"],
