@@ -49,14 +49,22 @@ from gpu_cache.hashing import BlockHash
 from shadow.shared.objects import MAX_SPAN_BLOCKS, SpanRecord
 from shadow.shared.tier import FoundSpan
 
-__all__ = ["ChunkLoad", "ChunkPlanner", "MovedChunk", "SpanShare", "continues", "lead_digest",
-           "moved_key"]
+__all__ = ["ChunkLoad", "ChunkPlanner", "MovedChunk", "SpanShare", "block_taints", "continues",
+           "lead_digest", "moved_key"]
 
 
 def moved_key(key: bytes) -> bytes:
     """The store key of a block whose K/V were moved in (chunk reuse), from its exact
     chained key: a prefix lookup never computes it."""
     return hashlib.sha256(b"contextkit-moved-v1" + key).digest()
+
+
+def block_taints(token_taints: Sequence[tuple[int, int, int]], block_size: int
+                 ) -> list[tuple[int, int, int]]:
+    """``(first block, end block, hops)`` of the blocks each ``(position, end, hops)``
+    token range lands in (:meth:`ChunkLoad.token_taints`)."""
+    return [(start // block_size, (end - 1) // block_size + 1, hops)
+            for start, end, hops in token_taints]
 
 
 def lead_digest(token_ids: Sequence[int], start: int, window: int) -> bytes | None:
@@ -134,8 +142,7 @@ class ChunkLoad:
     def taints(self, block_size: int) -> list[tuple[int, int, int]]:
         """``(first block, end block, hops)`` of the blocks each moved chunk lands in:
         its entry's hops plus this move (none for an exact one)."""
-        return [(start // block_size, (end - 1) // block_size + 1, hops)
-                for start, end, hops in self.token_taints()]
+        return block_taints(self.token_taints(), block_size)
 
     def token_taints(self) -> list[tuple[int, int, int]]:
         """``(position, end, hops)`` of each moved chunk's tokens here, as

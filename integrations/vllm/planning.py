@@ -39,7 +39,13 @@ from contextkit.pipeline.served.wire import (
     prompt_fingerprint,
 )
 from gpu_cache import PINNABLE_SOURCES, hash_block_tokens
-from integrations.vllm.chunk_planning import ChunkLoad, ChunkPlanner, SpanShare, moved_key
+from integrations.vllm.chunk_planning import (
+    ChunkLoad,
+    ChunkPlanner,
+    SpanShare,
+    block_taints,
+    moved_key,
+)
 from integrations.vllm.hints import Hints, from_wire
 from integrations.vllm.metrics import StatsRecorder, layer_names
 from integrations.vllm.precision import (
@@ -772,9 +778,8 @@ class RequestPlanner:
         marked with their hops first (the spans in them inherit them)."""
         assert self.chunks is not None
         keys = self._save_keys(state, state.keys[:state.considered_blocks])
-        bs = self.block_size
-        for start, end, hops in state.moved_tokens:  # the blocks they landed in
-            self.chunks.taint(keys[start // bs:(end - 1) // bs + 1], hops)
+        for first, end, hops in block_taints(state.moved_tokens, self.block_size):
+            self.chunks.taint(keys[first:end], hops)
         ours = labels_entry(state.params)
         if not ours:
             return

@@ -196,14 +196,15 @@ class WorkloadAgent:
                                   context={"tenant": self.tenant})
         self.history = state["messages"]
         reply = self.history[-1]
-        if self.oracle is not None and self.oracle.last is not None:
-            call = self.oracle.last  # the oracle's own request, its setup left out
-            ttft = 1000 * (call.entered - t0) + call.server_ms
-        elif isinstance(reply, AIMessage) and self.timer.first_chunk is not None:
+        if not isinstance(reply, AIMessage):
+            raise RuntimeError(f"{self.name}: step {step} streamed no reply")
+        if self.oracle is not None:  # the oracle's own request, its setup left out
+            ttft = 1000 * (self.oracle.last.entered - t0) + self.oracle.last.server_ms
+        elif self.timer.first_chunk is not None:
             ttft = 1000 * (self.timer.first_chunk - t0)
         else:
             raise RuntimeError(f"{self.name}: step {step} streamed no reply")
-        usage: dict[str, Any] = dict(getattr(reply, "usage_metadata", None) or {})
+        usage: dict[str, Any] = dict(reply.usage_metadata or {})
         return {"step": step, "agent": self.name, "tenant": self.tenant,
                 "tool_result": tool_result, "ttft_ms": round(ttft, 1),
                 "total_ms": round(1000 * (time.perf_counter() - t0), 1),

@@ -46,14 +46,8 @@ class KnownSpans:
     def prefix(self, tenant: str, ids: Sequence[int]) -> int:
         """The longest prefix of ``ids`` an earlier prompt of the tenant began with, in
         whole blocks (what a prefix cache holds, a changed span's first blocks too)."""
-        longest = 0
-        for prompt in self.prompts.get(tenant, ()):
-            n = 0
-            for a, b in zip(prompt, ids, strict=False):
-                if a != b:
-                    break
-                n += 1
-            longest = max(longest, n)
+        longest = max((_shared(prompt, ids) for prompt in self.prompts.get(tenant, ())),
+                      default=0)
         return longest // BLOCK * BLOCK
 
     def split(self, tenant: str, ids: list[int], spans: Sequence[tuple[int, int, str]]
@@ -91,6 +85,12 @@ class KnownSpans:
         return held + new, held + new[:pad], len(held)
 
 
+def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens ``a`` and ``b`` begin with alike."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))
+
+
 @dataclass
 class OracleCall:
     """What the oracle measured for one model call.
@@ -98,15 +98,12 @@ class OracleCall:
     Attributes:
         entered: ``time.perf_counter()`` at the middleware's entry: the caller's TTFT
             is from its own start to here, plus :attr:`server_ms`.
-        before_s: from the middleware's entry to the timed request (rendering the
-            prompt, splitting it, the untimed warm-up): left out of the call's TTFT.
         server_ms: the timed one-token request.
         prompt_tokens, cached_tokens: the server's usage of it.
         held_tokens: the tokens the tenant's known spans held.
     """
 
     entered: float
-    before_s: float
     server_ms: float
     prompt_tokens: int
     cached_tokens: int
@@ -172,8 +169,8 @@ def oracle_middleware(served: Any, srv: Any, known: KnownSpans, model: str) -> A
             usage = reply.get("usage") or {}
             cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
             prompt_tokens = int(usage.get("prompt_tokens") or len(prompt))
-            self.last = OracleCall(entered, sent_at - entered, 1000 * (done - sent_at),
-                                   prompt_tokens, cached, held)
+            self.last = OracleCall(entered, 1000 * (done - sent_at), prompt_tokens, cached,
+                                   held)
             return AIMessage(content=str(reply["choices"][0]["text"]), usage_metadata={
                 "input_tokens": prompt_tokens, "output_tokens": 1,
                 "total_tokens": prompt_tokens + 1,
