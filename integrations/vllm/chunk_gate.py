@@ -5,8 +5,10 @@ model, that doing so keeps the model's predictions: a previous turn's prompt (a 
 line, then documents C, B, A) is computed in full; the next prompt (the system line,
 A, B, a question) is served twice, by a full prefill and by chunk reuse (the system
 line as a prefix, A and B moved from the previous turn with their first tokens
-repaired, the question computed), both in float32 through the server's own modules
-(:mod:`integrations.vllm.chunk_forward`). The question's tokens are teacher-forced
+repaired, the question computed), both through the server's own modules
+(:mod:`integrations.vllm.chunk_forward`): the full passes in the model's dtype, the
+reused one as the connector computes (its projections in ``chunk_matmul_dtype``).
+The question's tokens are teacher-forced
 through both; chunk reuse stays on when their top-1 agreement and mean KL meet the
 thresholds (:class:`GateResult`), and is off, with the figures in its reason, when not.
 """
@@ -77,13 +79,13 @@ def run_gate(model: ServedLlama, tokenize: Callable[[str], Sequence[int]], *,
     layers, heads, dim = model.num_layers, model.num_kv_heads, model.head_dim
     before = system + c + b + a
     source = ContiguousKV(layers, heads, len(before), dim)
-    model.forward(before, range(len(before)), source)
+    model.forward(before, range(len(before)), source, exact=True)
     a_at, b_at = len(system) + len(c) + len(b), len(system) + len(c)
 
     target = system + a + b + question
     full = ContiguousKV(layers, heads, len(target), dim)
     q_from = len(system) + len(a) + len(b)
-    full_logits = model.forward(target, range(len(target)), full, logits=True)
+    full_logits = model.forward(target, range(len(target)), full, logits=True, exact=True)
     assert full_logits is not None
 
     reused = ContiguousKV(layers, heads, len(target), dim)

@@ -27,7 +27,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 
 from gpu_cache.kernels import cpu_fused
-from integrations.vllm.chunk_forward import PagedKV, ServedLlama, served_llama
+from integrations.vllm.chunk_forward import PagedKV, ServedLlama, matmul_dtype, served_llama
 from integrations.vllm.chunk_gate import run_gate
 from integrations.vllm.chunk_placement import ChunkPlacement
 from integrations.vllm.chunk_planning import ChunkLoad
@@ -40,7 +40,7 @@ from integrations.vllm.layout import LAYOUTS, probe_cpu_key_order
 from integrations.vllm.pauses import KeepSpec
 from integrations.vllm.planning import LoadSpec, SaveSpec, WorkerReport
 from integrations.vllm.pools import decode_pool_blocks, decode_pool_layer_into
-from integrations.vllm.served_model import served_model
+from integrations.vllm.served_model import release_weights, served_model
 from integrations.vllm.shared import SharedWriter, open_shared_tier
 from integrations.vllm.store import ConnectorStore, local_session_keys
 
@@ -150,11 +150,15 @@ class ConnectorWorker:
                            "tensor per layer; loads decode, then copy whole pages (slower)")
         if self.config.chunk_reuse:
             self._check_chunk_model()
+        release_weights()  # what chunk reuse needed is copied
 
     def _check_chunk_model(self) -> None:
         """Chunk reuse's model check (:mod:`.chunk_gate`); the scheduler hears the
         outcome with the next report ("" on, else why off)."""
-        served, why = served_llama(served_model())
+        model = served_model()
+        device = next(model.parameters()).device if model is not None else "cpu"
+        served, why = served_llama(
+            model, matmul_dtype=matmul_dtype(self.config.chunk_matmul_dtype, device))
         if served is not None and current_platform.is_cpu():
             isa = getattr(served.layers[0].self_attn.attn, "isa", None)
             order = probe_cpu_key_order(isa, self.block_size, self.identity.head_dim) \
@@ -174,7 +178,9 @@ class ConnectorWorker:
                                   max_kl=self.config.chunk_gate_max_kl)
                 why = result.reason()
                 logger.info("chunk reuse model check: top-1 agreement %.3f, mean KL %.4f "
-                            "over %d tokens", result.agreement, result.mean_kl, result.tokens)
+                            "over %d tokens (projections in %s)", result.agreement,
+                            result.mean_kl, result.tokens,
+                            served.matmul_dtype or "the model's dtype")
             except Exception as exc:  # the check must not stop the server
                 logger.exception("chunk reuse model check failed to run")
                 why = f"the model check could not run ({type(exc).__name__}: {exc})"

@@ -10,7 +10,8 @@ and foreign requests, sources read for another tenant), ``gate`` (thresholds no 
 the model check turns chunk reuse off), ``no-loader`` (vLLM's default loader: the
 connector has no model to repair seams with), ``replica-a`` then ``replica-b`` (two
 servers one after the other on one shared tier, ``$CK_PROBE_SHARED``: B's first turn
-reuses the documents A computed, in another order, from A's span objects).
+reuses the documents A computed, in another order, from A's span objects; B computes
+its seams with bfloat16 projections).
 """
 
 from __future__ import annotations
@@ -65,6 +66,30 @@ def _worker_check(worker: Any, ids: list[int]) -> dict[str, Any]:
     return out
 
 
+def _projections_check(worker: Any, ids: list[int]) -> dict[str, Any]:
+    """On the worker: the connector's projection dtype, and the K/V of the last chunk
+    load's range computed with its projections against the model's own (relative
+    error, the worst layer)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from integrations.vllm.chunk_forward import ContiguousKV
+
+    connector = get_kv_transfer_group().worker
+    model, chunk = connector._served, connector.recent_chunks[-1]
+    kvs = []
+    for exact in (True, False):
+        kv = ContiguousKV(model.num_layers, model.num_kv_heads, chunk.end, model.head_dim)
+        model.forward(ids[:chunk.end], range(chunk.end), kv, exact=exact)
+        kvs.append(kv)
+    full, low = kvs
+
+    def rel(a: Any, b: Any) -> float:
+        return float(max(((a[i] - b[i]).norm() / b[i].norm()).item() for i in range(len(b))))
+
+    return {"dtype": str(model.matmul_dtype), "rel_k": rel(low.k, full.k),
+            "rel_v": rel(low.v, full.v)}
+
+
 def _foreign_sources(worker: Any) -> dict[str, bool]:
     """On the worker: the last chunk load's source blocks read for their own tenant and
     for another one (the store checks the tenant of every block it hands out)."""
@@ -106,8 +131,10 @@ def main(scenario: str, out_path: str) -> None:
 
     work = tempfile.mkdtemp(prefix=f"ck-chunk-probe-{scenario}-")
     overrides: dict[str, Any] = {"chunk_reuse": True}
-    if scenario == "kv":
-        overrides["codec"] = "native"
+    if scenario == "kv":  # the model's own projections: exact up to float32 rounding
+        overrides.update(codec="native", chunk_matmul_dtype="model")
+    if scenario == "replica-b":  # bfloat16 projections on every CPU (AMX or not)
+        overrides["chunk_matmul_dtype"] = "bfloat16"
     if scenario == "gate":
         overrides.update(chunk_gate_min_agreement=1.0, chunk_gate_max_kl=0.0)
     shared = os.environ.get("CK_PROBE_SHARED", "")
@@ -150,9 +177,11 @@ def main(scenario: str, out_path: str) -> None:
     ids1, spans1 = build("ABC", "what is the beta of A?")
     ids2, spans2 = build("CDA", "what is the gamma of C?")
     if scenario == "replica-b":
-        result: dict[str, Any] = {"turn2": ask(ids2, spans2, salt),
-                                  "full2": ask(ids2, spans2, "fresh"),
-                                  "other_tenant": ask(ids2, spans2, chunk_salt("globex"))}
+        result: dict[str, Any] = {"turn2": ask(ids2, spans2, salt)}
+        result["projections"] = llm.collective_rpc(_projections_check,
+                                                   kwargs={"ids": ids2})[0]
+        result.update(full2=ask(ids2, spans2, "fresh"),
+                      other_tenant=ask(ids2, spans2, chunk_salt("globex")))
         with open(out_path, "w") as f:
             json.dump(result, f)
         return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from integrations.vllm.chunk_forward import served_llama
+from integrations.vllm.chunk_forward import cpu_has_amx_bf16, matmul_dtype, served_llama
 from integrations.vllm.chunk_gate import compare_logits
 
 
@@ -49,8 +49,25 @@ def test_chunk_settings_are_checked_with_one_line_each() -> None:
         ConnectorConfig(chunk_gate_min_agreement=2.0)
     with pytest.raises(ConnectorConfigError, match="chunk_min_tokens"):
         ConnectorConfig(chunk_min_tokens=0)
+    with pytest.raises(ConnectorConfigError,
+                       match="chunk_matmul_dtype must be one of auto, model, bfloat16"):
+        ConnectorConfig(chunk_matmul_dtype="float16")
     config = ConnectorConfig(chunk_reuse=True, chunk_layers="documents, user_turn")
     assert config.chunk_labels == frozenset({"documents", "user_turn"})
     assert ConnectorConfig().chunk_labels is None
     again = ConnectorConfig.from_extra_config(config.to_extra_config())
     assert again.chunk_reuse and again.chunk_layers == config.chunk_layers
+
+
+def test_the_connector_forward_multiplies_in_bfloat16_where_the_cpu_has_amx(tmp_path) -> None:
+    amx = tmp_path / "amx"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n")
+    plain = tmp_path / "plain"
+    plain.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
+    assert cpu_has_amx_bf16(str(amx)) and not cpu_has_amx_bf16(str(plain))
+    assert not cpu_has_amx_bf16(str(tmp_path / "missing"))
+    assert matmul_dtype("bfloat16", "cpu") is torch.bfloat16
+    assert matmul_dtype("model", "cpu") is None
+    # auto: bfloat16 only on a CPU with AMX (this machine's flags decide)
+    assert matmul_dtype("auto", "cpu") is (torch.bfloat16 if cpu_has_amx_bf16() else None)
+    assert matmul_dtype("auto", "meta") is None

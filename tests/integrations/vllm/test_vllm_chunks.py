@@ -25,6 +25,9 @@ ROTATION_TOLERANCE = 1e-3
 #: K/V the connector computed with exact context (the seam right after the prefix)
 #: against vLLM-free fresh computation by the same modules: float32 rounding.
 FORWARD_TOLERANCE = 1e-3
+#: The same K/V computed with bfloat16 projections against the model's float32 ones:
+#: relative error (the worst layer) of bfloat16 rounding through 30 layers.
+BF16_TOLERANCE = 3e-2
 
 
 def _probe(tmp_path: Path, scenario: str) -> dict[str, Any]:
@@ -129,5 +132,10 @@ def test_a_replica_reuses_the_documents_another_replica_computed(tmp_path: Path)
     assert second["chunk_reused_tokens"] > 250, second  # A, from replica A's span object
     assert second["contextkit_loaded_tokens"] == 0 and second["vllm_cached_tokens"] == 0
     assert b["turn2"]["reply"][:1] == b["full2"]["reply"][:1]
+    # B computed with bfloat16 projections (copied from the weights the loader kept):
+    # K/V within bfloat16 rounding of the model's own, not equal to them
+    proj = b["projections"]
+    assert proj["dtype"] == "torch.bfloat16", proj
+    assert 0 < proj["rel_k"] < BF16_TOLERANCE and 0 < proj["rel_v"] < BF16_TOLERANCE, proj
     other = b["other_tenant"]["report"]  # another tenant finds none of acme's spans
     assert other["chunk_reused_tokens"] == 0 and b["other_tenant"]["cached"] == 0
