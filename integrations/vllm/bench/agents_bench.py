@@ -265,6 +265,8 @@ def _connector_config(work: Path, name: str, sizes: dict[str, Any], overrides: d
 
     for sub in (f"shadow-{name}", f"local-{name}"):
         shutil.rmtree(work / sub, ignore_errors=True)
+    # its records are read from the file's start: none of an earlier run in this --dir
+    (work / f"stats-{name}.jsonl").unlink(missing_ok=True)
     return ConnectorConfig(block_size=BLOCK, shadow_url="",
                            local_store=f"file://{work / f'local-{name}'}",
                            stats_path=str(work / f"stats-{name}.jsonl"),

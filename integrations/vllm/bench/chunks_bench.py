@@ -40,6 +40,7 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -234,10 +235,15 @@ class Lane:
                 overrides["chunk_repair_first"] = self.args.repair_first
                 overrides["chunk_seam_lead"] = self.args.seam_lead
                 overrides["chunk_repair_ratio"] = self.args.repair_ratio
+            # nothing of an earlier run in this --dir: its store, its records (read
+            # from the file's start)
+            shutil.rmtree(self.work / f"local-{setup.name}", ignore_errors=True)
+            stats = self.work / f"stats-{setup.name}.jsonl"
+            stats.unlink(missing_ok=True)
             config = ConnectorConfig(
                 block_size=BLOCK, shadow_url="",
                 local_store=f"file://{self.work / f'local-{setup.name}'}",
-                stats_path=str(self.work / f"stats-{setup.name}.jsonl"),
+                stats_path=str(stats),
                 host_blocks=sizes["host_blocks"], **overrides)
         extra = ["--enable-prompt-tokens-details", "--num-gpu-blocks-override", str(blocks),
                  "--max-logprobs", "20"]

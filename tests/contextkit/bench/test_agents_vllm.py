@@ -190,6 +190,17 @@ def test_connector_all_is_the_default_connector_with_room_for_everything(tmp_pat
     assert _connector_config(tmp_path, "connector", sizes, {}).host_blocks == 832
 
 
+def test_a_reused_work_dir_gives_each_connector_a_fresh_stats_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # the per-request records are read from the file's start: an earlier run's would
+    # be counted as this run's first steps
+    from integrations.vllm.bench.agents_bench import _connector_config
+
+    stale = tmp_path / "stats-connector_chunks.jsonl"
+    stale.write_text('{"prompt_tokens": 1004, "chunk_reused_tokens": 623}\n')
+    config = _connector_config(tmp_path, "connector_chunks", {"host_blocks": 832}, {})
+    assert config.stats_path == str(stale) and not stale.exists()
+
+
 def test_an_interleaved_run_counts_the_replies_that_matched_the_transcript() -> None:
     from contextkit.bench.agents_vllm import result_of
 
