@@ -272,10 +272,13 @@ AGENTS_VLLM_CHUNKS_KERNELS = ("agents-vllm-amd-chunks-kernels.json",
                               "agents-vllm-amd-chunks-kernels-2.json")
 #: session 35's connector (runs of chunks repaired once, placement by layer), AMD EPYC
 AGENTS_VLLM_CHUNKS_LAYERS = ("agents-vllm-amd-chunks-layers.json",)
-#: the connector now (session 36: seams by what precedes them, hops by token, one kernel
-#: to place), with the oracle (chunk reuse's bound) in the run, Intel Xeon (session 37)
-AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-intel-oracle.json", "agents-vllm-intel-oracle-2.json",
+#: session 37's connector (seams by what precedes them, hops by token, one kernel to
+#: place; float32 projections), with the oracle (chunk reuse's bound) in the run, Intel Xeon
+AGENTS_VLLM_CHUNKS_F32 = ("agents-vllm-intel-oracle.json", "agents-vllm-intel-oracle-2.json",
                           "agents-vllm-intel-oracle-3.json")
+#: the connector now: its forward's projections in bfloat16 on AMX (session 38), the same
+#: machine and configurations
+AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-intel-bf16.json",)
 #: bench chunks-vllm: the RAG agent, documents reordered and changed every turn
 CHUNKS_VLLM = ("chunks-vllm-amd.json",)
 #: the same since the connector attends through vLLM's CPU kernels, with the oracle
@@ -293,10 +296,13 @@ CHUNKS_VLLM_LAYERS_QUALITY = ("chunks-vllm-amd-layers-quality640.json",)
 #: session 35's code (53c933a) on the Intel Xeon VM, the quality run's configuration:
 #: the same-machine baseline of the runs below
 CHUNKS_VLLM_LAYERS_INTEL = ("chunks-vllm-intel-session35-quality640.json",)
-#: the connector now (session 36, on an Intel Xeon VM): seams only where the 16 tokens
-#: before a chunk changed, hops by token, one fused kernel placing each layer
-CHUNKS_VLLM_NOW = ("chunks-vllm-intel-fused.json", "chunks-vllm-intel-fused-2.json")
-CHUNKS_VLLM_NOW_QUALITY = ("chunks-vllm-intel-fused-quality640.json",)
+#: session 36's connector (on an Intel Xeon VM): seams only where the 16 tokens before a
+#: chunk changed, hops by token, one fused kernel placing each layer; float32 projections
+CHUNKS_VLLM_FUSED = ("chunks-vllm-intel-fused.json", "chunks-vllm-intel-fused-2.json")
+CHUNKS_VLLM_FUSED_QUALITY = ("chunks-vllm-intel-fused-quality640.json",)
+#: the connector now: the same with its forward's projections in bfloat16 on AMX (session
+#: 38), the quality run's configuration (20 turns of 32 forced positions)
+CHUNKS_VLLM_NOW = ("chunks-vllm-intel-bf16-quality640.json",)
 #: the same workload without APC and LMCache, 20 quality turns of 32 forced positions
 #: (480 positions judged: the turns after the first chunk turns), session 32
 CHUNKS_VLLM_QUALITY = ("chunks-vllm-amd-quality640.json",)
@@ -425,47 +431,54 @@ ROWS: tuple[Row, ...] = (
         goal=Goal(">=", 2.0), remark=_replica_order),
     Row("chunks-vllm", "chunk turns: TTFT p50 prefix-only connector / chunk reuse; ceiling: "
         "the oracle (vLLM computing only the tokens no earlier prompt of the tenant held)",
-        CHUNKS_VLLM_NOW + CHUNKS_VLLM_NOW_QUALITY, lambda d: d["speedup_chunks_vs_prefix_p50"],
+        CHUNKS_VLLM_NOW, lambda d: d["speedup_chunks_vs_prefix_p50"],
         ceiling=lambda d: d["bound_chunks_vs_prefix_p50"], goal=Goal(">=", 2.5),
         tags=("readme",)),
     Row("chunks-vllm", "chunk turns: share of the oracle's TTFT p50 reached (oracle / chunk "
-        "reuse)", CHUNKS_VLLM_NOW + CHUNKS_VLLM_NOW_QUALITY, lambda d: d["ceiling_fraction"],
+        "reuse)", CHUNKS_VLLM_NOW, lambda d: d["ceiling_fraction"],
         fmt="{:.3f}"),
     Row("chunks-vllm", "chunk turns: tokens computed, chunk reuse (the oracle's: ceiling)",
-        CHUNKS_VLLM_NOW + CHUNKS_VLLM_NOW_QUALITY,
+        CHUNKS_VLLM_NOW,
         lambda d: d["computed_tokens"]["connector_chunks"], fmt="{:,.0f}",
         ceiling=lambda d: d["computed_tokens"]["oracle"]),
     Row("chunks-vllm", "chunk turns: TTFT p50 of prefix reuse's bound (a server whose KV "
-        "holds every agent) / chunk reuse", CHUNKS_VLLM_NOW + CHUNKS_VLLM_NOW_QUALITY,
+        "holds every agent) / chunk reuse", CHUNKS_VLLM_NOW,
         lambda d: d["speedup_vs_prefix_ceiling_p50"]),
     Row("chunks-vllm", "chunk turns: tokens computed, chunk reuse / prefix-only connector",
-        CHUNKS_VLLM_NOW + CHUNKS_VLLM_NOW_QUALITY, lambda d: d["tokens_computed_vs_prefix"],
+        CHUNKS_VLLM_NOW, lambda d: d["tokens_computed_vs_prefix"],
         fmt="{:.3f}", goal=Goal("<=", 0.4)),
-    Row("chunks-vllm", "chunk turns: TTFT p50 LMCache / chunk reuse; ceiling: LMCache / the "
-        "oracle", CHUNKS_VLLM_NOW, lambda d: d["speedup_vs_lmcache_p50"],
+    Row("chunks-vllm", "session 36's connector (float32 projections): chunk turns, TTFT p50 "
+        "prefix-only connector / chunk reuse (the oracle's: ceiling)",
+        CHUNKS_VLLM_FUSED + CHUNKS_VLLM_FUSED_QUALITY,
+        lambda d: d["speedup_chunks_vs_prefix_p50"],
+        ceiling=lambda d: d["bound_chunks_vs_prefix_p50"], goal=Goal(">=", 2.5)),
+    Row("chunks-vllm", "session 36's connector: chunk turns, TTFT p50 LMCache / chunk reuse; "
+        "ceiling: LMCache / the oracle", CHUNKS_VLLM_FUSED, lambda d: d["speedup_vs_lmcache_p50"],
         ceiling=lambda d: d["bound_vs_lmcache_p50"], goal=Goal(">=", 2.0)),
-    Row("chunks-vllm", "chunk turns: teacher-forced top-1 agreement with a full prefill, "
-        "95% Wilson interval over positions", CHUNKS_VLLM_NOW,
+    Row("chunks-vllm", "session 36's connector: chunk turns, teacher-forced top-1 agreement "
+        "with a full prefill, 95% Wilson interval over positions", CHUNKS_VLLM_FUSED,
         lambda d: d["teacher_forced_agreement"], fmt="{:.4f}", goal=Goal(">=", 0.97),
         interval=lambda d: wilson(*_forced(d))),
     Row("chunks-vllm", "the same positions through the prefix-only connector (its TQ4 "
-        "cache's own agreement)", CHUNKS_VLLM_NOW,
+        "cache's own agreement)", CHUNKS_VLLM_FUSED,
         lambda d: d["quality_prefix_only"]["teacher_forced_agreement"], fmt="{:.4f}"),
-    Row("chunks-vllm", "chunk turns: perplexity ratio to a full prefill", CHUNKS_VLLM_NOW,
+    Row("chunks-vllm", "session 36's connector: chunk turns, perplexity ratio to a full "
+        "prefill", CHUNKS_VLLM_FUSED,
         lambda d: d["ppl_ratio"], fmt="{:.4f}", goal=Goal("<=", 1.03)),
-    Row("chunks-vllm", "chunk turns: mean KL to a full prefill (its top 20)", CHUNKS_VLLM_NOW,
+    Row("chunks-vllm", "session 36's connector: chunk turns, mean KL to a full prefill (its "
+        "top 20)", CHUNKS_VLLM_FUSED,
         lambda d: d["mean_kl"], fmt="{:.4f}", goal=Goal("<=", 0.02)),
     Row("chunks-vllm", "chunk turns, 480 positions over 15 turns: teacher-forced top-1 "
-        "agreement with a full prefill, 95% Wilson interval", CHUNKS_VLLM_NOW_QUALITY,
+        "agreement with a full prefill, 95% Wilson interval", CHUNKS_VLLM_NOW,
         lambda d: d["teacher_forced_agreement"], fmt="{:.4f}", goal=Goal(">=", 0.97),
         interval=lambda d: wilson(*_forced(d))),
     Row("chunks-vllm", "chunk turns, 480 positions: perplexity ratio to a full prefill",
-        CHUNKS_VLLM_NOW_QUALITY, lambda d: d["ppl_ratio"], fmt="{:.4f}",
+        CHUNKS_VLLM_NOW, lambda d: d["ppl_ratio"], fmt="{:.4f}",
         goal=Goal("<=", 1.03)),
     Row("chunks-vllm", "chunk turns, 480 positions: mean KL to a full prefill (its top 20)",
-        CHUNKS_VLLM_NOW_QUALITY, lambda d: d["mean_kl"], fmt="{:.4f}", goal=Goal("<=", 0.02)),
+        CHUNKS_VLLM_NOW, lambda d: d["mean_kl"], fmt="{:.4f}", goal=Goal("<=", 0.02)),
     Row("chunks-vllm", "the same 480 positions through the prefix-only connector: agreement",
-        CHUNKS_VLLM_NOW_QUALITY,
+        CHUNKS_VLLM_NOW,
         lambda d: d["quality_prefix_only"]["teacher_forced_agreement"], fmt="{:.4f}"),
     Row("chunks-vllm", "session 35's connector, on the AMD EPYC VM (a seam per moved chunk "
         "unless it continues the one before it in the same stored run, hops by block, "
@@ -569,6 +582,13 @@ ROWS: tuple[Row, ...] = (
         "the prefix-only connector / the oracle", AGENTS_VLLM_CHUNKS_NOW,
         lambda d: d["chunks"]["warm_speedup_vs_connector_p50"],
         ceiling=lambda d: d["chunks"]["warm_bound_vs_connector_p50"]),
+    Row("agents-vllm", "session 37's connector (float32 projections): warm-step TTFT p50 APC "
+        "/ chunk reuse; ceiling: APC / the oracle", AGENTS_VLLM_CHUNKS_F32,
+        lambda d: d["chunks"]["warm_speedup_vs_apc_p50"],
+        ceiling=lambda d: d["chunks"]["warm_bound_vs_apc_p50"]),
+    Row("agents-vllm", "session 37's connector (float32 projections): share of the oracle's "
+        "warm-step TTFT p50 reached", AGENTS_VLLM_CHUNKS_F32,
+        lambda d: d["chunks"]["warm_speedup_vs_oracle_p50"], fmt="{:.3f}"),
     Row("agents-vllm", "session 35's connector (AMD EPYC): tokens computed with chunk reuse",
         AGENTS_VLLM_CHUNKS_LAYERS,
         lambda d: d["chunks"]["computed_tokens"]["connector_chunks"], fmt="{:,.0f}"),
