@@ -258,7 +258,9 @@ REPLICAS_CHUNKS_LAYERS = ("replicas-amd-chunks-layers.json",)
 REPLICAS_CHUNKS_NOW = ("replicas-intel-chunks.json",)
 #: the same code with the oracle (chunk reuse's bound) beside local tiers and the shared
 #: tier with chunk reuse (five servers: one replica with chunk reuse left out)
-REPLICAS_CHUNKS_ORACLE = ("replicas-intel-chunks-oracle.json",)
+REPLICAS_CHUNKS_ORACLE_F32 = ("replicas-intel-chunks-oracle.json",)
+#: the same configurations with the connector's projections in bfloat16 (session 38)
+REPLICAS_CHUNKS_ORACLE = ("replicas-intel-chunks-bf16.json",)
 #: why chunk reuse across replicas stops at its ceiling
 CHUNK_TURNS_COST = ("one replica that saw every turn still pays the connector's placement "
                     "and seams on every chunk turn (docs/chunks.md)")
@@ -621,6 +623,10 @@ ROWS: tuple[Row, ...] = (
         "only what the tenant never sent, past its longest known prefix)",
         REPLICAS_CHUNKS_ORACLE, lambda d: d["speedup_shared_chunks_vs_local_p50"],
         goal=Goal(">=", 2.0), ceiling=lambda d: d["chunk_bound_vs_local_p50"]),
+    Row("replicas", "session 37's connector (float32 projections): TTFT p50 local / shared "
+        "tier with chunk reuse, cross-replica turns; ceiling: local / the oracle",
+        REPLICAS_CHUNKS_ORACLE_F32, lambda d: d["speedup_shared_chunks_vs_local_p50"],
+        ceiling=lambda d: d["chunk_bound_vs_local_p50"]),
     Row("replicas", "chunk reuse across replicas: prompt tokens computed by the shared tier "
         "with chunk reuse (the oracle's: ceiling)", REPLICAS_CHUNKS_ORACLE,
         lambda d: d["computed_tokens"]["shared_chunks"], fmt="{:,.0f}",
