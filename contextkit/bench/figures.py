@@ -280,7 +280,7 @@ AGENTS_VLLM_CHUNKS_F32 = ("agents-vllm-intel-oracle.json", "agents-vllm-intel-or
                           "agents-vllm-intel-oracle-3.json")
 #: the connector now: its forward's projections in bfloat16 on AMX (session 38), the same
 #: machine and configurations
-AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-intel-bf16.json",)
+AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-intel-bf16.json", "agents-vllm-intel-bf16-2.json")
 #: bench chunks-vllm: the RAG agent, documents reordered and changed every turn
 CHUNKS_VLLM = ("chunks-vllm-amd.json",)
 #: the same since the connector attends through vLLM's CPU kernels, with the oracle
