@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from integrations.vllm.layout import keys_by_token
+from integrations.vllm.served_model import loaded_weight
 
 logger = logging.getLogger(__name__)
 
@@ -397,8 +398,6 @@ class Projections:
 
     @classmethod
     def of(cls, layer: Any, dtype: torch.dtype) -> Projections:
-        from integrations.vllm.served_model import loaded_weight
-
         def copy(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
             weight = loaded_weight(module)
             if weight is None:
@@ -407,8 +406,7 @@ class Projections:
             bias = getattr(module, "bias", None)
             if getattr(module, "skip_bias_add", False):
                 bias = None  # returned to the caller, which Llama's layers drop
-            return (weight.to(dtype).contiguous(),
-                    None if bias is None else bias.detach().float())
+            return (weight.to(dtype).contiguous(), None if bias is None else bias.detach())
 
         attn, mlp = layer.self_attn, layer.mlp
         return cls(copy(attn.qkv_proj), copy(attn.o_proj), copy(mlp.gate_up_proj),
@@ -417,10 +415,11 @@ class Projections:
     @staticmethod
     def apply(proj: tuple[torch.Tensor, torch.Tensor | None], x: torch.Tensor
               ) -> torch.Tensor:
-        """``x @ weight.T + bias`` in the weight's dtype, returned in ``x``'s."""
+        """``x @ weight.T`` in the weight's dtype, returned in ``x``'s, plus the bias (in
+        the model's dtype, as vLLM applies it)."""
         weight, bias = proj
         out = torch.nn.functional.linear(x.to(weight.dtype), weight).to(x.dtype)
-        return out if bias is None else out + bias.to(x.dtype)
+        return out if bias is None else out + bias
 
 
 def cpu_has_amx_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:

@@ -261,15 +261,13 @@ def allocated_bytes(setup: Setup, sizes: dict[str, Any]) -> int:
 
 def _connector_config(work: Path, name: str, sizes: dict[str, Any], overrides: dict[str, Any],
                       budget_factor: float = 1.0) -> Any:
+    from integrations.vllm.bench.harness import fresh_connector_files
     from integrations.vllm.config import ConnectorConfig
 
-    for sub in (f"shadow-{name}", f"local-{name}"):
-        shutil.rmtree(work / sub, ignore_errors=True)
-    # its records are read from the file's start: none of an earlier run in this --dir
-    (work / f"stats-{name}.jsonl").unlink(missing_ok=True)
-    return ConnectorConfig(block_size=BLOCK, shadow_url="",
-                           local_store=f"file://{work / f'local-{name}'}",
-                           stats_path=str(work / f"stats-{name}.jsonl"),
+    shutil.rmtree(work / f"shadow-{name}", ignore_errors=True)
+    local_store, stats_path = fresh_connector_files(work, name)
+    return ConnectorConfig(block_size=BLOCK, shadow_url="", local_store=local_store,
+                           stats_path=stats_path,
                            host_blocks=max(1, int(sizes["host_blocks"] * budget_factor)),
                            **overrides)
 

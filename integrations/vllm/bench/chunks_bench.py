@@ -40,7 +40,6 @@ import json
 import os
 import random
 import re
-import shutil
 import sys
 import tempfile
 import time
@@ -222,7 +221,7 @@ class Lane:
 
     def start(self) -> Lane:
         from integrations.vllm.bench.agent_bench import server_env
-        from integrations.vllm.bench.harness import OpenAIServer
+        from integrations.vllm.bench.harness import OpenAIServer, fresh_connector_files
         from integrations.vllm.config import ConnectorConfig
         from integrations.vllm.served_model import LOAD_FORMAT
 
@@ -235,15 +234,10 @@ class Lane:
                 overrides["chunk_repair_first"] = self.args.repair_first
                 overrides["chunk_seam_lead"] = self.args.seam_lead
                 overrides["chunk_repair_ratio"] = self.args.repair_ratio
-            # nothing of an earlier run in this --dir: its store, its records (read
-            # from the file's start)
-            shutil.rmtree(self.work / f"local-{setup.name}", ignore_errors=True)
-            stats = self.work / f"stats-{setup.name}.jsonl"
-            stats.unlink(missing_ok=True)
+            local_store, stats_path = fresh_connector_files(self.work, setup.name)
             config = ConnectorConfig(
-                block_size=BLOCK, shadow_url="",
-                local_store=f"file://{self.work / f'local-{setup.name}'}",
-                stats_path=str(stats),
+                block_size=BLOCK, shadow_url="", local_store=local_store,
+                stats_path=stats_path,
                 host_blocks=sizes["host_blocks"], **overrides)
         extra = ["--enable-prompt-tokens-details", "--num-gpu-blocks-override", str(blocks),
                  "--max-logprobs", "20"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -29,8 +30,8 @@ from typing import Any
 
 from integrations.vllm.serve import HINTS_MIDDLEWARE, LAUNCHER_MODULE
 
-__all__ = ["OpenAIServer", "Prompt", "free_port", "load_prompts", "main", "metric_sum",
-           "params_for", "read_stats", "run_openai", "source_text"]
+__all__ = ["OpenAIServer", "Prompt", "free_port", "fresh_connector_files", "load_prompts", "main",
+           "metric_sum", "params_for", "read_stats", "run_openai", "source_text"]
 
 #: ``--served-model-name`` of the ``--openai`` server (the ``model_name`` metric label).
 SERVED_MODEL_NAME = "contextkit-e2e"
@@ -425,6 +426,15 @@ class OpenAIServer:
 
     def get(self, path: str, timeout: float = 30.0) -> str:
         return _get(self.url, path, timeout)
+
+
+def fresh_connector_files(work: Path, name: str) -> tuple[str, str]:
+    """A bench connector's DDR store URL and per-request records file in ``work``, with
+    nothing of an earlier run there (records are read from the file's start)."""
+    shutil.rmtree(work / f"local-{name}", ignore_errors=True)
+    stats = work / f"stats-{name}.jsonl"
+    stats.unlink(missing_ok=True)
+    return f"file://{work / f'local-{name}'}", str(stats)
 
 
 def read_stats(path: Path, start: int = 0) -> tuple[list[dict[str, Any]], int]:

@@ -49,7 +49,12 @@ from integrations.vllm.bench.agents_bench import (
     plan_sizes,
     scrape_connector_metrics,
 )
-from integrations.vllm.bench.harness import free_port, read_events, read_stats
+from integrations.vllm.bench.harness import (
+    free_port,
+    fresh_connector_files,
+    read_events,
+    read_stats,
+)
 from integrations.vllm.bench.interleave import check_memory, rotation, settle, start_lanes
 from integrations.vllm.bench.oracle import KnownSpans, oracle_middleware
 
@@ -137,9 +142,7 @@ def _start_replica(setup: Setup, idx: int, work: Path, sizes: dict[str, Any],
     from integrations.vllm.config import ConnectorConfig
 
     name = f"{setup.name}-{idx}"
-    shutil.rmtree(work / f"local-{name}", ignore_errors=True)
-    stats = work / f"stats-{name}.jsonl"
-    stats.unlink(missing_ok=True)
+    local_store, stats_path = fresh_connector_files(work, name)
     overrides: dict[str, Any] = {}
     if setup.shared and s3 is not None:
         overrides = {"shared_url": f"s3://{BUCKET}/{setup.name}", "shared_endpoint_url": s3.url,
@@ -148,8 +151,8 @@ def _start_replica(setup: Setup, idx: int, work: Path, sizes: dict[str, Any],
     if setup.chunks:
         overrides["chunk_reuse"] = True
     config = (ConnectorConfig(block_size=BLOCK, shadow_url="",
-                              local_store=f"file://{work / f'local-{name}'}",
-                              stats_path=str(stats), host_blocks=sizes["host_blocks"],
+                              local_store=local_store,
+                              stats_path=stats_path, host_blocks=sizes["host_blocks"],
                               session_id=name, **overrides)
               if setup.connector else ConnectorConfig(block_size=BLOCK))
     env = {**server_env(), **AWS_ENV, "CONTEXTKIT_SHADOW_KEY": BENCH_KEY}
