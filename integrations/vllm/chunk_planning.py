@@ -50,13 +50,20 @@ from shadow.shared.objects import MAX_SPAN_BLOCKS, SpanRecord
 from shadow.shared.tier import FoundSpan
 
 __all__ = ["ChunkLoad", "ChunkPlanner", "MovedChunk", "SpanShare", "block_taints", "continues",
-           "lead_digest", "moved_key"]
+           "lead_digest", "moved_key", "tail_key"]
 
 
 def moved_key(key: bytes) -> bytes:
     """The store key of a block whose K/V were moved in (chunk reuse), from its exact
     chained key: a prefix lookup never computes it."""
     return hashlib.sha256(b"contextkit-moved-v1" + key).digest()
+
+
+def tail_key(key: bytes) -> bytes:
+    """The store key of a prompt's last, partial block, from its chained key over the
+    tokens it holds: a prefix lookup never computes it (prefix hits are whole blocks),
+    only the chunk entries of the spans that end in it name it."""
+    return hashlib.sha256(b"contextkit-tail-v1" + key).digest()
 
 
 def block_taints(token_taints: Sequence[tuple[int, int, int]], block_size: int
@@ -340,20 +347,24 @@ class ChunkPlanner:
     def register(self, tenant: str, token_ids: Sequence[int], spans: Sequence[WireSpan],
                  keys: Sequence[bytes], stored_blocks: int, held: Callable[[bytes], bool],
                  *, materialized: int | None = None,
-                 moved: Sequence[tuple[int, int, int]] = ()) -> list[SpanShare]:
+                 moved: Sequence[tuple[int, int, int]] = (),
+                 stored_tokens: int | None = None) -> list[SpanShare]:
         """Register a request's spans held by its first ``stored_blocks`` blocks
-        (``keys``: the keys they are stored under). ``held``: whether the store holds
-        a block key. A span inherits the most hops of the moved K/V it holds: in
-        blocks before ``materialized`` (the first token of the request's chunk load,
-        if any; block-aligned), the hops its blocks were tainted with; from there on,
+        (``keys``: the keys they are stored under; the last may be partial, holding
+        tokens up to ``stored_tokens``). ``held``: whether the store holds a block key.
+        A span inherits the most hops of the moved K/V it holds: in blocks before
+        ``materialized`` (the first token of the request's chunk load, if any;
+        block-aligned), the hops its blocks were tainted with; from there on,
         those of the ``moved`` token ranges (:meth:`ChunkLoad.token_taints`) it
         overlaps (tokens computed here, beside a moved chunk in one block, are 0).
         Returns the spans newly registered (or now held elsewhere), as shared-tier
         publications (those short enough for a span object)."""
         bs = self.block_size
+        limit = stored_blocks * bs if stored_tokens is None else min(stored_tokens,
+                                                                      stored_blocks * bs)
         shares = []
         for span in spans:
-            if not self.eligible(span) or span.end > stored_blocks * bs:
+            if not self.eligible(span) or span.end > limit:
                 continue
             first, last = span.start // bs, (span.end - 1) // bs
             block_keys = tuple(BlockHash(k) for k in keys[first:last + 1])

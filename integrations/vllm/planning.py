@@ -45,6 +45,7 @@ from integrations.vllm.chunk_planning import (
     SpanShare,
     block_taints,
     moved_key,
+    tail_key,
 )
 from integrations.vllm.hints import Hints, from_wire
 from integrations.vllm.metrics import StatsRecorder, layer_names
@@ -360,6 +361,9 @@ class _RequestState:
     materialized: int | None = None
     moved_tokens: list[tuple[int, int, int]] = field(default_factory=list)
     chunks_off: str | None = None  # why an opted-in request reused no chunk
+    #: the prompt's last, partial block and its :func:`tail_key`, once planned for
+    #: saving (chunk reuse: the spans ending in it become chunks)
+    tail: tuple[int, bytes] | None = None
 
 
 class RequestPlanner:
@@ -598,6 +602,9 @@ class RequestPlanner:
                     if keys[b] not in self.index and keys[b] not in self.pending]
             state.considered_blocks = max(state.considered_blocks, full)
             state.planned_saves += len(todo)
+            tail = self._tail(state, req)
+            if tail is not None:
+                saves.append(self._save_spec(state, req, [tail[0]], [tail[1]], [], moved=True))
             if not todo:
                 continue
             # one spec per contiguous run keeps the labels' positions right
@@ -608,23 +615,46 @@ class RequestPlanner:
                 else:
                     runs.append([b])
             for run in runs:
-                run_keys = [keys[b] for b in run]
-                self.pending.update(run_keys)
-                labels = labels_from_params(state.params, run[0], len(run), bs,
-                                            self.default_layer)
-                fmts = [self._format(state, b, label) for b, label in zip(run, labels,
-                                                                          strict=True)]
-                labels = [dataclasses.replace(label, fmt=fmt,
-                                              room_fmt=state.policy.room_for(fmt))
-                          for label, fmt in zip(labels, fmts, strict=True)]
-                if state.hints is not None:
-                    labels = hinted_labels(labels, state.hints, run[0], bs)
                 lead = (keys[run[0] - run[0] % self.chunk_blocks:run[0]]
                         if self.chunk_blocks else [])
-                saves.append(SaveSpec(
-                    req.req_id, state.tenant, run_keys, [req.block_ids[b] for b in run],
-                    run[0], labels, list(lead), moved=run[0] in state.moved))
+                saves.append(self._save_spec(state, req, run, [keys[b] for b in run], lead,
+                                             moved=run[0] in state.moved))
         return loads, saves
+
+    def _save_spec(self, state: _RequestState, req: StepRequest, run: list[int],
+                   run_keys: list[bytes], lead: list[bytes], *, moved: bool) -> SaveSpec:
+        """The save of the request's blocks ``run`` (contiguous) under ``run_keys``: each
+        with its label, format and hints."""
+        self.pending.update(run_keys)
+        bs = self.block_size
+        labels = labels_from_params(state.params, run[0], len(run), bs, self.default_layer)
+        fmts = [self._format(state, b, label) for b, label in zip(run, labels, strict=True)]
+        labels = [dataclasses.replace(label, fmt=fmt, room_fmt=state.policy.room_for(fmt))
+                  for label, fmt in zip(labels, fmts, strict=True)]
+        if state.hints is not None:
+            labels = hinted_labels(labels, state.hints, run[0], bs)
+        return SaveSpec(req.req_id, state.tenant, run_keys, [req.block_ids[b] for b in run],
+                        run[0], labels, list(lead), moved=moved)
+
+    def _tail(self, state: _RequestState, req: StepRequest) -> tuple[int, bytes] | None:
+        """The prompt's last, partial block and its :func:`tail_key`, to save in the step
+        that computes the prompt's last token, where the request opted into chunk reuse:
+        its last message ends there (the template's generation prompt follows it), and
+        next turn repeats it. None when there is none to save (held already: noted)."""
+        bs, n = self.block_size, state.num_prompt_tokens
+        b = n // bs
+        if (state.tail is not None or self.chunks is None or n % bs == 0
+                or not opted_into_chunks(state.tenant) or b >= len(req.block_ids)
+                or req.num_computed + req.num_scheduled < n):
+            return None
+        parent = self._keys(state, req.token_ids, b)[-1] if b else None
+        key = tail_key(hash_block_tokens(self.identity_digest, state.tenant, parent,  # type: ignore[arg-type]
+                                         list(req.token_ids[b * bs:n])))
+        state.tail = (b, key)
+        if key in self.index or key in self.pending:
+            return None
+        state.planned_saves += 1
+        return state.tail
 
     @staticmethod
     def _save_keys(state: _RequestState, keys: list[bytes]) -> list[bytes]:
@@ -784,10 +814,13 @@ class RequestPlanner:
         if not ours:
             return
         _, spans = decode_spans(ours)
+        stored_tokens = None
+        if state.tail is not None and state.tail[0] == len(keys):  # the partial block
+            keys, stored_tokens = [*keys, state.tail[1]], state.num_prompt_tokens
         shares = self.chunks.register(state.tenant, token_ids, spans, keys, len(keys),
                                       lambda k: k in self.index or k in self.pending,
                                       materialized=state.materialized,
-                                      moved=state.moved_tokens)
+                                      moved=state.moved_tokens, stored_tokens=stored_tokens)
         if self.chunk_blocks:  # a shared tier: the worker publishes them
             self._shares += shares
 

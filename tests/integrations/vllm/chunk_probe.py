@@ -189,7 +189,7 @@ def main(scenario: str, out_path: str) -> None:
     llm.collective_rpc(lambda worker: __import__(
         "vllm.distributed.kv_transfer", fromlist=["_"]).get_kv_transfer_group().flush())
     if scenario == "replica-a":  # the spans' uploads land behind the finish
-        result["spans"] = _wait_spans(shared, 3)
+        result["spans"] = _wait_spans(shared, 4)
         with open(out_path, "w") as f:
             json.dump(result, f)
         return

@@ -265,11 +265,12 @@ def test_with_a_shared_tier_new_spans_are_published_once() -> None:
     ids, params = prompt("ab")
     serve(p, "t1", ids, params)
     shares = p.take_shares()
-    # the rules and both documents, where they were computed, with the blocks holding
-    # them (the question shares its last block with the prompt's last token: not stored)
+    # the rules, both documents and the question, where they were computed, with the
+    # blocks holding them (the question's last is the prompt's partial block)
     assert [(s.span.label, s.span.position, s.span.length, s.span.hops, len(s.block_keys))
             for s in shares] == [
-        ("rules", 0, 4, 0, 1), ("documents", 4, 8, 0, 2), ("documents", 12, 8, 0, 2)]
+        ("rules", 0, 4, 0, 1), ("documents", 4, 8, 0, 2), ("documents", 12, 8, 0, 2),
+        ("user_turn", 20, 5, 0, 2)]
     assert all(s.tenant == TENANT for s in shares)
     serve(p, "t2", ids, params)  # the same spans again: nothing new to publish
     assert p.take_shares() == []
@@ -450,3 +451,46 @@ def test_a_message_computed_in_the_block_a_moved_one_ends_in_stays_0_hops() -> N
             assert moved.count("user_turn") == turn, (turn, moved)
     hops = [e.hops for e in p.chunks.index.of_tenant(TENANT) if e.label == "user_turn"]
     assert len(hops) == 5 and max(hops) == 0
+
+
+def test_the_last_message_in_a_prompts_partial_block_is_a_chunk_next_turn() -> None:
+    """A prompt's last message ends in its last, partial block (the chat template's
+    generation prompt follows it). That block is saved under a key no prefix lookup
+    computes, so the message is reused where the next turn repeats it."""
+    p = planner()
+    memory1, memory2 = [600 + i for i in range(7)], [700 + i for i in range(7)]
+    question, reply, question2 = ([800 + i for i in range(8)], [900 + i for i in range(7)],
+                                  [950 + i for i in range(7)])
+    generation = [9, 9]  # unlabelled: the template's "assistant" header
+    ids1, params1 = layered((RULES6, "rules"), (memory1, "memories"), (question, "user_turn"),
+                            (generation, None))
+    assert len(ids1) == 23  # blocks 0-4 full, block 5 holds tokens 20-22
+    p.matched_tokens("t1", ids1, len(ids1), 0, tenant=TENANT, params=params1)
+    _, saves = p.plan([StepRequest("t1", ids1, 0, len(ids1), list(range(10, 16)))])
+    tail = [s for s in saves if s.first_block == 5]
+    assert len(tail) == 1 and tail[0].moved and tail[0].block_ids == [15]
+    p.apply(WorkerReport(stored={k for s in saves for k in s.keys}))
+    p.finish("t1", ids1)
+    exact = hash_token_blocks(IDENTITY.digest(), TENANT, ids1, BS)
+    assert tail[0].keys[0] not in exact
+    # the same prompt again finds its full blocks only by prefix
+    assert p.matched_tokens("again", ids1, len(ids1), 0, tenant=TENANT, params=params1) == 20
+    # next turn: the memories changed; the question is repeated, then the reply and a
+    # new question
+    ids2, params2 = layered((RULES6, "rules"), (memory2, "memories"), (question, "user_turn"),
+                            (reply, "user_turn"), (question2, "user_turn"), (generation, None))
+    _, loads = serve(p, "t2", ids2, params2)
+    (chunk,) = [load.chunk for load in loads if load.chunk is not None]
+    (moved,) = [m for m in chunk.chunks if m.label == "user_turn"]
+    assert (moved.position, moved.source_position, moved.length) == (13, 13, 8)
+    assert moved.source_keys == [exact[3], exact[4], tail[0].keys[0]]
+    assert all(p not in chunk.compute for p in range(14, 21))  # its seam is token 13
+
+
+def test_a_request_that_did_not_opt_in_saves_no_partial_block() -> None:
+    p = planner()
+    ids, params = layered((RULES6, "rules"), ([800 + i for i in range(8)], "user_turn"),
+                          ([9, 9], None))
+    p.matched_tokens("t1", ids, len(ids), 0, tenant="acme", params=params)
+    _, saves = p.plan([StepRequest("t1", ids, 0, len(ids), list(range(10, 14)))])
+    assert saves and all(s.first_block + len(s.keys) <= len(ids) // BS for s in saves)

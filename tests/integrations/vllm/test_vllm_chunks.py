@@ -123,9 +123,9 @@ def test_without_the_model_loader_chunk_reuse_is_off_with_its_reason(tmp_path: P
 def test_a_replica_reuses_the_documents_another_replica_computed(tmp_path: Path) -> None:
     a = _probe(tmp_path, "replica-a")
     assert a["turn1"]["report"]["reuse"] == "none"
-    # published as span objects: the rules, A and B (C's last block holds the question
-    # too, which this turn never stores whole, so C is no chunk yet)
-    assert a["spans"] == 3
+    # published as span objects: the rules, A, B and C (C ends in the prompt's last,
+    # partial block, saved for chunk reuse; the question is shorter than a chunk)
+    assert a["spans"] == 4
     b = _probe(tmp_path, "replica-b")  # a fresh server: its DDR tier and index are empty
     second = b["turn2"]["report"]
     assert second["reuse"] == "chunk", second
