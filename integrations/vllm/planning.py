@@ -28,6 +28,7 @@ from typing import Any
 
 from contextkit.pipeline.served.wire import (
     PARAMS_KEY,
+    TURN_LAYER,
     WireSpan,
     decode_fingerprint,
     decode_precision,
@@ -295,9 +296,13 @@ def hinted_labels(labels: Sequence[BlockLabel], hints: Hints, first_block: int,
 
 
 def labels_from_params(params: Mapping[str, Any] | None, first_block: int, num_blocks: int,
-                       block_size: int, default_layer: str) -> list[BlockLabel]:
+                       block_size: int, default_layer: str, *,
+                       chunks: bool = False) -> list[BlockLabel]:
     """Per block, the label of the span holding its first token (see :func:`semantic_params`),
     marked ``tail`` from the block holding the request's ``volatile_from`` on.
+    ``chunks``: the request opted into chunk reuse, where the conversation's messages
+    after the volatile sections (the user's last message, after the trailing message)
+    are repeated next call as history: the blocks holding them are not marked.
 
     Malformed params are logged and ignored (the request must not fail over labels).
     """
@@ -314,6 +319,10 @@ def labels_from_params(params: Mapping[str, Any] | None, first_block: int, num_b
     # the block holding the tail's first token mixes in what came before, which the next
     # call's prompt does not repeat there either: it is the tail's first block
     tail_block = tail // block_size if isinstance(tail, int) else None
+    kept_from = None  # chunk reuse: the first message after the tail starts here
+    if chunks and isinstance(tail, int):
+        kept_from = min((s.start for s in sent
+                         if s.start >= tail and s.source_layer == TURN_LAYER), default=None)
     labels = []
     for b in range(first_block, first_block + num_blocks):
         pos = b * block_size
@@ -324,7 +333,8 @@ def labels_from_params(params: Mapping[str, Any] | None, first_block: int, num_b
                           else pin and span.source_layer in PINNABLE_SOURCES)
                 label = BlockLabel(span.source_layer, span.importance, pinned)
                 break
-        if tail_block is not None and b >= tail_block:
+        if (tail_block is not None and b >= tail_block
+                and (kept_from is None or pos + block_size <= kept_from)):
             label = dataclasses.replace(label, tail=True)
         labels.append(label)
     return labels
@@ -627,7 +637,8 @@ class RequestPlanner:
         with its label, format and hints."""
         self.pending.update(run_keys)
         bs = self.block_size
-        labels = labels_from_params(state.params, run[0], len(run), bs, self.default_layer)
+        labels = labels_from_params(state.params, run[0], len(run), bs, self.default_layer,
+                                    chunks=self._opted_in(state))
         fmts = [self._format(state, b, label) for b, label in zip(run, labels, strict=True)]
         labels = [dataclasses.replace(label, fmt=fmt, room_fmt=state.policy.room_for(fmt))
                   for label, fmt in zip(labels, fmts, strict=True)]
@@ -636,6 +647,10 @@ class RequestPlanner:
         return SaveSpec(req.req_id, state.tenant, run_keys, [req.block_ids[b] for b in run],
                         run[0], labels, list(lead), moved=moved)
 
+    def _opted_in(self, state: _RequestState) -> bool:
+        """Whether the request reuses chunks: it opted in, and the server has chunk reuse."""
+        return self.chunks is not None and opted_into_chunks(state.tenant)
+
     def _tail(self, state: _RequestState, req: StepRequest) -> tuple[int, bytes] | None:
         """The prompt's last, partial block and its :func:`tail_key`, to save in the step
         that computes the prompt's last token, where the request opted into chunk reuse:
@@ -643,8 +658,8 @@ class RequestPlanner:
         next turn repeats it. None when there is none to save (held already: noted)."""
         bs, n = self.block_size, state.num_prompt_tokens
         b = n // bs
-        if (state.tail is not None or self.chunks is None or n % bs == 0
-                or not opted_into_chunks(state.tenant) or b >= len(req.block_ids)
+        if (state.tail is not None or n % bs == 0 or not self._opted_in(state)
+                or b >= len(req.block_ids)
                 or req.num_computed + req.num_scheduled < n):
             return None
         parent = self._keys(state, req.token_ids, b)[-1] if b else None
@@ -685,7 +700,7 @@ class RequestPlanner:
         n = state.num_prompt_tokens // self.block_size
         if state.prompt_formats is None:
             labels = labels_from_params(state.params, 0, n, self.block_size,
-                                        self.default_layer)
+                                        self.default_layer, chunks=self._opted_in(state))
             state.prompt_formats = policy.formats_for(labels, self.head_dim)
             state.budget_spent = sum(vs_fp16(f, self.head_dim) for f in state.prompt_formats)
         if block < n:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from contextkit.engine.types import TokenSpan
 from contextkit.pipeline.reports import BuiltPrompt, CallReport, tokens_by_layer
 from contextkit.pipeline.served.model import LabelRangeError, ServedModel
-from contextkit.pipeline.served.wire import WireSpan, chunk_salt, encode_labels
+from contextkit.pipeline.served.wire import TURN_LAYER, WireSpan, chunk_salt, encode_labels
 from contextkit.pipeline.tenancy import TenantViews, check_tenant
 from contextkit.prompt.layers import LayerConfig
 from gpu_cache import InvalidNameError
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("contextkit.pipeline.pipeline")
 
 #: Source layer and importance of conversation messages (as the embedded engine labels them).
-TURN_LAYER, TURN_IMPORTANCE = "user_turn", 0.3
+TURN_IMPORTANCE = 0.3
 #: Characters vLLM refuses in ``cache_salt`` (with more than 128 characters).
 _SALT_FORBIDDEN = frozenset("@/\\\x00")
 

@@ -47,6 +47,7 @@ __all__ = [
     "PARAMS_KEY",
     "REPORT_KEY",
     "REUSE_CLASSES",
+    "TURN_LAYER",
     "WireSpan",
     "cache_report",
     "chunk_salt",
@@ -64,6 +65,9 @@ __all__ = [
 
 #: contextkit's key in a request's ``kv_transfer_params``.
 PARAMS_KEY = "contextkit"
+
+#: The source layer of a conversation message's span (every message of the chat).
+TURN_LAYER = "user_turn"
 #: contextkit's key in a response's ``kv_transfer_params``: what the prompt reused.
 REPORT_KEY = "contextkit_cache"
 #: contextkit's key in a request's ``kv_transfer_params``: its agent hints, normalized

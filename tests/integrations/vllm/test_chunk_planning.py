@@ -494,3 +494,27 @@ def test_a_request_that_did_not_opt_in_saves_no_partial_block() -> None:
     p.matched_tokens("t1", ids, len(ids), 0, tenant="acme", params=params)
     _, saves = p.plan([StepRequest("t1", ids, 0, len(ids), list(range(10, 14)))])
     assert saves and all(s.first_block + len(s.keys) <= len(ids) // BS for s in saves)
+
+
+def test_the_last_user_message_after_a_volatile_trailing_message_is_not_volatile() -> None:
+    """The served layout: history, a trailing system message of volatile layers (the
+    next call changes it: ``volatile_from``), then the user's message, which the next
+    call repeats as history. For a request that opted into chunk reuse only the blocks
+    of the trailing message are its volatile tail (stored only when there is room);
+    the message's blocks are kept like any other, so it is a chunk next turn."""
+    rules, trailing, message = RULES6, [600 + i for i in range(6)], [800 + i for i in range(9)]
+    spans = [(0, 6, "rules"), (6, 12, "system_state"), (12, 21, "user_turn")]
+    ids = rules + trailing + message + [9, 9]  # 23 tokens: blocks 0-4 and a partial 5
+
+    def tails(tenant: str) -> dict[int, bool]:
+        p = planner()
+        params = semantic_params(spans, prompt_token_ids=ids, volatile_from=6)
+        p.matched_tokens("t1", ids, len(ids), 0, tenant=tenant, params=params)
+        _, saves = p.plan([StepRequest("t1", ids, 0, len(ids), list(range(10, 16)))])
+        return {s.first_block + i: label.tail for s in saves for i, label in enumerate(s.labels)}
+
+    # block 1 holds the rules' end and the trailing message's start, block 2 the rest
+    # of it; blocks 3-5 hold the message (5: the partial block, saved for chunk reuse)
+    assert tails(TENANT) == {0: False, 1: True, 2: True, 3: False, 4: False, 5: False}
+    # a request that did not opt in: the whole tail is volatile, no partial block
+    assert tails("acme") == {0: False, 1: True, 2: True, 3: True, 4: True}
