@@ -260,7 +260,9 @@ REPLICAS_CHUNKS_NOW = ("replicas-intel-chunks.json",)
 #: tier with chunk reuse (five servers: one replica with chunk reuse left out)
 REPLICAS_CHUNKS_ORACLE_F32 = ("replicas-intel-chunks-oracle.json",)
 #: the same configurations with the connector's projections in bfloat16 (session 38)
-REPLICAS_CHUNKS_ORACLE = ("replicas-intel-chunks-bf16.json",)
+REPLICAS_CHUNKS_ORACLE_BF16 = ("replicas-intel-chunks-bf16.json",)
+#: the connector now (session 39: a prompt's last message stored as a chunk)
+REPLICAS_CHUNKS_ORACLE = ("replicas-intel-chunks-turns.json",)
 #: why chunk reuse across replicas stops at its ceiling
 CHUNK_TURNS_COST = ("one replica that saw every turn still pays the connector's placement "
                     "and seams on every chunk turn (docs/chunks.md)")
@@ -278,9 +280,14 @@ AGENTS_VLLM_CHUNKS_LAYERS = ("agents-vllm-amd-chunks-layers.json",)
 #: place; float32 projections), with the oracle (chunk reuse's bound) in the run, Intel Xeon
 AGENTS_VLLM_CHUNKS_F32 = ("agents-vllm-intel-oracle.json", "agents-vllm-intel-oracle-2.json",
                           "agents-vllm-intel-oracle-3.json")
-#: the connector now: its forward's projections in bfloat16 on AMX (session 38), the same
-#: machine and configurations
-AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-intel-bf16.json", "agents-vllm-intel-bf16-2.json")
+#: session 38's connector: its forward's projections in bfloat16 on AMX, the same machine
+#: and configurations
+AGENTS_VLLM_CHUNKS_BF16 = ("agents-vllm-intel-bf16.json", "agents-vllm-intel-bf16-2.json")
+#: session 39's first step alone: the prompt's last, partial block saved (2be8207)
+AGENTS_VLLM_CHUNKS_TAIL = ("agents-vllm-intel-tail.json",)
+#: the connector now: the user's last message stored and registered as a chunk (its
+#: partial block saved, its blocks no longer the volatile tail), session 39
+AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-intel-turns.json",)
 #: bench chunks-vllm: the RAG agent, documents reordered and changed every turn
 CHUNKS_VLLM = ("chunks-vllm-amd.json",)
 #: the same since the connector attends through vLLM's CPU kernels, with the oracle
@@ -302,9 +309,12 @@ CHUNKS_VLLM_LAYERS_INTEL = ("chunks-vllm-intel-session35-quality640.json",)
 #: chunk changed, hops by token, one fused kernel placing each layer; float32 projections
 CHUNKS_VLLM_FUSED = ("chunks-vllm-intel-fused.json", "chunks-vllm-intel-fused-2.json")
 CHUNKS_VLLM_FUSED_QUALITY = ("chunks-vllm-intel-fused-quality640.json",)
-#: the connector now: the same with its forward's projections in bfloat16 on AMX (session
-#: 38), the quality run's configuration (20 turns of 32 forced positions)
-CHUNKS_VLLM_NOW = ("chunks-vllm-intel-bf16-quality640.json",)
+#: session 38's connector: its forward's projections in bfloat16 on AMX, the quality run's
+#: configuration (20 turns of 32 forced positions)
+CHUNKS_VLLM_BF16 = ("chunks-vllm-intel-bf16-quality640.json",)
+#: the connector now (session 39: a prompt's last message stored as a chunk), the same
+#: configuration
+CHUNKS_VLLM_NOW = ("chunks-vllm-intel-turns-quality640.json",)
 #: the same workload without APC and LMCache, 20 quality turns of 32 forced positions
 #: (480 positions judged: the turns after the first chunk turns), session 32
 CHUNKS_VLLM_QUALITY = ("chunks-vllm-amd-quality640.json",)
@@ -449,6 +459,14 @@ ROWS: tuple[Row, ...] = (
     Row("chunks-vllm", "chunk turns: tokens computed, chunk reuse / prefix-only connector",
         CHUNKS_VLLM_NOW, lambda d: d["tokens_computed_vs_prefix"],
         fmt="{:.3f}", goal=Goal("<=", 0.4)),
+    Row("chunks-vllm", "session 38's connector (before a prompt's last message was a "
+        "chunk): chunk turns, TTFT p50 prefix-only connector / chunk reuse (the oracle's: "
+        "ceiling)", CHUNKS_VLLM_BF16, lambda d: d["speedup_chunks_vs_prefix_p50"],
+        ceiling=lambda d: d["bound_chunks_vs_prefix_p50"], goal=Goal(">=", 2.5)),
+    Row("chunks-vllm", "session 38's connector: chunk turns, tokens computed, chunk reuse "
+        "(the oracle's: ceiling)", CHUNKS_VLLM_BF16,
+        lambda d: d["computed_tokens"]["connector_chunks"], fmt="{:,.0f}",
+        ceiling=lambda d: d["computed_tokens"]["oracle"]),
     Row("chunks-vllm", "session 36's connector (float32 projections): chunk turns, TTFT p50 "
         "prefix-only connector / chunk reuse (the oracle's: ceiling)",
         CHUNKS_VLLM_FUSED + CHUNKS_VLLM_FUSED_QUALITY,
@@ -584,6 +602,20 @@ ROWS: tuple[Row, ...] = (
         "the prefix-only connector / the oracle", AGENTS_VLLM_CHUNKS_NOW,
         lambda d: d["chunks"]["warm_speedup_vs_connector_p50"],
         ceiling=lambda d: d["chunks"]["warm_bound_vs_connector_p50"]),
+    Row("agents-vllm", "session 38's connector (before the last message was a chunk): "
+        "tokens computed with chunk reuse", AGENTS_VLLM_CHUNKS_BF16,
+        lambda d: d["chunks"]["computed_tokens"]["connector_chunks"], fmt="{:,.0f}"),
+    Row("agents-vllm", "session 38's connector (before the last message was a chunk): "
+        "warm-step TTFT p50 APC / chunk reuse; ceiling: APC / the oracle",
+        AGENTS_VLLM_CHUNKS_BF16, lambda d: d["chunks"]["warm_speedup_vs_apc_p50"],
+        ceiling=lambda d: d["chunks"]["warm_bound_vs_apc_p50"]),
+    Row("agents-vllm", "the prompt's partial block saved, the message's other blocks still "
+        "volatile (2be8207): tokens computed with chunk reuse", AGENTS_VLLM_CHUNKS_TAIL,
+        lambda d: d["chunks"]["computed_tokens"]["connector_chunks"], fmt="{:,.0f}"),
+    Row("agents-vllm", "the prompt's partial block saved, the message's other blocks still "
+        "volatile (2be8207): warm-step TTFT p50 APC / chunk reuse; ceiling: APC / the "
+        "oracle", AGENTS_VLLM_CHUNKS_TAIL, lambda d: d["chunks"]["warm_speedup_vs_apc_p50"],
+        ceiling=lambda d: d["chunks"]["warm_bound_vs_apc_p50"]),
     Row("agents-vllm", "session 37's connector (float32 projections): warm-step TTFT p50 APC "
         "/ chunk reuse; ceiling: APC / the oracle", AGENTS_VLLM_CHUNKS_F32,
         lambda d: d["chunks"]["warm_speedup_vs_apc_p50"],
@@ -623,6 +655,15 @@ ROWS: tuple[Row, ...] = (
         "only what the tenant never sent, past its longest known prefix)",
         REPLICAS_CHUNKS_ORACLE, lambda d: d["speedup_shared_chunks_vs_local_p50"],
         goal=Goal(">=", 2.0), ceiling=lambda d: d["chunk_bound_vs_local_p50"]),
+    Row("replicas", "session 38's connector (before a prompt's last message was a chunk): "
+        "TTFT p50 local / shared tier with chunk reuse, cross-replica turns; ceiling: local / "
+        "the oracle", REPLICAS_CHUNKS_ORACLE_BF16,
+        lambda d: d["speedup_shared_chunks_vs_local_p50"],
+        ceiling=lambda d: d["chunk_bound_vs_local_p50"]),
+    Row("replicas", "session 38's connector: prompt tokens computed by the shared tier with "
+        "chunk reuse (the oracle's: ceiling)", REPLICAS_CHUNKS_ORACLE_BF16,
+        lambda d: d["computed_tokens"]["shared_chunks"], fmt="{:,.0f}",
+        ceiling=lambda d: d["computed_tokens"]["oracle"]),
     Row("replicas", "session 37's connector (float32 projections): TTFT p50 local / shared "
         "tier with chunk reuse, cross-replica turns; ceiling: local / the oracle",
         REPLICAS_CHUNKS_ORACLE_F32, lambda d: d["speedup_shared_chunks_vs_local_p50"],
