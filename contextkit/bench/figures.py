@@ -287,7 +287,7 @@ AGENTS_VLLM_CHUNKS_BF16 = ("agents-vllm-intel-bf16.json", "agents-vllm-intel-bf1
 AGENTS_VLLM_CHUNKS_TAIL = ("agents-vllm-intel-tail.json",)
 #: the connector now: the user's last message stored and registered as a chunk (its
 #: partial block saved, its blocks no longer the volatile tail), session 39
-AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-intel-turns.json",)
+AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-intel-turns.json", "agents-vllm-intel-turns-2.json")
 #: bench chunks-vllm: the RAG agent, documents reordered and changed every turn
 CHUNKS_VLLM = ("chunks-vllm-amd.json",)
 #: the same since the connector attends through vLLM's CPU kernels, with the oracle
