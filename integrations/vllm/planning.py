@@ -110,8 +110,10 @@ class SaveSpec:
     #: keys of the request's blocks from the start of ``first_block``'s shared-tier
     #: chunk up to it (empty without a shared tier): the chunks this save completes
     lead_keys: list[bytes] = field(default_factory=list)
-    #: the blocks hold moved K/V (chunk reuse): ``keys`` are their
-    #: :func:`~integrations.vllm.chunk_planning.moved_key`, which no prefix lookup finds
+    #: ``keys`` are keys no prefix lookup computes, so they are no vLLM block's (chunk
+    #: reuse): blocks holding moved K/V under their
+    #: :func:`~integrations.vllm.chunk_planning.moved_key`, or a prompt's last, partial
+    #: block under its :func:`~integrations.vllm.chunk_planning.tail_key`
     moved: bool = False
 
 
