@@ -35,7 +35,7 @@ from integrations.vllm.served_model import loaded_weight
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ContiguousKV", "KVAccess", "PagedKV", "Projections", "Runs",
+__all__ = ["ContiguousKV", "KVAccess", "LowLinear", "PagedKV", "Projections", "Runs",
            "ServedLlama", "attend_sdpa", "cpu_has_amx_bf16", "matmul_dtype", "served_llama"]
 
 #: Runs of consecutive tokens at least this long attend on their own (SDPA's causal
@@ -249,8 +249,9 @@ class ServedLlama:
     Args:
         model: vLLM's ``LlamaForCausalLM`` (or a module of the same layout).
         matmul_dtype: the dtype of the decoder layers' projections in :meth:`forward`
-            (their weights copied once): bfloat16 runs them on a CPU's AMX units, about
-            3x faster than float32 at a few hundred tokens. Embeddings, norms, RoPE,
+            (their weights copied once, prepacked for vLLM's oneDNN GEMM where the
+            build has it): bfloat16 runs them on a CPU's AMX units, about 3x faster
+            than float32 at a few hundred tokens. Embeddings, norms, RoPE,
             attention and the K/V written stay in the model's dtype. None: the
             model's own modules. ``exact=True`` passes always use them.
     """
@@ -348,7 +349,7 @@ class ServedLlama:
     def _kv(self, attn: Any, x: torch.Tensor, pos: torch.Tensor, low: Projections | None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = x.shape[0]
-        qkv = attn.qkv_proj(x)[0] if low is None else low.apply(low.qkv, x)
+        qkv = attn.qkv_proj(x)[0] if low is None else low.qkv(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = attn.rotary_emb(pos, q.contiguous(), k.contiguous())
         return (q, k.reshape(t, self.num_kv_heads, self.head_dim),
@@ -376,29 +377,73 @@ class ServedLlama:
             kv.write(i, pos, k, v)
             out = kv.attend(i, q.reshape(t, self.num_heads, self.head_dim), runs, self.scaling)
             out = out.reshape(t, self.q_size).to(x.dtype)
-            hidden = attn.o_proj(out)[0] if low is None else low.apply(low.o, out)
+            hidden = attn.o_proj(out)[0] if low is None else low.o(out)
             x, residual = layer.post_attention_layernorm(hidden, residual)
-            if low is None:
-                hidden = layer.mlp(x)
-            else:
-                hidden = low.apply(low.down, layer.mlp.act_fn(low.apply(low.gate_up, x)))
+            hidden = (layer.mlp(x) if low is None
+                      else low.down(layer.mlp.act_fn(low.gate_up(x))))
         return hidden, residual
 
 
 @dataclass(frozen=True)
+class LowLinear:
+    """One projection of a decoder layer in a lower matmul dtype: ``x @ weight.T`` in
+    the weight's dtype, returned in ``x``'s, plus the bias (in the model's dtype, as
+    vLLM applies it).
+
+    Attributes:
+        weight: ``[N, K]`` in the matmul dtype.
+        bias: or None.
+        gemm: vLLM's oneDNN GEMM of ``weight``, prepacked once (its CPU builds), or
+            None: torch's ``linear``, which repacks the weight on every call (at a
+            few tokens, about twice the time; the same products).
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    gemm: Any = None
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> LowLinear:
+        return cls(weight, bias, _prepacked(weight))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        low = x.to(self.weight.dtype)
+        if self.gemm is not None:
+            from vllm import _custom_ops as ops
+
+            out = ops.onednn_mm(self.gemm, low.contiguous(), None)
+        else:
+            out = torch.nn.functional.linear(low, self.weight)
+        out = out.to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+
+def _prepacked(weight: torch.Tensor) -> Any:
+    """vLLM's prepacked oneDNN GEMM of a CPU weight ``[N, K]``, or None where the
+    installed vLLM has none (a GPU build, another architecture) or refuses it."""
+    if weight.device.type != "cpu":
+        return None
+    try:
+        from vllm import _custom_ops as ops
+
+        return ops.create_onednn_mm(weight.t(), 32)
+    except (ImportError, AttributeError, RuntimeError) as exc:
+        logger.debug("chunk reuse's projections use torch's linear: %s", exc)
+        return None
+
+
+@dataclass(frozen=True)
 class Projections:
-    """One decoder layer's projection weights in a lower matmul dtype, and biases.
+    """One decoder layer's projections in a lower matmul dtype (:class:`LowLinear`)."""
 
-    Each entry is ``(weight, bias or None)`` as vLLM's linear module applies it."""
-
-    qkv: tuple[torch.Tensor, torch.Tensor | None]
-    o: tuple[torch.Tensor, torch.Tensor | None]
-    gate_up: tuple[torch.Tensor, torch.Tensor | None]
-    down: tuple[torch.Tensor, torch.Tensor | None]
+    qkv: LowLinear
+    o: LowLinear
+    gate_up: LowLinear
+    down: LowLinear
 
     @classmethod
     def of(cls, layer: Any, dtype: torch.dtype) -> Projections:
-        def copy(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def copy(module: Any) -> LowLinear:
             weight = loaded_weight(module)
             if weight is None:
                 raise ValueError(f"{type(module).__name__} has no weight at hand to copy "
@@ -406,20 +451,12 @@ class Projections:
             bias = getattr(module, "bias", None)
             if getattr(module, "skip_bias_add", False):
                 bias = None  # returned to the caller, which Llama's layers drop
-            return (weight.to(dtype).contiguous(), None if bias is None else bias.detach())
+            return LowLinear.of(weight.to(dtype).contiguous(),
+                                None if bias is None else bias.detach())
 
         attn, mlp = layer.self_attn, layer.mlp
         return cls(copy(attn.qkv_proj), copy(attn.o_proj), copy(mlp.gate_up_proj),
                    copy(mlp.down_proj))
-
-    @staticmethod
-    def apply(proj: tuple[torch.Tensor, torch.Tensor | None], x: torch.Tensor
-              ) -> torch.Tensor:
-        """``x @ weight.T`` in the weight's dtype, returned in ``x``'s, plus the bias (in
-        the model's dtype, as vLLM applies it)."""
-        weight, bias = proj
-        out = torch.nn.functional.linear(x.to(weight.dtype), weight).to(x.dtype)
-        return out if bias is None else out + bias
 
 
 def cpu_has_amx_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:

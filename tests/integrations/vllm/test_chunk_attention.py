@@ -1,5 +1,6 @@
 """Chunk reuse's attention over chosen tokens: torch's SDPA over the context, and vLLM's
-own CPU cache and attention kernels straight over the pages (the last test needs
+own CPU cache and attention kernels straight over the pages; and its low-precision
+projections, through torch or vLLM's prepacked GEMM (the tests marked ``vllm`` need
 vLLM's CPU build: ``make test-vllm``)."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import math
 import pytest
 import torch
 
-from integrations.vllm.chunk_forward import ContiguousKV, PagedKV, Runs, attend_sdpa
+from integrations.vllm.chunk_forward import ContiguousKV, LowLinear, PagedKV, Runs, attend_sdpa
 from integrations.vllm.layout import CPU_LAYOUT
 
 H, H_KV, D, N = 6, 2, 32, 32
@@ -96,3 +97,25 @@ def test_vllms_kernels_write_and_attend_as_the_torch_path_does() -> None:
     for a, b in zip(torch_path.context(0, 120), kernels.context(0, 120), strict=True):
         assert torch.equal(a, b)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def _projection() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(4)
+    weight = (torch.randn(96, 64, generator=gen) * 0.05).to(torch.bfloat16)
+    return weight, torch.randn(96, generator=gen), torch.randn(5, 64, generator=gen)
+
+
+def test_a_low_projection_is_the_product_in_its_dtype_plus_the_bias() -> None:
+    weight, bias, x = _projection()
+    got = LowLinear(weight, bias)(x)  # no prepacked GEMM: torch's linear
+    want = (x.to(torch.bfloat16).float() @ weight.float().T).to(torch.bfloat16).float() + bias
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.vllm
+def test_vllms_prepacked_gemm_gives_torchs_products() -> None:
+    weight, bias, x = _projection()
+    packed = LowLinear.of(weight, bias)
+    assert packed.gemm is not None  # vLLM's CPU build prepacks it
+    torch.testing.assert_close(packed(x), LowLinear(weight, bias)(x), atol=1e-6, rtol=0)
