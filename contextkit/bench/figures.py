@@ -261,8 +261,11 @@ REPLICAS_CHUNKS_NOW = ("replicas-intel-chunks.json",)
 REPLICAS_CHUNKS_ORACLE_F32 = ("replicas-intel-chunks-oracle.json",)
 #: the same configurations with the connector's projections in bfloat16 (session 38)
 REPLICAS_CHUNKS_ORACLE_BF16 = ("replicas-intel-chunks-bf16.json",)
-#: the connector now (session 39: a prompt's last message stored as a chunk)
-REPLICAS_CHUNKS_ORACLE = ("replicas-intel-chunks-turns.json",)
+#: session 39's connector (a prompt's last message stored as a chunk)
+REPLICAS_CHUNKS_ORACLE_TURNS = ("replicas-intel-chunks-turns.json",)
+#: the connector now (session 40: its projections through vLLM's prepacked GEMM), two runs
+REPLICAS_CHUNKS_ORACLE = ("replicas-intel-chunks-onednn.json",
+                          "replicas-intel-chunks-onednn-2.json")
 #: why chunk reuse across replicas stops at its ceiling
 CHUNK_TURNS_COST = ("one replica that saw every turn still pays the connector's placement "
                     "and seams on every chunk turn (docs/chunks.md)")
@@ -285,9 +288,12 @@ AGENTS_VLLM_CHUNKS_F32 = ("agents-vllm-intel-oracle.json", "agents-vllm-intel-or
 AGENTS_VLLM_CHUNKS_BF16 = ("agents-vllm-intel-bf16.json", "agents-vllm-intel-bf16-2.json")
 #: session 39's first step alone: the prompt's last, partial block saved (2be8207)
 AGENTS_VLLM_CHUNKS_TAIL = ("agents-vllm-intel-tail.json",)
-#: the connector now: the user's last message stored and registered as a chunk (its
-#: partial block saved, its blocks no longer the volatile tail), session 39
-AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-intel-turns.json", "agents-vllm-intel-turns-2.json")
+#: session 39's connector: the user's last message stored and registered as a chunk
+#: (its partial block saved, its blocks no longer the volatile tail)
+AGENTS_VLLM_CHUNKS_TURNS = ("agents-vllm-intel-turns.json", "agents-vllm-intel-turns-2.json")
+#: the connector now: its bfloat16 projections through vLLM's prepacked oneDNN GEMM
+#: (session 40)
+AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-intel-onednn.json", "agents-vllm-intel-onednn-2.json")
 #: bench chunks-vllm: the RAG agent, documents reordered and changed every turn
 CHUNKS_VLLM = ("chunks-vllm-amd.json",)
 #: the same since the connector attends through vLLM's CPU kernels, with the oracle
@@ -602,6 +608,13 @@ ROWS: tuple[Row, ...] = (
         "the prefix-only connector / the oracle", AGENTS_VLLM_CHUNKS_NOW,
         lambda d: d["chunks"]["warm_speedup_vs_connector_p50"],
         ceiling=lambda d: d["chunks"]["warm_bound_vs_connector_p50"]),
+    Row("agents-vllm", "session 39's connector (projections through torch's linear): "
+        "warm-step TTFT p50 APC / chunk reuse; ceiling: APC / the oracle",
+        AGENTS_VLLM_CHUNKS_TURNS, lambda d: d["chunks"]["warm_speedup_vs_apc_p50"],
+        ceiling=lambda d: d["chunks"]["warm_bound_vs_apc_p50"]),
+    Row("agents-vllm", "session 39's connector (projections through torch's linear): "
+        "warm-step TTFT p50: share of the oracle's reached", AGENTS_VLLM_CHUNKS_TURNS,
+        lambda d: d["chunks"]["warm_speedup_vs_oracle_p50"], fmt="{:.3f}"),
     Row("agents-vllm", "session 38's connector (before the last message was a chunk): "
         "tokens computed with chunk reuse", AGENTS_VLLM_CHUNKS_BF16,
         lambda d: d["chunks"]["computed_tokens"]["connector_chunks"], fmt="{:,.0f}"),
@@ -655,6 +668,11 @@ ROWS: tuple[Row, ...] = (
         "only what the tenant never sent, past its longest known prefix)",
         REPLICAS_CHUNKS_ORACLE, lambda d: d["speedup_shared_chunks_vs_local_p50"],
         goal=Goal(">=", 2.0), ceiling=lambda d: d["chunk_bound_vs_local_p50"]),
+    Row("replicas", "session 39's connector (projections through torch's linear): TTFT p50 "
+        "local / shared tier with chunk reuse, cross-replica turns; ceiling: local / the "
+        "oracle", REPLICAS_CHUNKS_ORACLE_TURNS,
+        lambda d: d["speedup_shared_chunks_vs_local_p50"],
+        ceiling=lambda d: d["chunk_bound_vs_local_p50"]),
     Row("replicas", "session 38's connector (before a prompt's last message was a chunk): "
         "TTFT p50 local / shared tier with chunk reuse, cross-replica turns; ceiling: local / "
         "the oracle", REPLICAS_CHUNKS_ORACLE_BF16,
