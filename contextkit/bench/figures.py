@@ -263,9 +263,11 @@ REPLICAS_CHUNKS_ORACLE_F32 = ("replicas-intel-chunks-oracle.json",)
 REPLICAS_CHUNKS_ORACLE_BF16 = ("replicas-intel-chunks-bf16.json",)
 #: session 39's connector (a prompt's last message stored as a chunk)
 REPLICAS_CHUNKS_ORACLE_TURNS = ("replicas-intel-chunks-turns.json",)
-#: the connector now (session 40: its projections through vLLM's prepacked GEMM), two runs
+#: the connector now (session 40: its projections through vLLM's prepacked GEMM), three
+#: runs
 REPLICAS_CHUNKS_ORACLE = ("replicas-intel-chunks-onednn.json",
-                          "replicas-intel-chunks-onednn-2.json")
+                          "replicas-intel-chunks-onednn-2.json",
+                          "replicas-intel-chunks-onednn-3.json")
 #: why chunk reuse across replicas stops at its ceiling
 CHUNK_TURNS_COST = ("one replica that saw every turn still pays the connector's placement "
                     "and seams on every chunk turn (docs/chunks.md)")
