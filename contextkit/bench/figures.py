@@ -294,8 +294,9 @@ AGENTS_VLLM_CHUNKS_TAIL = ("agents-vllm-intel-tail.json",)
 #: (its partial block saved, its blocks no longer the volatile tail)
 AGENTS_VLLM_CHUNKS_TURNS = ("agents-vllm-intel-turns.json", "agents-vllm-intel-turns-2.json")
 #: the connector now: its bfloat16 projections through vLLM's prepacked oneDNN GEMM
-#: (session 40)
-AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-intel-onednn.json", "agents-vllm-intel-onednn-2.json")
+#: (session 40), three runs
+AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-intel-onednn.json", "agents-vllm-intel-onednn-2.json",
+                          "agents-vllm-intel-onednn-3.json")
 #: bench chunks-vllm: the RAG agent, documents reordered and changed every turn
 CHUNKS_VLLM = ("chunks-vllm-amd.json",)
 #: the same since the connector attends through vLLM's CPU kernels, with the oracle
