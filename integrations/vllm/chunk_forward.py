@@ -393,14 +393,14 @@ class LowLinear:
     Attributes:
         weight: ``[N, K]`` in the matmul dtype.
         bias: or None.
-        gemm: vLLM's oneDNN GEMM of ``weight``, prepacked once (its CPU builds), or
-            None: torch's ``linear``, which repacks the weight on every call (at a
-            few tokens, about twice the time; the same products).
+        gemm: ``x @ weight.T`` by vLLM's oneDNN GEMM, the weight prepacked once (its
+            CPU builds), or None: torch's ``linear``, which repacks the weight on every
+            call (at a few tokens, about twice the time; the same products).
     """
 
     weight: torch.Tensor
     bias: torch.Tensor | None
-    gemm: Any = None
+    gemm: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> LowLinear:
@@ -408,28 +408,26 @@ class LowLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         low = x.to(self.weight.dtype)
-        if self.gemm is not None:
-            from vllm import _custom_ops as ops
-
-            out = ops.onednn_mm(self.gemm, low.contiguous(), None)
-        else:
-            out = torch.nn.functional.linear(low, self.weight)
+        out = (torch.nn.functional.linear(low, self.weight) if self.gemm is None
+               else self.gemm(low.contiguous()))
         out = out.to(x.dtype)
         return out if self.bias is None else out + self.bias
 
 
-def _prepacked(weight: torch.Tensor) -> Any:
-    """vLLM's prepacked oneDNN GEMM of a CPU weight ``[N, K]``, or None where the
-    installed vLLM has none (a GPU build, another architecture) or refuses it."""
+def _prepacked(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``x @ weight.T`` by vLLM's oneDNN GEMM with the CPU weight ``[N, K]`` prepacked,
+    or None where the installed vLLM has none (a GPU build, another architecture) or
+    refuses it."""
     if weight.device.type != "cpu":
         return None
     try:
         from vllm import _custom_ops as ops
 
-        return ops.create_onednn_mm(weight.t(), 32)
+        handler = ops.create_onednn_mm(weight.t(), 32)
     except (ImportError, AttributeError, RuntimeError) as exc:
         logger.debug("chunk reuse's projections use torch's linear: %s", exc)
         return None
+    return lambda x: ops.onednn_mm(handler, x, None)
 
 
 @dataclass(frozen=True)
