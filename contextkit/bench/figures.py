@@ -24,6 +24,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from contextkit.bench._agents_report import SAME_TOKENS
 from contextkit.bench._ttft_quality import wilson_interval as wilson
@@ -334,6 +335,20 @@ CHUNKS_VLLM_INGEST_16 = ("chunks-vllm-amd-ingest-repair16.json",)
 #: the same with CacheBlend's selection: 15% of the moved tokens (--repair-ratio 0.15)
 CHUNKS_VLLM_INGEST_RATIO = ("chunks-vllm-amd-ingest-ratio15.json",)
 
+
+def _apc_over_chunks(label: str, files: tuple[str, ...], **kwargs: Any) -> Row:
+    """An agents-vllm row: warm-step TTFT p50 APC / chunk reuse, the oracle's bound as
+    ceiling."""
+    return Row("agents-vllm", label, files, lambda d: d["chunks"]["warm_speedup_vs_apc_p50"],
+               ceiling=lambda d: d["chunks"]["warm_bound_vs_apc_p50"], **kwargs)
+
+
+def _local_over_shared_chunks(label: str, files: tuple[str, ...], **kwargs: Any) -> Row:
+    """A replicas row: TTFT p50 local tiers / the shared tier with chunk reuse, the
+    oracle's bound as ceiling."""
+    return Row("replicas", label, files, lambda d: d["speedup_shared_chunks_vs_local_p50"],
+               ceiling=lambda d: d["chunk_bound_vs_local_p50"], **kwargs)
+
 ROWS: tuple[Row, ...] = (
     # ttft: the 20-turn agent replay (docs/chunks.md, docs/reservations.md)
     Row("ttft", "memory-change turns: tokens computed (sum of the 5 turns); ceiling: "
@@ -597,10 +612,8 @@ ROWS: tuple[Row, ...] = (
                           f"computed {d['chunks']['computed_tokens']['ceiling']:,}; the "
                           "prefix-only connector "
                           f"{d['chunks']['computed_tokens']['connector']:,}")),
-    Row("agents-vllm", "warm-step TTFT p50 APC / chunk reuse; ceiling: APC / the oracle",
-        AGENTS_VLLM_CHUNKS_NOW, lambda d: d["chunks"]["warm_speedup_vs_apc_p50"],
-        goal=Goal(">=", 3.0), ceiling=lambda d: d["chunks"]["warm_bound_vs_apc_p50"],
-        tags=("readme",)),
+    _apc_over_chunks("warm-step TTFT p50 APC / chunk reuse; ceiling: APC / the oracle",
+                     AGENTS_VLLM_CHUNKS_NOW, goal=Goal(">=", 3.0), tags=("readme",)),
     Row("agents-vllm", "warm-step TTFT p50: share of the oracle's reached (oracle / chunk "
         "reuse)", AGENTS_VLLM_CHUNKS_NOW,
         lambda d: d["chunks"]["warm_speedup_vs_oracle_p50"], fmt="{:.3f}"),
@@ -611,31 +624,26 @@ ROWS: tuple[Row, ...] = (
         "the prefix-only connector / the oracle", AGENTS_VLLM_CHUNKS_NOW,
         lambda d: d["chunks"]["warm_speedup_vs_connector_p50"],
         ceiling=lambda d: d["chunks"]["warm_bound_vs_connector_p50"]),
-    Row("agents-vllm", "session 39's connector (projections through torch's linear): "
-        "warm-step TTFT p50 APC / chunk reuse; ceiling: APC / the oracle",
-        AGENTS_VLLM_CHUNKS_TURNS, lambda d: d["chunks"]["warm_speedup_vs_apc_p50"],
-        ceiling=lambda d: d["chunks"]["warm_bound_vs_apc_p50"]),
+    _apc_over_chunks("session 39's connector (projections through torch's linear): "
+                     "warm-step TTFT p50 APC / chunk reuse; ceiling: APC / the oracle",
+                     AGENTS_VLLM_CHUNKS_TURNS),
     Row("agents-vllm", "session 39's connector (projections through torch's linear): "
         "warm-step TTFT p50: share of the oracle's reached", AGENTS_VLLM_CHUNKS_TURNS,
         lambda d: d["chunks"]["warm_speedup_vs_oracle_p50"], fmt="{:.3f}"),
     Row("agents-vllm", "session 38's connector (before the last message was a chunk): "
         "tokens computed with chunk reuse", AGENTS_VLLM_CHUNKS_BF16,
         lambda d: d["chunks"]["computed_tokens"]["connector_chunks"], fmt="{:,.0f}"),
-    Row("agents-vllm", "session 38's connector (before the last message was a chunk): "
-        "warm-step TTFT p50 APC / chunk reuse; ceiling: APC / the oracle",
-        AGENTS_VLLM_CHUNKS_BF16, lambda d: d["chunks"]["warm_speedup_vs_apc_p50"],
-        ceiling=lambda d: d["chunks"]["warm_bound_vs_apc_p50"]),
+    _apc_over_chunks("session 38's connector (before the last message was a chunk): "
+                     "warm-step TTFT p50 APC / chunk reuse; ceiling: APC / the oracle",
+                     AGENTS_VLLM_CHUNKS_BF16),
     Row("agents-vllm", "the prompt's partial block saved, the message's other blocks still "
         "volatile (2be8207): tokens computed with chunk reuse", AGENTS_VLLM_CHUNKS_TAIL,
         lambda d: d["chunks"]["computed_tokens"]["connector_chunks"], fmt="{:,.0f}"),
-    Row("agents-vllm", "the prompt's partial block saved, the message's other blocks still "
-        "volatile (2be8207): warm-step TTFT p50 APC / chunk reuse; ceiling: APC / the "
-        "oracle", AGENTS_VLLM_CHUNKS_TAIL, lambda d: d["chunks"]["warm_speedup_vs_apc_p50"],
-        ceiling=lambda d: d["chunks"]["warm_bound_vs_apc_p50"]),
-    Row("agents-vllm", "session 37's connector (float32 projections): warm-step TTFT p50 APC "
-        "/ chunk reuse; ceiling: APC / the oracle", AGENTS_VLLM_CHUNKS_F32,
-        lambda d: d["chunks"]["warm_speedup_vs_apc_p50"],
-        ceiling=lambda d: d["chunks"]["warm_bound_vs_apc_p50"]),
+    _apc_over_chunks("the prompt's partial block saved, the message's other blocks still "
+                     "volatile (2be8207): warm-step TTFT p50 APC / chunk reuse; ceiling: "
+                     "APC / the oracle", AGENTS_VLLM_CHUNKS_TAIL),
+    _apc_over_chunks("session 37's connector (float32 projections): warm-step TTFT p50 "
+                     "APC / chunk reuse; ceiling: APC / the oracle", AGENTS_VLLM_CHUNKS_F32),
     Row("agents-vllm", "session 37's connector (float32 projections): share of the oracle's "
         "warm-step TTFT p50 reached", AGENTS_VLLM_CHUNKS_F32,
         lambda d: d["chunks"]["warm_speedup_vs_oracle_p50"], fmt="{:.3f}"),
@@ -666,29 +674,27 @@ ROWS: tuple[Row, ...] = (
         REPLICAS_CHUNKS_NOW, lambda d: d["speedup_shared_chunks_vs_local_p50"],
         goal=Goal(">=", 2.0), ceiling=lambda d: d["bound_shared_chunks_vs_local_p50"],
         beyond_ceiling=CHUNK_TURNS_COST),
-    Row("replicas", "chunk reuse across replicas: TTFT p50 local / shared tier with chunk "
-        "reuse, cross-replica turns; ceiling: local / the oracle (one replica computing "
-        "only what the tenant never sent, past its longest known prefix)",
-        REPLICAS_CHUNKS_ORACLE, lambda d: d["speedup_shared_chunks_vs_local_p50"],
-        goal=Goal(">=", 2.0), ceiling=lambda d: d["chunk_bound_vs_local_p50"]),
-    Row("replicas", "session 39's connector (projections through torch's linear): TTFT p50 "
+    _local_over_shared_chunks(
+        "chunk reuse across replicas: TTFT p50 local / shared tier with chunk reuse, "
+        "cross-replica turns; ceiling: local / the oracle (one replica computing only what "
+        "the tenant never sent, past its longest known prefix)", REPLICAS_CHUNKS_ORACLE,
+        goal=Goal(">=", 2.0)),
+    _local_over_shared_chunks(
+        "session 39's connector (projections through torch's linear): TTFT p50 local / "
+        "shared tier with chunk reuse, cross-replica turns; ceiling: local / the oracle",
+        REPLICAS_CHUNKS_ORACLE_TURNS),
+    _local_over_shared_chunks(
+        "session 38's connector (before a prompt's last message was a chunk): TTFT p50 "
         "local / shared tier with chunk reuse, cross-replica turns; ceiling: local / the "
-        "oracle", REPLICAS_CHUNKS_ORACLE_TURNS,
-        lambda d: d["speedup_shared_chunks_vs_local_p50"],
-        ceiling=lambda d: d["chunk_bound_vs_local_p50"]),
-    Row("replicas", "session 38's connector (before a prompt's last message was a chunk): "
-        "TTFT p50 local / shared tier with chunk reuse, cross-replica turns; ceiling: local / "
-        "the oracle", REPLICAS_CHUNKS_ORACLE_BF16,
-        lambda d: d["speedup_shared_chunks_vs_local_p50"],
-        ceiling=lambda d: d["chunk_bound_vs_local_p50"]),
+        "oracle", REPLICAS_CHUNKS_ORACLE_BF16),
     Row("replicas", "session 38's connector: prompt tokens computed by the shared tier with "
         "chunk reuse (the oracle's: ceiling)", REPLICAS_CHUNKS_ORACLE_BF16,
         lambda d: d["computed_tokens"]["shared_chunks"], fmt="{:,.0f}",
         ceiling=lambda d: d["computed_tokens"]["oracle"]),
-    Row("replicas", "session 37's connector (float32 projections): TTFT p50 local / shared "
-        "tier with chunk reuse, cross-replica turns; ceiling: local / the oracle",
-        REPLICAS_CHUNKS_ORACLE_F32, lambda d: d["speedup_shared_chunks_vs_local_p50"],
-        ceiling=lambda d: d["chunk_bound_vs_local_p50"]),
+    _local_over_shared_chunks(
+        "session 37's connector (float32 projections): TTFT p50 local / shared tier with "
+        "chunk reuse, cross-replica turns; ceiling: local / the oracle",
+        REPLICAS_CHUNKS_ORACLE_F32),
     Row("replicas", "chunk reuse across replicas: prompt tokens computed by the shared tier "
         "with chunk reuse (the oracle's: ceiling)", REPLICAS_CHUNKS_ORACLE,
         lambda d: d["computed_tokens"]["shared_chunks"], fmt="{:,.0f}",
