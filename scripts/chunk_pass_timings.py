@@ -7,7 +7,8 @@ Starts vLLM's offline engine (the CPU build, the packaged SmolLM2, float32) with
 contextkit's connector and chunk reuse on, then, on its worker, times
 :meth:`~integrations.vllm.chunk_forward.ServedLlama.forward` over chosen positions of a
 context of ``--context`` tokens in vLLM's pages (median of 5 after one warm-up), with
-the connector's projection dtype. vLLM's own prefill of the same number of new tokens
+the connector's projection and attention dtypes (and, where its attention runs in a
+lower dtype than the model's, in the model's beside it). vLLM's own prefill of as many new tokens
 after a cached prefix is timed beside it (``LLM.generate``, one output token: its
 scheduling and sampling included). Takes about 2 minutes on 2 cores; nothing else
 should run beside it. docs/chunks.md cites its figures.
@@ -60,12 +61,21 @@ def _connector_pass(worker: Any, context: int) -> dict[str, Any]:
     paged = PagedKV([connector._pages[name] for name in connector._names],
                     connector._layout.split, connector._key_order,
                     list(range(1, blocks + 1)), connector.block_size, isa=connector._isa)
+    low = model.attention_dtype
+    model.low_attention_from = 1  # both dtypes at every size: where the cast pays
     out: dict[str, Any] = {"matmul_dtype": str(model.matmul_dtype or "model"),
-                           "attention": connector._isa or "torch"}
+                           "attention": connector._isa or "torch",
+                           "attention_dtype": str(low or "model")}
     for name, backs in CASES.items():
         positions = [context - back for back in backs]
         ids = [100 + p % 1000 for p in positions]
-        out[name] = _median_ms(lambda p=positions, i=ids: model.forward(i, p, paged))
+        # the connector's attention dtype, and (where it is lower) the model's beside it
+        for key, dtype in ((name, low), (f"{name}, attention in the model's dtype", None)):
+            if key != name and low is None:
+                continue
+            model.attention_dtype = dtype
+            out[key] = _median_ms(lambda p=positions, i=ids: model.forward(i, p, paged))
+        model.attention_dtype = low
     return out
 
 
@@ -105,9 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     result = {"context": args.context, "connector_pass_ms": connector,
               "vllm_generate_ms": vllm_ms}
     print(f"context {args.context} tokens; projections {connector.get('matmul_dtype')}, "
-          f"attention {connector.get('attention')}")
+          f"attention {connector.get('attention')} in {connector.get('attention_dtype')}")
     for name in CASES:
         line = f"  {name:>14}: connector pass {connector.get(name, '-'):>7} ms"
+        model_dtype = connector.get(f"{name}, attention in the model's dtype")
+        if model_dtype is not None:
+            line += f" (attention in the model's dtype {model_dtype:>7} ms)"
         if name in vllm_ms:
             line += f"   vLLM prefill (generate) {vllm_ms[name]:>7} ms"
         print(line)

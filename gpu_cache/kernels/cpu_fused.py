@@ -18,7 +18,8 @@ write each row to a row of its choice and add a per-head offset on the way (``de
 ``offsets``): the vLLM connector decodes stored blocks straight into the rows of
 vLLM's pages, key offsets added back, in one pass. ``rope_move_into`` copies decoded
 token-head vectors into pages at other positions, the keys rotated by RoPE on the way
-(the connector's chunk placement).
+(the connector's chunk placement). ``amx_pages_into`` casts float32 pages into the
+bfloat16 tile layout of vLLM's AMX attention (the connector's bfloat16 attention).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["available", "decode5_into", "decode8_into", "decode_into", "encode5_into",
-           "encode_into", "limit_threads", "rope_move_into"]
+__all__ = ["amx_pages_into", "available", "decode5_into", "decode8_into", "decode_into",
+           "encode5_into", "encode_into", "limit_threads", "rope_move_into"]
 
 _nb: Any
 try:  # numba is an optional accelerator; the torch path is always there.
@@ -212,6 +213,34 @@ if _nb is not None:
             for j in range(2 * half):
                 dst[b + j] = src[a + j]
 
+    @_nb.njit(fastmath=True, cache=True)  # serial: safe on a thread vLLM's OpenMP owns
+    def _amx_pages(src, ids, dst, heads, n, dim, by_dim):  # pragma: no cover - jitted
+        page = 2 * n * dim
+        half = n * dim
+        one, up, sh = np.uint32(1), np.uint32(0x7FFF), np.uint32(16)
+        for b in range(ids.shape[0]):
+            for h in range(heads):
+                s0 = (ids[b] * heads + h) * page
+                o = (b * heads + h) * page
+                # keys: tiles of 16 tokens, each token's dimensions in pairs
+                for tb in range(n >> 4):
+                    for dp in range(dim >> 1):
+                        for ti in range(16):
+                            t = tb * 16 + ti
+                            for j in range(2):
+                                d = dp * 2 + j
+                                u = src[s0 + d * n + t] if by_dim else src[s0 + t * dim + d]
+                                dst[o] = (u + up + ((u >> sh) & one)) >> sh  # RNE
+                                o += 1
+                # values: tiles of 16 dimensions, tokens in pairs
+                for db in range(dim >> 4):
+                    for tp in range(n >> 1):
+                        for di in range(16):
+                            for j in range(2):
+                                u = src[s0 + half + (tp * 2 + j) * dim + db * 16 + di]
+                                dst[o] = (u + up + ((u >> sh) & one)) >> sh
+                                o += 1
+
     @_jit
     def _decode5(packed, norms, signs, cent, offsets, dest, out):  # pragma: no cover
         n = packed.shape[0]
@@ -244,6 +273,19 @@ def rope_move_into(src: np.ndarray, dst: np.ndarray, k_src: np.ndarray, k_dst: n
     ``j + d/2``): how the vLLM connector moves a chunk's K/V into the pages at new
     positions, the strides naming the pages' layout."""
     _rope_move(src, dst, k_src, k_dst, k_step, v_src, v_dst, cos, sin, heads)
+
+
+def amx_pages_into(src: np.ndarray, block_ids: np.ndarray, dst: np.ndarray, heads: int,
+                   block_size: int, head_dim: int, keys_by_dim: bool) -> None:
+    """vLLM's float32 CPU pages (``src``: one layer, flat, viewed as uint32; blocks of
+    ``[H, 2N, D]``, keys first, ``[D, N]`` when ``keys_by_dim`` else ``[N, D]``, values
+    ``[N, D]``) of ``block_ids`` into bfloat16 pages for vLLM's AMX attention kernel
+    (``dst``: flat, viewed as uint16; block ``i`` holds ``block_ids[i]``): keys in
+    tiles ``[N/16, D/2, 16, 2]``, values ``[D/16, N/2, 16, 2]``, rounded to nearest
+    even as torch casts. One serial pass (no OpenMP: the caller may be vLLM's forward
+    thread); :func:`integrations.vllm.layout.probe_amx_pages` checks the layout
+    against vLLM's own cache kernel before the connector relies on it."""
+    _amx_pages(src, block_ids, dst, heads, block_size, head_dim, keys_by_dim)
 
 
 def encode_into(

@@ -14,7 +14,8 @@ with the tokens picked ahead (EPIC's rule: each chunk's first tokens). On vLLM's
 build the writes and the attention go through vLLM's own cache and attention kernels,
 straight over the pages (each run of consecutive tokens is one request of a chunked
 prefill to them); elsewhere, and for the model check's plain tensors, torch's SDPA
-attends over a copy of the context.
+attends over a copy of the context. Where the projections run in bfloat16 on AMX,
+the attention does too (vLLM's AMX kernel over a bfloat16 copy of the context).
 
 Only Llama-family decoders (vLLM's ``LlamaForCausalLM`` module layout, neox RoPE
 over the whole head) are supported; :func:`served_llama` names why another model
@@ -23,6 +24,7 @@ cannot be, and the connector then serves prefix reuse only.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,17 +32,22 @@ from typing import Any, Protocol
 
 import torch
 
-from integrations.vllm.layout import keys_by_token
+from integrations.vllm.layout import keys_by_token, probe_amx_pages
 from integrations.vllm.served_model import loaded_weight
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ContiguousKV", "KVAccess", "LowLinear", "PagedKV", "Projections", "Runs",
-           "ServedLlama", "attend_sdpa", "cpu_has_amx_bf16", "matmul_dtype", "served_llama"]
+           "ServedLlama", "attend_sdpa", "attention_dtype", "cpu_has_amx_bf16", "low_isa",
+           "matmul_dtype", "served_llama"]
 
 #: Runs of consecutive tokens at least this long attend on their own (SDPA's causal
 #: kernel); shorter ones (seams) together under one dense mask.
 LONG_RUN = 16
+
+#: Passes of this many tokens or more attend in a lower dtype where one is set
+#: (:attr:`ServedLlama.attention_dtype`); measured by scripts/chunk_pass_timings.py.
+LOW_ATTENTION_FROM = 64
 
 #: vLLM model classes whose module layout :class:`ServedLlama` drives.
 LLAMA_FAMILY = frozenset({"LlamaForCausalLM"})
@@ -56,9 +63,11 @@ class KVAccess(Protocol):
     def context(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V ``[H_kv, upto, D]`` of positions ``0 .. upto-1``."""
 
-    def attend(self, layer: int, q: torch.Tensor, runs: Runs, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, runs: Runs, scale: float,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
         """Causal attention of queries ``[T, H, D]`` (the tokens of ``runs``, their K/V
-        already written) over the context; ``[T, H, D]`` float32."""
+        already written) over the context, computed in ``dtype`` (None: the K/V's);
+        ``[T, H, D]`` float32."""
 
 
 @dataclass(frozen=True)
@@ -92,20 +101,21 @@ class Runs:
 
 
 def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Runs,
-                scale: float) -> torch.Tensor:
-    """:meth:`KVAccess.attend` with torch's SDPA over the context ``k``/``v``
-    ``[H_kv, S, D]``: runs of :data:`LONG_RUN` tokens or more each on their own (causal,
-    aligned bottom-right: a run's last query sees every key before it), shorter ones
-    (seams) together under one dense mask."""
+                scale: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:meth:`KVAccess.attend` with torch's SDPA in ``dtype`` over the context
+    ``k``/``v`` ``[H_kv, S, D]``: runs of :data:`LONG_RUN` tokens or more each on their
+    own (causal, aligned bottom-right: a run's last query sees every key before it),
+    shorter ones (seams) together under one dense mask. ``[T, H, D]`` float32."""
     from torch.nn.attention.bias import causal_lower_right
 
-    qh = q.transpose(0, 1).float()  # [H, T, D]
+    qh = q.transpose(0, 1).to(dtype)  # [H, T, D]
+    k, v = k.to(dtype), v.to(dtype)
     out = qh.new_empty(qh.shape)
     short = []
     for a, b, end in runs.spans:
         if b - a >= LONG_RUN:
             out[:, a:b] = torch.nn.functional.scaled_dot_product_attention(
-                qh[None, :, a:b], k[None, :, :end].float(), v[None, :, :end].float(),
+                qh[None, :, a:b], k[None, :, :end], v[None, :, :end],
                 attn_mask=causal_lower_right(b - a, end), scale=scale, enable_gqa=True)[0]
         else:
             short.append((a, b, end))
@@ -115,9 +125,9 @@ def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Runs,
         end = max(e for _, _, e in short)
         mask = torch.arange(end, device=q.device)[None, :] <= pos[rows][:, None]
         out[:, rows] = torch.nn.functional.scaled_dot_product_attention(
-            qh[None, :, rows], k[None, :, :end].float(), v[None, :, :end].float(),
+            qh[None, :, rows], k[None, :, :end], v[None, :, :end],
             attn_mask=mask, scale=scale, enable_gqa=True)[0]
-    return out.transpose(0, 1)
+    return out.transpose(0, 1).float()
 
 
 @dataclass
@@ -135,7 +145,8 @@ class PagedKV:
         isa: vLLM's CPU attention kernel of these pages (``"vec"``, ``"amx"``, ...):
             writes and attention then run through vLLM's own cache and attention
             kernels, straight over the pages; None: torch ops over a copy of the
-            context.
+            context. Attention in a lower dtype than the pages' (bfloat16 on AMX)
+            runs over a copy of the context in that dtype, in pages of its own.
     """
 
     pages: Sequence[torch.Tensor]
@@ -144,8 +155,9 @@ class PagedKV:
     block_ids: Sequence[int]
     block_size: int
     isa: str | None = None
-    _plan: tuple[Runs, tuple[torch.Tensor, ...]] | None = field(default=None, init=False,
-                                                                 repr=False)
+    _plan: tuple[Runs, str, tuple[torch.Tensor, ...]] | None = field(
+        default=None, init=False, repr=False)
+    _low: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def _slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.as_tensor(list(self.block_ids), dtype=torch.int64)
@@ -179,13 +191,20 @@ class PagedKV:
             out.append(part.permute(1, 0, 2, 3).reshape(h, -1, d)[:, :upto])
         return out[0], out[1]
 
-    def attend(self, layer: int, q: torch.Tensor, runs: Runs, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, runs: Runs, scale: float,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.isa is None:
-            return attend_sdpa(q, *self.context(layer, runs.upto), runs, scale)
+            return attend_sdpa(q, *self.context(layer, runs.upto), runs, scale,
+                               dtype or torch.float32)
         from vllm import _custom_ops as ops
 
         kp, vp = self.split(self.pages[layer])
-        starts, ends, table, schedule = self._kernel_plan(runs, q, kp.dtype)
+        isa, table = self.isa, None
+        if dtype is not None and dtype != kp.dtype:
+            isa = low_isa(dtype, self.isa, self.block_size)
+            kp, vp = self._low_context(layer, runs.upto, dtype, isa)
+            table = torch.arange(kp.shape[0], dtype=torch.int32)
+        starts, ends, table, schedule = self._kernel_plan(runs, q, kp.dtype, isa, table)
         out = torch.empty(q.shape, dtype=kp.dtype, device=kp.device)
         ops.cpu_attention_with_kv_cache(
             query=q.to(kp.dtype).contiguous(), key_cache=kp, value_cache=vp, output=out,
@@ -194,28 +213,64 @@ class PagedKV:
             scheduler_metadata=schedule, s_aux=None)
         return out.float()
 
-    def _kernel_plan(self, runs: Runs, q: torch.Tensor, dtype: torch.dtype
-                     ) -> tuple[torch.Tensor, ...]:
+    def _low_context(self, layer: int, upto: int, dtype: torch.dtype, isa: str
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The context ``0 .. upto-1`` of ``layer`` (the tokens just written included)
+        cast to ``dtype`` in pages of its own for vLLM's ``isa`` kernel (block ``i``
+        holds the request's ``i``-th block), one buffer for every layer of a forward:
+        by one fused pass from the pages where :func:`_fused_amx_copy` holds, else
+        through token order and vLLM's cache kernel."""
+        from vllm import _custom_ops as ops
+
+        n = -(-upto // self.block_size)
+        pages = self.pages[layer]
+        heads, dim = self.num_kv_heads, int(pages.shape[-1])
+        if self._low is None or self._low.shape[0] < n or self._low.dtype != dtype:
+            # vLLM's CPU cache: [blocks, H_kv, 2N, D], keys in the first N rows
+            self._low = torch.zeros(n, heads, 2 * self.block_size, dim, dtype=dtype)
+        low = self._low[:n]
+        kc, vc = low.chunk(2, dim=2)
+        if (isa == "amx" and pages.dtype == torch.float32 and pages.is_contiguous()
+                and pages.device.type == "cpu"
+                and _fused_amx_copy(self.key_order, self.block_size, dim)):
+            import numpy as np
+
+            from gpu_cache.kernels import cpu_fused
+
+            ids = np.asarray(list(self.block_ids[:n]), dtype=np.int64)
+            cpu_fused.amx_pages_into(pages.view(-1).numpy().view(np.uint32), ids,
+                                     low.view(torch.int16).view(-1).numpy().view(np.uint16),
+                                     heads, self.block_size, dim, self.key_order == "dim")
+            return kc, vc
+        k, v = (t.transpose(0, 1).to(dtype).contiguous() for t in self.context(layer, upto))
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, torch.arange(upto), isa)
+        return kc, vc
+
+    def _kernel_plan(self, runs: Runs, q: torch.Tensor, dtype: torch.dtype, isa: str,
+                     table: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """vLLM's CPU attention sees each run as one request of a chunked prefill: its
         queries are the last tokens of a sequence of ``end`` tokens over this request's
-        blocks (causal, aligned bottom-right). The same for every layer of a forward."""
-        if self._plan is not None and self._plan[0] is runs:
-            return self._plan[1]
+        blocks (``table``: their ids in the pages attended, default this request's
+        block ids; causal, aligned bottom-right). The same for every layer of a
+        forward."""
+        if self._plan is not None and self._plan[0] is runs and self._plan[1] == isa:
+            return self._plan[2]
         from vllm import _custom_ops as ops
         from vllm import envs
 
         starts = torch.tensor([0] + [b for _, b, _ in runs.spans], dtype=torch.int32)
         ends = torch.tensor([end for _, _, end in runs.spans], dtype=torch.int32)
         n = -(-runs.upto // self.block_size)
-        table = torch.tensor(list(self.block_ids[:n]), dtype=torch.int32)
-        table = table[None, :].expand(len(runs.spans), n).contiguous()
+        ids = (torch.tensor(list(self.block_ids[:n]), dtype=torch.int32) if table is None
+               else table[:n])
+        blocks = ids[None, :].expand(len(runs.spans), n).contiguous()
         schedule = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=len(runs.spans), num_heads=q.shape[1], num_kv_heads=self.num_kv_heads,
             head_dim=q.shape[2], seq_lens=ends, dtype=dtype, query_start_loc=starts,
-            causal=True, sliding_window_size=-1, isa=self.isa,
+            causal=True, sliding_window_size=-1, isa=isa,
             enable_kv_split=bool(envs.VLLM_CPU_ATTN_SPLIT_KV))
-        self._plan = (runs, (starts, ends, table, schedule))
-        return self._plan[1]
+        self._plan = (runs, isa, (starts, ends, blocks, schedule))
+        return self._plan[2]
 
     @property
     def num_kv_heads(self) -> int:
@@ -239,8 +294,10 @@ class ContiguousKV:
     def context(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer][:, :upto], self.v[layer][:, :upto]
 
-    def attend(self, layer: int, q: torch.Tensor, runs: Runs, scale: float) -> torch.Tensor:
-        return attend_sdpa(q, *self.context(layer, runs.upto), runs, scale)
+    def attend(self, layer: int, q: torch.Tensor, runs: Runs, scale: float,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        return attend_sdpa(q, *self.context(layer, runs.upto), runs, scale,
+                           dtype or torch.float32)
 
 
 class ServedLlama:
@@ -251,12 +308,20 @@ class ServedLlama:
         matmul_dtype: the dtype of the decoder layers' projections in :meth:`forward`
             (their weights copied once, prepacked for vLLM's oneDNN GEMM where the
             build has it): bfloat16 runs them on a CPU's AMX units, about 3x faster
-            than float32 at a few hundred tokens. Embeddings, norms, RoPE,
-            attention and the K/V written stay in the model's dtype. None: the
-            model's own modules. ``exact=True`` passes always use them.
+            than float32 at a few hundred tokens. None: the model's own modules.
+        attention_dtype: the dtype :meth:`forward`'s attention computes in (the
+            context cast to it; :meth:`KVAccess.attend`) for passes of
+            :attr:`low_attention_from` tokens or more, or None: the K/V's.
+            Embeddings, norms, RoPE and the K/V written stay in the model's dtype;
+            ``exact=True`` passes use the model's own modules and dtype throughout.
     """
 
-    def __init__(self, model: Any, *, matmul_dtype: torch.dtype | None = None) -> None:
+    #: the fewest tokens a pass attends in :attr:`attention_dtype` for: below them
+    #: casting the context costs more than the faster kernel saves
+    low_attention_from = LOW_ATTENTION_FROM
+
+    def __init__(self, model: Any, *, matmul_dtype: torch.dtype | None = None,
+                 attention_dtype: torch.dtype | None = None) -> None:
         inner = model.model
         self.model = model
         self.embed = inner.embed_tokens
@@ -275,6 +340,8 @@ class ServedLlama:
         self._cos, self._sin = cache[:, :half].float(), cache[:, half:].float()
         dtype = next(model.parameters()).dtype
         self.matmul_dtype = matmul_dtype if matmul_dtype not in (None, dtype) else None
+        self.attention_dtype = (attention_dtype if attention_dtype not in (None, dtype)
+                                else None)
         self._low: list[Projections] = []
         if self.matmul_dtype is not None:
             try:
@@ -366,6 +433,9 @@ class ServedLlama:
         t = ids.shape[0]
         hidden = self.embed(ids)
         residual: torch.Tensor | None = None
+        # casting the context costs about what attending over it does for a few tokens
+        low_attention = (self.attention_dtype if not exact and t >= self.low_attention_from
+                         else None)
         for i, layer in enumerate(self.layers[:num_layers]):
             if residual is None:
                 residual = hidden
@@ -375,7 +445,8 @@ class ServedLlama:
             attn, low = layer.self_attn, self._proj(i, exact)
             q, k, v = self._kv(attn, x, pos, low)
             kv.write(i, pos, k, v)
-            out = kv.attend(i, q.reshape(t, self.num_heads, self.head_dim), runs, self.scaling)
+            out = kv.attend(i, q.reshape(t, self.num_heads, self.head_dim), runs, self.scaling,
+                            low_attention)
             out = out.reshape(t, self.q_size).to(x.dtype)
             hidden = attn.o_proj(out)[0] if low is None else low.o(out)
             x, residual = layer.post_attention_layernorm(hidden, residual)
@@ -481,10 +552,44 @@ def matmul_dtype(setting: str, device: torch.device | str) -> torch.dtype | None
     return None
 
 
-def served_llama(model: Any, *, matmul_dtype: torch.dtype | None = None
+def attention_dtype(matmul: torch.dtype | None, device: torch.device | str
+                    ) -> torch.dtype | None:
+    """The connector forward's attention dtype for its projections' (:func:`matmul_dtype`):
+    bfloat16 with bfloat16 projections on a CPU with AMX-BF16, where vLLM's AMX kernel
+    attends about 3x faster than its float32 one; else None (the K/V's dtype)."""
+    if (matmul is torch.bfloat16 and torch.device(device).type == "cpu"
+            and cpu_has_amx_bf16()):
+        return torch.bfloat16
+    return None
+
+
+@functools.cache
+def _fused_amx_copy(key_order: str, block_size: int, head_dim: int) -> bool:
+    """Whether the fused cast into AMX pages matches vLLM's own kernel here (checked
+    once per process and page shape: :func:`~integrations.vllm.layout.probe_amx_pages`)."""
+    ok = probe_amx_pages(key_order, block_size, head_dim)
+    if not ok:
+        logger.info("chunk reuse casts its bfloat16 context through vLLM's cache kernel "
+                    "(the fused cast does not match this vLLM's AMX pages)")
+    return ok
+
+
+def low_isa(dtype: torch.dtype, isa: str, block_size: int) -> str:
+    """vLLM's CPU attention kernel for pages in ``dtype``, beside ``isa`` for the
+    model's: ``"amx"`` for bfloat16 pages of a multiple of 32 tokens on a CPU with AMX
+    tiles (their use requested from the kernel first), else ``isa``."""
+    if (dtype is torch.bfloat16 and block_size % 32 == 0
+            and torch.cpu._is_amx_tile_supported()):
+        torch.cpu._init_amx()  # Linux hands out AMX tile state on request only
+        return "amx"
+    return isa
+
+
+def served_llama(model: Any, *, matmul_dtype: torch.dtype | None = None,
+                 attention_dtype: torch.dtype | None = None
                  ) -> tuple[ServedLlama | None, str | None]:
-    """The model as a :class:`ServedLlama` (``matmul_dtype``: see there), or None and
-    why chunk reuse cannot use it."""
+    """The model as a :class:`ServedLlama` (``matmul_dtype``, ``attention_dtype``: see
+    there), or None and why chunk reuse cannot use it."""
     if model is None:
         return None, ("the served model is not available to the connector: launch vLLM "
                       "with --load-format contextkit (contextkit's model loader plugin)")
@@ -493,7 +598,8 @@ def served_llama(model: Any, *, matmul_dtype: torch.dtype | None = None
         return None, (f"{name} is not a Llama-family decoder (supported: "
                       f"{', '.join(sorted(LLAMA_FAMILY))})")
     try:
-        served = ServedLlama(model, matmul_dtype=matmul_dtype)
+        served = ServedLlama(model, matmul_dtype=matmul_dtype,
+                             attention_dtype=attention_dtype)
         attn = served.layers[0].self_attn
         rope = attn.rotary_emb
         if not getattr(rope, "is_neox_style", False) or rope.rotary_dim != served.head_dim:

@@ -152,8 +152,10 @@ class ConnectorConfig:
         chunk_matmul_dtype: the projections' dtype when the connector computes seams
             and changed spans: ``auto`` (default: bfloat16 on a CPU with AMX-BF16,
             where they run about 3x faster at a few hundred tokens; else the model's),
-            ``model`` or ``bfloat16``. The K/V written and the attention stay in the
-            model's dtype; the model check above measures the setting.
+            ``model`` or ``bfloat16``. With bfloat16 on AMX, passes of 64 tokens or
+            more attend in bfloat16 too (vLLM's AMX kernel over a cast of the
+            context). The K/V written stay in the model's dtype; the model check
+            above measures the setting.
         recover_strict: ``contextkit serve-vllm`` does not start vLLM when the
             startup recovery reports an error (a session refused, a block skipped, a
             store it cannot read); default: it says so and serves, recomputing what

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CPU_LAYOUT", "LAYOUTS", "SPLIT_LAYOUT", "PagedLayout"]
+__all__ = ["CPU_LAYOUT", "LAYOUTS", "SPLIT_LAYOUT", "PagedLayout", "probe_amx_pages"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +107,40 @@ def probe_cpu_key_order(isa: str, block_size: int, head_dim: int) -> str | None:
         if torch.equal(keys_by_token(memory.view(1, 1, n, d), order)[0, 0], keys[:, 0]):
             return order
     return None
+
+
+def probe_amx_pages(key_order: str, block_size: int, head_dim: int) -> bool:
+    """Whether :func:`gpu_cache.kernels.cpu_fused.amx_pages_into` lays float32 CPU
+    pages (keys in ``key_order``) out in bfloat16 exactly as vLLM's AMX cache kernel
+    (``cpu_attn_reshape_and_cache`` with ``"amx"``) writes the same K/V: checked on
+    random K/V of two blocks of two heads, gathered out of order. False without numba,
+    for a block size not a multiple of 32 or a head dim not one of 16 (the AMX
+    kernel's tiles), or where they differ (another
+    vLLM's layout): the connector then casts through vLLM's kernel."""
+    import numpy as np
+    from vllm import _custom_ops as ops
+
+    from gpu_cache.kernels import cpu_fused
+
+    n, d, heads = block_size, head_dim, 2
+    if not cpu_fused.available() or n % 32 or d % 16 or key_order not in KEY_ORDERS:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, heads, n, d, generator=gen) for _ in range(2))  # [blocks, H, N, D]
+    pages = torch.zeros(3, heads, 2 * n, d)
+    ids = [2, 0]
+    for i, block in enumerate(ids):
+        keys_by_token(pages[block:block + 1, :, :n], key_order)[0] = k[i]
+        pages[block, :, n:] = v[i]
+    want = torch.zeros(2, heads, 2 * n, d, dtype=torch.bfloat16)
+    k_half, v_half = want.chunk(2, dim=2)
+    tokens = [t.permute(0, 2, 1, 3).reshape(2 * n, heads, d).to(torch.bfloat16) for t in (k, v)]
+    ops.cpu_attn_reshape_and_cache(*tokens, k_half, v_half, torch.arange(2 * n), "amx")
+    got = torch.zeros_like(want)
+    cpu_fused.amx_pages_into(pages.view(-1).numpy().view(np.uint32), np.array(ids),
+                             got.view(torch.int16).view(-1).numpy().view(np.uint16), heads,
+                             n, d, key_order == "dim")
+    return torch.equal(got, want)
 
 
 def keys_by_token(k: torch.Tensor, order: str) -> torch.Tensor:

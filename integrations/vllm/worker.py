@@ -27,7 +27,13 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 
 from gpu_cache.kernels import cpu_fused
-from integrations.vllm.chunk_forward import PagedKV, ServedLlama, matmul_dtype, served_llama
+from integrations.vllm.chunk_forward import (
+    PagedKV,
+    ServedLlama,
+    attention_dtype,
+    matmul_dtype,
+    served_llama,
+)
 from integrations.vllm.chunk_gate import run_gate
 from integrations.vllm.chunk_placement import ChunkPlacement
 from integrations.vllm.chunk_planning import ChunkLoad
@@ -157,8 +163,9 @@ class ConnectorWorker:
         outcome with the next report ("" on, else why off)."""
         model = served_model()
         device = next(model.parameters()).device if model is not None else "cpu"
-        served, why = served_llama(
-            model, matmul_dtype=matmul_dtype(self.config.chunk_matmul_dtype, device))
+        low = matmul_dtype(self.config.chunk_matmul_dtype, device)
+        served, why = served_llama(model, matmul_dtype=low,
+                                   attention_dtype=attention_dtype(low, device))
         if served is not None and current_platform.is_cpu():
             isa = getattr(served.layers[0].self_attn.attn, "isa", None)
             order = probe_cpu_key_order(isa, self.block_size, self.identity.head_dim) \
@@ -178,9 +185,10 @@ class ConnectorWorker:
                                   max_kl=self.config.chunk_gate_max_kl)
                 why = result.reason()
                 logger.info("chunk reuse model check: top-1 agreement %.3f, mean KL %.4f "
-                            "over %d tokens (projections in %s)", result.agreement,
-                            result.mean_kl, result.tokens,
-                            served.matmul_dtype or "the model's dtype")
+                            "over %d tokens (projections in %s, attention in %s)",
+                            result.agreement, result.mean_kl, result.tokens,
+                            served.matmul_dtype or "the model's dtype",
+                            served.attention_dtype or "the model's dtype")
             except Exception as exc:  # the check must not stop the server
                 logger.exception("chunk reuse model check failed to run")
                 why = f"the model check could not run ({type(exc).__name__}: {exc})"

@@ -49,15 +49,17 @@ def _paged(order: str, isa: str | None) -> PagedKV:
     return PagedKV(pages, CPU_LAYOUT.split, order, ids, N, isa=isa)
 
 
-def _attend(kv: ContiguousKV | PagedKV, positions: list[int]) -> torch.Tensor:
-    """Write the context, then the chosen tokens' K/V over it, and attend."""
+def _attend(kv: ContiguousKV | PagedKV, positions: list[int],
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Write the context, then the chosen tokens' K/V over it, and attend (in
+    ``dtype``)."""
     length = max(positions) + 1
     k, v = _context(length)
     kv.write(0, torch.arange(length), k, v)
     q, k_new, v_new = _qkv(len(positions), seed=3)
     runs = Runs.of(positions)
     kv.write(0, runs.positions, k_new, v_new)
-    return kv.attend(0, q, runs, 1 / math.sqrt(D))
+    return kv.attend(0, q, runs, 1 / math.sqrt(D), dtype)
 
 
 def test_runs_group_consecutive_positions() -> None:
@@ -97,6 +99,43 @@ def test_vllms_kernels_write_and_attend_as_the_torch_path_does() -> None:
     for a, b in zip(torch_path.context(0, 120), kernels.context(0, 120), strict=True):
         assert torch.equal(a, b)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+#: bfloat16 keeps 8 bits of mantissa: attention outputs of order 1 within this
+BF16_ATOL = 2e-2
+
+
+def test_attention_in_bfloat16_is_the_float32_attention_to_its_precision() -> None:
+    length = max(POSITIONS) + 1
+    want = _attend(ContiguousKV(1, H_KV, length, D), POSITIONS)
+    got = _attend(ContiguousKV(1, H_KV, length, D), POSITIONS, torch.bfloat16)
+    assert got.dtype == torch.float32
+    assert not torch.equal(got, want)  # computed in bfloat16, not float32
+    torch.testing.assert_close(got, want, atol=BF16_ATOL, rtol=0)
+
+
+@pytest.mark.vllm
+def test_vllms_kernel_attends_in_bfloat16_over_a_copy_of_float32_pages() -> None:
+    from integrations.vllm.layout import probe_cpu_key_order
+
+    isa = "vec"
+    order = probe_cpu_key_order(isa, N, D)
+    assert order is not None
+    torch_path, kernels = _paged(order, None), _paged(order, isa)
+    want = _attend(torch_path, POSITIONS, torch.bfloat16)  # torch's SDPA in bfloat16
+    got = _attend(kernels, POSITIONS, torch.bfloat16)  # AMX's kernel where the CPU has it
+    # the pages keep the float32 K/V written, as the float32 path leaves them
+    for a, b in zip(torch_path.context(0, 120), kernels.context(0, 120), strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    torch.testing.assert_close(got, want, atol=BF16_ATOL, rtol=0)
+    # and again on the same pages: the bfloat16 copy follows what was written since
+    q, k_new, v_new = _qkv(1, seed=5)
+    runs = Runs.of([119])
+    for kv in (torch_path, kernels):
+        kv.write(0, runs.positions, k_new, v_new)
+    torch.testing.assert_close(kernels.attend(0, q, runs, 1 / math.sqrt(D), torch.bfloat16),
+                               torch_path.attend(0, q, runs, 1 / math.sqrt(D), torch.bfloat16),
+                               atol=BF16_ATOL, rtol=0)
 
 
 def _projection() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from integrations.vllm.chunk_forward import cpu_has_amx_bf16, matmul_dtype, served_llama
+from integrations.vllm.chunk_forward import (
+    attention_dtype,
+    cpu_has_amx_bf16,
+    matmul_dtype,
+    served_llama,
+)
 from integrations.vllm.chunk_gate import compare_logits
 
 
@@ -71,3 +76,8 @@ def test_the_connector_forward_multiplies_in_bfloat16_where_the_cpu_has_amx(tmp_
     # auto: bfloat16 only on a CPU with AMX (this machine's flags decide)
     assert matmul_dtype("auto", "cpu") is (torch.bfloat16 if cpu_has_amx_bf16() else None)
     assert matmul_dtype("auto", "meta") is None
+    # attention follows bfloat16 projections onto AMX only (vLLM's AMX kernel)
+    amx = cpu_has_amx_bf16()
+    assert attention_dtype(torch.bfloat16, "cpu") is (torch.bfloat16 if amx else None)
+    assert attention_dtype(None, "cpu") is None
+    assert attention_dtype(torch.bfloat16, "meta") is None

@@ -1,8 +1,10 @@
 """vLLM's paged KV layouts: page views, K/V splits and the rows the load path decodes
-into (no vLLM needed)."""
+into (no vLLM needed), and the bfloat16 AMX pages the connector casts its context into
+(marked ``vllm``: checked against vLLM's own kernel)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from integrations.vllm.layout import CPU_LAYOUT, SPLIT_LAYOUT
@@ -44,3 +46,13 @@ def test_split_layout_has_no_rows_its_strides_may_be_permuted():
     assert SPLIT_LAYOUT.rows is None
     k, v = SPLIT_LAYOUT.split(SPLIT_LAYOUT.pages(_layer()))
     assert k.shape == v.shape == (NB, H, N, D)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("order", ["token", "dim"])
+def test_the_fused_cast_lays_out_amx_pages_as_vllms_own_kernel(order: str) -> None:
+    from integrations.vllm.layout import probe_amx_pages
+
+    assert probe_amx_pages(order, 32, 64)
+    assert probe_amx_pages(order, 64, 32)
+    assert not probe_amx_pages(order, 16, 64)  # the AMX kernel's tiles need 32 tokens
