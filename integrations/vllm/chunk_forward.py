@@ -38,8 +38,8 @@ from integrations.vllm.served_model import loaded_weight
 logger = logging.getLogger(__name__)
 
 __all__ = ["ContiguousKV", "KVAccess", "LowLinear", "PagedKV", "Projections", "Runs",
-           "ServedLlama", "attend_sdpa", "attention_dtype", "cpu_has_amx_bf16", "low_isa",
-           "matmul_dtype", "served_llama"]
+           "ServedLlama", "attend_sdpa", "attention_dtype", "cpu_has_amx_bf16",
+           "fused_amx_copy", "low_isa", "matmul_dtype", "served_llama"]
 
 #: Runs of consecutive tokens at least this long attend on their own (SDPA's causal
 #: kernel); shorter ones (seams) together under one dense mask.
@@ -218,7 +218,7 @@ class PagedKV:
         """The context ``0 .. upto-1`` of ``layer`` (the tokens just written included)
         cast to ``dtype`` in pages of its own for vLLM's ``isa`` kernel (block ``i``
         holds the request's ``i``-th block), one buffer for every layer of a forward:
-        by one fused pass from the pages where :func:`_fused_amx_copy` holds, else
+        by one fused pass from the pages where :func:`fused_amx_copy` holds, else
         through token order and vLLM's cache kernel."""
         from vllm import _custom_ops as ops
 
@@ -232,7 +232,7 @@ class PagedKV:
         kc, vc = low.chunk(2, dim=2)
         if (isa == "amx" and pages.dtype == torch.float32 and pages.is_contiguous()
                 and pages.device.type == "cpu"
-                and _fused_amx_copy(self.key_order, self.block_size, dim)):
+                and fused_amx_copy(self.key_order, self.block_size, dim)):
             import numpy as np
 
             from gpu_cache.kernels import cpu_fused
@@ -564,9 +564,10 @@ def attention_dtype(matmul: torch.dtype | None, device: torch.device | str
 
 
 @functools.cache
-def _fused_amx_copy(key_order: str, block_size: int, head_dim: int) -> bool:
+def fused_amx_copy(key_order: str, block_size: int, head_dim: int) -> bool:
     """Whether the fused cast into AMX pages matches vLLM's own kernel here (checked
-    once per process and page shape: :func:`~integrations.vllm.layout.probe_amx_pages`)."""
+    once per process and page shape, its kernel compiled on the way:
+    :func:`~integrations.vllm.layout.probe_amx_pages`)."""
     ok = probe_amx_pages(key_order, block_size, head_dim)
     if not ok:
         logger.info("chunk reuse casts its bfloat16 context through vLLM's cache kernel "
@@ -574,6 +575,7 @@ def _fused_amx_copy(key_order: str, block_size: int, head_dim: int) -> bool:
     return ok
 
 
+@functools.cache
 def low_isa(dtype: torch.dtype, isa: str, block_size: int) -> str:
     """vLLM's CPU attention kernel for pages in ``dtype``, beside ``isa`` for the
     model's: ``"amx"`` for bfloat16 pages of a multiple of 32 tokens on a CPU with AMX

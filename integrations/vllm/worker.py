@@ -31,6 +31,8 @@ from integrations.vllm.chunk_forward import (
     PagedKV,
     ServedLlama,
     attention_dtype,
+    fused_amx_copy,
+    low_isa,
     matmul_dtype,
     served_llama,
 )
@@ -174,6 +176,9 @@ class ConnectorWorker:
                 why = f"vLLM's CPU attention ({isa}) lays keys out in pages in an unknown order"
             else:
                 self._key_order, self._isa = order, isa
+                if served.attention_dtype is not None:  # checked and compiled before serving
+                    low_isa(served.attention_dtype, isa, self.block_size)
+                    fused_amx_copy(order, self.block_size, self.identity.head_dim)
         if served is not None and why is None:
             try:
                 from transformers import AutoTokenizer
