@@ -6,11 +6,12 @@ by the number and layout of the tokens it computes, on this machine.
 Starts vLLM's offline engine (the CPU build, the packaged SmolLM2, float32) with
 contextkit's connector and chunk reuse on, then, on its worker, times
 :meth:`~integrations.vllm.chunk_forward.ServedLlama.forward` over chosen positions of a
-context of ``--context`` tokens in vLLM's pages (median of 5 after one warm-up), with
-the connector's projection and attention dtypes (and, where its attention runs in a
-lower dtype than the model's, in the model's beside it). vLLM's own prefill of as many new tokens
-after a cached prefix is timed beside it (``LLM.generate``, one output token: its
-scheduling and sampling included). Takes about 2 minutes on 2 cores; nothing else
+context of ``--context`` tokens in vLLM's pages (median of 7 after one warm-up), with
+the connector's projection and attention dtypes; where its attention runs in a lower
+dtype than the model's, also in the model's, the two taking turns (every size, past
+the connector's own threshold). vLLM's own prefill of as many new tokens after a
+cached prefix is timed beside it (``LLM.generate``, one output token: its scheduling
+and sampling included). Takes about 2 minutes on 2 cores; nothing else
 should run beside it. docs/chunks.md cites its figures.
 """
 
@@ -38,13 +39,21 @@ CASES: dict[str, list[int]] = {
 
 
 def _median_ms(fn: Any, reps: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+    return _medians_ms({"": fn}, reps)[""]
+
+
+def _medians_ms(fns: dict[str, Any], reps: int = 5) -> dict[str, float]:
+    """Each function's median time after one warm-up, the functions taking turns
+    within every repetition (drift hits them alike)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1000, 1)
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: round(statistics.median(t) * 1000, 1) for name, t in times.items()}
 
 
 def _connector_pass(worker: Any, context: int) -> dict[str, Any]:
@@ -70,11 +79,16 @@ def _connector_pass(worker: Any, context: int) -> dict[str, Any]:
         positions = [context - back for back in backs]
         ids = [100 + p % 1000 for p in positions]
         # the connector's attention dtype, and (where it is lower) the model's beside it
-        for key, dtype in ((name, low), (f"{name}, attention in the model's dtype", None)):
-            if key != name and low is None:
-                continue
+        dtypes = {name: low}
+        if low is not None:
+            dtypes[f"{name}, attention in the model's dtype"] = None
+
+        def run(dtype: Any, p: list[int] = positions, i: list[int] = ids) -> None:
             model.attention_dtype = dtype
-            out[key] = _median_ms(lambda p=positions, i=ids: model.forward(i, p, paged))
+            model.forward(i, p, paged)
+
+        out.update(_medians_ms({key: (lambda d=dtype: run(d)) for key, dtype in dtypes.items()},
+                               reps=7))
         model.attention_dtype = low
     return out
 
