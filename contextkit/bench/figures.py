@@ -264,11 +264,13 @@ REPLICAS_CHUNKS_ORACLE_F32 = ("replicas-intel-chunks-oracle.json",)
 REPLICAS_CHUNKS_ORACLE_BF16 = ("replicas-intel-chunks-bf16.json",)
 #: session 39's connector (a prompt's last message stored as a chunk)
 REPLICAS_CHUNKS_ORACLE_TURNS = ("replicas-intel-chunks-turns.json",)
-#: the connector now (session 40: its projections through vLLM's prepacked GEMM), three
-#: runs
-REPLICAS_CHUNKS_ORACLE = ("replicas-intel-chunks-onednn.json",
-                          "replicas-intel-chunks-onednn-2.json",
-                          "replicas-intel-chunks-onednn-3.json")
+#: session 40's connector (its projections through vLLM's prepacked GEMM), three runs
+REPLICAS_CHUNKS_ORACLE_ONEDNN = ("replicas-intel-chunks-onednn.json",
+                                 "replicas-intel-chunks-onednn-2.json",
+                                 "replicas-intel-chunks-onednn-3.json")
+#: the connector now (session 41: passes of 64 tokens or more attend in bfloat16 on AMX)
+REPLICAS_CHUNKS_ORACLE = ("replicas-intel-chunks-bf16attn.json",
+                          "replicas-intel-chunks-bf16attn-2.json")
 #: why chunk reuse across replicas stops at its ceiling
 CHUNK_TURNS_COST = ("one replica that saw every turn still pays the connector's placement "
                     "and seams on every chunk turn (docs/chunks.md)")
@@ -294,10 +296,13 @@ AGENTS_VLLM_CHUNKS_TAIL = ("agents-vllm-intel-tail.json",)
 #: session 39's connector: the user's last message stored and registered as a chunk
 #: (its partial block saved, its blocks no longer the volatile tail)
 AGENTS_VLLM_CHUNKS_TURNS = ("agents-vllm-intel-turns.json", "agents-vllm-intel-turns-2.json")
-#: the connector now: its bfloat16 projections through vLLM's prepacked oneDNN GEMM
-#: (session 40), three runs
-AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-intel-onednn.json", "agents-vllm-intel-onednn-2.json",
-                          "agents-vllm-intel-onednn-3.json")
+#: session 40's connector: its bfloat16 projections through vLLM's prepacked oneDNN GEMM,
+#: three runs
+AGENTS_VLLM_CHUNKS_ONEDNN = ("agents-vllm-intel-onednn.json",
+                             "agents-vllm-intel-onednn-2.json",
+                             "agents-vllm-intel-onednn-3.json")
+#: the connector now (session 41): passes of 64 tokens or more attend in bfloat16 on AMX
+AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-intel-bf16attn.json", "agents-vllm-intel-bf16attn-2.json")
 #: bench chunks-vllm: the RAG agent, documents reordered and changed every turn
 CHUNKS_VLLM = ("chunks-vllm-amd.json",)
 #: the same since the connector attends through vLLM's CPU kernels, with the oracle
@@ -322,9 +327,12 @@ CHUNKS_VLLM_FUSED_QUALITY = ("chunks-vllm-intel-fused-quality640.json",)
 #: session 38's connector: its forward's projections in bfloat16 on AMX, the quality run's
 #: configuration (20 turns of 32 forced positions)
 CHUNKS_VLLM_BF16 = ("chunks-vllm-intel-bf16-quality640.json",)
-#: the connector now (session 39: a prompt's last message stored as a chunk), the same
+#: session 39's connector (a prompt's last message stored as a chunk), the same
 #: configuration
-CHUNKS_VLLM_NOW = ("chunks-vllm-intel-turns-quality640.json",)
+CHUNKS_VLLM_TURNS = ("chunks-vllm-intel-turns-quality640.json",)
+#: the connector now (session 41: passes of 64 tokens or more attend in bfloat16 on AMX),
+#: the same configuration
+CHUNKS_VLLM_NOW = ("chunks-vllm-intel-bf16attn-quality640.json",)
 #: the same workload without APC and LMCache, 20 quality turns of 32 forced positions
 #: (480 positions judged: the turns after the first chunk turns), session 32
 CHUNKS_VLLM_QUALITY = ("chunks-vllm-amd-quality640.json",)
@@ -483,6 +491,15 @@ ROWS: tuple[Row, ...] = (
     Row("chunks-vllm", "chunk turns: tokens computed, chunk reuse / prefix-only connector",
         CHUNKS_VLLM_NOW, lambda d: d["tokens_computed_vs_prefix"],
         fmt="{:.3f}", goal=Goal("<=", 0.4)),
+    Row("chunks-vllm", "session 39's connector (float32 attention): chunk turns, TTFT p50 "
+        "prefix-only connector / chunk reuse (the oracle's: ceiling)", CHUNKS_VLLM_TURNS,
+        lambda d: d["speedup_chunks_vs_prefix_p50"],
+        ceiling=lambda d: d["bound_chunks_vs_prefix_p50"], goal=Goal(">=", 2.5)),
+    Row("chunks-vllm", "session 39's connector (float32 attention): chunk turns, 480 "
+        "positions: teacher-forced top-1 agreement / perplexity ratio / mean KL to a full "
+        "prefill", CHUNKS_VLLM_TURNS, lambda d: d["teacher_forced_agreement"],
+        fmt="{:.4f}", remark=lambda d: f"ppl ratio {d['ppl_ratio']:.4f}, mean KL "
+        f"{d['mean_kl']:.4f}"),
     Row("chunks-vllm", "session 38's connector (before a prompt's last message was a "
         "chunk): chunk turns, TTFT p50 prefix-only connector / chunk reuse (the oracle's: "
         "ceiling)", CHUNKS_VLLM_BF16, lambda d: d["speedup_chunks_vs_prefix_p50"],
@@ -624,6 +641,11 @@ ROWS: tuple[Row, ...] = (
         "the prefix-only connector / the oracle", AGENTS_VLLM_CHUNKS_NOW,
         lambda d: d["chunks"]["warm_speedup_vs_connector_p50"],
         ceiling=lambda d: d["chunks"]["warm_bound_vs_connector_p50"]),
+    _apc_over_chunks("session 40's connector (float32 attention): warm-step TTFT p50 APC / "
+                     "chunk reuse; ceiling: APC / the oracle", AGENTS_VLLM_CHUNKS_ONEDNN),
+    Row("agents-vllm", "session 40's connector (float32 attention): warm-step TTFT p50: "
+        "share of the oracle's reached", AGENTS_VLLM_CHUNKS_ONEDNN,
+        lambda d: d["chunks"]["warm_speedup_vs_oracle_p50"], fmt="{:.3f}"),
     _apc_over_chunks("session 39's connector (projections through torch's linear): "
                      "warm-step TTFT p50 APC / chunk reuse; ceiling: APC / the oracle",
                      AGENTS_VLLM_CHUNKS_TURNS),
@@ -679,6 +701,10 @@ ROWS: tuple[Row, ...] = (
         "cross-replica turns; ceiling: local / the oracle (one replica computing only what "
         "the tenant never sent, past its longest known prefix)", REPLICAS_CHUNKS_ORACLE,
         goal=Goal(">=", 2.0)),
+    _local_over_shared_chunks(
+        "session 40's connector (float32 attention): TTFT p50 local / shared tier with "
+        "chunk reuse, cross-replica turns; ceiling: local / the oracle",
+        REPLICAS_CHUNKS_ORACLE_ONEDNN),
     _local_over_shared_chunks(
         "session 39's connector (projections through torch's linear): TTFT p50 local / "
         "shared tier with chunk reuse, cross-replica turns; ceiling: local / the oracle",
