@@ -45,10 +45,6 @@ __all__ = ["ContiguousKV", "KVAccess", "LowLinear", "PagedKV", "Projections", "R
 #: kernel); shorter ones (seams) together under one dense mask.
 LONG_RUN = 16
 
-#: Passes of this many tokens or more attend in a lower dtype where one is set
-#: (:attr:`ServedLlama.attention_dtype`); measured by scripts/chunk_pass_timings.py.
-LOW_ATTENTION_FROM = 64
-
 #: vLLM model classes whose module layout :class:`ServedLlama` drives.
 LLAMA_FAMILY = frozenset({"LlamaForCausalLM"})
 
@@ -318,7 +314,8 @@ class ServedLlama:
 
     #: the fewest tokens a pass attends in :attr:`attention_dtype` for: below them
     #: casting the context costs more than the faster kernel saves
-    low_attention_from = LOW_ATTENTION_FROM
+    #: (scripts/chunk_pass_timings.py measures both)
+    low_attention_from = 64
 
     def __init__(self, model: Any, *, matmul_dtype: torch.dtype | None = None,
                  attention_dtype: torch.dtype | None = None) -> None:
@@ -433,7 +430,6 @@ class ServedLlama:
         t = ids.shape[0]
         hidden = self.embed(ids)
         residual: torch.Tensor | None = None
-        # casting the context costs about what attending over it does for a few tokens
         low_attention = (self.attention_dtype if not exact and t >= self.low_attention_from
                          else None)
         for i, layer in enumerate(self.layers[:num_layers]):
