@@ -7,10 +7,11 @@ A, B, a question) is served twice, by a full prefill and by chunk reuse (the sys
 line as a prefix, A and B moved from the previous turn with their first tokens
 repaired, the question computed), both through the server's own modules
 (:mod:`integrations.vllm.chunk_forward`): the full passes in the model's dtype, the
-reused one as the connector computes (its projections in ``chunk_matmul_dtype``).
-The question's tokens are teacher-forced
-through both; chunk reuse stays on when their top-1 agreement and mean KL meet the
-thresholds (:class:`GateResult`), and is off, with the figures in its reason, when not.
+reused one as the connector computes (its projections in ``chunk_matmul_dtype``, and
+its attention too where that is bfloat16 on AMX and the pass has 64 tokens or more).
+The question's tokens are teacher-forced through both; chunk reuse stays on when their
+top-1 agreement and mean KL meet the thresholds (:class:`GateResult`), and is off, with
+the figures in its reason, when not.
 """
 
 from __future__ import annotations
