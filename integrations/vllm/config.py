@@ -150,8 +150,9 @@ class ConnectorConfig:
             or above ...
         chunk_gate_max_kl: ... and this mean KL or below; else it stays off.
         chunk_matmul_dtype: the projections' dtype when the connector computes seams
-            and changed spans: ``auto`` (default: bfloat16 on a CPU with AMX-BF16,
-            where they run about 3x faster at a few hundred tokens; else the model's),
+            and changed spans: ``auto`` (default: bfloat16 on a CPU with bfloat16
+            dot products, AMX-BF16 or AVX512-BF16, where they run 2-3x faster at a
+            few hundred tokens; else the model's),
             ``model`` or ``bfloat16``. With bfloat16 on AMX, passes of 64 tokens or
             more attend in bfloat16 too (vLLM's AMX kernel over a cast of the
             context). The K/V written stay in the model's dtype; the model check

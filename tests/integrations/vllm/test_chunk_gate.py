@@ -7,6 +7,7 @@ import torch
 from integrations.vllm.chunk_forward import (
     attention_dtype,
     cpu_has_amx_bf16,
+    cpu_multiplies_bf16,
     matmul_dtype,
     served_llama,
 )
@@ -64,17 +65,23 @@ def test_chunk_settings_are_checked_with_one_line_each() -> None:
     assert again.chunk_reuse and again.chunk_layers == config.chunk_layers
 
 
-def test_the_connector_forward_multiplies_in_bfloat16_where_the_cpu_has_amx(tmp_path) -> None:
+def test_the_connector_forward_multiplies_in_bfloat16_where_the_cpu_has_bf16_dot_products(
+        tmp_path) -> None:
     amx = tmp_path / "amx"
     amx.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n")
+    zen = tmp_path / "zen"
+    zen.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
     plain = tmp_path / "plain"
-    plain.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
-    assert cpu_has_amx_bf16(str(amx)) and not cpu_has_amx_bf16(str(plain))
+    plain.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f\n")
+    assert cpu_has_amx_bf16(str(amx)) and not cpu_has_amx_bf16(str(zen))
     assert not cpu_has_amx_bf16(str(tmp_path / "missing"))
+    assert cpu_multiplies_bf16(str(amx)) and cpu_multiplies_bf16(str(zen))
+    assert not cpu_multiplies_bf16(str(plain))
+    assert not cpu_multiplies_bf16(str(tmp_path / "missing"))
     assert matmul_dtype("bfloat16", "cpu") is torch.bfloat16
     assert matmul_dtype("model", "cpu") is None
-    # auto: bfloat16 only on a CPU with AMX (this machine's flags decide)
-    assert matmul_dtype("auto", "cpu") is (torch.bfloat16 if cpu_has_amx_bf16() else None)
+    # auto: bfloat16 on a CPU with bfloat16 dot products (this machine's flags decide)
+    assert matmul_dtype("auto", "cpu") is (torch.bfloat16 if cpu_multiplies_bf16() else None)
     assert matmul_dtype("auto", "meta") is None
     # attention follows bfloat16 projections onto AMX only (vLLM's AMX kernel)
     amx = cpu_has_amx_bf16()
