@@ -269,8 +269,10 @@ REPLICAS_CHUNKS_ORACLE_ONEDNN = ("replicas-intel-chunks-onednn.json",
                                  "replicas-intel-chunks-onednn-2.json",
                                  "replicas-intel-chunks-onednn-3.json")
 #: the connector now (session 41: passes of 64 tokens or more attend in bfloat16 on AMX)
+#: (the third run at 357ae48, whose change leaves an AMX CPU's path as it was)
 REPLICAS_CHUNKS_ORACLE = ("replicas-intel-chunks-bf16attn.json",
-                          "replicas-intel-chunks-bf16attn-2.json")
+                          "replicas-intel-chunks-bf16attn-2.json",
+                          "replicas-intel-chunks-bf16attn-3.json")
 #: why chunk reuse across replicas stops at its ceiling
 CHUNK_TURNS_COST = ("one replica that saw every turn still pays the connector's placement "
                     "and seams on every chunk turn (docs/chunks.md)")
@@ -302,7 +304,10 @@ AGENTS_VLLM_CHUNKS_ONEDNN = ("agents-vllm-intel-onednn.json",
                              "agents-vllm-intel-onednn-2.json",
                              "agents-vllm-intel-onednn-3.json")
 #: the connector now (session 41): passes of 64 tokens or more attend in bfloat16 on AMX
-AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-intel-bf16attn.json", "agents-vllm-intel-bf16attn-2.json")
+#: (the third run at 357ae48, whose change leaves an AMX CPU's path as it was)
+AGENTS_VLLM_CHUNKS_NOW = ("agents-vllm-intel-bf16attn.json",
+                          "agents-vllm-intel-bf16attn-2.json",
+                          "agents-vllm-intel-bf16attn-3.json")
 #: bench chunks-vllm: the RAG agent, documents reordered and changed every turn
 CHUNKS_VLLM = ("chunks-vllm-amd.json",)
 #: the same since the connector attends through vLLM's CPU kernels, with the oracle
