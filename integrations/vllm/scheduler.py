@@ -113,6 +113,14 @@ class ConnectorScheduler:
             tenant, keys = self.planner.lookup_keys(request.request_id)
             end = self.shared.lookup(request.request_id, tenant, keys, local_end)
             if end is None:
+                if not self.shared.looking_up_spans(request.request_id):
+                    # meanwhile the spans past the DDR hit: those past the final hit
+                    # are among them, so the span lookup does not wait for this one
+                    misses = self.planner.chunk_misses(request.request_id,
+                                                       request.all_token_ids,
+                                                       num_computed_tokens + hit)
+                    self.shared.spans(request.request_id,
+                                      self.planner.session(request.request_id)[0], misses)
                 return None, False
             if end > local_end:
                 self.planner.note_shared(request.request_id, local_end, end)

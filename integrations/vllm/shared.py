@@ -2,8 +2,9 @@
 
 Scheduler side, :class:`SharedLookups`: when the DDR tier's prefix of a prompt ends
 before the prompt does, the chunks that follow are looked up in the shared tier (HEADs
-in parallel, on a helper thread); vLLM is told "not yet" (``None``) until the answer
-is in, or the deadline passes (then the DDR hit stands and the rest is computed).
+in doubling parallel batches, on a helper thread), and beside them the spans the chunk
+index lacks; vLLM is told "not yet" (``None``) until the answers are in, or the
+deadline passes (then the DDR hit stands and the rest is computed).
 
 Worker side, :class:`SharedWriter`:
 
@@ -141,21 +142,33 @@ class SharedLookups:
               ) -> dict[bytes, FoundSpan] | None:
         """The span objects the tier holds among ``contents`` (the content keys of the
         request's spans the chunk index lacks), by content key; None while the
-        lookup (headers read in parallel, on a helper thread) is in flight."""
-        if not contents:
-            return {}
+        lookup (headers read in parallel, on a helper thread) is in flight. A lookup
+        of more contents for the request answers too (the scheduler asks for the
+        spans past the DDR hit while the prefix lookup runs; those past the final
+        hit are among them)."""
         probe = self._span_probes.get(req_id)
-        if probe is None or probe.contents != tuple(contents):
+        if not contents:
+            if probe is None:  # asked: nothing to look up
+                done: cf.Future[dict[bytes, FoundSpan]] = cf.Future()
+                done.set_result({})
+                self._span_probes[req_id] = _SpanProbe((), done)
+            return {}
+        if probe is None or not set(contents) <= set(probe.contents):
             probe = _SpanProbe(tuple(contents),
                                self._exec.submit(self.tier.find_spans, tenant, contents))
             self._span_probes[req_id] = probe
         if not probe.future.done():
             return None
         try:
-            return probe.future.result()
+            found = probe.future.result()
         except Exception:
             logger.exception("shared tier span lookup of request %s failed", req_id)
             return {}
+        return {c: found[c] for c in contents if c in found}
+
+    def looking_up_spans(self, req_id: str) -> bool:
+        """Whether a span lookup of the request was begun (and not forgotten)."""
+        return req_id in self._span_probes
 
     def forget(self, req_id: str) -> None:
         """The request was allocated or finished: its next lookup asks again."""

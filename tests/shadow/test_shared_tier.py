@@ -88,6 +88,21 @@ def test_a_probe_counts_the_leading_run_only(url: str, request: pytest.FixtureRe
     assert [c.keys for c in tier.fetch("acme", [keys[1], keys[3], keys[5]])] == [keys[:2]]
 
 
+def test_a_probe_asks_in_doubling_batches_and_stops_at_the_first_miss(
+        url: str, request: pytest.FixtureRequest) -> None:
+    """A prompt's tail the tier never saw costs one batch of HEADs, not one per chunk."""
+    writer, reader = _tier(url, request, writer="a"), _tier(url, request, writer="b")
+    keys = _keys("acme", 2 * 13)
+    names = keys[1::2]  # 13 chunks of C blocks
+    writer.put(_chunk(writer, "acme", keys[:2]))
+    assert reader.probe("acme", names) == 1
+    assert reader.take_counters()["heads"] == 4  # the first batch only
+    for j in range(1, 13):
+        writer.put(_chunk(writer, "acme", keys[2 * j:2 * j + 2], serial=2 * j))
+    assert reader.probe("acme", names) == 13
+    assert reader.take_counters()["heads"] == 13  # batches of 4, 8 and the last 1
+
+
 def test_tenants_never_find_each_others_chunks(url: str, request: pytest.FixtureRequest
                                                 ) -> None:
     tier = _tier(url, request)

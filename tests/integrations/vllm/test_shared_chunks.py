@@ -163,6 +163,28 @@ def test_another_tenant_finds_no_span_of_the_same_text(
     assert b.lookups.tier.take_counters()["gets"] == 3  # asked, by globex's names
 
 
+def test_a_span_lookup_begun_early_answers_the_narrower_question_after_the_prefix(
+        replicas: tuple[Replica, Replica]) -> None:
+    """The scheduler asks for the spans past the DDR hit while the prefix lookup is in
+    flight; once the prefix hit grows, the spans past it are a subset, answered by
+    the same lookup without another request."""
+    a, b = replicas
+    ids_b, params_b = a_computed_ab(a)
+    _, found = find(b, "r2", ids_b, params_b)
+    assert len(found) == 3
+    b.lookups.tier.take_counters()
+    later = [k for k in found if found[k].span.position != 0]  # past a longer prefix
+    again = b.lookups.spans("r2", TENANT, later)
+    assert again is not None and set(again) == set(later)
+    assert b.lookups.tier.take_counters()["gets"] == 0
+    b.lookups.forget("r2")  # allocated: the next lookup asks again
+    for _ in range(500):
+        if b.lookups.spans("r2", TENANT, later) is not None:
+            break
+        time.sleep(0.01)
+    assert b.lookups.tier.take_counters()["gets"] == len(later)
+
+
 def flip_a_body_byte(tier: SharedTier, path: str) -> None:
     """A changed byte in the body: the header (and so the lookup) cannot tell."""
     data = bytearray(tier.store.get(path))
