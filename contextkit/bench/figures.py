@@ -268,11 +268,17 @@ REPLICAS_CHUNKS_ORACLE_TURNS = ("replicas-intel-chunks-turns.json",)
 REPLICAS_CHUNKS_ORACLE_ONEDNN = ("replicas-intel-chunks-onednn.json",
                                  "replicas-intel-chunks-onednn-2.json",
                                  "replicas-intel-chunks-onednn-3.json")
-#: the connector now (session 41: passes of 64 tokens or more attend in bfloat16 on AMX)
-#: (the third run at 357ae48, whose change leaves an AMX CPU's path as it was)
-REPLICAS_CHUNKS_ORACLE = ("replicas-intel-chunks-bf16attn.json",
-                          "replicas-intel-chunks-bf16attn-2.json",
-                          "replicas-intel-chunks-bf16attn-3.json")
+#: session 41's connector (passes of 64 tokens or more attend in bfloat16 on AMX; the
+#: shared tier HEADs every chunk past the DDR hit, then looks spans up); the third run at
+#: 357ae48, whose change leaves an AMX CPU's path as it was
+REPLICAS_CHUNKS_ORACLE_BF16ATTN = ("replicas-intel-chunks-bf16attn.json",
+                                   "replicas-intel-chunks-bf16attn-2.json",
+                                   "replicas-intel-chunks-bf16attn-3.json")
+#: the connector now (session 43): the shared tier's probe in doubling batches, the span
+#: lookup beside it
+REPLICAS_CHUNKS_ORACLE = ("replicas-intel-chunks-probe.json",
+                          "replicas-intel-chunks-probe-2.json",
+                          "replicas-intel-chunks-probe-3.json")
 #: why chunk reuse across replicas stops at its ceiling
 CHUNK_TURNS_COST = ("one replica that saw every turn still pays the connector's placement "
                     "and seams on every chunk turn (docs/chunks.md)")
@@ -706,6 +712,24 @@ ROWS: tuple[Row, ...] = (
         "cross-replica turns; ceiling: local / the oracle (one replica computing only what "
         "the tenant never sent, past its longest known prefix)", REPLICAS_CHUNKS_ORACLE,
         goal=Goal(">=", 2.0)),
+    Row("replicas", "chunk reuse across replicas: TTFT p50 share of the oracle's reached "
+        "(oracle / shared tier with chunk reuse), cross-replica turns", REPLICAS_CHUNKS_ORACLE,
+        lambda d: d["oracle_fraction_chunks"], fmt="{:.3f}"),
+    Row("replicas", "chunk reuse across replicas: shared-tier HEADs per step",
+        REPLICAS_CHUNKS_ORACLE, lambda d: d["shared_tier"]["shared_chunks"]["heads_per_step"],
+        fmt="{:.1f}", remark=lambda d: (
+            f"GETs {d['shared_tier']['shared_chunks']['gets_per_step']:.1f}, PUTs "
+            f"{d['shared_tier']['shared_chunks']['puts_per_step']:.1f} per step")),
+    _local_over_shared_chunks(
+        "session 41's connector (a HEAD for every chunk past the DDR hit): TTFT p50 local / "
+        "shared tier with chunk reuse, cross-replica turns; ceiling: local / the oracle",
+        REPLICAS_CHUNKS_ORACLE_BF16ATTN),
+    Row("replicas", "session 41's connector: TTFT p50 share of the oracle's reached, "
+        "cross-replica turns", REPLICAS_CHUNKS_ORACLE_BF16ATTN,
+        lambda d: d["oracle_fraction_chunks"], fmt="{:.3f}"),
+    Row("replicas", "session 41's connector: shared-tier HEADs per step",
+        REPLICAS_CHUNKS_ORACLE_BF16ATTN,
+        lambda d: d["shared_tier"]["shared_chunks"]["heads_per_step"], fmt="{:.1f}"),
     _local_over_shared_chunks(
         "session 40's connector (float32 attention): TTFT p50 local / shared tier with "
         "chunk reuse, cross-replica turns; ceiling: local / the oracle",
