@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from gpu_cache import CacheIdentity
+    from shadow.shared.tier import FoundSpan
 
 __all__ = ["ConnectorScheduler"]
 
@@ -116,26 +117,29 @@ class ConnectorScheduler:
                 if not self.shared.looking_up_spans(request.request_id):
                     # meanwhile the spans past the DDR hit: those past the final hit
                     # are among them, so the span lookup does not wait for this one
-                    misses = self.planner.chunk_misses(request.request_id,
-                                                       request.all_token_ids,
-                                                       num_computed_tokens + hit)
-                    self.shared.spans(request.request_id,
-                                      self.planner.session(request.request_id)[0], misses)
+                    self._shared_spans(request, num_computed_tokens + hit)
                 return None, False
             if end > local_end:
                 self.planner.note_shared(request.request_id, local_end, end)
                 hit = end * self.block_size - num_computed_tokens
         found = None
-        if self.shared is not None:  # spans the chunk index lacks: the shared tier's?
-            misses = self.planner.chunk_misses(request.request_id, request.all_token_ids,
-                                               num_computed_tokens + hit)
-            tenant, _ = self.planner.session(request.request_id)
-            found = self.shared.spans(request.request_id, tenant, misses)
+        if self.shared is not None:
+            found = self._shared_spans(request, num_computed_tokens + hit)
             if found is None:
                 return None, False
         hit += self.planner.chunk_tokens(request.request_id, request.all_token_ids,
                                          num_computed_tokens + hit, found)
         return hit, False
+
+    def _shared_spans(self, request: Request, prefix_end: int
+                      ) -> dict[bytes, FoundSpan] | None:
+        """The shared tier's span objects among the request's spans past ``prefix_end``
+        that the chunk index lacks (None while the lookup is in flight)."""
+        assert self.shared is not None
+        misses = self.planner.chunk_misses(request.request_id, request.all_token_ids,
+                                           prefix_end)
+        tenant, _ = self.planner.session(request.request_id)
+        return self.shared.spans(request.request_id, tenant, misses)
 
     def on_alloc(self, request: Request, num_external_tokens: int) -> None:
         """``update_state_after_alloc``."""

@@ -91,7 +91,7 @@ class _Probe:
 @dataclass(slots=True)
 class _SpanProbe:
     contents: tuple[bytes, ...]
-    future: cf.Future[dict[bytes, FoundSpan]]
+    future: cf.Future[dict[bytes, FoundSpan]] | None  # None: nothing to look up
 
 
 class SharedLookups:
@@ -147,16 +147,12 @@ class SharedLookups:
         spans past the DDR hit while the prefix lookup runs; those past the final
         hit are among them)."""
         probe = self._span_probes.get(req_id)
-        if not contents:
-            if probe is None:  # asked: nothing to look up
-                done: cf.Future[dict[bytes, FoundSpan]] = cf.Future()
-                done.set_result({})
-                self._span_probes[req_id] = _SpanProbe((), done)
-            return {}
         if probe is None or not set(contents) <= set(probe.contents):
-            probe = _SpanProbe(tuple(contents),
-                               self._exec.submit(self.tier.find_spans, tenant, contents))
+            probe = _SpanProbe(tuple(contents), self._exec.submit(
+                self.tier.find_spans, tenant, contents) if contents else None)
             self._span_probes[req_id] = probe
+        if not contents or probe.future is None:
+            return {}
         if not probe.future.done():
             return None
         try:
